@@ -1,0 +1,1 @@
+"""Code every kvflow service uses: wire messages, the NATS bus, settings, model loading."""

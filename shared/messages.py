@@ -1,0 +1,240 @@
+"""Every wire message of kvflow, and nothing else.
+
+Messages are msgspec Structs encoded as msgpack arrays (``array_like=True``): field order is the
+wire contract, so new fields are appended last with a default. Each message carries a tag, so a
+subject may carry several kinds and one typed decoder (``decode``) reads them all.
+
+Subjects (see ``shared/subjects.py``) and the flow:
+
+    gateway --GenerateRequest--> tokenizer --TokenizedRequest--> scheduler (+ detokenizer)
+    scheduler --StepPlan--> worker --StepResult--> scheduler + detokenizer
+    detokenizer --DeltaBatch--> gateway inbox;  tokenizer --RequestError--> gateway inbox
+    gateway/detokenizer --Abort--> scheduler + detokenizer
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Any
+
+import msgspec
+
+
+class FinishReason(enum.IntEnum):
+    """Why a sequence stopped. NONE means it goes on."""
+
+    NONE = 0
+    STOP = 1  # EOS, a stop token id or a stop string
+    LENGTH = 2  # max_tokens or max_model_len reached
+    ABORT = 3  # cancelled by the client or the system
+    ERROR = 4
+
+    def openai(self) -> str | None:
+        return {1: "stop", 2: "length", 3: "abort", 4: "error"}.get(int(self))
+
+
+class _Msg(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, tag_field="k"):
+    pass
+
+
+# ---------------------------------------------------------------------------------------------
+# Request parameters (embedded, not sent alone)
+
+
+class SamplingParams(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """Per-request sampling and stopping parameters (vLLM names)."""
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = off
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: list[str] = []
+    stop_token_ids: list[int] = []
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logprobs: int | None = None
+
+
+class ChatMessage(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    role: str
+    content: str
+
+
+# ---------------------------------------------------------------------------------------------
+# gateway -> tokenizer
+
+
+class GenerateRequest(_Msg, tag=1):
+    """A validated OpenAI request, not yet tokenized."""
+
+    request_id: str
+    reply_to: str  # the gateway's inbox subject for DeltaBatch / RequestError
+    params: SamplingParams
+    prompt: str | None = None
+    prompt_token_ids: list[int] | None = None
+    messages: list[ChatMessage] | None = None
+    add_generation_prompt: bool = True
+    arrival_time: float = 0.0
+
+
+# ---------------------------------------------------------------------------------------------
+# tokenizer -> scheduler and detokenizer
+
+
+class TokenizedRequest(_Msg, tag=2):
+    request_id: str
+    reply_to: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    arrival_time: float = 0.0
+    eos_token_ids: list[int] = []
+
+
+# ---------------------------------------------------------------------------------------------
+# anyone -> scheduler and detokenizer
+
+
+class Abort(_Msg, tag=3):
+    """Stop a request and free its blocks. Sent by the gateway (client went away) and by the
+    detokenizer (a stop string ended the text)."""
+
+    request_id: str
+    reason: FinishReason = FinishReason.ABORT
+
+
+# ---------------------------------------------------------------------------------------------
+# scheduler <-> worker
+
+
+class NewRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """Sent once, in the first plan that schedules a request on a worker (or again after a
+    preemption): what the worker keeps while the request lives there."""
+
+    request_id: str
+    params: SamplingParams
+    prompt_len: int
+    num_output_tokens: int = 0  # >0 when resumed after a preemption
+    eos_token_ids: list[int] = []
+
+
+class ScheduledSeq(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """One sequence's share of a step: compute ``token_ids`` at positions
+    ``start_pos..start_pos+len-1``, writing their K/V into the slots given by ``block_table``.
+    ``sample`` is true when this chunk reaches the end of the sequence's known tokens."""
+
+    request_id: str
+    token_ids: list[int]
+    start_pos: int
+    block_table: list[int]
+    sample: bool = True
+
+
+class StepPlan(_Msg, tag=4):
+    step_id: int
+    seqs: list[ScheduledSeq]
+    new_requests: list[NewRequest] = []
+    finished_request_ids: list[str] = []  # the worker drops what it kept for these
+
+
+class StepResult(_Msg, tag=5):
+    """One message per worker step for the whole batch, columnar: entry i of each list belongs to
+    ``request_ids[i]`` (only sequences that sampled a token appear)."""
+
+    worker_id: str
+    step_id: int
+    request_ids: list[str]
+    token_ids: list[int]
+    finish_reasons: list[int]
+    num_computed_tokens: int = 0  # tokens run through the model in this step
+    step_time_s: float = 0.0
+    error: str | None = None
+
+
+class WorkerHeartbeat(_Msg, tag=6):
+    worker_id: str
+    role: str
+    num_blocks: int
+    block_size: int
+    model: str
+    step_subject: str
+    max_model_len: int = 0
+
+
+# ---------------------------------------------------------------------------------------------
+# detokenizer / tokenizer -> gateway inbox
+
+
+class Delta(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    request_id: str
+    text: str
+    num_new_tokens: int = 0
+    finish_reason: str | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+
+
+class DeltaBatch(_Msg, tag=7):
+    deltas: list[Delta]
+
+
+class RequestError(_Msg, tag=8):
+    """A request that cannot be served, in the OpenAI error shape's terms."""
+
+    request_id: str
+    message: str
+    type: str = "BadRequestError"
+    param: str | None = None
+    code: int = 400
+
+
+# ---------------------------------------------------------------------------------------------
+# scheduler stats (request/reply)
+
+
+class StatsRequest(_Msg, tag=9):
+    pass
+
+
+class SchedulerStats(_Msg, tag=10):
+    num_workers: int
+    num_total_blocks: int
+    num_free_blocks: int
+    num_running: int
+    num_waiting: int
+    num_finished: int = 0
+    num_preemptions: int = 0
+    model: str = ""
+    max_model_len: int = 0
+
+
+Message = (
+    GenerateRequest
+    | TokenizedRequest
+    | Abort
+    | StepPlan
+    | StepResult
+    | WorkerHeartbeat
+    | DeltaBatch
+    | RequestError
+    | StatsRequest
+    | SchedulerStats
+)
+
+_encoder = msgspec.msgpack.Encoder()
+_decoder = msgspec.msgpack.Decoder(Message)
+
+
+def encode(msg: Any) -> bytes:
+    return _encoder.encode(msg)
+
+
+def decode(data: bytes) -> Message:
+    """Decode any kvflow message; raises ``msgspec.DecodeError`` or ``ValidationError``."""
+    return _decoder.decode(data)

@@ -1,0 +1,22 @@
+"""NATS subject names. Every instance of a service uses the same names, so instances can be
+added without code changes; queue groups spread work across instances."""
+
+PREFIX = "kvflow"
+
+TOKENIZE = f"{PREFIX}.tokenize"  # GenerateRequest, queue group "tokenizer"
+TOKENIZER_QUEUE = "tokenizer"
+REQUESTS = f"{PREFIX}.requests"  # TokenizedRequest -> scheduler and detokenizer
+ABORT = f"{PREFIX}.abort"  # Abort -> scheduler and detokenizer
+RESULTS = f"{PREFIX}.results"  # StepResult -> scheduler and detokenizer
+HEARTBEAT = f"{PREFIX}.workers.heartbeat"  # WorkerHeartbeat -> scheduler
+SCHEDULER_STATS = f"{PREFIX}.scheduler.stats"  # request/reply StatsRequest -> SchedulerStats
+
+
+def worker_step(worker_id: str) -> str:
+    """Where a worker receives its StepPlans."""
+    return f"{PREFIX}.worker.{worker_id}.step"
+
+
+def gateway_inbox(gateway_id: str) -> str:
+    """Where a gateway receives DeltaBatch / RequestError for the requests it submitted."""
+    return f"{PREFIX}.gateway.{gateway_id}"
