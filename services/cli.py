@@ -1,0 +1,54 @@
+"""The ``kvflow`` command: ``serve`` (the whole stack on this machine), ``run SERVICE`` (one
+service against given NATS/Redis URLs, as compose and Kubernetes run it)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import importlib
+import sys
+
+from shared.config import Settings
+from shared.logs import setup_logging
+
+SERVICES = ("gateway", "tokenizer", "scheduler", "worker", "detokenizer")
+
+
+def _run_service(name: str, settings: Settings) -> None:
+    setup_logging(name, settings.log_level)
+    if name == "gateway":
+        from services.gateway.main import main as gateway_main
+
+        gateway_main(settings)
+        return
+    module = importlib.import_module(f"services.{name}.service")
+    try:
+        asyncio.run(module.run(settings))
+    except KeyboardInterrupt:
+        pass
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="kvflow", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    serve = sub.add_parser("serve", help="run the whole stack on this machine")
+    Settings.add_arguments(serve)
+    serve.add_argument("--workers", type=int, default=1, help="workers of role 'both'")
+
+    run = sub.add_parser("run", help="run one service")
+    run.add_argument("service", choices=SERVICES)
+    Settings.add_arguments(run)
+
+    args = parser.parse_args(argv)
+    settings = Settings.from_args(args)
+    if args.command == "run":
+        _run_service(args.service, settings)
+        return 0
+    from services.launcher import serve as serve_stack
+
+    return serve_stack(settings, workers=args.workers)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,114 @@
+"""The detokenizer service: receives every worker's StepResult (one message per step), turns each
+sequence's new token into text with its DetokState, and sends one DeltaBatch per gateway inbox.
+When a stop string ends a sequence it tells the scheduler (Abort with reason STOP)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import OrderedDict, defaultdict
+from typing import Any
+
+from nats.aio.msg import Msg
+
+from services.detokenizer.state import DetokState
+from shared import subjects
+from shared.bus import Bus
+from shared.config import Settings
+from shared.messages import (
+    Abort,
+    Delta,
+    DeltaBatch,
+    FinishReason,
+    Message,
+    StepResult,
+    TokenizedRequest,
+)
+
+log = logging.getLogger("kvflow.detokenizer")
+
+EARLY_RESULT_TTL_S = 10.0  # results that arrive before their request's registration wait this long
+
+
+class DetokenizerService:
+    def __init__(self, settings: Settings, tokenizer: Any) -> None:
+        self.settings = settings
+        self.tokenizer = tokenizer
+        self.backend = getattr(tokenizer, "backend_tokenizer", tokenizer)
+        self.bus = Bus("detokenizer")
+        self.states: dict[str, DetokState] = {}
+        self.done: OrderedDict[str, None] = OrderedDict()  # recently ended, to ignore late results
+        self.early: dict[str, tuple[float, list[tuple[int, int]]]] = {}
+
+    async def start(self) -> None:
+        await self.bus.connect(self.settings.nats_url)
+        await self.bus.subscribe(subjects.REQUESTS, self._on_message)
+        await self.bus.subscribe(subjects.RESULTS, self._on_message)
+        await self.bus.subscribe(subjects.ABORT, self._on_message)
+        log.info("detokenizer ready")
+
+    async def _on_message(self, msg: Message, raw: Msg) -> None:
+        match msg:
+            case TokenizedRequest():
+                await self._register(msg)
+            case StepResult():
+                await self._on_result(msg)
+            case Abort():
+                if self.states.pop(msg.request_id, None) is not None:
+                    self._mark_done(msg.request_id)
+            case _:
+                log.warning("detokenizer: unexpected %s on %s", type(msg).__name__, raw.subject)
+
+    async def _register(self, req: TokenizedRequest) -> None:
+        st = DetokState(req.request_id, req.reply_to, req.params, len(req.prompt_token_ids))
+        self.states[req.request_id] = st
+        early = self.early.pop(req.request_id, None)
+        if early:
+            await self._apply([(req.request_id, t, r) for t, r in early[1]])
+
+    async def _on_result(self, res: StepResult) -> None:
+        entries = list(zip(res.request_ids, res.token_ids, res.finish_reasons, strict=True))
+        await self._apply(entries)
+        self._expire_early()
+
+    async def _apply(self, entries: list[tuple[str, int, int]]) -> None:
+        out: dict[str, list[Delta]] = defaultdict(list)
+        stopped: list[str] = []
+        for rid, tok, reason in entries:
+            st = self.states.get(rid)
+            if st is None:
+                if rid not in self.done:
+                    self.early.setdefault(rid, (time.monotonic(), []))[1].append((tok, reason))
+                continue
+            delta, by_stop = st.add_token(self.backend, tok, FinishReason(reason))
+            if delta.text or delta.finish_reason:
+                out[st.reply_to].append(delta)
+            if st.finished:
+                del self.states[rid]
+                self._mark_done(rid)
+                if by_stop:
+                    stopped.append(rid)
+        for reply_to, deltas in out.items():
+            await self.bus.publish(reply_to, DeltaBatch(deltas))
+        for rid in stopped:
+            await self.bus.publish(subjects.ABORT, Abort(rid, FinishReason.STOP))
+
+    def _mark_done(self, rid: str) -> None:
+        self.done[rid] = None
+        while len(self.done) > 100_000:
+            self.done.popitem(last=False)
+
+    def _expire_early(self) -> None:
+        now = time.monotonic()
+        for rid in [r for r, (t, _) in self.early.items() if now - t > EARLY_RESULT_TTL_S]:
+            del self.early[rid]
+
+
+async def run(settings: Settings) -> None:
+    from shared.model_source import load_tokenizer, resolve_model
+
+    tok = load_tokenizer(resolve_model(settings.model, settings.served_model_name))
+    service = DetokenizerService(settings, tok)
+    await service.start()
+    await asyncio.Event().wait()

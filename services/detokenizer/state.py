@@ -1,0 +1,93 @@
+"""Per-request incremental detokenization with stop strings: plain logic, tested offline.
+
+Text is decoded token by token with ``tokenizers.decoders.DecodeStream`` (which holds back
+incomplete UTF-8). Text that could be the start of a stop string is held back until it either
+completes the stop string (the request ends there, the stop string itself is not sent unless
+asked) or stops being a possible start (then it is sent)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from tokenizers.decoders import DecodeStream
+
+from shared.messages import Delta, FinishReason, SamplingParams
+
+
+@dataclass
+class DetokState:
+    request_id: str
+    reply_to: str
+    params: SamplingParams
+    prompt_tokens: int
+    stream: DecodeStream = field(init=False)
+    text: str = ""
+    sent: int = 0  # characters of ``text`` already sent
+    completion_tokens: int = 0
+    finished: bool = False
+
+    def __post_init__(self) -> None:
+        self.stream = DecodeStream(skip_special_tokens=self.params.skip_special_tokens)
+
+    def add_token(self, tokenizer: Any, token_id: int, reason: FinishReason) -> tuple[Delta, bool]:
+        """Take one sampled token and the worker's finish reason. Returns the delta to send and
+        whether this detokenizer ended the request by a stop string (the scheduler must be
+        told)."""
+        self.completion_tokens += 1
+        piece = self.stream.step(tokenizer, token_id)
+        if piece:
+            self.text += piece
+        finish: FinishReason = reason
+        by_stop_string = False
+        end = len(self.text)
+        stops = self.params.stop
+        if stops:
+            hit = self._find_stop()
+            if hit is not None:
+                end = hit
+                finish, by_stop_string = FinishReason.STOP, True
+            elif finish == FinishReason.NONE:
+                end = len(self.text) - self._held_back()
+        out = self.text[self.sent : max(end, self.sent)]
+        self.sent = max(end, self.sent)
+        self.finished = finish != FinishReason.NONE
+        if self.finished:
+            self.text = self.text[:end]
+        return self._delta(out, finish), by_stop_string and reason == FinishReason.NONE
+
+    def _find_stop(self) -> int | None:
+        """End of the text to keep if a stop string occurs in the unsent text (searching a
+        stop string's length back, since it may straddle what was held back)."""
+        best: int | None = None
+        for s in self.params.stop:
+            if not s:
+                continue
+            start = max(0, self.sent - len(s) + 1)
+            i = self.text.find(s, start)
+            if i >= 0:
+                cut = i + len(s) if self.params.include_stop_str_in_output else i
+                best = cut if best is None else min(best, cut)
+        return best
+
+    def _held_back(self) -> int:
+        """Length of the longest suffix of the unsent text that is a proper prefix of a stop
+        string."""
+        unsent = self.text[self.sent :]
+        hold = 0
+        for s in self.params.stop:
+            for k in range(min(len(s) - 1, len(unsent)), hold, -1):
+                if unsent.endswith(s[:k]):
+                    hold = k
+                    break
+        return hold
+
+    def _delta(self, text: str, finish: FinishReason) -> Delta:
+        return Delta(
+            request_id=self.request_id,
+            text=text,
+            num_new_tokens=1,
+            finish_reason=finish.openai(),
+            prompt_tokens=self.prompt_tokens,
+            completion_tokens=self.completion_tokens,
+        )

@@ -1,0 +1,149 @@
+"""Paged KV cache bookkeeping for one worker: which physical blocks each sequence uses.
+
+The worker owns the memory; this owns the ids (as in vLLM). Blocks have reference counts, so a
+full block identified by its prefix hash can be shared by every sequence with that prefix
+(automatic prefix caching). A block whose count drops to zero keeps its hash and goes to the
+tail of the free list; a fresh allocation takes the head (least recently freed) and only then
+forgets the old hash, so cached prefixes survive until the memory is really needed (lazy LRU).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections import OrderedDict
+from collections.abc import Sequence
+from typing import NewType
+
+BlockHash = NewType("BlockHash", bytes)
+
+
+def hash_block(parent: BlockHash | None, token_ids: Sequence[int], salt: bytes = b"") -> BlockHash:
+    """Hash of a full block chained over its whole prefix: equal hashes mean equal token
+    prefixes (and equal salt: model, block size, tenant), so the cached K/V can be reused."""
+    h = hashlib.blake2b(digest_size=16)
+    h.update(parent if parent is not None else b"root:" + salt)
+    h.update(b",".join(str(t).encode() for t in token_ids))
+    return BlockHash(h.digest())
+
+
+class NoFreeBlocksError(RuntimeError):
+    pass
+
+
+class BlockManager:
+    """Block ids, reference counts, the free list (LRU order) and the prefix-hash index."""
+
+    def __init__(self, num_blocks: int, block_size: int, salt: bytes = b"") -> None:
+        if num_blocks < 1 or block_size < 1:
+            raise ValueError("num_blocks and block_size must be positive")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.salt = salt
+        self.ref_counts = [0] * num_blocks
+        self.block_hash: list[BlockHash | None] = [None] * num_blocks
+        self.cached: dict[BlockHash, int] = {}
+        # Free blocks in eviction order (head first). OrderedDict gives O(1) pop/remove/append.
+        self.free: OrderedDict[int, None] = OrderedDict((b, None) for b in range(num_blocks))
+        self.prefix_queries = 0  # blocks looked up
+        self.prefix_hits = 0  # blocks found
+
+    # -- queries ------------------------------------------------------------------------------
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free)
+
+    def usage(self) -> float:
+        return 1.0 - len(self.free) / self.num_blocks
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def block_hashes(self, token_ids: Sequence[int]) -> list[BlockHash]:
+        """Chained hashes of every full block of ``token_ids``."""
+        hashes: list[BlockHash] = []
+        parent: BlockHash | None = None
+        bs = self.block_size
+        for i in range(len(token_ids) // bs):
+            parent = hash_block(parent, token_ids[i * bs : (i + 1) * bs], self.salt)
+            hashes.append(parent)
+        return hashes
+
+    def find_cached_prefix(self, token_ids: Sequence[int]) -> list[int]:
+        """Block ids holding the longest cached prefix of ``token_ids`` (full blocks only), at
+        most ``(len-1)//block_size`` blocks so that at least one token is still computed (its
+        logits are needed to sample)."""
+        limit = (len(token_ids) - 1) // self.block_size
+        found: list[int] = []
+        for h in self.block_hashes(token_ids)[:limit]:
+            self.prefix_queries += 1
+            block = self.cached.get(h)
+            if block is None:
+                break
+            self.prefix_hits += 1
+            found.append(block)
+        return found
+
+    # -- changes ------------------------------------------------------------------------------
+
+    def can_allocate(self, num_blocks: int, reused: Sequence[int] = ()) -> bool:
+        """Whether ``num_blocks`` fresh blocks fit after taking ``reused`` cached blocks (those
+        that are free now stop being available for fresh allocation)."""
+        reused_free = sum(1 for b in reused if self.ref_counts[b] == 0)
+        return len(self.free) - reused_free >= num_blocks
+
+    def take_cached(self, blocks: Sequence[int]) -> None:
+        """Add a reference to each of ``blocks`` (prefix hits), reviving free ones."""
+        for b in blocks:
+            if self.ref_counts[b] == 0:
+                del self.free[b]
+            self.ref_counts[b] += 1
+
+    def allocate(self, n: int) -> list[int]:
+        """``n`` fresh blocks from the head of the free list, forgetting their old hashes."""
+        if n > len(self.free):
+            raise NoFreeBlocksError(f"need {n} blocks, {len(self.free)} free")
+        out: list[int] = []
+        for _ in range(n):
+            b, _ = self.free.popitem(last=False)
+            old = self.block_hash[b]
+            if old is not None:
+                if self.cached.get(old) == b:
+                    del self.cached[old]
+                self.block_hash[b] = None
+            self.ref_counts[b] = 1
+            out.append(b)
+        return out
+
+    def fork(self, blocks: Sequence[int]) -> list[int]:
+        """Share ``blocks`` with another sequence (n>1, beams): one more reference each."""
+        self.take_cached(blocks)
+        return list(blocks)
+
+    def free_blocks(self, blocks: Sequence[int]) -> None:
+        """Drop one reference from each block; unreferenced ones join the free list's tail.
+        Freed in reverse so a sequence's last blocks (least shareable) are evicted first."""
+        for b in reversed(blocks):
+            if self.ref_counts[b] <= 0:
+                raise RuntimeError(f"block {b} freed twice")
+            self.ref_counts[b] -= 1
+            if self.ref_counts[b] == 0:
+                self.free[b] = None
+
+    def extend_hashes(self, hashes: list[BlockHash], token_ids: Sequence[int], upto: int) -> None:
+        """Append to ``hashes`` the chained hashes of the full blocks of ``token_ids[:upto]``
+        not hashed yet (a sequence keeps its list, so each block is hashed once)."""
+        bs = self.block_size
+        for i in range(len(hashes), upto // bs):
+            parent = hashes[-1] if hashes else None
+            hashes.append(hash_block(parent, token_ids[i * bs : (i + 1) * bs], self.salt))
+
+    def cache_blocks(self, blocks: Sequence[int], hashes: Sequence[BlockHash]) -> None:
+        """Register the hashes of full, computed blocks, so later sequences with the same prefix
+        can share them."""
+        for b, h in zip(blocks, hashes, strict=False):
+            if self.block_hash[b] is None:
+                if h in self.cached:  # same content computed twice concurrently: keep the first
+                    continue
+                self.block_hash[b] = h
+                self.cached[h] = b

@@ -1,0 +1,193 @@
+"""The scheduling policy for one worker, as plain Python the unit tests drive without NATS.
+
+One model for every step (vLLM V1): each running sequence's computed tokens catch up with its
+known tokens under a token budget, so prefill, chunked prefill, prefix hits and decode share one
+path. Running sequences go first (decodes keep flowing while long prompts are chunked in), then
+waiting ones join while budget, sequence slots and blocks allow. When blocks run out, the newest
+running sequence is preempted by recompute: its blocks are freed and it waits again with every
+token it has, so its output does not change.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from services.scheduler.block_manager import BlockManager
+from services.scheduler.sequence import Sequence, SeqStatus, WaitingQueue
+from shared.messages import FinishReason, NewRequest, ScheduledSeq, StepPlan, StepResult
+
+
+@dataclass
+class SchedulerLimits:
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    max_model_len: int = 8192
+
+
+@dataclass
+class StepOutcome:
+    """What applying a StepResult changed: sequences that finished, by reason."""
+
+    finished: list[tuple[Sequence, FinishReason]] = field(default_factory=list)
+
+
+class WorkerScheduler:
+    """Bookkeeping and planning for one worker: its blocks, its running sequences, and the one
+    plan in flight."""
+
+    def __init__(self, worker_id: str, blocks: BlockManager, limits: SchedulerLimits) -> None:
+        self.worker_id = worker_id
+        self.bm = blocks
+        self.limits = limits
+        self.running: list[Sequence] = []  # admission order: the last is the newest
+        self.to_forget: list[str] = []  # request ids the worker should drop at the next step
+        self.in_flight: dict[str, int] | None = None  # request_id -> tokens scheduled
+        self.step_id = 0
+        self.num_preemptions = 0
+        self.computed_tokens = 0
+
+    # -- planning ----------------------------------------------------------------------------
+
+    def schedule(self, waiting: WaitingQueue) -> StepPlan | None:
+        """Build the next plan, or None when there is nothing to run."""
+        assert self.in_flight is None, "one plan at a time per worker"
+        budget = self.limits.max_num_batched_tokens
+        chosen: list[tuple[Sequence, int]] = []
+        new_requests: list[NewRequest] = []
+        preempted_now = False
+
+        for seq in list(self.running):
+            if budget <= 0:
+                break
+            if seq.status is not SeqStatus.RUNNING:  # preempted earlier in this loop
+                continue
+            num_new = min(seq.num_tokens - seq.num_computed, budget)
+            need = self.bm.blocks_needed(seq.num_computed + num_new) - len(seq.blocks)
+            while need > self.bm.num_free_blocks:
+                victim = self.running[-1]
+                self._preempt(victim, waiting)
+                preempted_now = True
+                if victim is seq:
+                    break
+            if seq.status is not SeqStatus.RUNNING:
+                continue
+            seq.blocks += self.bm.allocate(max(need, 0))
+            chosen.append((seq, num_new))
+            budget -= num_new
+
+        # Admit waiting sequences, unless this step had to preempt (memory is short).
+        while not preempted_now and budget > 0 and len(self.running) < self.limits.max_num_seqs:
+            seq = waiting.peek()
+            if seq is None:
+                break
+            cached = self.bm.find_cached_prefix(seq.token_ids)
+            num_computed = len(cached) * self.bm.block_size
+            num_new = min(seq.num_tokens - num_computed, budget)
+            need = self.bm.blocks_needed(num_computed + num_new) - len(cached)
+            if not self.bm.can_allocate(need, cached):
+                break
+            waiting.pop()
+            self.bm.take_cached(cached)
+            seq.blocks = list(cached) + self.bm.allocate(need)
+            seq.hashes = self.bm.block_hashes(seq.token_ids[:num_computed])
+            seq.num_computed = num_computed
+            seq.status = SeqStatus.RUNNING
+            seq.worker_id = self.worker_id
+            self.running.append(seq)
+            new_requests.append(
+                NewRequest(
+                    request_id=seq.request_id,
+                    params=seq.params,
+                    prompt_len=seq.prompt_len,
+                    num_output_tokens=seq.num_output_tokens,
+                    eos_token_ids=seq.eos_token_ids,
+                )
+            )
+            chosen.append((seq, num_new))
+            budget -= num_new
+
+        if not chosen and not self.to_forget:
+            return None
+        self.step_id += 1
+        plan = StepPlan(
+            step_id=self.step_id,
+            seqs=[
+                ScheduledSeq(
+                    request_id=s.request_id,
+                    token_ids=s.token_ids[s.num_computed : s.num_computed + n],
+                    start_pos=s.num_computed,
+                    block_table=list(s.blocks),
+                    sample=s.num_computed + n == s.num_tokens,
+                )
+                for s, n in chosen
+            ],
+            new_requests=new_requests,
+            finished_request_ids=self.to_forget,
+        )
+        self.to_forget = []
+        self.in_flight = {s.request_id: n for s, n in chosen}
+        return plan
+
+    def _preempt(self, seq: Sequence, waiting: WaitingQueue) -> None:
+        self.running.remove(seq)
+        self.bm.free_blocks(seq.blocks)
+        seq.blocks, seq.hashes, seq.num_computed = [], [], 0
+        seq.status = SeqStatus.WAITING
+        seq.worker_id = None
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.to_forget.append(seq.request_id)
+        waiting.push(seq)
+
+    # -- results -----------------------------------------------------------------------------
+
+    def on_result(self, result: StepResult) -> StepOutcome:
+        """Apply a worker's StepResult to the plan in flight."""
+        scheduled = self.in_flight or {}
+        self.in_flight = None
+        by_id = {s.request_id: s for s in self.running}
+        for rid, n in scheduled.items():
+            seq = by_id.get(rid)
+            if seq is None:  # aborted while in flight
+                continue
+            seq.num_computed += n
+            self.computed_tokens += n
+            self.bm.extend_hashes(seq.hashes, seq.token_ids, seq.num_computed)
+            self.bm.cache_blocks(seq.blocks, seq.hashes)
+        outcome = StepOutcome()
+        for rid, tok, reason in zip(result.request_ids, result.token_ids, result.finish_reasons, strict=True):
+            seq = by_id.get(rid)
+            if seq is None or rid not in scheduled:
+                continue
+            seq.token_ids.append(tok)
+            if reason != FinishReason.NONE:
+                self.finish(seq)
+                outcome.finished.append((seq, FinishReason(reason)))
+        return outcome
+
+    def on_failed_step(self, waiting: WaitingQueue) -> list[Sequence]:
+        """The step failed (worker error or lost): every running sequence is re-queued from its
+        tokens so far (recompute), nothing is lost. Returns the re-queued sequences."""
+        self.in_flight = None
+        moved = list(self.running)
+        for seq in reversed(moved):
+            self._preempt(seq, waiting)
+        self.num_preemptions -= len(moved)  # not memory preemptions
+        return moved
+
+    # -- removal -----------------------------------------------------------------------------
+
+    def finish(self, seq: Sequence) -> None:
+        """Release a finished or aborted sequence's blocks (their hashes stay cached)."""
+        if seq in self.running:
+            self.running.remove(seq)
+        self.bm.free_blocks(seq.blocks)
+        seq.blocks = []
+        seq.status = SeqStatus.FINISHED
+        self.to_forget.append(seq.request_id)
+
+    def find(self, request_id: str) -> Sequence | None:
+        for s in self.running:
+            if s.request_id == request_id:
+                return s
+        return None

@@ -1,0 +1,77 @@
+"""A request as the scheduler tracks it: every token so far (prompt + output), how many have
+their K/V computed on the worker, and the blocks that hold them."""
+
+from __future__ import annotations
+
+import enum
+import heapq
+import itertools
+from dataclasses import dataclass, field
+
+from services.scheduler.block_manager import BlockHash
+from shared.messages import SamplingParams
+
+_order = itertools.count()
+
+
+class SeqStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Sequence:
+    request_id: str
+    token_ids: list[int]
+    prompt_len: int
+    params: SamplingParams
+    eos_token_ids: list[int] = field(default_factory=list)
+    arrival_time: float = 0.0
+    priority: int = 0
+    status: SeqStatus = SeqStatus.WAITING
+    num_computed: int = 0
+    blocks: list[int] = field(default_factory=list)
+    hashes: list[BlockHash] = field(default_factory=list)
+    worker_id: str | None = None
+    num_preemptions: int = 0
+    order: int = field(default_factory=lambda: next(_order))  # FCFS tie-break, kept on preemption
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.prompt_len
+
+
+class WaitingQueue:
+    """Waiting sequences by (priority, arrival order): lower priority values go first, as in
+    vLLM; a preempted sequence keeps its place, so it resumes before newer arrivals."""
+
+    def __init__(self) -> None:
+        self._heap: list[tuple[int, int, Sequence]] = []
+        self._removed: set[str] = set()
+
+    def push(self, seq: Sequence) -> None:
+        self._removed.discard(seq.request_id)
+        heapq.heappush(self._heap, (seq.priority, seq.order, seq))
+
+    def peek(self) -> Sequence | None:
+        self._drop_removed()
+        return self._heap[0][2] if self._heap else None
+
+    def pop(self) -> Sequence:
+        self._drop_removed()
+        return heapq.heappop(self._heap)[2]
+
+    def remove(self, request_id: str) -> None:
+        self._removed.add(request_id)
+
+    def _drop_removed(self) -> None:
+        while self._heap and self._heap[0][2].request_id in self._removed:
+            self._removed.discard(heapq.heappop(self._heap)[2].request_id)
+
+    def __len__(self) -> int:
+        return len(self._heap) - len(self._removed)

@@ -1,0 +1,72 @@
+"""Turning a GenerateRequest into prompt token ids, with the checks vLLM makes. Pure logic over a
+Hugging Face tokenizer, so tests run it without NATS."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from shared.messages import GenerateRequest, RequestError, SamplingParams
+
+
+class PromptError(ValueError):
+    def __init__(self, message: str, param: str | None = None, code: int = 400) -> None:
+        super().__init__(message)
+        self.param = param
+        self.code = code
+
+    def to_message(self, request_id: str) -> RequestError:
+        return RequestError(request_id, str(self), "BadRequestError", self.param, self.code)
+
+
+def prompt_token_ids(tokenizer: Any, req: GenerateRequest) -> list[int]:
+    """Token ids of the request's prompt: chat messages through the model's chat template, a
+    text prompt through the tokenizer, or token ids as given."""
+    if req.messages is not None:
+        if not req.messages:
+            raise PromptError("messages must not be empty", "messages")
+        convo = [{"role": m.role, "content": m.content} for m in req.messages]
+        try:
+            out = tokenizer.apply_chat_template(
+                convo, add_generation_prompt=req.add_generation_prompt, tokenize=True
+            )
+        except Exception as e:  # template errors (e.g. role order) are the client's to fix
+            raise PromptError(f"chat template failed: {e}", "messages") from e
+        ids = out["input_ids"] if hasattr(out, "keys") else out
+        return list(ids)
+    if req.prompt_token_ids is not None:
+        vocab = len(tokenizer)
+        bad = [t for t in req.prompt_token_ids if not 0 <= t < vocab]
+        if bad:
+            raise PromptError(f"token id {bad[0]} is out of range [0, {vocab})", "prompt")
+        return list(req.prompt_token_ids)
+    if req.prompt is None:
+        raise PromptError("either prompt or messages is required", "prompt")
+    return list(tokenizer(req.prompt)["input_ids"])
+
+
+def check_length(ids: list[int], params: SamplingParams, max_model_len: int) -> SamplingParams:
+    """vLLM's length rules: the prompt must be non-empty and leave room for one token; an unset
+    max_tokens (0) means up to the context limit; an explicit one that does not fit is an
+    error."""
+    n = len(ids)
+    if n == 0:
+        raise PromptError("the prompt is empty", "prompt")
+    if n >= max_model_len:
+        raise PromptError(
+            f"This model's maximum context length is {max_model_len} tokens. However, your "
+            f"prompt has {n} tokens. Please reduce the length of the prompt.",
+            "messages",
+        )
+    room = max_model_len - n
+    if params.max_tokens <= 0:
+        import msgspec
+
+        return msgspec.structs.replace(params, max_tokens=room)
+    if params.max_tokens > room:
+        raise PromptError(
+            f"This model's maximum context length is {max_model_len} tokens. However, you "
+            f"requested {n + params.max_tokens} tokens ({n} in the prompt, {params.max_tokens} "
+            "for the completion). Please reduce the length of the prompt or max_tokens.",
+            "max_tokens",
+        )
+    return params

@@ -1,0 +1,94 @@
+"""The worker service: loads the model once, owns the KV cache, runs each StepPlan in order and
+publishes one StepResult per step (to the scheduler and the detokenizer). The model runs in a
+thread so the event loop keeps sending heartbeats during long steps."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import uuid
+
+from nats.aio.msg import Msg
+
+from services.worker.runner import ModelRunner
+from shared import subjects
+from shared.bus import Bus
+from shared.config import Settings
+from shared.messages import Message, StepPlan, StepResult, WorkerHeartbeat
+
+log = logging.getLogger("kvflow.worker")
+
+HEARTBEAT_INTERVAL_S = 1.0
+
+
+class WorkerService:
+    def __init__(self, settings: Settings, runner: ModelRunner, model_name: str) -> None:
+        self.settings = settings
+        self.runner = runner
+        self.model_name = model_name
+        self.worker_id = settings.worker_id or f"worker-{uuid.uuid4().hex[:8]}"
+        self.step_subject = subjects.worker_step(self.worker_id)
+        self.bus = Bus(self.worker_id)
+        self.plans: asyncio.Queue[StepPlan] = asyncio.Queue()
+
+    async def start(self) -> None:
+        await self.bus.connect(self.settings.nats_url)
+        await self.bus.subscribe(self.step_subject, self._on_message)
+        self.bus.spawn(self._run_steps())
+        self.bus.spawn(self._heartbeat())
+        log.info("worker %s ready: %d KV blocks of %d tokens", self.worker_id, self.runner.num_blocks, self.runner.block_size)
+
+    async def _on_message(self, msg: Message, raw: Msg) -> None:
+        if isinstance(msg, StepPlan):
+            self.plans.put_nowait(msg)
+        else:
+            log.warning("worker: unexpected %s", type(msg).__name__)
+
+    async def _run_steps(self) -> None:
+        while True:
+            plan = await self.plans.get()
+            try:
+                result = await asyncio.to_thread(self.runner.execute, plan)
+            except Exception as e:  # noqa: BLE001 - execute reports its own errors; belt and braces
+                log.exception("worker: step %d crashed", plan.step_id)
+                result = StepResult(self.worker_id, plan.step_id, [], [], [], error=str(e))
+            result.worker_id = self.worker_id
+            await self.bus.publish(subjects.RESULTS, result)
+
+    async def _heartbeat(self) -> None:
+        hb = WorkerHeartbeat(
+            worker_id=self.worker_id,
+            role=self.settings.role,
+            num_blocks=self.runner.num_blocks,
+            block_size=self.runner.block_size,
+            model=self.model_name,
+            step_subject=self.step_subject,
+            max_model_len=self.runner.max_model_len,
+        )
+        while True:
+            try:
+                await self.bus.publish(subjects.HEARTBEAT, hb)
+            except Exception as e:  # noqa: BLE001 - NATS down: try again next beat
+                log.warning("worker: heartbeat failed: %s", e)
+            await asyncio.sleep(HEARTBEAT_INTERVAL_S)
+
+
+async def run(settings: Settings) -> None:
+    import torch
+
+    from shared.model_source import resolve_model
+
+    if settings.threads > 0:
+        torch.set_num_threads(settings.threads)
+    src = resolve_model(settings.model, settings.served_model_name)
+    runner = ModelRunner(
+        src,
+        block_size=settings.block_size,
+        num_blocks=settings.num_kv_blocks or None,
+        kv_cache_gib=settings.kv_cache_memory,
+        worker_id=settings.worker_id or "worker",
+        max_model_len=settings.max_model_len,
+    )
+    service = WorkerService(settings, runner, src.name)
+    await service.start()
+    await asyncio.Event().wait()

@@ -1,0 +1,125 @@
+"""A thin typed layer over nats-py: connect (with reconnect), publish/subscribe kvflow messages,
+queue groups, request/reply, headers. Handlers receive decoded messages; a message that does not
+decode is logged, counted and dropped, so no service dies on bad input."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import msgspec
+import nats
+from nats.aio.client import Client
+from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
+
+from shared.messages import Message, decode, encode
+
+log = logging.getLogger("kvflow.bus")
+
+Handler = Callable[[Message, Msg], Awaitable[None]]
+
+
+class Bus:
+    """One NATS connection of a service."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.nc: Client | None = None
+        self.dropped_messages = 0  # undecodable or failing messages (logged, then dropped)
+        self._tasks: set[asyncio.Task] = set()
+
+    async def connect(self, url: str, connect_timeout: float = 30.0) -> None:
+        """Connect, retrying until ``connect_timeout``; afterwards nats-py reconnects on its own
+        for ever (a NATS outage pauses a service, it does not end it)."""
+
+        async def on_error(e: Exception) -> None:
+            log.warning("%s: nats error: %s", self.name, e)
+
+        async def on_disconnect() -> None:
+            log.warning("%s: disconnected from NATS", self.name)
+
+        async def on_reconnect() -> None:
+            log.info("%s: reconnected to NATS", self.name)
+
+        deadline = asyncio.get_running_loop().time() + connect_timeout
+        while True:
+            try:
+                self.nc = await nats.connect(
+                    url,
+                    name=self.name,
+                    max_reconnect_attempts=-1,
+                    reconnect_time_wait=0.5,
+                    connect_timeout=2,
+                    error_cb=on_error,
+                    disconnected_cb=on_disconnect,
+                    reconnected_cb=on_reconnect,
+                    pending_size=64 * 1024 * 1024,
+                )
+                return
+            except Exception as e:  # noqa: BLE001 - any connect failure is retried
+                if asyncio.get_running_loop().time() > deadline:
+                    raise ConnectionError(
+                        f"cannot reach NATS at {url} ({e}); start nats-server or pass --nats-url"
+                    ) from e
+                await asyncio.sleep(0.25)
+
+    @property
+    def client(self) -> Client:
+        if self.nc is None:
+            raise RuntimeError("Bus.connect() first")
+        return self.nc
+
+    async def publish(self, subject: str, msg: Any, headers: dict[str, str] | None = None) -> None:
+        await self.client.publish(subject, encode(msg), headers=headers)
+
+    async def subscribe(self, subject: str, handler: Handler, queue: str = "") -> Subscription:
+        """Call ``handler(decoded, raw)`` for each message, in arrival order. Failures are
+        logged and counted; the subscription goes on."""
+
+        async def cb(raw: Msg) -> None:
+            try:
+                msg = decode(raw.data)
+            except (msgspec.DecodeError, msgspec.ValidationError) as e:
+                self.dropped_messages += 1
+                log.warning("%s: dropped undecodable message on %s: %s", self.name, raw.subject, e)
+                return
+            try:
+                await handler(msg, raw)
+            except Exception:
+                self.dropped_messages += 1
+                log.exception("%s: handler failed on %s (%s)", self.name, raw.subject, type(msg).__name__)
+
+        return await self.client.subscribe(subject, queue=queue, cb=cb, pending_msgs_limit=1_000_000, pending_bytes_limit=1024 * 1024 * 1024)
+
+    async def request(self, subject: str, msg: Any, timeout: float = 2.0) -> Message:
+        reply = await self.client.request(subject, encode(msg), timeout=timeout)
+        return decode(reply.data)
+
+    async def reply(self, raw: Msg, msg: Any) -> None:
+        if raw.reply:
+            await self.client.publish(raw.reply, encode(msg))
+
+    def spawn(self, coro: Awaitable[Any]) -> asyncio.Task:
+        """Run a background task whose failure is logged, not lost."""
+        task = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+
+        def done(t: asyncio.Task) -> None:
+            self._tasks.discard(t)
+            if not t.cancelled() and t.exception() is not None:
+                log.error("%s: background task failed", self.name, exc_info=t.exception())
+
+        task.add_done_callback(done)
+        return task
+
+    async def close(self) -> None:
+        for t in list(self._tasks):
+            t.cancel()
+        if self.nc is not None and not self.nc.is_closed:
+            try:
+                await self.nc.drain()
+            except Exception:  # noqa: BLE001 - closing a broken connection
+                pass
