@@ -1,0 +1,61 @@
+"""Incremental detokenization and stop strings with the model's real tokenizer (offline)."""
+
+from __future__ import annotations
+
+from services.detokenizer.state import DetokState
+from shared.messages import FinishReason, SamplingParams
+
+N = FinishReason.NONE
+
+
+def feed(tokenizer, text: str, params: SamplingParams, last: FinishReason = FinishReason.LENGTH):
+    ids = tokenizer(text)["input_ids"]
+    st = DetokState("r", "inbox", params, prompt_tokens=3)
+    deltas, stopped = [], False
+    for i, t in enumerate(ids):
+        d, by_stop = st.add_token(tokenizer.backend_tokenizer, t, last if i == len(ids) - 1 else N)
+        deltas.append(d)
+        stopped = stopped or by_stop
+        if st.finished:
+            break
+    return deltas, stopped, st
+
+
+def test_deltas_join_to_the_decoded_text(tokenizer) -> None:
+    text = "Hello world! Ünïcödé and emoji 🙂 work, token by token."
+    deltas, stopped, st = feed(tokenizer, text, SamplingParams())
+    assert "".join(d.text for d in deltas) == text
+    assert deltas[-1].finish_reason == "length" and not stopped
+    assert all(d.finish_reason is None for d in deltas[:-1])
+    assert deltas[-1].completion_tokens == len(tokenizer(text)["input_ids"])
+    assert deltas[-1].prompt_tokens == 3
+
+
+def test_stop_string_ends_text_before_it_and_is_held_back(tokenizer) -> None:
+    text = "The answer is 42. END of story"
+    deltas, stopped, st = feed(tokenizer, text, SamplingParams(stop=["END"]))
+    assert "".join(d.text for d in deltas) == "The answer is 42. "
+    assert deltas[-1].finish_reason == "stop" and stopped
+    # nothing of a partial "EN" was ever sent before the stop was seen
+    assert not any("E" in d.text for d in deltas)
+
+
+def test_stop_string_included_when_asked(tokenizer) -> None:
+    deltas, _, _ = feed(
+        tokenizer, "one two three four", SamplingParams(stop=[" three"], include_stop_str_in_output=True)
+    )
+    assert "".join(d.text for d in deltas) == "one two three"
+
+
+def test_held_back_text_is_released_when_not_a_stop(tokenizer) -> None:
+    deltas, stopped, _ = feed(tokenizer, "an ENd but no stop", SamplingParams(stop=["END!"]))
+    assert "".join(d.text for d in deltas) == "an ENd but no stop"
+    assert not stopped and deltas[-1].finish_reason == "length"
+
+
+def test_special_tokens_are_skipped(tokenizer) -> None:
+    st = DetokState("r", "inbox", SamplingParams(), prompt_tokens=1)
+    eos = tokenizer.eos_token_id
+    d1, _ = st.add_token(tokenizer.backend_tokenizer, tokenizer("Hi")["input_ids"][0], N)
+    d2, _ = st.add_token(tokenizer.backend_tokenizer, eos, FinishReason.STOP)
+    assert d1.text == "Hi" and d2.text == "" and d2.finish_reason == "stop"

@@ -1,0 +1,41 @@
+"""Prompt tokenization and vLLM's length rules, with the model's real tokenizer (offline)."""
+
+from __future__ import annotations
+
+import pytest
+
+from services.tokenizer.prompts import PromptError, check_length, prompt_token_ids
+from shared.messages import ChatMessage, GenerateRequest, SamplingParams
+
+
+def gen(**kw) -> GenerateRequest:
+    return GenerateRequest(request_id="r", reply_to="inbox", params=SamplingParams(), **kw)
+
+
+def test_chat_uses_the_models_template(tokenizer) -> None:
+    ids = prompt_token_ids(tokenizer, gen(messages=[ChatMessage("user", "What is 2+2?")]))
+    text = tokenizer.decode(ids)
+    assert text.startswith("<|im_start|>system\n")
+    assert text.endswith("<|im_start|>user\nWhat is 2+2?<|im_end|>\n<|im_start|>assistant\n")
+
+
+def test_text_prompt_and_token_ids(tokenizer) -> None:
+    ids = prompt_token_ids(tokenizer, gen(prompt="The capital of France is"))
+    assert tokenizer.decode(ids) == "The capital of France is"
+    assert prompt_token_ids(tokenizer, gen(prompt_token_ids=ids)) == ids
+    with pytest.raises(PromptError) as e:
+        prompt_token_ids(tokenizer, gen(prompt_token_ids=[1, 10**9]))
+    assert e.value.param == "prompt"
+
+
+def test_length_rules() -> None:
+    p = check_length([1, 2, 3], SamplingParams(max_tokens=0), max_model_len=10)
+    assert p.max_tokens == 7
+    assert check_length([1, 2, 3], SamplingParams(max_tokens=7), 10).max_tokens == 7
+    with pytest.raises(PromptError) as e:
+        check_length([1, 2, 3], SamplingParams(max_tokens=8), 10)
+    assert e.value.param == "max_tokens" and "maximum context length is 10" in str(e.value)
+    with pytest.raises(PromptError):
+        check_length(list(range(10)), SamplingParams(), 10)
+    with pytest.raises(PromptError):
+        check_length([], SamplingParams(), 10)
