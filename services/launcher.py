@@ -52,7 +52,9 @@ def serve(settings: Settings, workers: int = 1) -> int:
     except ModelNotFoundError as e:
         return _fail(str(e))
     if not port_is_free(settings.host, settings.port):
-        return _fail(f"port {settings.port} on {settings.host} is taken: stop what uses it or pass --port N")
+        return _fail(
+            f"port {settings.port} on {settings.host} is taken: stop what uses it or pass --port N"
+        )
 
     def on_term(*_: object) -> None:
         raise _Stop
@@ -72,14 +74,19 @@ def serve(settings: Settings, workers: int = 1) -> int:
             procs.append(("worker", _spawn("worker", settings, f"worker-{i}")))
         for name in ("scheduler", "tokenizer", "detokenizer", "gateway"):
             procs.append((name, _spawn(name, settings)))
-        print("kvflow: loading the model in every service (first start converts the tokenizer) ...", flush=True)
+        print(
+            "kvflow: loading the model in every service (first start converts the tokenizer) ...",
+            flush=True,
+        )
         health = f"http://{settings.host}:{settings.port}/health"
         start = time.monotonic()
         last_note = start
         while not _healthy(health):
             for name, p in procs:
                 if p.poll() is not None:
-                    raise RuntimeError(f"{name} exited with code {p.returncode} during start-up (see its log above)")
+                    raise RuntimeError(
+                        f"{name} exited with code {p.returncode} during start-up (see its log above)"
+                    )
             if time.monotonic() - start > STARTUP_TIMEOUT_S:
                 raise RuntimeError(f"the stack was not ready after {STARTUP_TIMEOUT_S:.0f}s")
             if time.monotonic() - last_note > 10:

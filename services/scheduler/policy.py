@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from services.scheduler.block_manager import BlockManager
-from services.scheduler.sequence import Sequence, SeqStatus, WaitingQueue
+from services.scheduler.sequence import SeqStatus, Sequence, WaitingQueue
 from shared.messages import FinishReason, NewRequest, ScheduledSeq, StepPlan, StepResult
 
 
@@ -155,7 +155,9 @@ class WorkerScheduler:
             self.bm.extend_hashes(seq.hashes, seq.token_ids, seq.num_computed)
             self.bm.cache_blocks(seq.blocks, seq.hashes)
         outcome = StepOutcome()
-        for rid, tok, reason in zip(result.request_ids, result.token_ids, result.finish_reasons, strict=True):
+        for rid, tok, reason in zip(
+            result.request_ids, result.token_ids, result.finish_reasons, strict=True
+        ):
             seq = by_id.get(rid)
             if seq is None or rid not in scheduled:
                 continue

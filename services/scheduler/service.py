@@ -54,7 +54,11 @@ class SchedulerService:
         await self.bus.subscribe(subjects.HEARTBEAT, self._on_message)
         await self.bus.subscribe(subjects.SCHEDULER_STATS, self._on_message)
         self.bus.spawn(self._watch_workers())
-        log.info("scheduler ready (model %s, max_model_len %d)", self.core.model, self.core.limits.max_model_len)
+        log.info(
+            "scheduler ready (model %s, max_model_len %d)",
+            self.core.model,
+            self.core.limits.max_model_len,
+        )
 
     async def _on_message(self, msg: Message, raw: Msg) -> None:
         match msg:
@@ -88,14 +92,20 @@ class SchedulerService:
         if hb.worker_id in self.core.workers:
             return
         if hb.role not in ("both",):
-            log.warning("worker %s has role %s, which this scheduler does not drive yet", hb.worker_id, hb.role)
+            log.warning(
+                "worker %s has role %s, which this scheduler does not drive yet",
+                hb.worker_id,
+                hb.role,
+            )
             return
         ws = self.core.add_worker(hb.worker_id, hb.num_blocks, hb.block_size)
         self.step_subject[hb.worker_id] = hb.step_subject
         self.wake[hb.worker_id] = asyncio.Event()
         self.wake[hb.worker_id].set()
         self.bus.spawn(self._worker_loop(ws))
-        log.info("worker %s joined: %d blocks of %d tokens", hb.worker_id, hb.num_blocks, hb.block_size)
+        log.info(
+            "worker %s joined: %d blocks of %d tokens", hb.worker_id, hb.num_blocks, hb.block_size
+        )
 
     def _wake_all(self) -> None:
         for ev in self.wake.values():
@@ -120,7 +130,9 @@ class SchedulerService:
                 result = await asyncio.wait_for(fut, STEP_TIMEOUT_S)
             except (TimeoutError, Exception) as e:  # noqa: BLE001 - a lost step is recovered below
                 self.pending.pop((wid, plan.step_id), None)
-                log.error("worker %s: step %d lost (%s); re-queueing its sequences", wid, plan.step_id, e)
+                log.error(
+                    "worker %s: step %d lost (%s); re-queueing its sequences", wid, plan.step_id, e
+                )
                 self.core.remove_worker(wid)
                 self._wake_all()
                 return
@@ -136,7 +148,11 @@ class SchedulerService:
             now = time.monotonic()
             for wid in list(self.core.workers):
                 if now - self.last_seen.get(wid, now) > HEARTBEAT_TIMEOUT_S:
-                    log.error("worker %s: no heartbeat for %.0fs; re-queueing its sequences", wid, HEARTBEAT_TIMEOUT_S)
+                    log.error(
+                        "worker %s: no heartbeat for %.0fs; re-queueing its sequences",
+                        wid,
+                        HEARTBEAT_TIMEOUT_S,
+                    )
                     self.core.remove_worker(wid)
                     self.wake.pop(wid, None)
                     self._wake_all()

@@ -20,7 +20,9 @@ log = logging.getLogger("kvflow.tokenizer")
 
 
 class TokenizerService:
-    def __init__(self, settings: Settings, tokenizer: Any, max_model_len: int, eos_ids: list[int]) -> None:
+    def __init__(
+        self, settings: Settings, tokenizer: Any, max_model_len: int, eos_ids: list[int]
+    ) -> None:
         self.settings = settings
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
@@ -29,7 +31,9 @@ class TokenizerService:
 
     async def start(self) -> None:
         await self.bus.connect(self.settings.nats_url)
-        await self.bus.subscribe(subjects.TOKENIZE, self._on_message, queue=subjects.TOKENIZER_QUEUE)
+        await self.bus.subscribe(
+            subjects.TOKENIZE, self._on_message, queue=subjects.TOKENIZER_QUEUE
+        )
         log.info("tokenizer ready")
 
     async def _on_message(self, msg: Message, raw: Msg) -> None:
@@ -44,7 +48,9 @@ class TokenizerService:
             return
         except Exception as e:  # noqa: BLE001 - the request fails, the service goes on
             log.exception("tokenizer: request %s failed", msg.request_id)
-            err = RequestError(msg.request_id, f"tokenization failed: {e}", "InternalServerError", None, 500)
+            err = RequestError(
+                msg.request_id, f"tokenization failed: {e}", "InternalServerError", None, 500
+            )
             await self.bus.publish(msg.reply_to, err)
             return
         out = TokenizedRequest(

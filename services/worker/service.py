@@ -36,7 +36,12 @@ class WorkerService:
         await self.bus.subscribe(self.step_subject, self._on_message)
         self.bus.spawn(self._run_steps())
         self.bus.spawn(self._heartbeat())
-        log.info("worker %s ready: %d KV blocks of %d tokens", self.worker_id, self.runner.num_blocks, self.runner.block_size)
+        log.info(
+            "worker %s ready: %d KV blocks of %d tokens",
+            self.worker_id,
+            self.runner.num_blocks,
+            self.runner.block_size,
+        )
 
     async def _on_message(self, msg: Message, raw: Msg) -> None:
         if isinstance(msg, StepPlan):

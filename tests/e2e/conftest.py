@@ -26,7 +26,16 @@ def stack():
     log = open(log_path, "wb")  # noqa: SIM115 - closed below
     env = {**os.environ, "KVFLOW_MAX_NUM_SEQS": "32", "KVFLOW_KV_CACHE_MEMORY": "0.5"}
     proc = subprocess.Popen(
-        [sys.executable, "-m", "services.cli", "serve", "--port", str(port), "--max-model-len", "2048"],
+        [
+            sys.executable,
+            "-m",
+            "services.cli",
+            "serve",
+            "--port",
+            str(port),
+            "--max-model-len",
+            "2048",
+        ],
         cwd=ROOT,
         env=env,
         stdout=log,
@@ -38,7 +47,9 @@ def stack():
     try:
         while True:
             if proc.poll() is not None:
-                raise RuntimeError(f"kvflow serve exited ({proc.returncode}):\n{log_path.read_text()[-4000:]}")
+                raise RuntimeError(
+                    f"kvflow serve exited ({proc.returncode}):\n{log_path.read_text()[-4000:]}"
+                )
             try:
                 if httpx.get(f"{base}/health", timeout=2).status_code == 200:
                     break

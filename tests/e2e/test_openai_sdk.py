@@ -28,7 +28,9 @@ def test_streamed_chat_completion(client, stack) -> None:
     )
     chunks = list(stream)
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
-    finishes = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    finishes = [
+        c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason
+    ]
     assert text.strip(), "the stream carried text"
     assert finishes in (["length"], ["stop"])
     usage = chunks[-1].usage
@@ -36,11 +38,16 @@ def test_streamed_chat_completion(client, stack) -> None:
     assert usage.total_tokens == usage.prompt_tokens + usage.completion_tokens
     if finishes == ["length"]:
         assert usage.completion_tokens == 24
-    assert wait_all_blocks_free(stack)["num_free_blocks"] == wait_all_blocks_free(stack)["num_total_blocks"]
+    assert (
+        wait_all_blocks_free(stack)["num_free_blocks"]
+        == wait_all_blocks_free(stack)["num_total_blocks"]
+    )
 
 
 def test_non_streamed_completion(client) -> None:
-    out = client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=8, temperature=0)
+    out = client.completions.create(
+        model=MODEL, prompt="The capital of France is", max_tokens=8, temperature=0
+    )
     assert out.choices[0].text
     assert out.choices[0].finish_reason in ("length", "stop")
     assert out.usage.prompt_tokens == 5
@@ -59,7 +66,9 @@ def test_eight_concurrent_streams_finish_with_usage(client, stack) -> None:
             stream_options={"include_usage": True},
         )
         chunks = list(stream)
-        fin = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+        fin = [
+            c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason
+        ]
         return i, fin, chunks[-1].usage
 
     with ThreadPoolExecutor(8) as ex:
@@ -74,11 +83,15 @@ def test_eight_concurrent_streams_finish_with_usage(client, stack) -> None:
 
 
 def test_stop_string_ends_the_text(client) -> None:
-    base = client.completions.create(model=MODEL, prompt="1, 2, 3, 4,", max_tokens=12, temperature=0)
+    base = client.completions.create(
+        model=MODEL, prompt="1, 2, 3, 4,", max_tokens=12, temperature=0
+    )
     text = base.choices[0].text
     assert len(text) > 4
     stop = text[2:4]
-    out = client.completions.create(model=MODEL, prompt="1, 2, 3, 4,", max_tokens=12, temperature=0, stop=[stop])
+    out = client.completions.create(
+        model=MODEL, prompt="1, 2, 3, 4,", max_tokens=12, temperature=0, stop=[stop]
+    )
     assert out.choices[0].finish_reason == "stop"
     assert out.choices[0].text == text[: text.index(stop)]
 
@@ -87,8 +100,16 @@ def test_stop_string_ends_the_text(client) -> None:
     ("body", "status", "param"),
     [
         ({"model": MODEL, "messages": "not a list"}, 400, "messages"),
-        ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "temperature": 5}, 400, "temperature"),
-        ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": "ten"}, 400, "max_tokens"),
+        (
+            {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "temperature": 5},
+            400,
+            "temperature",
+        ),
+        (
+            {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": "ten"},
+            400,
+            "max_tokens",
+        ),
         ({"model": "no-such-model", "messages": [{"role": "user", "content": "hi"}]}, 404, None),
         ({"model": MODEL, "messages": [{"role": "user", "content": "word " * 3000}]}, 400, None),
     ],
@@ -104,7 +125,10 @@ def test_bad_requests_get_openai_errors(stack, body, status, param) -> None:
 
 def test_invalid_json_then_still_serving(stack, client) -> None:
     r = httpx.post(
-        f"{stack}/v1/completions", content=b"{not json", headers={"content-type": "application/json"}, timeout=10
+        f"{stack}/v1/completions",
+        content=b"{not json",
+        headers={"content-type": "application/json"},
+        timeout=10,
     )
     assert r.status_code == 400 and r.json()["error"]["message"]
     out = client.completions.create(model=MODEL, prompt="Hello", max_tokens=4, temperature=0)

@@ -42,7 +42,9 @@ def test_stop_string_ends_text_before_it_and_is_held_back(tokenizer) -> None:
 
 def test_stop_string_included_when_asked(tokenizer) -> None:
     deltas, _, _ = feed(
-        tokenizer, "one two three four", SamplingParams(stop=[" three"], include_stop_str_in_output=True)
+        tokenizer,
+        "one two three four",
+        SamplingParams(stop=[" three"], include_stop_str_in_output=True),
     )
     assert "".join(d.text for d in deltas) == "one two three"
 

@@ -48,7 +48,9 @@ class FakeWorker:
         return StepResult("w", plan.step_id, rids, toks, reasons)
 
 
-def run_all(core: SchedulerCore, worker: FakeWorker, max_steps: int = 10_000) -> dict[str, list[int]]:
+def run_all(
+    core: SchedulerCore, worker: FakeWorker, max_steps: int = 10_000
+) -> dict[str, list[int]]:
     ws = core.workers["w"]
     outputs: dict[str, list[int]] = {rid: [] for rid in core.requests}
     for _ in range(max_steps):
@@ -62,7 +64,9 @@ def run_all(core: SchedulerCore, worker: FakeWorker, max_steps: int = 10_000) ->
     return outputs
 
 
-def make_core(num_blocks: int = 256, block_size: int = 4, **limits: int) -> tuple[SchedulerCore, FakeWorker]:
+def make_core(
+    num_blocks: int = 256, block_size: int = 4, **limits: int
+) -> tuple[SchedulerCore, FakeWorker]:
     core = SchedulerCore(SchedulerLimits(**limits), model="m")
     core.add_worker("w", num_blocks, block_size)
     return core, FakeWorker(block_size)
