@@ -5,6 +5,7 @@ thread so the event loop keeps sending heartbeats during long steps."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import uuid
 
@@ -86,12 +87,14 @@ async def run(settings: Settings) -> None:
     if settings.threads > 0:
         torch.set_num_threads(settings.threads)
     src = resolve_model(settings.model, settings.served_model_name)
+    if not settings.worker_id:
+        settings = dataclasses.replace(settings, worker_id=f"worker-{uuid.uuid4().hex[:8]}")
     runner = ModelRunner(
         src,
         block_size=settings.block_size,
         num_blocks=settings.num_kv_blocks or None,
         kv_cache_gib=settings.kv_cache_memory,
-        worker_id=settings.worker_id or "worker",
+        worker_id=settings.worker_id,
         max_model_len=settings.max_model_len,
     )
     service = WorkerService(settings, runner, src.name)

@@ -1,0 +1,113 @@
+"""Load a running kvflow (or any OpenAI-compatible server) with concurrent streamed requests and
+report output tokens/s, requests/s, TTFT and time per output token. Used by ``kvflow bench``."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import statistics
+import time
+from dataclasses import asdict, dataclass
+
+import httpx
+
+
+@dataclass
+class RequestStats:
+    ttft_s: float
+    latency_s: float
+    output_tokens: int
+
+    @property
+    def tpot_s(self) -> float:
+        return (self.latency_s - self.ttft_s) / max(1, self.output_tokens - 1)
+
+
+@dataclass
+class RunSummary:
+    name: str
+    concurrency: int
+    requests: int
+    duration_s: float
+    output_tokens: int
+    output_tokens_per_s: float
+    requests_per_s: float
+    ttft_p50_s: float
+    ttft_p99_s: float
+    tpot_p50_s: float
+    tpot_p99_s: float
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
+
+def percentile(xs: list[float], q: float) -> float:
+    if not xs:
+        return float("nan")
+    xs = sorted(xs)
+    k = min(len(xs) - 1, max(0, round(q / 100 * (len(xs) - 1))))
+    return xs[k]
+
+
+async def one_request(client: httpx.AsyncClient, base: str, model: str, prompt: str, max_tokens: int) -> RequestStats:
+    body = {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "stream": True,
+        "ignore_eos": True,
+        "stream_options": {"include_usage": True},
+    }
+    start = time.perf_counter()
+    ttft = None
+    tokens = 0
+    async with client.stream("POST", f"{base}/v1/completions", json=body) as r:
+        r.raise_for_status()
+        async for line in r.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if chunk.get("choices") and chunk["choices"][0].get("text") and ttft is None:
+                ttft = time.perf_counter() - start
+            if chunk.get("usage"):
+                tokens = chunk["usage"]["completion_tokens"]
+    end = time.perf_counter() - start
+    return RequestStats(ttft if ttft is not None else end, end, tokens)
+
+
+async def run_load(
+    base: str, model: str, workload: list[tuple[str, int]], concurrency: int, name: str = "kvflow"
+) -> RunSummary:
+    """Send every (prompt, max_tokens) of ``workload`` with at most ``concurrency`` in flight."""
+    sem = asyncio.Semaphore(concurrency)
+    done = 0
+
+    async with httpx.AsyncClient(timeout=600) as client:
+
+        async def guarded(p: str, n: int) -> RequestStats:
+            nonlocal done
+            async with sem:
+                s = await one_request(client, base, model, p, n)
+                done += 1
+                print(f"\r  {name}: {done}/{len(workload)} requests", end="", flush=True)
+                return s
+
+        t0 = time.perf_counter()
+        stats = await asyncio.gather(*(guarded(p, n) for p, n in workload))
+        dur = time.perf_counter() - t0
+    print()
+    toks = sum(s.output_tokens for s in stats)
+    return RunSummary(
+        name=name,
+        concurrency=concurrency,
+        requests=len(stats),
+        duration_s=dur,
+        output_tokens=toks,
+        output_tokens_per_s=toks / dur,
+        requests_per_s=len(stats) / dur,
+        ttft_p50_s=statistics.median(s.ttft_s for s in stats),
+        ttft_p99_s=percentile([s.ttft_s for s in stats], 99),
+        tpot_p50_s=statistics.median(s.tpot_s for s in stats),
+        tpot_p99_s=percentile([s.tpot_s for s in stats], 99),
+    )

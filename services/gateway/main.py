@@ -1,0 +1,63 @@
+"""Run the gateway: uvicorn serving ``create_app(settings)`` on ``settings.host:port``. This is
+what ``kvflow run gateway`` calls; ``python -m services.gateway.main --port 8000`` works too."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import signal
+import sys
+import threading
+from types import FrameType
+
+import uvicorn
+
+from services.gateway.app import create_app
+from shared.config import Settings
+from shared.logs import setup_logging
+
+# Seconds open requests get to finish after SIGTERM/Ctrl-C before their connections are cut.
+GRACEFUL_SHUTDOWN_S = 10
+
+
+def server(settings: Settings) -> uvicorn.Server:
+    config = uvicorn.Config(
+        create_app(settings),
+        host=settings.host,
+        port=settings.port,
+        log_level=settings.log_level,
+        log_config=None,  # keep the service's own logging set-up (shared.logs)
+        access_log=False,
+        timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
+    )
+    return uvicorn.Server(config)
+
+
+async def run(settings: Settings) -> None:
+    """Serve until SIGINT/SIGTERM (uvicorn handles the signals and drains connections)."""
+    await server(settings).serve()
+
+
+def _exit_cleanly(signum: int, frame: FrameType | None) -> None:
+    sys.exit(0)
+
+
+def main(settings: Settings | None = None) -> None:
+    """Blocking entry point; settings default to the ``KVFLOW_*`` environment. Exits with
+    status 0 on SIGTERM: uvicorn drains, then re-raises the signal to the handler that was
+    there before it, which here exits cleanly instead of dying with 143."""
+    settings = settings if settings is not None else Settings.from_env()
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, _exit_cleanly)
+    try:
+        asyncio.run(run(settings))
+    except KeyboardInterrupt:  # uvicorn re-raises the captured signal after a clean shutdown
+        pass
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(prog="kvflow-gateway", description=__doc__)
+    Settings.add_arguments(parser)
+    cli_settings = Settings.from_args(parser.parse_args())
+    setup_logging("gateway", cli_settings.log_level)
+    main(cli_settings)

@@ -1,0 +1,142 @@
+"""OpenAI response and stream-chunk shapes for chat and completions (pure builders).
+
+Chat and completions differ only in these shapes, so the serving loop is written once against
+``Format`` and each endpoint supplies its own. Bodies are encoded with msgspec (faster than the
+stdlib ``json`` on the per-token path)."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+
+from shared.messages import Delta
+
+DONE = b"data: [DONE]\n\n"
+
+
+def sse(payload: dict[str, Any]) -> bytes:
+    return b"data: " + msgspec.json.encode(payload) + b"\n\n"
+
+
+@dataclass
+class Outcome:
+    """A finished request, for the non-streamed response."""
+
+    text: str
+    finish_reason: str | None
+    prompt_tokens: int
+    completion_tokens: int
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
+
+
+def outcome_of(deltas: list[Delta]) -> Outcome:
+    """Join a request's deltas; counts come from the final delta."""
+    last = deltas[-1]
+    return Outcome(
+        "".join(d.text for d in deltas),
+        last.finish_reason,
+        last.prompt_tokens,
+        last.completion_tokens,
+    )
+
+
+@dataclass
+class Format:
+    """Shapes shared by both endpoints; subclasses fill in the choice contents."""
+
+    request_id: str
+    model: str
+    include_usage: bool = False
+    created: int = field(default_factory=lambda: int(time.time()))
+    object_stream: str = ""
+    object_full: str = ""
+
+    def _chunk(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "id": self.request_id,
+            "object": self.object_stream,
+            "created": self.created,
+            "model": self.model,
+            "choices": choices,
+        }
+        if self.include_usage:
+            out["usage"] = None  # as OpenAI: null on every chunk but the last
+        return out
+
+    def usage_chunk(self, prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
+        out = self._chunk([])
+        out["usage"] = usage(prompt_tokens, completion_tokens)
+        return out
+
+    def opening_chunks(self) -> list[dict[str, Any]]:
+        return []
+
+    def text_chunk(self, text: str, finish_reason: str | None) -> list[dict[str, Any]]:
+        raise NotImplementedError
+
+    def response(self, out: Outcome) -> dict[str, Any]:
+        return {
+            "id": self.request_id,
+            "object": self.object_full,
+            "created": self.created,
+            "model": self.model,
+            "choices": [self._full_choice(out)],
+            "usage": usage(out.prompt_tokens, out.completion_tokens),
+        }
+
+    def _full_choice(self, out: Outcome) -> dict[str, Any]:
+        raise NotImplementedError
+
+
+@dataclass
+class ChatFormat(Format):
+    object_stream: str = "chat.completion.chunk"
+    object_full: str = "chat.completion"
+
+    def _choice(self, delta: dict[str, Any], finish_reason: str | None) -> dict[str, Any]:
+        return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+
+    def opening_chunks(self) -> list[dict[str, Any]]:
+        return [self._chunk([self._choice({"role": "assistant", "content": ""}, None)])]
+
+    def text_chunk(self, text: str, finish_reason: str | None) -> list[dict[str, Any]]:
+        """Content, then (as OpenAI) the finish reason in its own chunk with an empty delta."""
+        chunks = []
+        if text:
+            chunks.append(self._chunk([self._choice({"content": text}, None)]))
+        if finish_reason is not None:
+            chunks.append(self._chunk([self._choice({}, finish_reason)]))
+        return chunks
+
+    def _full_choice(self, out: Outcome) -> dict[str, Any]:
+        return {
+            "index": 0,
+            "message": {"role": "assistant", "content": out.text},
+            "logprobs": None,
+            "finish_reason": out.finish_reason,
+        }
+
+
+@dataclass
+class CompletionFormat(Format):
+    object_stream: str = "text_completion"
+    object_full: str = "text_completion"
+
+    def text_chunk(self, text: str, finish_reason: str | None) -> list[dict[str, Any]]:
+        if not text and finish_reason is None:
+            return []
+        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+        return [self._chunk([choice])]
+
+    def _full_choice(self, out: Outcome) -> dict[str, Any]:
+        return {"index": 0, "text": out.text, "logprobs": None, "finish_reason": out.finish_reason}

@@ -1,0 +1,117 @@
+"""What one gateway instance holds while it runs: its NATS connection, its inbox (a subject of
+its own, so any number of gateways can share the pipeline), the per-request queues, and the
+aborts in flight. Routes talk to the bus only through this object."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import uuid
+from typing import Any
+
+from services.gateway.convert import served_model_name
+from services.gateway.errors import APIError
+from services.gateway.streams import RequestHandle, RequestStreams
+from shared import subjects
+from shared.bus import Bus
+from shared.config import Settings
+from shared.messages import Abort, GenerateRequest, SchedulerStats, StatsRequest
+
+log = logging.getLogger("kvflow.gateway")
+
+
+def bus_connected(bus: Any) -> bool:
+    nc = getattr(bus, "nc", None)
+    return nc is not None and bool(getattr(nc, "is_connected", False))
+
+
+class GatewayState:
+    def __init__(self, settings: Settings, bus: Bus | None = None) -> None:
+        self.settings = settings
+        self.gateway_id = uuid.uuid4().hex[:12]
+        self.inbox = subjects.gateway_inbox(self.gateway_id)
+        self.model_name = served_model_name(settings)
+        self.max_model_len = 0  # learnt from the scheduler's stats
+        self.streams = RequestStreams()
+        self.num_aborts = 0
+        self._own_bus = bus is None
+        self.bus: Any = bus if bus is not None else Bus(f"gateway-{self.gateway_id}")
+        self._sub: Any = None
+        self._tasks: set[asyncio.Task[Any]] = set()
+
+    async def start(self) -> None:
+        """Connect (unless given a connected bus) and listen on the inbox before serving."""
+        if getattr(self.bus, "nc", None) is None:
+            await self.bus.connect(self.settings.nats_url)
+        self._sub = await self.bus.subscribe(self.inbox, self.streams.handler)
+        log.info("gateway %s serving %s, inbox %s", self.gateway_id, self.model_name, self.inbox)
+
+    async def stop(self) -> None:
+        if self._sub is not None:
+            try:
+                await self._sub.unsubscribe()
+            except Exception:  # noqa: BLE001 - the connection may be gone already
+                pass
+        if self._tasks:  # let pending aborts go out before the connection closes
+            await asyncio.wait(set(self._tasks), timeout=2.0)
+        if self._own_bus:
+            await self.bus.close()
+
+    async def submit(self, req: GenerateRequest) -> RequestHandle:
+        """Register the request's queue, then publish it to the tokenizers; 503 if NATS is not
+        there, rather than a request that waits for its timeout."""
+        if not bus_connected(self.bus):
+            raise APIError(503, "the gateway is not connected to NATS", "ServiceUnavailableError")
+        queue = self.streams.open(req.request_id)  # before publishing: replies can be fast
+        try:
+            await self.bus.publish(subjects.TOKENIZE, req)
+        except Exception as e:  # noqa: BLE001 - any publish failure means: not served
+            self.streams.close(req.request_id)
+            log.warning("publish of %s failed: %s", req.request_id, e)
+            raise APIError(
+                503, f"cannot submit the request to the pipeline: {e}", "ServiceUnavailableError"
+            ) from e
+        loop = asyncio.get_running_loop()
+        timeout = self.settings.request_timeout
+        return RequestHandle(req.request_id, queue, loop.time() + timeout, timeout, self._closed)
+
+    def _closed(self, request_id: str, finished: bool) -> None:
+        self.streams.close(request_id)
+        if not finished:
+            self.abort(request_id)
+
+    def abort(self, request_id: str) -> None:
+        """Publish ``Abort`` from a background task: callers are often cancelled tasks, where
+        an await could be cancelled before the message leaves."""
+        self.num_aborts += 1
+        task = asyncio.get_running_loop().create_task(self._publish_abort(request_id))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _publish_abort(self, request_id: str) -> None:
+        try:
+            await self.bus.publish(subjects.ABORT, Abort(request_id))
+        except Exception as e:  # noqa: BLE001 - the scheduler's own timeouts are the backstop
+            log.warning("abort of %s not published: %s", request_id, e)
+
+    async def scheduler_stats(self, timeout: float = 1.0) -> SchedulerStats:
+        """The scheduler's counters, or 503 saying what is missing."""
+        if not bus_connected(self.bus):
+            raise APIError(503, "the gateway is not connected to NATS", "ServiceUnavailableError")
+        try:
+            reply = await self.bus.request(subjects.SCHEDULER_STATS, StatsRequest(), timeout)
+        except Exception as e:  # noqa: BLE001 - no responder, timeout, closed connection
+            raise APIError(
+                503,
+                f"no scheduler answered on {subjects.SCHEDULER_STATS} ({e})",
+                "ServiceUnavailableError",
+            ) from e
+        if not isinstance(reply, SchedulerStats):
+            raise APIError(
+                503,
+                f"unexpected reply {type(reply).__name__} to StatsRequest",
+                "ServiceUnavailableError",
+            )
+        if reply.max_model_len:
+            self.max_model_len = reply.max_model_len
+        return reply

@@ -1,0 +1,108 @@
+"""Per-request queues fed by the gateway's one inbox subscription.
+
+The detokenizer sends one ``DeltaBatch`` per step for all of a gateway's requests (per-token
+traffic stays batched on NATS); here it is fanned out to each request's queue, the only place
+where messages become per-request. A ``RequestHandle`` is what a route holds while it serves
+one request: it reads deltas with the request's deadline and, when closed before the final
+delta arrived, publishes an ``Abort`` so the request's KV blocks are freed at once."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from typing import Any
+
+from services.gateway.errors import APIError
+from shared.messages import Delta, DeltaBatch, Message, RequestError
+
+log = logging.getLogger("kvflow.gateway")
+
+Item = Delta | RequestError
+
+
+class RequestStreams:
+    """request id -> queue of what the pipeline sent back for it."""
+
+    def __init__(self) -> None:
+        self._queues: dict[str, asyncio.Queue[Item]] = {}
+        self.unknown_deltas = 0  # deltas for requests no longer here (finished or aborted)
+
+    def open(self, request_id: str) -> asyncio.Queue[Item]:
+        q: asyncio.Queue[Item] = asyncio.Queue()
+        self._queues[request_id] = q
+        return q
+
+    def close(self, request_id: str) -> None:
+        self._queues.pop(request_id, None)
+
+    def __len__(self) -> int:
+        return len(self._queues)
+
+    def __contains__(self, request_id: object) -> bool:
+        return request_id in self._queues
+
+    def dispatch(self, msg: Message) -> None:
+        """Route one inbox message; ids that are not (or no longer) here are dropped, since a
+        request that was aborted may still have deltas in flight."""
+        if isinstance(msg, DeltaBatch):
+            for delta in msg.deltas:
+                q = self._queues.get(delta.request_id)
+                if q is None:
+                    self.unknown_deltas += 1
+                else:
+                    q.put_nowait(delta)
+        elif isinstance(msg, RequestError):
+            q = self._queues.get(msg.request_id)
+            if q is not None:
+                q.put_nowait(msg)
+        else:
+            log.debug("gateway inbox: ignored %s", type(msg).__name__)
+
+    async def handler(self, msg: Message, _raw: Any) -> None:
+        """The Bus subscription callback."""
+        self.dispatch(msg)
+
+
+class RequestHandle:
+    """One submitted request, from publish to its final delta (or abort)."""
+
+    def __init__(
+        self,
+        request_id: str,
+        queue: asyncio.Queue[Item],
+        deadline: float,
+        timeout_s: float,
+        on_close: Callable[[str, bool], None],
+    ) -> None:
+        self.request_id = request_id
+        self.queue = queue
+        self.deadline = deadline  # in loop.time() terms
+        self.timeout_s = timeout_s
+        self.finished = False  # the final delta arrived: nothing to abort
+        self.closed = False
+        self._on_close = on_close
+
+    async def next(self) -> Delta:
+        """The next delta; a RequestError or the deadline raise APIError (the caller closes the
+        handle, which aborts the request)."""
+        try:
+            async with asyncio.timeout_at(self.deadline):
+                item = await self.queue.get()
+        except TimeoutError:
+            raise APIError(
+                504, f"request timed out after {self.timeout_s:g} s", "TimeoutError"
+            ) from None
+        if isinstance(item, RequestError):
+            raise APIError(item.code, item.message, item.type, item.param)
+        if item.finish_reason is not None:
+            self.finished = True
+        return item
+
+    def close(self) -> None:
+        """Idempotent and never awaits, so it is safe in ``finally`` blocks of cancelled
+        tasks; the abort itself is published by a background task."""
+        if self.closed:
+            return
+        self.closed = True
+        self._on_close(self.request_id, self.finished)

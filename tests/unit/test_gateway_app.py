@@ -1,0 +1,114 @@
+"""The gateway app with an in-memory stand-in for the bus (no network): failures of the bus or
+of the code itself become OpenAI-shaped 503/500 answers, and the app keeps serving."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+from fastapi.testclient import TestClient
+
+import services.gateway.app as gateway_app
+from services.gateway.app import create_app
+from shared import subjects
+from shared.config import Settings
+from shared.messages import Delta, DeltaBatch, GenerateRequest
+
+
+class _Conn:
+    is_connected = True
+
+
+class FakeBus:
+    """Answers every GenerateRequest with one final delta; ``fail_publish`` makes publishing
+    raise as nats-py does when the connection is closed."""
+
+    def __init__(self) -> None:
+        self.nc = _Conn()
+        self.handlers: dict[str, Any] = {}
+        self.published: list[tuple[str, Any]] = []
+        self.fail_publish = False
+
+    async def subscribe(self, subject: str, handler: Any, queue: str = "") -> Any:
+        self.handlers[subject] = handler
+        return None
+
+    async def publish(self, subject: str, msg: Any, headers: Any = None) -> None:
+        if self.fail_publish:
+            raise ConnectionError("nats: connection closed")
+        self.published.append((subject, msg))
+        if isinstance(msg, GenerateRequest):
+            reply = DeltaBatch([Delta(msg.request_id, "ok", 1, "stop", 2, 1)])
+            asyncio.get_running_loop().call_soon(
+                lambda: asyncio.ensure_future(self.handlers[msg.reply_to](reply, None))
+            )
+
+    async def request(self, subject: str, msg: Any, timeout: float = 2.0) -> Any:
+        raise TimeoutError("nats: timeout")
+
+    async def close(self) -> None:
+        pass
+
+
+@pytest.fixture
+def bus() -> FakeBus:
+    return FakeBus()
+
+
+@pytest.fixture
+def http(bus):
+    app = create_app(Settings(served_model_name="m"), bus=bus)  # type: ignore[arg-type]
+    with TestClient(app, raise_server_exceptions=False) as client:
+        yield client
+
+
+BODY = {"model": "m", "prompt": "hi"}
+
+
+def test_served_through_the_bus(http, bus) -> None:
+    r = http.post("/v1/completions", json=BODY)
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["text"] == "ok"
+    assert r.json()["usage"] == {"prompt_tokens": 2, "completion_tokens": 1, "total_tokens": 3}
+    assert [s for s, _ in bus.published] == [subjects.TOKENIZE]  # finished: no Abort
+
+
+def test_publish_failure_is_503(http, bus) -> None:
+    bus.fail_publish = True
+    r = http.post("/v1/completions", json=BODY)
+    assert r.status_code == 503
+    assert r.json()["error"]["type"] == "ServiceUnavailableError"
+    bus.fail_publish = False
+    assert http.post("/v1/completions", json=BODY).status_code == 200
+
+
+def test_disconnected_nats_is_503(http, bus) -> None:
+    bus.nc.is_connected = False
+    try:
+        assert http.post("/v1/chat/completions", json={"messages": []}).status_code == 400
+        r = http.post("/v1/completions", json=BODY)
+        assert r.status_code == 503 and "NATS" in r.json()["error"]["message"]
+        assert http.get("/health").status_code == 503
+    finally:
+        bus.nc.is_connected = True
+
+
+def test_unexpected_errors_are_500_and_the_app_goes_on(http, monkeypatch) -> None:
+    def boom(*args: Any, **kwargs: Any) -> None:
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(gateway_app, "completion_to_generate", boom)
+    r = http.post("/v1/completions", json=BODY)
+    assert r.status_code == 500
+    err = r.json()["error"]
+    assert err["type"] == "InternalServerError" and "boom" in err["message"]
+    monkeypatch.undo()
+    assert http.post("/v1/completions", json=BODY).status_code == 200
+
+
+def test_health_without_scheduler_is_503(http) -> None:
+    r = http.get("/health")
+    assert r.status_code == 503 and "scheduler" in r.json()["error"]["message"]
+    models = http.get("/v1/models").json()["data"]
+    assert [m["id"] for m in models] == ["m"] and "max_model_len" not in models[0]
