@@ -6,11 +6,21 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_NAME = "SmolLM2-135M-Instruct"
+
+
+_QUANT_SUFFIX = re.compile(r"[.-](?:I?Q\d\w*|F16|F32|BF16)$", re.IGNORECASE)
+
+
+def gguf_model_name(path: Path) -> str:
+    """``SmolLM2-135M-Instruct.Q4_1.gguf`` -> ``SmolLM2-135M-Instruct``; dots elsewhere stay
+    (``Qwen2-0.5B.Q8_0.gguf`` -> ``Qwen2-0.5B``)."""
+    return _QUANT_SUFFIX.sub("", path.stem)
 
 
 class ModelNotFoundError(RuntimeError):
@@ -49,12 +59,12 @@ def resolve_model(model: str = "", served_name: str = "") -> ModelSource:
         return ModelSource("gguf", path, served_name or DEFAULT_NAME)
     path = Path(model).expanduser()
     if path.is_file() and path.suffix == ".gguf":
-        return ModelSource("gguf", path, served_name or path.stem.split(".")[0])
+        return ModelSource("gguf", path, served_name or gguf_model_name(path))
     if path.is_dir():
         if not (path / "config.json").is_file():
             ggufs = sorted(path.glob("*.gguf"))
             if ggufs:
-                return ModelSource("gguf", ggufs[0], served_name or ggufs[0].stem.split(".")[0])
+                return ModelSource("gguf", ggufs[0], served_name or gguf_model_name(ggufs[0]))
             raise ModelNotFoundError(f"{path} has no config.json and no .gguf file")
         return ModelSource("hf", path, served_name or path.name)
     raise ModelNotFoundError(

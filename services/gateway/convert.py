@@ -14,7 +14,7 @@ from services.gateway.errors import APIError, validation_error
 from services.gateway.protocol import ChatCompletionRequest, CompletionRequest, SamplingBody
 from shared.config import Settings
 from shared.messages import ChatMessage, GenerateRequest, SamplingParams
-from shared.model_source import DEFAULT_NAME, ModelNotFoundError, resolve_model
+from shared.model_source import DEFAULT_NAME, ModelNotFoundError, gguf_model_name, resolve_model
 
 # vLLM's defaults: completions stop after 16 tokens; chat runs until the context is full,
 # which the tokenizer service computes when it receives max_tokens=0 (it knows the prompt).
@@ -50,7 +50,7 @@ def served_model_name(settings: Settings) -> str:
         if not settings.model:
             return DEFAULT_NAME
         path = Path(settings.model)
-        return path.stem.split(".")[0] if path.suffix == ".gguf" else path.name
+        return gguf_model_name(path) if path.suffix == ".gguf" else path.name
 
 
 def check_model(requested: str | None, served: str) -> str:
