@@ -1,0 +1,283 @@
+"""Plain-PyTorch reference kernels: the CPU path of kvflow (a Triton port will sit beside them).
+
+Pure functions of tensors. Besides being correct, they are *batch invariant*: the result for one
+token row never depends on which other rows share the step. fp32 GEMMs on CPU are not (MKL picks
+kernels, K-blocking and thread splits from the matrix shape, so a row's bits change with M), and
+greedy decoding must not change when requests are batched together. So:
+
+* ``linear`` runs the rows of single-token sequences in fixed-size tiles (always the same GEMM
+  shape, whatever the batch size) and each multi-token sequence as its own GEMM;
+* decode attention splits every context into fixed-size key chunks, so each GEMM has a fixed
+  shape, padded chunks add exact zeros, and chunk partials are summed in a fixed order;
+* ``silu_and_mul`` is written with ``exp`` (whose vector and scalar paths agreed in our checks),
+  not ``F.silu`` (whose scalar tail path differs in the last bit from its vector body).
+
+The batch-invariance tests (tests/unit/test_kernels_reference.py, test_runner_tiny.py and the
+SmolLM2 integration test) compare logits bit for bit, so a BLAS or torch change that breaks this
+shows up there.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+# --------------------------------------------------------------------------------------------
+# elementwise / normalisation
+
+
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """RMSNorm with vLLM's fused residual add: with ``residual``, normalise ``x + residual`` and
+    also return that sum (the next residual). Same op order as HF's LlamaRMSNorm."""
+    if residual is not None:
+        x = x + residual
+    xf = x.float()
+    var = xf.pow(2).mean(-1, keepdim=True)
+    out = weight * (xf * torch.rsqrt(var + eps)).to(x.dtype)
+    return out, x
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """``silu(x[..., :d]) * x[..., d:]`` for the fused gate/up projection output."""
+    d = x.shape[-1] // 2
+    gate, up = x[..., :d], x[..., d:]
+    return gate / (1.0 + torch.exp(-gate)) * up
+
+
+def build_cos_sin_cache(
+    head_dim: int, max_position: int, base: float, dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
+    """``[max_position, head_dim]``: cos of the half-dim frequencies, then sin. Computed exactly
+    as HF's LlamaRotaryEmbedding does (fp32 ``position * inv_freq``), so the bits agree."""
+    inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))
+    freqs = torch.arange(max_position, dtype=torch.float)[:, None] * inv_freq[None, :]
+    return torch.cat([freqs.cos(), freqs.sin()], dim=-1).to(dtype)
+
+
+def rotary_embedding(
+    positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_sin_cache: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotate ``q`` [T, H, D] and ``k`` [T, Hkv, D] (HF Llama "rotate_half", not interleaved)."""
+    half = cos_sin_cache.shape[-1] // 2
+    cs = cos_sin_cache[positions]
+    cos, sin = cs[:, None, :half], cs[:, None, half:]
+
+    def rot(x: torch.Tensor) -> torch.Tensor:
+        x1, x2 = x[..., :half], x[..., half:]
+        return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+
+    return rot(q), rot(k)
+
+
+# --------------------------------------------------------------------------------------------
+# linear layers
+
+
+@dataclass(frozen=True)
+class RowLayout:
+    """How a step's rows go through GEMMs: rows ``[0, num_single)`` belong to single-token
+    sequences and run in tiles of exactly ``tile`` rows (zero-padded); each ``segments`` range is
+    one multi-token sequence and runs as its own GEMM. Either way a row's result depends only on
+    its own sequence, never on the rest of the batch."""
+
+    num_single: int
+    segments: tuple[tuple[int, int], ...] = ()
+    tile: int = 16
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, layout: RowLayout | None = None) -> torch.Tensor:
+    """``x @ weight.T`` ([T, K] -> [T, N]), batch invariant when a ``layout`` is given."""
+    if layout is None:
+        return F.linear(x, weight)
+    parts = []
+    ns, tile = layout.num_single, layout.tile
+    if ns:
+        xs = x[:ns]
+        pad = -ns % tile
+        if pad:
+            xs = torch.cat([xs, xs.new_zeros(pad, xs.shape[1])])
+        for s in range(0, xs.shape[0], tile):
+            parts.append(F.linear(xs[s : s + tile], weight))
+        if pad:
+            parts[-1] = parts[-1][: tile - pad]
+    for a, b in layout.segments:
+        parts.append(F.linear(x[a:b], weight))
+    if not parts:
+        return x.new_empty(0, weight.shape[0])
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+
+# --------------------------------------------------------------------------------------------
+# paged KV cache
+
+
+def write_kv_cache(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Store ``k``/``v`` [T, Hkv, D] into caches [num_blocks, block_size, Hkv, D] at flat slots
+    ``block_id * block_size + offset``; rows whose slot is -1 (padding) are skipped."""
+    kf = k_cache.view(-1, *k_cache.shape[2:])
+    vf = v_cache.view(-1, *v_cache.shape[2:])
+    keep = slot_mapping >= 0
+    if bool(keep.all()):
+        kf.index_copy_(0, slot_mapping, k.to(kf.dtype))
+        vf.index_copy_(0, slot_mapping, v.to(vf.dtype))
+    else:
+        idx = slot_mapping[keep]
+        kf.index_copy_(0, idx, k[keep].to(kf.dtype))
+        vf.index_copy_(0, idx, v[keep].to(vf.dtype))
+
+
+def context_slots(block_table: torch.Tensor, length: int, block_size: int) -> torch.Tensor:
+    """Flat cache slots of positions ``0..length-1`` of one sequence."""
+    pos = torch.arange(length)
+    return block_table[pos // block_size].long() * block_size + pos % block_size
+
+
+@dataclass
+class AttentionPlan:
+    """Index work for ``paged_attention`` done once per step instead of once per layer."""
+
+    decode_rows: torch.Tensor  # [Bd] q rows of sequences with one new token
+    decode_blocks: torch.Tensor  # [Bd, Lp // block_size] block ids (pads: own first block)
+    decode_valid: torch.Tensor  # [Bd, Lp] bool: position < seq_len; Lp a multiple of kv_chunk
+    decode_pad_rows: torch.Tensor  # flat [Bd*Lp] indices of the invalid positions
+    prefills: list[tuple[int, int, torch.Tensor]]  # (row_start, row_end, slots of the context)
+    kv_chunk: int  # keys per attention chunk, a multiple of the block size
+    # gather buffers shared by the layers of one step: tens of MB that malloc would otherwise
+    # map and page-fault afresh in every layer
+    scratch: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    def buffer(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        buf = self.scratch.get(name)
+        if buf is None or buf.shape != shape or buf.dtype != dtype:
+            buf = self.scratch[name] = torch.empty(shape, dtype=dtype)
+        return buf
+
+
+def plan_attention(
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_lens: torch.Tensor,
+    block_size: int,
+    kv_chunk: int = 128,
+) -> AttentionPlan:
+    """Precompute gathers for ``paged_attention`` (block_tables [B, max_blocks], padded with
+    anything; seq_lens/query_lens [B]). ``kv_chunk`` is rounded up to whole blocks."""
+    sl, ql = seq_lens.tolist(), query_lens.tolist()
+    starts = [0]
+    for n in ql:
+        starts.append(starts[-1] + n)
+    dec = [i for i, n in enumerate(ql) if n == 1]
+    prefills = [
+        (starts[i], starts[i + 1], context_slots(block_tables[i], sl[i], block_size))
+        for i, n in enumerate(ql)
+        if n > 1
+    ]
+    c = -(-kv_chunk // block_size) * block_size
+    lp = -(-max([sl[i] for i in dec], default=1) // c) * c
+    lens = seq_lens[dec]
+    tables = block_tables[dec].long()
+    nb = lp // block_size
+    if tables.shape[1] < nb:
+        tables = torch.cat([tables, tables[:, :1].expand(-1, nb - tables.shape[1])], dim=1)
+    used = torch.arange(nb)[None, :] < (lens[:, None] + block_size - 1) // block_size
+    valid = torch.arange(lp)[None, :] < lens[:, None]
+    return AttentionPlan(
+        decode_rows=torch.tensor([starts[i] for i in dec], dtype=torch.long),
+        decode_blocks=torch.where(used, tables[:, :nb], tables[:, :1]),
+        decode_valid=valid,
+        decode_pad_rows=(~valid).view(-1).nonzero().view(-1),
+        prefills=prefills,
+        kv_chunk=c,
+    )
+
+
+def _decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    plan: AttentionPlan,
+    scale: float,
+) -> torch.Tensor:
+    """One new token per sequence, all sequences at once, in fixed-size key chunks: every GEMM
+    is [G, D] x [D, c] or [G, c] x [c, D] whatever the batch, padded keys get probability 0
+    (exact zeros in every sum), and chunk partials are added in a fixed order."""
+    bd, h, d = q.shape
+    hkv, c = k_cache.shape[2], plan.kv_chunk
+    g, nch = h // hkv, plan.decode_valid.shape[1] // c
+    blocks = plan.decode_blocks.view(-1)
+    shape = (blocks.numel(), *k_cache.shape[1:])
+    k = torch.index_select(k_cache, 0, blocks, out=plan.buffer("k", shape, k_cache.dtype))
+    v = torch.index_select(v_cache, 0, blocks, out=plan.buffer("v", shape, v_cache.dtype))
+    k, v = k.view(bd * nch, c, hkv, d), v.view(bd * nch, c, hkv, d)  # whole-block gathers
+    v.view(-1, hkv * d).index_fill_(0, plan.decode_pad_rows, 0.0)  # stale slots: 0 * v must be 0
+    qs = (q * scale).view(bd, 1, hkv, g, d).expand(bd, nch, hkv, g, d).reshape(bd * nch, hkv, g, d)
+    # per KV head, K/V are strided views [bd*nch, c, D]: no copy into a head-major layout
+    s = torch.stack([torch.bmm(qs[:, j], k[:, :, j].transpose(1, 2)) for j in range(hkv)], 1)
+    valid = plan.decode_valid.view(bd, nch, 1, 1, c)
+    s = torch.where(valid, s.view(bd, nch, hkv, g, c), float("-inf"))
+    p = torch.exp(s - s.amax(dim=(1, 4), keepdim=True)).view(bd * nch, hkv, g, c)
+    lsum = p.sum(-1).view(bd, nch, hkv, g, 1)
+    o = torch.stack([torch.bmm(p[:, j], v[:, :, j]) for j in range(hkv)], 1)
+    o = o.view(bd, nch, hkv, g, d)
+    acc, den = o[:, 0], lsum[:, 0]
+    for j in range(1, nch):  # fixed order; all-padding chunks add exact zeros
+        acc, den = acc + o[:, j], den + lsum[:, j]
+    return (acc / den).reshape(bd, h, d)
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor | None,
+    seq_lens: torch.Tensor | None,
+    query_lens: torch.Tensor | None,
+    scale: float,
+    plan: AttentionPlan | None = None,
+) -> torch.Tensor:
+    """Causal attention of a varlen batch over a paged KV cache.
+
+    ``q`` [total_new_tokens, H, D] holds the sequences' new tokens back to back; sequence i's
+    ``query_lens[i]`` tokens are the last ones of its ``seq_lens[i]`` (their K/V already written),
+    so prefill, chunked prefill and decode are the same call. Any H / Hkv ratio (GQA). Sequences
+    with one new token are batched together; longer ones use one SDPA call each. A ``plan`` from
+    ``plan_attention`` replaces the three metadata tensors (pass None for them)."""
+    hkv, d = k_cache.shape[2], k_cache.shape[3]
+    if plan is None:
+        assert block_tables is not None and seq_lens is not None and query_lens is not None
+        plan = plan_attention(block_tables, seq_lens, query_lens, k_cache.shape[1])
+    kf, vf = k_cache.view(-1, hkv, d), v_cache.view(-1, hkv, d)
+    out = torch.empty_like(q)
+    if plan.decode_rows.numel():
+        out[plan.decode_rows] = _decode_attention(
+            q[plan.decode_rows], k_cache, v_cache, plan, scale
+        )
+    for a, b, slots in plan.prefills:
+        qs = q[a:b].transpose(0, 1)[None]
+        k = kf[slots].transpose(0, 1)[None]
+        v = vf[slots].transpose(0, 1)[None]
+        nq, nk = b - a, slots.numel()
+        mask = None
+        if nq != nk:  # new tokens continue a cached prefix: bottom-right aligned causal mask
+            mask = torch.ones(nq, nk, dtype=torch.bool).tril(nk - nq)
+        o = F.scaled_dot_product_attention(
+            qs,
+            k,
+            v,
+            attn_mask=mask,
+            is_causal=mask is None,
+            scale=scale,
+            enable_gqa=hkv != q.shape[1],
+        )
+        out[a:b] = o[0].transpose(0, 1)
+    return out

@@ -1,0 +1,120 @@
+"""Llama forward pass over a flat, varlen batch of tokens with a paged KV cache (CPU, fp32).
+
+The step's tokens are one flat [T] batch (no padding between sequences). Q/K/V and gate/up are
+fused into one GEMM each, as in vLLM. Logits are computed only for the rows that sample.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kernels import reference as K
+from shared.model_loader import ModelConfig
+
+
+@dataclass
+class ForwardBatch:
+    """Everything one forward pass needs besides the token ids and positions."""
+
+    slot_mapping: torch.Tensor  # [T] cache slot of each token (-1: do not write)
+    attn: K.AttentionPlan  # gathers for paged attention
+    rows: K.RowLayout | None  # how rows go through GEMMs (None: one plain GEMM)
+    sample_rows: torch.Tensor  # [S] indices into T whose logits are wanted
+
+
+class LlamaModel(torch.nn.Module):
+    """HF-Llama-compatible decoder built from a ``ModelConfig`` and HF-named weights."""
+
+    def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor]) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.scale = cfg.head_dim**-0.5
+        self.q_size = cfg.num_heads * cfg.head_dim
+        self.kv_size = cfg.num_kv_heads * cfg.head_dim
+        self.embed = weights["model.embed_tokens.weight"]
+        self.lm_head = self.embed if cfg.tie_word_embeddings else weights["lm_head.weight"]
+        self.norm = weights["model.norm.weight"]
+        self.layers: list[dict[str, torch.Tensor]] = []
+        for i in range(cfg.num_layers):
+            p = f"model.layers.{i}."
+            w = {n: weights[p + n + ".weight"] for n in _LAYER_NAMES}
+            self.layers.append(
+                {
+                    "in_norm": w["input_layernorm"],
+                    "post_norm": w["post_attention_layernorm"],
+                    "qkv": torch.cat(
+                        [w["self_attn.q_proj"], w["self_attn.k_proj"], w["self_attn.v_proj"]]
+                    ),
+                    "o": w["self_attn.o_proj"],
+                    "gate_up": torch.cat([w["mlp.gate_proj"], w["mlp.up_proj"]]),
+                    "down": w["mlp.down_proj"],
+                }
+            )
+        self.cos_sin = K.build_cos_sin_cache(
+            cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, self.embed.dtype
+        )
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed.dtype
+
+    def make_kv_caches(
+        self, num_blocks: int, block_size: int
+    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """One (k, v) pair per layer, each [num_blocks, block_size, Hkv, D], zero filled (so
+        padded gathers never meet NaNs)."""
+        shape = (num_blocks, block_size, self.cfg.num_kv_heads, self.cfg.head_dim)
+        return [
+            (torch.zeros(shape, dtype=self.dtype), torch.zeros(shape, dtype=self.dtype))
+            for _ in range(self.cfg.num_layers)
+        ]
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        batch: ForwardBatch,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+    ) -> torch.Tensor:
+        """Run ``input_ids`` [T] at ``positions`` [T]; returns logits [S, vocab] (fp32) for
+        ``batch.sample_rows`` only."""
+        cfg, rows = self.cfg, batch.rows
+        t = input_ids.shape[0]
+        h = self.embed[input_ids]
+        residual: torch.Tensor | None = None
+        for layer, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):
+            x, residual = K.rms_norm(h, layer["in_norm"], cfg.rms_norm_eps, residual)
+            qkv = K.linear(x, layer["qkv"], rows)
+            q = qkv[:, : self.q_size].view(t, cfg.num_heads, cfg.head_dim)
+            k = qkv[:, self.q_size : self.q_size + self.kv_size].view(
+                t, cfg.num_kv_heads, cfg.head_dim
+            )
+            v = qkv[:, self.q_size + self.kv_size :].view(t, cfg.num_kv_heads, cfg.head_dim)
+            q, k = K.rotary_embedding(positions, q, k, self.cos_sin)
+            K.write_kv_cache(k, v, k_cache, v_cache, batch.slot_mapping)
+            o = K.paged_attention(
+                q, k_cache, v_cache, None, None, None, self.scale, plan=batch.attn
+            )
+            h = K.linear(o.reshape(t, self.q_size), layer["o"], rows)
+            x, residual = K.rms_norm(h, layer["post_norm"], cfg.rms_norm_eps, residual)
+            h = K.linear(K.silu_and_mul(K.linear(x, layer["gate_up"], rows)), layer["down"], rows)
+        s = batch.sample_rows
+        x, _ = K.rms_norm(h[s], self.norm, cfg.rms_norm_eps, residual[s])
+        head_rows = None if rows is None else K.RowLayout(s.numel(), (), rows.tile)
+        return K.linear(x, self.lm_head, head_rows).float()
+
+
+_LAYER_NAMES = (
+    "input_layernorm",
+    "post_attention_layernorm",
+    "self_attn.q_proj",
+    "self_attn.k_proj",
+    "self_attn.v_proj",
+    "self_attn.o_proj",
+    "mlp.gate_proj",
+    "mlp.up_proj",
+    "mlp.down_proj",
+)

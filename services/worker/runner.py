@@ -1,0 +1,261 @@
+"""Executes StepPlans: keeps per-request sampling state and the paged KV cache, runs the model on
+the step's tokens and samples the sequences whose chunk reaches their last known token.
+
+Rows of single-token sequences (decode) go first and run in fixed-size GEMM tiles, each longer
+chunk runs as its own GEMM (see kernels/reference.py): a sequence's logits are bit-identical
+whatever else is in the step, so batching never changes greedy output.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from kernels import reference as K
+from services.worker import sampler
+from services.worker.model import ForwardBatch, LlamaModel
+from shared.messages import (
+    FinishReason,
+    NewRequest,
+    SamplingParams,
+    ScheduledSeq,
+    StepPlan,
+    StepResult,
+)
+from shared.model_loader import ModelConfig, load_config, load_weights
+from shared.model_source import ModelSource
+
+log = logging.getLogger("kvflow.worker")
+
+
+@dataclass
+class RequestState:
+    """What the worker keeps for a live request (see NewRequest)."""
+
+    params: SamplingParams
+    prompt_len: int
+    num_output_tokens: int
+    eos_token_ids: frozenset[int]
+    stop_token_ids: frozenset[int]
+    generator: torch.Generator | None
+    penalized: bool
+    # token ids this worker computed at positions < prompt_len / >= prompt_len, kept only for
+    # penalties (prompt tokens served from a prefix cache are not seen here)
+    prompt_tokens: list[int] = field(default_factory=list)
+    output_tokens: list[int] = field(default_factory=list)
+
+
+class ModelRunner:
+    """One worker's model, KV cache and request state; ``execute`` runs one StepPlan."""
+
+    def __init__(
+        self,
+        src: ModelSource | None,
+        block_size: int,
+        num_blocks: int | None = None,
+        kv_cache_gib: float = 1.0,
+        dtype: torch.dtype = torch.float32,
+        worker_id: str = "w0",
+        max_model_len: int | None = None,
+        *,
+        config: ModelConfig | None = None,
+        weights: dict[str, torch.Tensor] | None = None,
+        decode_tile: int = 16,
+    ) -> None:
+        t0 = time.perf_counter()
+        if config is None or weights is None:
+            if src is None:
+                raise ValueError("ModelRunner needs a ModelSource or config + weights")
+            log.info("loading model %s from %s", src.name, src.path)
+            config = load_config(src)
+            weights = load_weights(src, config, dtype)
+        self.model = LlamaModel(config, weights)
+        self.worker_id = worker_id
+        self.decode_tile = decode_tile
+        self._block_size = block_size
+        cfg = config
+        per_block = 2 * cfg.num_layers * block_size * cfg.num_kv_heads * cfg.head_dim
+        per_block *= torch.finfo(self.model.dtype).bits // 8
+        self._num_blocks = num_blocks or max(1, int(kv_cache_gib * 2**30) // per_block)
+        log.info("allocating KV cache: %.2f GiB", self._num_blocks * per_block / 2**30)
+        self.kv_caches = self.model.make_kv_caches(self._num_blocks, block_size)
+        limit = min(cfg.max_position_embeddings, self._num_blocks * block_size)
+        self._max_model_len = min(max_model_len, limit) if max_model_len else limit
+        self.requests: dict[str, RequestState] = {}
+        self.total_computed_tokens = 0
+        log.info(
+            "model ready in %.1fs: %d layers, %d KV blocks x %d tokens, max_model_len %d",
+            time.perf_counter() - t0,
+            cfg.num_layers,
+            self._num_blocks,
+            block_size,
+            self._max_model_len,
+        )
+
+    @classmethod
+    def from_weights(
+        cls,
+        config: ModelConfig,
+        weights: dict[str, torch.Tensor],
+        block_size: int,
+        num_blocks: int,
+        **kw,
+    ) -> ModelRunner:
+        """A runner over in-memory weights (tests with tiny random models)."""
+        return cls(None, block_size, num_blocks, config=config, weights=weights, **kw)
+
+    @property
+    def config(self) -> ModelConfig:
+        return self.model.cfg
+
+    @property
+    def num_blocks(self) -> int:
+        return self._num_blocks
+
+    @property
+    def block_size(self) -> int:
+        return self._block_size
+
+    @property
+    def max_model_len(self) -> int:
+        return self._max_model_len
+
+    # ----------------------------------------------------------------------------------------
+
+    def execute(self, plan: StepPlan) -> StepResult:
+        """Run one step; never raises (errors come back in ``StepResult.error``)."""
+        t0 = time.perf_counter()
+        try:
+            with torch.inference_mode():
+                ids, tokens, reasons, n = self._execute(plan)
+            err = None
+        except Exception as e:  # noqa: BLE001 - the worker loop must survive a bad step
+            log.exception("step %d failed", plan.step_id)
+            ids, tokens, reasons, n, err = [], [], [], 0, f"{type(e).__name__}: {e}"
+        return StepResult(
+            worker_id=self.worker_id,
+            step_id=plan.step_id,
+            request_ids=ids,
+            token_ids=tokens,
+            finish_reasons=reasons,
+            num_computed_tokens=n,
+            step_time_s=time.perf_counter() - t0,
+            error=err,
+        )
+
+    def _add_request(self, r: NewRequest) -> None:
+        p = r.params
+        gen = None
+        if p.seed is not None:
+            gen = torch.Generator().manual_seed(int(p.seed))
+        eos = r.eos_token_ids or list(self.config.eos_token_ids)
+        self.requests[r.request_id] = RequestState(
+            params=p,
+            prompt_len=r.prompt_len,
+            num_output_tokens=r.num_output_tokens,
+            eos_token_ids=frozenset(eos),
+            stop_token_ids=frozenset(p.stop_token_ids),
+            generator=gen,
+            penalized=bool(
+                p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0
+            ),
+        )
+
+    def _execute(self, plan: StepPlan) -> tuple[list[str], list[int], list[int], int]:
+        for rid in plan.finished_request_ids:
+            self.requests.pop(rid, None)
+        for r in plan.new_requests:
+            self._add_request(r)
+        if not plan.seqs:
+            return [], [], [], 0
+        bs = self._block_size
+        # single-token sequences first (tiled GEMM rows), then one segment per longer chunk
+        order = sorted(range(len(plan.seqs)), key=lambda i: len(plan.seqs[i].token_ids) > 1)
+        seqs = [plan.seqs[i] for i in order]
+        ids: list[int] = []
+        pos: list[int] = []
+        slots: list[int] = []
+        sample_rows: list[int] = []
+        segments: list[tuple[int, int]] = []
+        for s in seqs:
+            n = len(s.token_ids)
+            if n == 0:
+                raise ValueError(f"{s.request_id}: empty chunk")
+            end = s.start_pos + n
+            used = s.block_table[: -(-end // bs)]
+            if len(used) * bs < end or min(used) < 0 or max(used) >= self._num_blocks:
+                raise ValueError(f"{s.request_id}: bad block table for {end} tokens: {used}")
+            if end > self.config.max_position_embeddings:
+                raise ValueError(f"{s.request_id}: {end} tokens exceed the model's positions")
+            if s.sample and s.request_id not in self.requests:
+                raise KeyError(f"{s.request_id}: unknown request (no NewRequest)")
+            start_row = len(ids)
+            ids += s.token_ids
+            for p in range(s.start_pos, end):
+                slots.append(s.block_table[p // bs] * bs + p % bs)
+            pos += range(s.start_pos, end)
+            if n > 1:
+                segments.append((start_row, len(ids)))
+            if s.sample:
+                sample_rows.append(len(ids) - 1)
+            st = self.requests.get(s.request_id)
+            if st is not None and st.penalized:
+                for p, tok in zip(range(s.start_pos, end), s.token_ids, strict=True):
+                    (st.prompt_tokens if p < st.prompt_len else st.output_tokens).append(tok)
+        max_blocks = max(len(s.block_table) for s in seqs)
+        tables = torch.tensor(
+            [s.block_table + [0] * (max_blocks - len(s.block_table)) for s in seqs]
+        )
+        qlens = torch.tensor([len(s.token_ids) for s in seqs])
+        seq_lens = torch.tensor([s.start_pos + len(s.token_ids) for s in seqs])
+        num_single = len(seqs) - len(segments)
+        batch = ForwardBatch(
+            slot_mapping=torch.tensor(slots),
+            attn=K.plan_attention(tables, seq_lens, qlens, bs),
+            rows=K.RowLayout(num_single, tuple(segments), self.decode_tile)
+            if self.decode_tile
+            else None,
+            sample_rows=torch.tensor(sample_rows, dtype=torch.long),
+        )
+        n_tokens = len(ids)
+        logits = self.model(torch.tensor(ids), torch.tensor(pos), batch, self.kv_caches)
+        self.total_computed_tokens += n_tokens
+        sampled = [s for s in seqs if s.sample]
+        tokens = self._sample(logits, sampled).tolist() if sampled else []
+        by_id = dict(zip([s.request_id for s in sampled], tokens, strict=True))
+        out_ids, out_tokens, reasons = [], [], []
+        for s in plan.seqs:  # results in the plan's order
+            if s.sample:
+                tok = by_id[s.request_id]
+                out_ids.append(s.request_id)
+                out_tokens.append(tok)
+                reasons.append(int(self._finish(self.requests[s.request_id], tok)))
+        return out_ids, out_tokens, reasons, n_tokens
+
+    def _sample(self, logits: torch.Tensor, sampled: list[ScheduledSeq]) -> torch.Tensor:
+        """Penalties and min_tokens masks per row, then one batched draw."""
+        states = [self.requests[s.request_id] for s in sampled]
+        for row, st in enumerate(states):
+            if st.penalized:
+                sampler.apply_penalties(logits, row, st.params, st.prompt_tokens, st.output_tokens)
+            if st.num_output_tokens < st.params.min_tokens:
+                stops = set(st.stop_token_ids)
+                if not st.params.ignore_eos:
+                    stops |= st.eos_token_ids
+                sampler.suppress_tokens(logits, row, sorted(stops))
+        batch = sampler.make_batch([st.params for st in states], [st.generator for st in states])
+        return sampler.sample(logits, batch)
+
+    def _finish(self, st: RequestState, token: int) -> FinishReason:
+        """Count the new token and say whether the request ends with it."""
+        st.num_output_tokens += 1
+        n, p = st.num_output_tokens, st.params
+        is_stop = token in st.stop_token_ids or (not p.ignore_eos and token in st.eos_token_ids)
+        if is_stop and n >= p.min_tokens:
+            return FinishReason.STOP
+        if n >= p.max_tokens or st.prompt_len + n >= self._max_model_len:
+            return FinishReason.LENGTH
+        return FinishReason.NONE

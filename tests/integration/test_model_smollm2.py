@@ -1,0 +1,132 @@
+"""The real default model (SmolLM2-135M-Instruct, Q4_1 GGUF): our dequantized weights equal
+transformers' GGUF loader tensor for tensor, and ModelRunner's greedy output equals HF
+``generate`` token for token, one prompt at a time and all prompts batched in the same steps."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from services.worker.runner import ModelRunner
+from shared.messages import FinishReason, NewRequest, SamplingParams, ScheduledSeq, StepPlan
+from shared.model_loader import load_config, load_weights
+from shared.model_source import ModelNotFoundError, load_tokenizer, resolve_model
+
+NEW_TOKENS = 32
+BLOCK = 16
+QUESTIONS = [
+    "Write a haiku about the sea.",
+    "Tell me a story about a dragon.",
+    "What are the benefits of exercise?",
+    "What is the capital of France?",  # answers in 8 tokens, the last one EOS
+]
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    try:
+        src = resolve_model()
+    except ModelNotFoundError as e:
+        pytest.skip(str(e))
+    from transformers import AutoModelForCausalLM
+
+    cfg = load_config(src)
+    weights = load_weights(src, cfg)
+    hf = AutoModelForCausalLM.from_pretrained(
+        src.directory, gguf_file=src.path.name, dtype=torch.float32
+    ).eval()
+    tok = load_tokenizer(src)
+    prompts = []
+    for q in QUESTIONS:
+        enc = tok.apply_chat_template(
+            [{"role": "user", "content": q}], add_generation_prompt=True, return_dict=True
+        )
+        prompts.append(list(enc["input_ids"]))
+    with torch.no_grad():
+        want = [
+            hf.generate(
+                torch.tensor([p]), do_sample=False, max_new_tokens=NEW_TOKENS, pad_token_id=2
+            )[0, len(p) :].tolist()
+            for p in prompts
+        ]
+    runner = ModelRunner.from_weights(cfg, weights, BLOCK, num_blocks=64)
+    return {
+        "src": src,
+        "cfg": cfg,
+        "weights": weights,
+        "hf": hf,
+        "prompts": prompts,
+        "want": want,
+        "runner": runner,
+    }
+
+
+def generate(
+    runner: ModelRunner, prompts: list[list[int]]
+) -> tuple[list[list[int]], list[list[torch.Tensor]]]:
+    """Greedy generation of all ``prompts`` in the same steps until each stops; returns the
+    tokens and the logits each token was picked from."""
+    step = runner.total_computed_tokens  # any increasing id will do
+    rids = [f"s{step}-{i}" for i in range(len(prompts))]
+    tables, live = {}, {}
+    outs: dict[str, list[int]] = {r: [] for r in rids}
+    logits: dict[str, list[torch.Tensor]] = {r: [] for r in rids}
+    new = []
+    for i, (rid, p) in enumerate(zip(rids, prompts, strict=True)):
+        n_blocks = -(-(len(p) + NEW_TOKENS) // BLOCK)
+        tables[rid] = list(range(16 * i, 16 * i + n_blocks))[::-1]  # descending block ids
+        live[rid] = list(p)
+        new.append(NewRequest(rid, SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0), len(p)))
+    sample = runner._sample
+
+    def spy(step_logits: torch.Tensor, sampled: list[ScheduledSeq]) -> torch.Tensor:
+        for row, s in enumerate(sampled):
+            logits[s.request_id].append(step_logits[row].clone())
+        return sample(step_logits, sampled)
+
+    runner._sample = spy
+    pos = dict.fromkeys(live, 0)
+    try:
+        while live:
+            seqs = [ScheduledSeq(r, t[pos[r] :], pos[r], tables[r]) for r, t in live.items()]
+            res = runner.execute(StepPlan(step, seqs, new))
+            assert res.error is None, res.error
+            step, new = step + 1, []
+            for r, tok, fr in zip(res.request_ids, res.token_ids, res.finish_reasons, strict=True):
+                pos[r] = len(live[r])
+                live[r].append(tok)
+                outs[r].append(tok)
+                if fr != FinishReason.NONE:
+                    assert fr == (FinishReason.STOP if tok == 2 else FinishReason.LENGTH)
+                    del live[r]
+    finally:
+        del runner._sample
+    return [outs[r] for r in rids], [logits[r] for r in rids]
+
+
+def test_weights_equal_transformers_gguf_loader(smollm2) -> None:
+    ours, theirs = smollm2["weights"], smollm2["hf"].state_dict()
+    assert set(ours) == set(theirs) - {"lm_head.weight"}  # tied to the embedding
+    for name, w in ours.items():
+        assert w.dtype == torch.float32 and torch.equal(w, theirs[name]), name
+    cfg = smollm2["cfg"]
+    assert (cfg.num_layers, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim) == (30, 9, 3, 64)
+    assert cfg.eos_token_ids == (2,) and cfg.tie_word_embeddings
+
+
+def test_greedy_matches_hf_alone_and_batched_bitwise(smollm2) -> None:
+    runner, want = smollm2["runner"], smollm2["want"]
+    assert [len(w) for w in want] == [NEW_TOKENS] * 3 + [8] and want[3][-1] == 2
+    alone_logits = []
+    for i, p in enumerate(smollm2["prompts"]):
+        tokens, logits = generate(runner, [p])
+        assert tokens == [want[i]]
+        alone_logits += logits
+    tokens, batched_logits = generate(runner, smollm2["prompts"])
+    assert tokens == want
+    # batching changes no bit of any sequence's logits, not only its argmax
+    for alone, batched in zip(alone_logits, batched_logits, strict=True):
+        assert all(torch.equal(a, b) for a, b in zip(alone, batched, strict=True))

@@ -1,0 +1,149 @@
+"""Reference kernels against straightforward formulas, HF's own Llama pieces and a naive dense
+causal attention; plus the bitwise batch invariance the worker relies on."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+import torch.nn.functional as F
+from transformers.models.llama.modeling_llama import (
+    LlamaConfig,
+    LlamaRMSNorm,
+    LlamaRotaryEmbedding,
+    apply_rotary_pos_emb,
+)
+
+from kernels import reference as K
+
+D = 16
+BS = 5  # block size deliberately not a power of two
+
+
+def naive_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """q [nq, H, D] are the last nq of the nk positions in k/v [nk, Hkv, D]; fp64, dense."""
+    nq, h, _ = q.shape
+    nk, hkv, _ = k.shape
+    rep = h // hkv
+    k, v = k.double().repeat_interleave(rep, 1), v.double().repeat_interleave(rep, 1)
+    s = torch.einsum("qhd,khd->hqk", q.double(), k) * D**-0.5
+    allowed = torch.arange(nk)[None, :] <= torch.arange(nk - nq, nk)[:, None]
+    s = s.masked_fill(~allowed, float("-inf"))
+    return torch.einsum("hqk,khd->qhd", s.softmax(-1), v).float()
+
+
+def run_paged(
+    seqs: list[tuple[int, int]], h: int, hkv: int, seed: int = 0, kv_chunk: int = 128
+) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """Write K/V of sequences (seq_len, query_len) into a paged cache through shuffled block
+    tables, run paged_attention, and return it with the naive answers."""
+    g = torch.Generator().manual_seed(seed)
+    num_blocks = sum(-(-n // BS) for n, _ in seqs) + 3
+    kc, vc = torch.zeros(num_blocks, BS, hkv, D), torch.zeros(num_blocks, BS, hkv, D)
+    free = list(range(num_blocks))
+    random.Random(seed).shuffle(free)
+    tables, qs, refs = [], [], []
+    for n, nq in seqs:
+        table = [free.pop() for _ in range(-(-n // BS))]
+        k, v = torch.randn(n, hkv, D, generator=g), torch.randn(n, hkv, D, generator=g)
+        slots = K.context_slots(torch.tensor(table), n, BS)
+        K.write_kv_cache(k, v, kc, vc, slots)
+        q = torch.randn(nq, h, D, generator=g)
+        tables.append(table)
+        qs.append(q)
+        refs.append(naive_attention(q, k, v))
+    width = max(len(t) for t in tables)
+    bt = torch.tensor([t + [-1] * (width - len(t)) for t in tables])
+    seq_lens = torch.tensor([n for n, _ in seqs])
+    query_lens = torch.tensor([nq for _, nq in seqs])
+    plan = K.plan_attention(bt, seq_lens, query_lens, BS, kv_chunk)
+    out = K.paged_attention(torch.cat(qs), kc, vc, None, None, None, D**-0.5, plan=plan)
+    return out, refs
+
+
+CASES = {
+    "context_of_one": [(1, 1)],
+    "prefill_odd_lengths": [(7, 7), (13, 13), (1, 1)],
+    "chunked_prefill_on_cached_prefix": [(23, 9), (11, 4)],
+    "decode_mixed_lengths": [(1, 1), (4, 1), (5, 1), (17, 1), (301, 1), (42, 1)],
+    "mixed_batch": [(30, 1), (12, 12), (9, 1), (40, 15), (2, 1)],
+}
+
+
+@pytest.mark.parametrize("ratio", [1, 3, 8])
+@pytest.mark.parametrize("case", list(CASES))
+def test_paged_attention_matches_dense(case: str, ratio: int) -> None:
+    hkv = 2
+    out, refs = run_paged(CASES[case], hkv * ratio, hkv)
+    torch.testing.assert_close(out, torch.cat(refs), rtol=1e-5, atol=1e-5)
+
+
+def test_paged_attention_without_plan() -> None:
+    k = torch.randn(6, 1, D)
+    kc, vc = torch.zeros(4, BS, 1, D), torch.zeros(4, BS, 1, D)
+    K.write_kv_cache(k, k, kc, vc, K.context_slots(torch.tensor([3, 1]), 6, BS))
+    q = torch.randn(2, 2, D)
+    out = K.paged_attention(
+        q, kc, vc, torch.tensor([[3, 1]]), torch.tensor([6]), torch.tensor([2]), D**-0.5
+    )
+    torch.testing.assert_close(out, naive_attention(q, k, k), rtol=1e-5, atol=1e-5)
+
+
+def test_decode_attention_is_bitwise_batch_invariant() -> None:
+    """A sequence's decode output does not change by one bit with other, longer sequences
+    (more key chunks, more padding, larger bmm batches) beside it."""
+    alone, _ = run_paged([(200, 1)], 6, 2, seed=3, kv_chunk=32)
+    for others in ([(5, 1)], [(700, 1), (3, 1), (64, 1)], [(1, 1)] * 9):
+        together, _ = run_paged([(200, 1)] + others, 6, 2, seed=3, kv_chunk=32)
+        assert torch.equal(together[:1], alone)
+
+
+def test_write_kv_cache_skips_minus_one() -> None:
+    kc, vc = torch.zeros(3, 2, 1, 2), torch.zeros(3, 2, 1, 2)
+    k = torch.arange(8.0).view(4, 1, 2)
+    K.write_kv_cache(k, -k, kc, vc, torch.tensor([5, -1, 0, -1]))
+    want = torch.zeros(6, 1, 2)
+    want[5], want[0] = k[0], k[2]
+    assert torch.equal(kc.view(6, 1, 2), want)
+    assert torch.equal(vc.view(6, 1, 2), -want)
+
+
+def test_rms_norm_matches_hf_and_fuses_residual() -> None:
+    x, r, w = torch.randn(5, 32), torch.randn(5, 32), torch.randn(32)
+    hf = LlamaRMSNorm(32, eps=1e-5)
+    hf.weight.data.copy_(w)
+    out, res = K.rms_norm(x, w, 1e-5)
+    assert torch.equal(out, hf(x).detach()) and res is x
+    out, res = K.rms_norm(x, w, 1e-5, residual=r)
+    assert torch.equal(res, x + r) and torch.equal(out, hf(x + r).detach())
+
+
+def test_rotary_matches_hf_bitwise() -> None:
+    cfg = LlamaConfig(hidden_size=4 * D, num_attention_heads=4, rope_theta=500.0)
+    pos = torch.tensor([0, 1, 7, 300, 2047])
+    q, k = torch.randn(5, 4, D), torch.randn(5, 2, D)
+    cos, sin = LlamaRotaryEmbedding(cfg)(q, pos[None])
+    hq, hk = apply_rotary_pos_emb(q.transpose(0, 1)[None], k.transpose(0, 1)[None], cos, sin)
+    cache = K.build_cos_sin_cache(D, 2048, 500.0)
+    oq, ok = K.rotary_embedding(pos, q, k, cache)
+    assert torch.equal(oq, hq[0].transpose(0, 1)) and torch.equal(ok, hk[0].transpose(0, 1))
+
+
+def test_silu_and_mul() -> None:
+    x = torch.randn(7, 2 * 48) * 4
+    torch.testing.assert_close(K.silu_and_mul(x), F.silu(x[:, :48]) * x[:, 48:], rtol=1e-6, atol=0)
+
+
+def test_linear_layout_is_batch_invariant_and_correct() -> None:
+    w, x = torch.randn(96, 40), torch.randn(23, 40)
+    full = K.linear(x, w)
+    torch.testing.assert_close(full, x @ w.T, rtol=1e-5, atol=1e-4)
+    layout = K.RowLayout(num_single=11, segments=((11, 15), (15, 23)), tile=4)
+    mixed = K.linear(x, w, layout)
+    torch.testing.assert_close(mixed, full, rtol=1e-5, atol=1e-4)
+    # a single-token row's bits do not depend on how many other single rows there are
+    alone = K.linear(x[:1], w, K.RowLayout(1, (), 4))
+    assert torch.equal(mixed[:1], alone)
+    # a segment's bits do not depend on what else runs
+    assert torch.equal(mixed[15:23], K.linear(x[15:23], w, K.RowLayout(0, ((0, 8),), 4)))

@@ -1,0 +1,111 @@
+"""Sampler: greedy rules, seeded reproducibility independent of the batch, top-k/top-p/min-p
+filtering and penalties, with exact token ids."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from services.worker import sampler
+from shared.messages import SamplingParams
+
+
+def batch(
+    params: list[SamplingParams], seeds: list[int | None] | None = None
+) -> sampler.SamplingBatch:
+    gens = [
+        None if s is None else torch.Generator().manual_seed(s)
+        for s in seeds or [None] * len(params)
+    ]
+    return sampler.make_batch(params, gens)
+
+
+def test_greedy_is_argmax() -> None:
+    logits = torch.randn(6, 1000, generator=torch.Generator().manual_seed(0))
+    out = sampler.sample(logits, batch([SamplingParams(temperature=0.0)] * 6))
+    assert out.tolist() == logits.argmax(-1).tolist()
+
+
+def test_top_k_1_is_greedy_even_when_hot() -> None:
+    logits = torch.randn(4, 500, generator=torch.Generator().manual_seed(1))
+    p = [SamplingParams(temperature=5.0, top_k=1)] * 4
+    for _ in range(5):
+        assert sampler.sample(logits, batch(p)).tolist() == logits.argmax(-1).tolist()
+
+
+def test_greedy_and_random_rows_mix() -> None:
+    logits = torch.randn(3, 300, generator=torch.Generator().manual_seed(2))
+    p = [
+        SamplingParams(temperature=0.0),
+        SamplingParams(temperature=1.0),
+        SamplingParams(temperature=0.0),
+    ]
+    out = sampler.sample(logits, batch(p, [None, 7, None]))
+    assert out[0] == logits[0].argmax() and out[2] == logits[2].argmax()
+
+
+def test_seeded_is_reproducible_and_batch_independent() -> None:
+    g = torch.Generator().manual_seed(3)
+    row = torch.randn(1, 2000, generator=g)
+    others = torch.randn(5, 2000, generator=g)
+    hot = SamplingParams(temperature=1.3, top_p=0.9, top_k=50, seed=42)
+
+    def draws(
+        logits: torch.Tensor, row_idx: int, params: list[SamplingParams], seeds: list
+    ) -> list[int]:
+        b = batch(params, seeds)  # generators live across steps, as in the runner
+        return [int(sampler.sample(logits, b)[row_idx]) for _ in range(20)]
+
+    alone = draws(row, 0, [hot], [42])
+    assert alone == draws(row, 0, [hot], [42])
+    mixed = torch.cat([others[:2], row, others[2:]])
+    params = [SamplingParams(temperature=0.7, seed=9), SamplingParams(temperature=0.0), hot]
+    params += [SamplingParams(temperature=1.0), SamplingParams(temperature=2.0, min_p=0.1, seed=1)]
+    params += [SamplingParams()]
+    assert draws(mixed, 2, params, [9, None, 42, None, 1, None]) == alone
+    assert len(set(alone)) > 1  # really random, not stuck on the argmax
+    assert draws(row, 0, [hot], [43]) != alone
+
+
+def test_top_p_keeps_minimal_nucleus() -> None:
+    probs = torch.tensor([[0.5, 0.3, 0.15, 0.05], [0.5, 0.3, 0.15, 0.05], [0.05, 0.15, 0.3, 0.5]])
+    logits = probs.log()
+    kept = sampler._apply_top_k_top_p(
+        logits, torch.tensor([0, 0, 0]), torch.tensor([0.8, 0.81, 0.5])
+    )
+    assert torch.isfinite(kept).tolist() == [
+        [True, True, False, False],  # 0.5 + 0.3 reaches 0.8
+        [True, True, True, False],  # 0.81 needs the third token
+        [False, False, False, True],  # top token alone has 0.5
+    ]
+
+
+def test_top_p_samples_only_from_nucleus() -> None:
+    logits = torch.tensor([[3.0, 2.9, 0.0, -1.0, -2.0]])
+    seen = set()
+    b = batch([SamplingParams(temperature=1.0, top_p=0.6)], [0])
+    for _ in range(200):
+        seen.add(int(sampler.sample(logits, b)[0]))
+    assert seen == {0, 1}
+
+
+def test_top_k_and_min_p() -> None:
+    logits = torch.log(torch.tensor([[0.4, 0.3, 0.2, 0.1]]))
+    kept = sampler._apply_top_k_top_p(logits, torch.tensor([2]), torch.tensor([1.0]))
+    assert torch.isfinite(kept).tolist() == [[True, True, False, False]]
+    kept = sampler._apply_min_p(logits, torch.tensor([0.45]))  # threshold 0.18 keeps 0.4 .. 0.2
+    assert torch.isfinite(kept).tolist() == [[True, True, True, False]]
+
+
+def test_penalties_and_suppression() -> None:
+    logits = torch.tensor([[2.0, -2.0, 1.0, 0.5]])
+    p = SamplingParams(repetition_penalty=2.0, presence_penalty=0.25, frequency_penalty=0.5)
+    sampler.apply_penalties(logits, 0, p, prompt_token_ids=[0], output_token_ids=[1, 2, 2])
+    want = [1.0, -4.0 - 0.75, 0.5 - 1.25, 0.5]
+    assert torch.allclose(logits[0], torch.tensor(want))
+    sampler.suppress_tokens(logits, 0, [0, 99])
+    assert (
+        logits[0, 0] == -math.inf
+        and sampler.sample(logits, batch([SamplingParams(temperature=0)])) == 3
+    )
