@@ -49,7 +49,9 @@ def percentile(xs: list[float], q: float) -> float:
     return xs[k]
 
 
-async def one_request(client: httpx.AsyncClient, base: str, model: str, prompt: str, max_tokens: int) -> RequestStats:
+async def one_request(
+    client: httpx.AsyncClient, base: str, model: str, prompt: str, max_tokens: int
+) -> RequestStats:
     body = {
         "model": model,
         "prompt": prompt,
