@@ -212,6 +212,9 @@ class SchedulerStats(_Msg, tag=10):
     num_preemptions: int = 0
     model: str = ""
     max_model_len: int = 0
+    num_computed_tokens: int = 0  # tokens run through the model, all workers (prefix hits skip)
+    prefix_cache_queries: int = 0  # full blocks looked up in the prefix cache
+    prefix_cache_hits: int = 0  # of which found
 
 
 Message = (

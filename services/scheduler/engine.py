@@ -22,6 +22,7 @@ class SchedulerCore:
         self.requests: dict[str, Sequence] = {}
         self.workers: dict[str, WorkerScheduler] = {}
         self.num_finished = 0
+        self.num_computed_tokens = 0  # as reported by the workers' StepResults
 
     def add_worker(self, worker_id: str, num_blocks: int, block_size: int) -> WorkerScheduler:
         salt = f"{self.model}|{block_size}".encode()
@@ -64,6 +65,7 @@ class SchedulerCore:
         return True
 
     def on_result(self, result: StepResult) -> StepOutcome:
+        self.num_computed_tokens += result.num_computed_tokens
         ws = self.workers.get(result.worker_id)
         if ws is None:
             return StepOutcome()
@@ -87,6 +89,9 @@ class SchedulerCore:
             num_preemptions=sum(w.num_preemptions for w in self.workers.values()),
             model=self.model,
             max_model_len=self.limits.max_model_len,
+            num_computed_tokens=self.num_computed_tokens,
+            prefix_cache_queries=sum(w.bm.prefix_queries for w in self.workers.values()),
+            prefix_cache_hits=sum(w.bm.prefix_hits for w in self.workers.values()),
         )
 
 

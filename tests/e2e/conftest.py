@@ -3,6 +3,7 @@ and redis-server, every service its own process), on a free port."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -18,26 +19,16 @@ from shared.infra import free_port
 ROOT = Path(__file__).resolve().parents[2]
 
 
-@pytest.fixture(scope="session")
-def stack():
+@contextlib.contextmanager
+def running_stack(name: str, *args: str):
+    """`kvflow serve ARGS` on a free port until the block exits; yields the base URL."""
     port = free_port()
-    log_path = ROOT / ".pytest_cache" / "kvflow-serve.log"
+    log_path = ROOT / ".pytest_cache" / f"kvflow-serve-{name}.log"
     log_path.parent.mkdir(exist_ok=True)
     log = open(log_path, "wb")  # noqa: SIM115 - closed below
-    env = {**os.environ, "KVFLOW_MAX_NUM_SEQS": "32", "KVFLOW_KV_CACHE_MEMORY": "0.5"}
     proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "services.cli",
-            "serve",
-            "--port",
-            str(port),
-            "--max-model-len",
-            "2048",
-        ],
+        [sys.executable, "-m", "services.cli", "serve", "--port", str(port), *args],
         cwd=ROOT,
-        env=env,
         stdout=log,
         stderr=subprocess.STDOUT,
         start_new_session=True,
@@ -70,10 +61,30 @@ def stack():
 
 
 @pytest.fixture(scope="session")
-def client(stack):
+def stack():
+    """The default configuration (as `make serve` runs it), with a 2,048-token context."""
+    with running_stack("default", "--max-model-len", "2048", "--max-num-seqs", "32") as base:
+        yield base
+
+
+@pytest.fixture(scope="session")
+def small_stack():
+    """A constrained configuration: 256-token step budget (chunked prefill) and a KV cache of
+    160 blocks x 16 tokens, too small for many long sequences at once (preemption)."""
+    args = ["--max-num-batched-tokens", "256", "--num-kv-blocks", "160", "--max-model-len", "2048"]
+    with running_stack("small", *args) as base:
+        yield base
+
+
+def openai_client(base: str):
     import openai
 
-    return openai.OpenAI(base_url=f"{stack}/v1", api_key="unused", max_retries=0, timeout=120)
+    return openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0, timeout=300)
+
+
+@pytest.fixture(scope="session")
+def client(stack):
+    return openai_client(stack)
 
 
 def wait_all_blocks_free(base: str, timeout: float = 10.0) -> dict:
