@@ -138,12 +138,24 @@ class BlockManager:
             parent = hashes[-1] if hashes else None
             hashes.append(hash_block(parent, token_ids[i * bs : (i + 1) * bs], self.salt))
 
-    def cache_blocks(self, blocks: Sequence[int], hashes: Sequence[BlockHash]) -> None:
-        """Register the hashes of full, computed blocks, so later sequences with the same prefix
-        can share them."""
+    def cache_blocks(self, blocks: Sequence[int], hashes: Sequence[BlockHash]) -> list[int]:
+        """Register the hashes of full blocks, so later sequences with the same prefix can share
+        them. Returns the blocks newly registered."""
+        added: list[int] = []
         for b, h in zip(blocks, hashes, strict=False):
             if self.block_hash[b] is None:
                 if h in self.cached:  # same content computed twice concurrently: keep the first
                     continue
                 self.block_hash[b] = h
                 self.cached[h] = b
+                added.append(b)
+        return added
+
+    def uncache(self, blocks: Sequence[int]) -> None:
+        """Forget the hashes of ``blocks`` (their content is not to be trusted)."""
+        for b in blocks:
+            h = self.block_hash[b]
+            if h is not None:
+                if self.cached.get(h) == b:
+                    del self.cached[h]
+                self.block_hash[b] = None

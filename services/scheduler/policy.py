@@ -42,9 +42,9 @@ class WorkerScheduler:
         self.running: list[Sequence] = []  # admission order: the last is the newest
         self.to_forget: list[str] = []  # request ids the worker should drop at the next step
         self.in_flight: dict[str, int] | None = None  # request_id -> tokens scheduled
+        self.in_flight_cached: list[int] = []  # blocks whose hashes the plan in flight registered
         self.step_id = 0
         self.num_preemptions = 0
-        self.computed_tokens = 0
 
     # -- planning ----------------------------------------------------------------------------
 
@@ -52,6 +52,7 @@ class WorkerScheduler:
         """Build the next plan, or None when there is nothing to run."""
         assert self.in_flight is None, "one plan at a time per worker"
         budget = self.limits.max_num_batched_tokens
+        self.in_flight_cached = []
         chosen: list[tuple[Sequence, int]] = []
         new_requests: list[NewRequest] = []
         preempted_now = False
@@ -72,6 +73,7 @@ class WorkerScheduler:
             if seq.status is not SeqStatus.RUNNING:
                 continue
             seq.blocks += self.bm.allocate(max(need, 0))
+            self._register(seq, num_new)
             chosen.append((seq, num_new))
             budget -= num_new
 
@@ -103,6 +105,7 @@ class WorkerScheduler:
                     eos_token_ids=seq.eos_token_ids,
                 )
             )
+            self._register(seq, num_new)
             chosen.append((seq, num_new))
             budget -= num_new
 
@@ -128,6 +131,14 @@ class WorkerScheduler:
         self.in_flight = {s.request_id: n for s, n in chosen}
         return plan
 
+    def _register(self, seq: Sequence, num_new: int) -> None:
+        """Register the full blocks this step fills as cached now, not when the result comes
+        back: the worker writes every K/V of a step before any attention reads it, so a sequence
+        admitted later in this same step (n > 1 siblings, identical prompts arriving together)
+        already shares them. If the step fails they are forgotten again (on_failed_step)."""
+        self.bm.extend_hashes(seq.hashes, seq.token_ids, seq.num_computed + num_new)
+        self.in_flight_cached += self.bm.cache_blocks(seq.blocks, seq.hashes)
+
     def _preempt(self, seq: Sequence, waiting: WaitingQueue) -> None:
         self.running.remove(seq)
         self.bm.free_blocks(seq.blocks)
@@ -151,9 +162,6 @@ class WorkerScheduler:
             if seq is None:  # aborted while in flight
                 continue
             seq.num_computed += n
-            self.computed_tokens += n
-            self.bm.extend_hashes(seq.hashes, seq.token_ids, seq.num_computed)
-            self.bm.cache_blocks(seq.blocks, seq.hashes)
         outcome = StepOutcome()
         for rid, tok, reason in zip(
             result.request_ids, result.token_ids, result.finish_reasons, strict=True
@@ -171,6 +179,8 @@ class WorkerScheduler:
         """The step failed (worker error or lost): every running sequence is re-queued from its
         tokens so far (recompute), nothing is lost. Returns the re-queued sequences."""
         self.in_flight = None
+        self.bm.uncache(self.in_flight_cached)
+        self.in_flight_cached = []
         moved = list(self.running)
         for seq in reversed(moved):
             self._preempt(seq, waiting)

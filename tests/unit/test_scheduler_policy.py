@@ -147,3 +147,35 @@ def test_abort_frees_blocks_of_waiting_and_running() -> None:
     assert plan is not None and plan.seqs == [] and plan.finished_request_ids == ["a"]
     core.on_result(w.execute(plan))
     assert core.stats().num_free_blocks == 16
+
+
+def test_identical_prompts_admitted_together_share_blocks_in_the_same_step() -> None:
+    core, w = make_core(block_size=4)
+    prompt = list(range(1, 23))  # 5 full blocks + 2 tokens
+    for rid in ("a", "b", "c"):
+        core.add_request(req(rid, prompt, 5))
+    ws = core.workers["w"]
+    plan = ws.schedule(core.waiting)
+    assert [(s.request_id, s.start_pos, len(s.token_ids)) for s in plan.seqs] == [
+        ("a", 0, 22),
+        ("b", 20, 2),
+        ("c", 20, 2),
+    ]
+    assert plan.seqs[1].block_table[:5] == plan.seqs[0].block_table[:5]
+    core.on_result(w.execute(plan))
+    outputs = run_all(core, w)
+    assert outputs["a"] == outputs["b"] == outputs["c"]
+    assert core.stats().num_free_blocks == 256
+
+
+def test_failed_step_forgets_blocks_it_registered() -> None:
+    core, w = make_core(block_size=4)
+    core.add_request(req("a", list(range(1, 23)), 5))
+    ws = core.workers["w"]
+    plan = ws.schedule(core.waiting)
+    assert len(ws.bm.cached) == 5
+    core.on_result(StepResult("w", plan.step_id, [], [], [], error="boom"))
+    assert ws.bm.cached == {}
+    assert core.stats().num_waiting == 1  # re-queued, to be recomputed
+    outputs = run_all(core, w)
+    assert len(outputs["a"]) == 5
