@@ -69,7 +69,7 @@ def create_app(settings: Settings, bus: Bus | None = None) -> FastAPI:
         request_id = new_request_id("chatcmpl")
         gen = chat_to_generate(req, request_id, state.inbox, time.time())
         fmt = ChatFormat(request_id, model, include_usage=req.include_usage())
-        return await serve(request, state, gen, fmt, bool(req.stream))
+        return await serve(request, state, gen, fmt, bool(req.stream), n=req.n or 1)
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
@@ -81,7 +81,7 @@ def create_app(settings: Settings, bus: Bus | None = None) -> FastAPI:
         request_id = new_request_id("cmpl")
         gen = completion_to_generate(req, request_id, state.inbox, time.time())
         fmt = CompletionFormat(request_id, model, include_usage=req.include_usage())
-        return await serve(request, state, gen, fmt, bool(req.stream))
+        return await serve(request, state, gen, fmt, bool(req.stream), n=req.n or 1)
 
     @app.get("/v1/models")
     async def models() -> Response:

@@ -10,6 +10,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+MAX_N = 16  # choices per request; each is a sequence sharing the prompt's KV blocks
+
 
 class _Body(BaseModel):
     model_config = ConfigDict(extra="ignore")
@@ -68,9 +70,9 @@ class SamplingBody(_Body):
 
     @field_validator("n")
     @classmethod
-    def _one_choice(cls, v: int | None) -> int | None:
-        if v not in (None, 1):
-            raise ValueError("only n=1 is supported")
+    def _choices(cls, v: int | None) -> int | None:
+        if v is not None and not 1 <= v <= MAX_N:
+            raise ValueError(f"n must be between 1 and {MAX_N}")
         return v
 
     @field_validator("stop")

@@ -78,23 +78,26 @@ class Format:
         out["usage"] = usage(prompt_tokens, completion_tokens)
         return out
 
-    def opening_chunks(self) -> list[dict[str, Any]]:
+    def opening_chunks(self, index: int = 0) -> list[dict[str, Any]]:
         return []
 
-    def text_chunk(self, text: str, finish_reason: str | None) -> list[dict[str, Any]]:
+    def text_chunk(
+        self, text: str, finish_reason: str | None, index: int = 0
+    ) -> list[dict[str, Any]]:
         raise NotImplementedError
 
-    def response(self, out: Outcome) -> dict[str, Any]:
+    def response(self, outs: list[Outcome]) -> dict[str, Any]:
+        """The whole response: one choice per outcome; the prompt is counted once."""
         return {
             "id": self.request_id,
             "object": self.object_full,
             "created": self.created,
             "model": self.model,
-            "choices": [self._full_choice(out)],
-            "usage": usage(out.prompt_tokens, out.completion_tokens),
+            "choices": [self._full_choice(out, i) for i, out in enumerate(outs)],
+            "usage": usage(outs[0].prompt_tokens, sum(o.completion_tokens for o in outs)),
         }
 
-    def _full_choice(self, out: Outcome) -> dict[str, Any]:
+    def _full_choice(self, out: Outcome, index: int) -> dict[str, Any]:
         raise NotImplementedError
 
 
@@ -103,24 +106,28 @@ class ChatFormat(Format):
     object_stream: str = "chat.completion.chunk"
     object_full: str = "chat.completion"
 
-    def _choice(self, delta: dict[str, Any], finish_reason: str | None) -> dict[str, Any]:
-        return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+    def _choice(
+        self, delta: dict[str, Any], finish_reason: str | None, index: int
+    ) -> dict[str, Any]:
+        return {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
 
-    def opening_chunks(self) -> list[dict[str, Any]]:
-        return [self._chunk([self._choice({"role": "assistant", "content": ""}, None)])]
+    def opening_chunks(self, index: int = 0) -> list[dict[str, Any]]:
+        return [self._chunk([self._choice({"role": "assistant", "content": ""}, None, index)])]
 
-    def text_chunk(self, text: str, finish_reason: str | None) -> list[dict[str, Any]]:
+    def text_chunk(
+        self, text: str, finish_reason: str | None, index: int = 0
+    ) -> list[dict[str, Any]]:
         """Content, then (as OpenAI) the finish reason in its own chunk with an empty delta."""
         chunks = []
         if text:
-            chunks.append(self._chunk([self._choice({"content": text}, None)]))
+            chunks.append(self._chunk([self._choice({"content": text}, None, index)]))
         if finish_reason is not None:
-            chunks.append(self._chunk([self._choice({}, finish_reason)]))
+            chunks.append(self._chunk([self._choice({}, finish_reason, index)]))
         return chunks
 
-    def _full_choice(self, out: Outcome) -> dict[str, Any]:
+    def _full_choice(self, out: Outcome, index: int) -> dict[str, Any]:
         return {
-            "index": 0,
+            "index": index,
             "message": {"role": "assistant", "content": out.text},
             "logprobs": None,
             "finish_reason": out.finish_reason,
@@ -132,11 +139,18 @@ class CompletionFormat(Format):
     object_stream: str = "text_completion"
     object_full: str = "text_completion"
 
-    def text_chunk(self, text: str, finish_reason: str | None) -> list[dict[str, Any]]:
+    def text_chunk(
+        self, text: str, finish_reason: str | None, index: int = 0
+    ) -> list[dict[str, Any]]:
         if not text and finish_reason is None:
             return []
-        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+        choice = {"index": index, "text": text, "logprobs": None, "finish_reason": finish_reason}
         return [self._chunk([choice])]
 
-    def _full_choice(self, out: Outcome) -> dict[str, Any]:
-        return {"index": 0, "text": out.text, "logprobs": None, "finish_reason": out.finish_reason}
+    def _full_choice(self, out: Outcome, index: int) -> dict[str, Any]:
+        return {
+            "index": index,
+            "text": out.text,
+            "logprobs": None,
+            "finish_reason": out.finish_reason,
+        }

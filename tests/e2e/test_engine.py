@@ -130,3 +130,48 @@ def test_seeded_sampling_is_the_same_alone_and_in_a_batch(stack) -> None:
     assert batched == alone
     different_seed = complete(stack, "Write a short poem about the sea.", 24, **{**kw, "seed": 99})
     assert different_seed != alone
+
+
+def test_n_choices_share_the_prompt_blocks(stack, tokenizer) -> None:
+    prompt = text_prompt_ids(tokenizer, 200, seed=300)  # 12 full blocks of 16 + 8 tokens
+    wait_all_blocks_free(stack)
+    before = stats(stack)
+    r = openai_client(stack).completions.create(
+        model=MODEL,
+        prompt=prompt,
+        max_tokens=5,
+        n=3,
+        temperature=1.0,
+        seed=7,
+        extra_body={"ignore_eos": True},
+    )
+    after = stats(stack)
+    assert sorted(c.index for c in r.choices) == [0, 1, 2]
+    assert r.usage.prompt_tokens == 200 and r.usage.completion_tokens == 15
+    # the first choice computes the prompt; the others find its 12 full blocks and compute only
+    # the 8-token tail; then 4 decode steps each
+    assert after["num_computed_tokens"] - before["num_computed_tokens"] == 200 + 2 * 8 + 3 * 4
+    assert after["prefix_cache_hits"] - before["prefix_cache_hits"] == 24
+    assert len({c.text for c in r.choices}) > 1  # seeds seed+i: different samples
+
+
+def test_n_choices_stream_with_indexes(stack) -> None:
+    stream = openai_client(stack).chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "Say hi."}],
+        max_tokens=6,
+        n=2,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    texts, finishes, usage = {0: "", 1: ""}, {}, None
+    for chunk in stream:
+        for c in chunk.choices:
+            texts[c.index] += c.delta.content or ""
+            if c.finish_reason:
+                finishes[c.index] = c.finish_reason
+        usage = chunk.usage or usage
+    assert set(finishes) == {0, 1}
+    assert texts[0] == texts[1] and texts[0]  # greedy: both choices agree
+    assert usage.completion_tokens == 2 * (usage.completion_tokens // 2)

@@ -280,7 +280,7 @@ def test_concurrent_streams_get_their_own_deltas(client) -> None:
         ({"temperature": 5}, "temperature"),
         ({"top_p": 0}, "top_p"),
         ({"max_tokens": 0}, "max_tokens"),
-        ({"n": 3}, "n"),
+        ({"n": 17}, "n"),
     ],
 )
 def test_bad_values_are_400_naming_the_param(base, body, param) -> None:

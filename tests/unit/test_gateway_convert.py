@@ -136,7 +136,7 @@ def test_bad_prompts_are_refused(prompt) -> None:
         ({"temperature": "hot"}, "temperature"),
         ({"top_p": 0}, "top_p"),
         ({"top_p": 1.5}, "top_p"),
-        ({"n": 2}, "n"),
+        ({"n": 0}, "n"),
         ({"stop": 3}, "stop"),
         ({"stop": ["ok", ""]}, "stop"),
         ({"stream": "maybe"}, "stream"),
@@ -189,7 +189,7 @@ def test_served_model_name(tmp_path) -> None:
 
 def test_response_shapes() -> None:
     out = Outcome("hello", "length", 3, 2)
-    full = ChatFormat("chatcmpl-x", "m", created=1).response(out)
+    full = ChatFormat("chatcmpl-x", "m", created=1).response([out])
     assert full["object"] == "chat.completion"
     assert full["choices"][0]["message"] == {"role": "assistant", "content": "hello"}
     assert full["usage"] == {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}
@@ -200,6 +200,6 @@ def test_response_shapes() -> None:
     assert last[-1]["choices"][0]["finish_reason"] == "stop" and last[-1]["usage"] is None
     assert fmt.usage_chunk(3, 2)["choices"] == []
     text = CompletionFormat("cmpl-x", "m", created=1)
-    assert text.response(out)["choices"][0]["text"] == "hello"
+    assert text.response([out])["choices"][0]["text"] == "hello"
     assert text.text_chunk("", None) == []
     assert "usage" not in text.text_chunk("a", None)[0]
