@@ -59,7 +59,8 @@ class SamplingParams(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
-    logprobs: int | None = None
+    logprobs: int | None = None  # top logprobs per sampled token (0 = only the sampled one)
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit
 
 
 class ChatMessage(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
@@ -136,6 +137,14 @@ class ScheduledSeq(msgspec.Struct, array_like=True, omit_defaults=True, gc=False
     sample: bool = True
 
 
+class SampleLogprobs(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """Log-probabilities (of the model's raw distribution, as vLLM) for one sampled token."""
+
+    logprob: float
+    top_ids: list[int] = []
+    top_logprobs: list[float] = []
+
+
 class StepPlan(_Msg, tag=4):
     step_id: int
     seqs: list[ScheduledSeq]
@@ -155,6 +164,7 @@ class StepResult(_Msg, tag=5):
     num_computed_tokens: int = 0  # tokens run through the model in this step
     step_time_s: float = 0.0
     error: str | None = None
+    logprobs: list[SampleLogprobs | None] = []  # per entry, only when some request asked
 
 
 class WorkerHeartbeat(_Msg, tag=6):
@@ -171,6 +181,14 @@ class WorkerHeartbeat(_Msg, tag=6):
 # detokenizer / tokenizer -> gateway inbox
 
 
+class TokenLogprob(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """One generated token's text and log-probability, with the top alternatives."""
+
+    token: str
+    logprob: float
+    top: list[tuple[str, float]] = []
+
+
 class Delta(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     request_id: str
     text: str
@@ -178,6 +196,7 @@ class Delta(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     finish_reason: str | None = None
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    logprobs: list[TokenLogprob] = []  # for the tokens this delta covers, when asked
 
 
 class DeltaBatch(_Msg, tag=7):

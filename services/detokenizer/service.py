@@ -22,6 +22,7 @@ from shared.messages import (
     DeltaBatch,
     FinishReason,
     Message,
+    SampleLogprobs,
     StepResult,
     TokenizedRequest,
 )
@@ -39,7 +40,7 @@ class DetokenizerService:
         self.bus = Bus("detokenizer")
         self.states: dict[str, DetokState] = {}
         self.done: OrderedDict[str, None] = OrderedDict()  # recently ended, to ignore late results
-        self.early: dict[str, tuple[float, list[tuple[int, int]]]] = {}
+        self.early: dict[str, tuple[float, list[tuple[int, int, SampleLogprobs | None]]]] = {}
 
     async def start(self) -> None:
         await self.bus.connect(self.settings.nats_url)
@@ -65,24 +66,26 @@ class DetokenizerService:
         self.states[req.request_id] = st
         early = self.early.pop(req.request_id, None)
         if early:
-            await self._apply([(req.request_id, t, r) for t, r in early[1]])
+            await self._apply([(req.request_id, t, r, lp) for t, r, lp in early[1]])
 
     async def _on_result(self, res: StepResult) -> None:
-        entries = list(zip(res.request_ids, res.token_ids, res.finish_reasons, strict=True))
+        lps = res.logprobs or [None] * len(res.request_ids)
+        entries = list(zip(res.request_ids, res.token_ids, res.finish_reasons, lps, strict=True))
         await self._apply(entries)
         self._expire_early()
 
-    async def _apply(self, entries: list[tuple[str, int, int]]) -> None:
+    async def _apply(self, entries: list[tuple[str, int, int, SampleLogprobs | None]]) -> None:
         out: dict[str, list[Delta]] = defaultdict(list)
         stopped: list[str] = []
-        for rid, tok, reason in entries:
+        for rid, tok, reason, lp in entries:
             st = self.states.get(rid)
             if st is None:
                 if rid not in self.done:
-                    self.early.setdefault(rid, (time.monotonic(), []))[1].append((tok, reason))
+                    early = self.early.setdefault(rid, (time.monotonic(), []))
+                    early[1].append((tok, reason, lp))
                 continue
-            delta, by_stop = st.add_token(self.backend, tok, FinishReason(reason))
-            if delta.text or delta.finish_reason:
+            delta, by_stop = st.add_token(self.backend, tok, FinishReason(reason), lp)
+            if delta.text or delta.finish_reason or delta.logprobs:
                 out[st.reply_to].append(delta)
             if st.finished:
                 del self.states[rid]

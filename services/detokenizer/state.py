@@ -12,7 +12,7 @@ from typing import Any
 
 from tokenizers.decoders import DecodeStream
 
-from shared.messages import Delta, FinishReason, SamplingParams
+from shared.messages import Delta, FinishReason, SampleLogprobs, SamplingParams, TokenLogprob
 
 
 @dataclass
@@ -30,11 +30,18 @@ class DetokState:
     def __post_init__(self) -> None:
         self.stream = DecodeStream(skip_special_tokens=self.params.skip_special_tokens)
 
-    def add_token(self, tokenizer: Any, token_id: int, reason: FinishReason) -> tuple[Delta, bool]:
+    def add_token(
+        self,
+        tokenizer: Any,
+        token_id: int,
+        reason: FinishReason,
+        logprobs: SampleLogprobs | None = None,
+    ) -> tuple[Delta, bool]:
         """Take one sampled token and the worker's finish reason. Returns the delta to send and
         whether this detokenizer ended the request by a stop string (the scheduler must be
         told)."""
         self.completion_tokens += 1
+        lps = [token_logprob(tokenizer, token_id, logprobs)] if logprobs is not None else []
         piece = self.stream.step(tokenizer, token_id)
         if piece:
             self.text += piece
@@ -54,7 +61,9 @@ class DetokState:
         self.finished = finish != FinishReason.NONE
         if self.finished:
             self.text = self.text[:end]
-        return self._delta(out, finish), by_stop_string and reason == FinishReason.NONE
+        delta = self._delta(out, finish)
+        delta.logprobs = lps
+        return delta, by_stop_string and reason == FinishReason.NONE
 
     def _find_stop(self) -> int | None:
         """End of the text to keep if a stop string occurs in the unsent text (searching a
@@ -91,3 +100,14 @@ class DetokState:
             prompt_tokens=self.prompt_tokens,
             completion_tokens=self.completion_tokens,
         )
+
+
+def token_logprob(tokenizer: Any, token_id: int, lp: SampleLogprobs) -> TokenLogprob:
+    """The sampled token's own text (special tokens included, as OpenAI shows them) with its
+    log-probability and the top alternatives."""
+
+    def text(t: int) -> str:
+        return tokenizer.decode([t], skip_special_tokens=False)
+
+    top = [(text(t), v) for t, v in zip(lp.top_ids, lp.top_logprobs, strict=True)]
+    return TokenLogprob(text(token_id), lp.logprob, top)

@@ -69,7 +69,9 @@ def new_request_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
 
-def sampling_params(req: SamplingBody, max_tokens: int) -> SamplingParams:
+def sampling_params(
+    req: SamplingBody, max_tokens: int, logprobs: int | None = None
+) -> SamplingParams:
     """Map the OpenAI/vLLM fields onto SamplingParams; ``None`` means the default."""
     top_k = req.top_k if req.top_k is not None and req.top_k > 0 else 0  # -1 and 0: off
     return SamplingParams(
@@ -88,6 +90,8 @@ def sampling_params(req: SamplingBody, max_tokens: int) -> SamplingParams:
         presence_penalty=req.presence_penalty or 0.0,
         frequency_penalty=req.frequency_penalty or 0.0,
         repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+        logprobs=logprobs,
+        logit_bias=dict(req.logit_bias) if req.logit_bias else None,
     )
 
 
@@ -105,7 +109,7 @@ def chat_to_generate(
     return GenerateRequest(
         request_id=request_id,
         reply_to=reply_to,
-        params=sampling_params(req, chat_max_tokens(req)),
+        params=sampling_params(req, chat_max_tokens(req), req.logprobs_count()),
         messages=messages,
         arrival_time=arrival_time,
     )
@@ -146,7 +150,7 @@ def completion_to_generate(
     return GenerateRequest(
         request_id=request_id,
         reply_to=reply_to,
-        params=sampling_params(req, max_tokens),
+        params=sampling_params(req, max_tokens, req.logprobs_count()),
         prompt=prompt,
         prompt_token_ids=ids,
         arrival_time=arrival_time,

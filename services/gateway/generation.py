@@ -91,7 +91,7 @@ async def sse_events(
         finals: dict[int, Delta] = {}
         i, delta = first
         while True:
-            for chunk in fmt.text_chunk(delta.text, delta.finish_reason, i):
+            for chunk in fmt.text_chunk(delta.text, delta.finish_reason, i, delta.logprobs):
                 yield sse(chunk)
             if delta.finish_reason is not None:
                 finals[i] = delta

@@ -2,15 +2,16 @@
 
 Validation happens here, at the edge, so a bad value is answered with a 400 naming the field
 before anything is published; the services behind trust what they receive. Unknown fields are
-ignored, as OpenAI clients send fields kvflow does not implement (``user``, ``logit_bias``...)."""
+ignored, as OpenAI clients send fields kvflow does not implement (``user``, ``parallel_tool_calls``...)."""
 
 from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
 MAX_N = 16  # choices per request; each is a sequence sharing the prompt's KV blocks
+MAX_LOGPROBS = 20  # top alternatives per token (vLLM's default max_logprobs)
 
 
 class _Body(BaseModel):
@@ -67,6 +68,17 @@ class SamplingBody(_Body):
     skip_special_tokens: bool | None = True
     include_stop_str_in_output: bool | None = False
     repetition_penalty: float | None = Field(None, gt=0.0)
+    logit_bias: dict[int, float] | None = None
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _bias_range(cls, v: dict[int, float] | None) -> dict[int, float] | None:
+        for tok, bias in (v or {}).items():
+            if tok < 0:
+                raise ValueError(f"token id {tok} in logit_bias is negative")
+            if not -100.0 <= bias <= 100.0:
+                raise ValueError(f"bias {bias} for token {tok} is outside [-100, 100]")
+        return v
 
     @field_validator("n")
     @classmethod
@@ -96,21 +108,25 @@ class ChatCompletionRequest(SamplingBody):
     messages: list[ChatMessageIn] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool | None = False
-    top_logprobs: int | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
 
-    @field_validator("logprobs")
+    @field_validator("top_logprobs")
     @classmethod
-    def _no_logprobs(cls, v: bool | None) -> bool | None:
-        if v:
-            raise ValueError("logprobs are not supported yet")
+    def _top_needs_logprobs(cls, v: int | None, info: ValidationInfo) -> int | None:
+        if v and not info.data.get("logprobs"):
+            raise ValueError("top_logprobs needs logprobs to be true")
         return v
+
+    def logprobs_count(self) -> int | None:
+        """How many top alternatives per token (None: no logprobs at all)."""
+        return (self.top_logprobs or 0) if self.logprobs else None
 
 
 class CompletionRequest(SamplingBody):
     # A string, or a list of one string, or token ids (or a list of one list of token ids).
     prompt: str | list[str] | list[int] | list[list[int]]
     echo: bool | None = False
-    logprobs: int | None = None
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     suffix: str | None = None
 
     @field_validator("echo")
@@ -120,12 +136,8 @@ class CompletionRequest(SamplingBody):
             raise ValueError("echo is not supported")
         return v
 
-    @field_validator("logprobs")
-    @classmethod
-    def _no_logprobs(cls, v: int | None) -> int | None:
-        if v is not None:
-            raise ValueError("logprobs are not supported yet")
-        return v
+    def logprobs_count(self) -> int | None:
+        return self.logprobs
 
     @field_validator("suffix")
     @classmethod

@@ -12,7 +12,7 @@ from typing import Any
 
 import msgspec
 
-from shared.messages import Delta
+from shared.messages import Delta, TokenLogprob
 
 DONE = b"data: [DONE]\n\n"
 
@@ -29,6 +29,7 @@ class Outcome:
     finish_reason: str | None
     prompt_tokens: int
     completion_tokens: int
+    logprobs: list[TokenLogprob] | None = None  # None: not asked for
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
@@ -42,12 +43,52 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
 def outcome_of(deltas: list[Delta]) -> Outcome:
     """Join a request's deltas; counts come from the final delta."""
     last = deltas[-1]
+    lps = [lp for d in deltas for lp in d.logprobs]
     return Outcome(
         "".join(d.text for d in deltas),
         last.finish_reason,
         last.prompt_tokens,
         last.completion_tokens,
+        lps or None,
     )
+
+
+def _bytes(s: str) -> list[int]:
+    return list(s.encode("utf-8"))
+
+
+def chat_logprobs(lps: list[TokenLogprob] | None) -> dict[str, Any] | None:
+    """OpenAI chat shape: ``{"content": [{token, logprob, bytes, top_logprobs: [...]}]}``."""
+    if not lps:
+        return None
+    return {
+        "content": [
+            {
+                "token": lp.token,
+                "logprob": lp.logprob,
+                "bytes": _bytes(lp.token),
+                "top_logprobs": [{"token": t, "logprob": v, "bytes": _bytes(t)} for t, v in lp.top],
+            }
+            for lp in lps
+        ]
+    }
+
+
+def completion_logprobs(lps: list[TokenLogprob] | None, offset: int = 0) -> dict[str, Any] | None:
+    """OpenAI completions shape: parallel lists of tokens, their logprobs, the top
+    alternatives as {token: logprob}, and each token's character offset in the text."""
+    if not lps:
+        return None
+    offsets = []
+    for lp in lps:
+        offsets.append(offset)
+        offset += len(lp.token)
+    return {
+        "tokens": [lp.token for lp in lps],
+        "token_logprobs": [lp.logprob for lp in lps],
+        "top_logprobs": [dict(lp.top) for lp in lps],
+        "text_offset": offsets,
+    }
 
 
 @dataclass
@@ -82,7 +123,11 @@ class Format:
         return []
 
     def text_chunk(
-        self, text: str, finish_reason: str | None, index: int = 0
+        self,
+        text: str,
+        finish_reason: str | None,
+        index: int = 0,
+        lps: list[TokenLogprob] | None = None,
     ) -> list[dict[str, Any]]:
         raise NotImplementedError
 
@@ -107,20 +152,33 @@ class ChatFormat(Format):
     object_full: str = "chat.completion"
 
     def _choice(
-        self, delta: dict[str, Any], finish_reason: str | None, index: int
+        self,
+        delta: dict[str, Any],
+        finish_reason: str | None,
+        index: int,
+        lps: list[TokenLogprob] | None = None,
     ) -> dict[str, Any]:
-        return {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+        return {
+            "index": index,
+            "delta": delta,
+            "logprobs": chat_logprobs(lps),
+            "finish_reason": finish_reason,
+        }
 
     def opening_chunks(self, index: int = 0) -> list[dict[str, Any]]:
         return [self._chunk([self._choice({"role": "assistant", "content": ""}, None, index)])]
 
     def text_chunk(
-        self, text: str, finish_reason: str | None, index: int = 0
+        self,
+        text: str,
+        finish_reason: str | None,
+        index: int = 0,
+        lps: list[TokenLogprob] | None = None,
     ) -> list[dict[str, Any]]:
         """Content, then (as OpenAI) the finish reason in its own chunk with an empty delta."""
         chunks = []
-        if text:
-            chunks.append(self._chunk([self._choice({"content": text}, None, index)]))
+        if text or lps:
+            chunks.append(self._chunk([self._choice({"content": text}, None, index, lps)]))
         if finish_reason is not None:
             chunks.append(self._chunk([self._choice({}, finish_reason, index)]))
         return chunks
@@ -129,7 +187,7 @@ class ChatFormat(Format):
         return {
             "index": index,
             "message": {"role": "assistant", "content": out.text},
-            "logprobs": None,
+            "logprobs": chat_logprobs(out.logprobs),
             "finish_reason": out.finish_reason,
         }
 
@@ -140,17 +198,26 @@ class CompletionFormat(Format):
     object_full: str = "text_completion"
 
     def text_chunk(
-        self, text: str, finish_reason: str | None, index: int = 0
+        self,
+        text: str,
+        finish_reason: str | None,
+        index: int = 0,
+        lps: list[TokenLogprob] | None = None,
     ) -> list[dict[str, Any]]:
-        if not text and finish_reason is None:
+        if not text and finish_reason is None and not lps:
             return []
-        choice = {"index": index, "text": text, "logprobs": None, "finish_reason": finish_reason}
+        choice = {
+            "index": index,
+            "text": text,
+            "logprobs": completion_logprobs(lps),
+            "finish_reason": finish_reason,
+        }
         return [self._chunk([choice])]
 
     def _full_choice(self, out: Outcome, index: int) -> dict[str, Any]:
         return {
             "index": index,
             "text": out.text,
-            "logprobs": None,
+            "logprobs": completion_logprobs(out.logprobs),
             "finish_reason": out.finish_reason,
         }

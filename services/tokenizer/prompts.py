@@ -70,3 +70,12 @@ def check_length(ids: list[int], params: SamplingParams, max_model_len: int) -> 
             "max_tokens",
         )
     return params
+
+
+def check_logit_bias(params: SamplingParams, vocab_size: int) -> None:
+    """Every biased token must exist in the vocabulary (vLLM answers 400 too)."""
+    for tok in params.logit_bias or {}:
+        if not 0 <= tok < vocab_size:
+            raise PromptError(
+                f"token id {tok} in logit_bias is out of vocabulary [0, {vocab_size})", "logit_bias"
+            )

@@ -10,7 +10,12 @@ from typing import Any
 
 from nats.aio.msg import Msg
 
-from services.tokenizer.prompts import PromptError, check_length, prompt_token_ids
+from services.tokenizer.prompts import (
+    PromptError,
+    check_length,
+    check_logit_bias,
+    prompt_token_ids,
+)
 from shared import subjects
 from shared.bus import Bus
 from shared.config import Settings
@@ -43,6 +48,7 @@ class TokenizerService:
         try:
             ids = prompt_token_ids(self.tokenizer, msg)
             params = check_length(ids, msg.params, self.max_model_len)
+            check_logit_bias(params, len(self.tokenizer))
         except PromptError as e:
             await self.bus.publish(msg.reply_to, e.to_message(msg.request_id))
             return

@@ -20,6 +20,7 @@ from services.worker.model import ForwardBatch, LlamaModel
 from shared.messages import (
     FinishReason,
     NewRequest,
+    SampleLogprobs,
     SamplingParams,
     ScheduledSeq,
     StepPlan,
@@ -130,11 +131,12 @@ class ModelRunner:
         t0 = time.perf_counter()
         try:
             with torch.inference_mode():
-                ids, tokens, reasons, n = self._execute(plan)
+                ids, tokens, reasons, n, lps = self._execute(plan)
             err = None
         except Exception as e:  # noqa: BLE001 - the worker loop must survive a bad step
             log.exception("step %d failed", plan.step_id)
-            ids, tokens, reasons, n, err = [], [], [], 0, f"{type(e).__name__}: {e}"
+            ids, tokens, reasons, n, lps = [], [], [], 0, []
+            err = f"{type(e).__name__}: {e}"
         return StepResult(
             worker_id=self.worker_id,
             step_id=plan.step_id,
@@ -144,6 +146,7 @@ class ModelRunner:
             num_computed_tokens=n,
             step_time_s=time.perf_counter() - t0,
             error=err,
+            logprobs=lps,
         )
 
     def _add_request(self, r: NewRequest) -> None:
@@ -164,13 +167,15 @@ class ModelRunner:
             ),
         )
 
-    def _execute(self, plan: StepPlan) -> tuple[list[str], list[int], list[int], int]:
+    def _execute(
+        self, plan: StepPlan
+    ) -> tuple[list[str], list[int], list[int], int, list[SampleLogprobs | None]]:
         for rid in plan.finished_request_ids:
             self.requests.pop(rid, None)
         for r in plan.new_requests:
             self._add_request(r)
         if not plan.seqs:
-            return [], [], [], 0
+            return [], [], [], 0, []
         bs = self._block_size
         # single-token sequences first (tiled GEMM rows), then one segment per longer chunk
         order = sorted(range(len(plan.seqs)), key=lambda i: len(plan.seqs[i].token_ids) > 1)
@@ -224,21 +229,32 @@ class ModelRunner:
         logits = self.model(torch.tensor(ids), torch.tensor(pos), batch, self.kv_caches)
         self.total_computed_tokens += n_tokens
         sampled = [s for s in seqs if s.sample]
+        want_lp = [self.requests[s.request_id].params.logprobs is not None for s in sampled]
+        raw = logits[torch.tensor(want_lp)].clone() if any(want_lp) else None
         tokens = self._sample(logits, sampled).tolist() if sampled else []
         by_id = dict(zip([s.request_id for s in sampled], tokens, strict=True))
+        lp_by_id: dict[str, SampleLogprobs] = {}
+        if raw is not None:
+            asking = [(s, t) for s, t, w in zip(sampled, tokens, want_lp, strict=True) if w]
+            for (s, _tok), lp in zip(asking, _logprobs(raw, asking, self.requests), strict=True):
+                lp_by_id[s.request_id] = lp
         out_ids, out_tokens, reasons = [], [], []
+        out_lps: list[SampleLogprobs | None] = []
         for s in plan.seqs:  # results in the plan's order
             if s.sample:
                 tok = by_id[s.request_id]
                 out_ids.append(s.request_id)
                 out_tokens.append(tok)
                 reasons.append(int(self._finish(self.requests[s.request_id], tok)))
-        return out_ids, out_tokens, reasons, n_tokens
+                out_lps.append(lp_by_id.get(s.request_id))
+        return out_ids, out_tokens, reasons, n_tokens, out_lps if lp_by_id else []
 
     def _sample(self, logits: torch.Tensor, sampled: list[ScheduledSeq]) -> torch.Tensor:
         """Penalties and min_tokens masks per row, then one batched draw."""
         states = [self.requests[s.request_id] for s in sampled]
         for row, st in enumerate(states):
+            if st.params.logit_bias:
+                sampler.apply_logit_bias(logits, row, st.params.logit_bias)
             if st.penalized:
                 sampler.apply_penalties(logits, row, st.params, st.prompt_tokens, st.output_tokens)
             if st.num_output_tokens < st.params.min_tokens:
@@ -259,3 +275,17 @@ class ModelRunner:
         if n >= p.max_tokens or st.prompt_len + n >= self._max_model_len:
             return FinishReason.LENGTH
         return FinishReason.NONE
+
+
+def _logprobs(
+    raw: torch.Tensor, asking: list[tuple[ScheduledSeq, int]], requests: dict[str, RequestState]
+) -> list[SampleLogprobs]:
+    """Log-probabilities of the model's raw distribution (before penalties, bias or
+    temperature, as vLLM reports them) for each sampled token, plus the top ``logprobs``."""
+    lp = torch.log_softmax(raw.float(), dim=-1)
+    out = []
+    for row, (s, tok) in enumerate(asking):
+        k = min(int(requests[s.request_id].params.logprobs or 0), 20)
+        top_v, top_i = lp[row].topk(k) if k else (lp[row][:0], lp[row][:0].long())
+        out.append(SampleLogprobs(float(lp[row, tok]), top_i.tolist(), top_v.tolist()))
+    return out

@@ -53,6 +53,16 @@ def make_batch(
     )
 
 
+def apply_logit_bias(logits: torch.Tensor, row: int, bias: dict[int, float]) -> None:
+    """OpenAI's ``logit_bias``: add each value to its token's logit (in place); ids outside
+    the vocabulary are ignored (the gateway rejects them)."""
+    vocab = logits.shape[-1]
+    items = [(int(t), float(b)) for t, b in bias.items() if 0 <= int(t) < vocab]
+    if items:
+        ids = torch.tensor([t for t, _ in items])
+        logits[row, ids] += torch.tensor([b for _, b in items], dtype=logits.dtype)
+
+
 def suppress_tokens(logits: torch.Tensor, row: int, token_ids: Sequence[int]) -> None:
     """Forbid ``token_ids`` in ``row`` (in place); used to hold back EOS/stop ids before
     ``min_tokens`` outputs."""

@@ -133,3 +133,51 @@ def test_invalid_json_then_still_serving(stack, client) -> None:
     assert r.status_code == 400 and r.json()["error"]["message"]
     out = client.completions.create(model=MODEL, prompt="Hello", max_tokens=4, temperature=0)
     assert out.usage.completion_tokens >= 1
+
+
+def test_completion_logprobs_shape_and_greedy_consistency(client) -> None:
+    out = client.completions.create(
+        model=MODEL, prompt="The capital of France is", max_tokens=6, temperature=0, logprobs=3
+    )
+    lp = out.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 6
+    assert "".join(lp.tokens) == out.choices[0].text
+    assert lp.text_offset[0] == 0 and lp.text_offset[1] == len(lp.tokens[0])
+    for tok, tok_lp, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs, strict=True):
+        assert len(top) == 3 and tok_lp <= 0
+        best = max(top.values())
+        assert tok_lp == pytest.approx(best)  # greedy picks the most likely token
+        assert top[tok] == pytest.approx(tok_lp)
+
+
+def test_chat_logprobs_stream_and_logit_bias(client, tokenizer) -> None:
+    stream = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "Say yes."}],
+        max_tokens=4,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=2,
+        stream=True,
+    )
+    entries = [
+        e
+        for c in stream
+        if c.choices and c.choices[0].logprobs
+        for e in c.choices[0].logprobs.content
+    ]
+    assert len(entries) == 4
+    assert all(len(e.top_logprobs) == 2 and e.bytes == list(e.token.encode()) for e in entries)
+    # a +100 bias on one token makes greedy output nothing else
+    target = tokenizer(" banana")["input_ids"]
+    assert len(target) == 1
+    out = client.completions.create(
+        model=MODEL, prompt="Hello", max_tokens=3, temperature=0, logit_bias={str(target[0]): 100}
+    )
+    assert out.choices[0].text == " banana" * 3
+    r = httpx.post(
+        f"{client.base_url}completions",
+        json={"model": MODEL, "prompt": "x", "max_tokens": 2, "logit_bias": {"999999": 5}},
+        timeout=30,
+    )
+    assert r.status_code == 400 and r.json()["error"]["param"] == "logit_bias"

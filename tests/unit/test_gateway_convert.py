@@ -142,7 +142,10 @@ def test_bad_prompts_are_refused(prompt) -> None:
         ({"stream": "maybe"}, "stream"),
         ({"seed": "x"}, "seed"),
         ({"min_p": 2}, "min_p"),
-        ({"logprobs": True}, "logprobs"),
+        ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+        ({"top_logprobs": 2}, "top_logprobs"),
+        ({"logit_bias": {"5": 101}}, "logit_bias"),
+        ({"logit_bias": {"x": 1}}, "logit_bias"),
     ],
 )
 def test_bad_values_name_the_param(body, param) -> None:

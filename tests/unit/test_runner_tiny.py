@@ -250,3 +250,37 @@ def test_hf_directory_source_sharded(hf_model: LlamaForCausalLM, tmp_path) -> No
     runner = ModelRunner(src, block_size=BLOCK, num_blocks=NUM_BLOCKS)
     out = Driver(runner, PROMPTS[:1]).run(4)["r0"]
     assert out == hf_greedy(hf_model, PROMPTS[0], 4)
+
+
+def _prefill(runner: ModelRunner, rid: str, prompt: list[int], params: SamplingParams):
+    plan = StepPlan(
+        step_id=1,
+        seqs=[ScheduledSeq(rid, prompt, 0, list(range(-(-len(prompt) // BLOCK))))],
+        new_requests=[NewRequest(rid, params, len(prompt))],
+    )
+    return runner.execute(plan)
+
+
+def test_logprobs_are_the_raw_distribution_and_logit_bias_applies(hf_model) -> None:
+    prompt = PROMPTS[0]
+    with torch.no_grad():
+        ref = torch.log_softmax(hf_model(torch.tensor([prompt])).logits[0, -1].float(), -1)
+    runner = make_runner(hf_model)
+    res = _prefill(runner, "a", prompt, SamplingParams(max_tokens=4, temperature=0, logprobs=3))
+    lp = res.logprobs[0]
+    tok = res.token_ids[0]
+    assert tok == int(ref.argmax())
+    assert lp.logprob == pytest.approx(float(ref[tok]), abs=1e-4)
+    assert lp.top_ids == ref.topk(3).indices.tolist()
+    assert lp.top_logprobs == pytest.approx(ref.topk(3).values.tolist(), abs=1e-4)
+    # a strong bias on the least likely token makes greedy pick it; logprobs stay raw
+    worst = int(ref.argmin())
+    runner = make_runner(hf_model)
+    params = SamplingParams(max_tokens=4, temperature=0, logprobs=0, logit_bias={worst: 1000.0})
+    res = _prefill(runner, "b", prompt, params)
+    assert res.token_ids == [worst]
+    assert res.logprobs[0].logprob == pytest.approx(float(ref[worst]), abs=1e-4)
+    assert res.logprobs[0].top_ids == []
+    # nobody asked: no logprobs column at all
+    runner = make_runner(hf_model)
+    assert _prefill(runner, "c", prompt, SamplingParams(max_tokens=4, temperature=0)).logprobs == []
