@@ -14,6 +14,7 @@ from typing import Any
 import msgspec
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
+from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.requests import ClientDisconnect
 
 from services.gateway.convert import (
@@ -129,5 +130,16 @@ def create_app(settings: Settings, bus: Bus | None = None) -> FastAPI:
                 "gateway_aborts": state.num_aborts,
             }
         )
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        """Prometheus text format, vLLM's metric names; engine series from the scheduler."""
+        try:
+            state.metrics.update_engine(
+                await state.scheduler_stats(timeout=0.5), len(state.streams)
+            )
+        except APIError:
+            pass  # request-level series are still worth serving
+        return Response(state.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
     return app

@@ -17,6 +17,7 @@ from starlette.responses import Response
 
 from services.gateway.cancel import SSEResponse, run_or_disconnect
 from services.gateway.errors import APIError
+from services.gateway.metrics import GatewayMetrics
 from services.gateway.responses import DONE, Format, Outcome, outcome_of, sse
 from services.gateway.state import GatewayState
 from services.gateway.streams import RequestHandle
@@ -37,9 +38,10 @@ class Choices:
     """The ``n`` sequences of one request (each its own pipeline request, ``<id>-<i>`` when
     n > 1), read together: deltas come out tagged with their choice index in arrival order."""
 
-    def __init__(self, handles: list[RequestHandle]) -> None:
+    def __init__(self, handles: list[RequestHandle], metrics: GatewayMetrics | None = None) -> None:
         self.handles = handles
         self._pending: dict[int, asyncio.Task[Delta]] = {}
+        self._timers = [metrics.request_timer() for _ in handles] if metrics else None
 
     @property
     def request_id(self) -> str:
@@ -54,6 +56,12 @@ class Choices:
         i = min(i for i, t in self._pending.items() if t in done)
         delta = self._pending.pop(i).result()
         _check_delta(delta)
+        if self._timers is not None:
+            self._timers[i].delta(delta.num_new_tokens)
+            if delta.finish_reason is not None:
+                self._timers[i].finished(
+                    delta.finish_reason, delta.prompt_tokens, delta.completion_tokens
+                )
         return i, delta
 
     @property
@@ -142,7 +150,7 @@ async def serve(
         for h in handles:
             h.close()
         raise
-    choices = Choices(handles)
+    choices = Choices(handles, state.metrics)
     handed_over = False
     try:
         work = choices.next() if stream else collect(choices)

@@ -11,6 +11,7 @@ from typing import Any
 
 from services.gateway.convert import served_model_name
 from services.gateway.errors import APIError
+from services.gateway.metrics import GatewayMetrics
 from services.gateway.streams import RequestHandle, RequestStreams
 from shared import subjects
 from shared.bus import Bus
@@ -34,6 +35,7 @@ class GatewayState:
         self.max_model_len = 0  # learnt from the scheduler's stats
         self.streams = RequestStreams()
         self.num_aborts = 0
+        self.metrics = GatewayMetrics(self.model_name)
         self._own_bus = bus is None
         self.bus: Any = bus if bus is not None else Bus(f"gateway-{self.gateway_id}")
         self._sub: Any = None
@@ -84,6 +86,7 @@ class GatewayState:
         """Publish ``Abort`` from a background task: callers are often cancelled tasks, where
         an await could be cancelled before the message leaves."""
         self.num_aborts += 1
+        self.metrics.aborts.labels(self.model_name).inc()
         task = asyncio.get_running_loop().create_task(self._publish_abort(request_id))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)

@@ -181,3 +181,26 @@ def test_chat_logprobs_stream_and_logit_bias(client, tokenizer) -> None:
         timeout=30,
     )
     assert r.status_code == 400 and r.json()["error"]["param"] == "logit_bias"
+
+
+def test_metrics_use_vllm_names(client, stack) -> None:
+    client.completions.create(model=MODEL, prompt="Hello there", max_tokens=3, temperature=0)
+    text = httpx.get(f"{stack}/metrics", timeout=10).text
+    for name in (
+        "vllm:time_to_first_token_seconds_count",
+        "vllm:inter_token_latency_seconds_count",
+        "vllm:e2e_request_latency_seconds_count",
+        "vllm:prompt_tokens_total",
+        "vllm:generation_tokens_total",
+        "vllm:num_requests_running",
+        "vllm:num_requests_waiting",
+        "vllm:kv_cache_usage_perc",
+        "vllm:prefix_cache_queries_total",
+        "vllm:num_preemptions_total",
+    ):
+        assert f"\n{name}{{" in text, name
+    count = [
+        ln for ln in text.splitlines() if ln.startswith("vllm:e2e_request_latency_seconds_count")
+    ]
+    assert float(count[0].split()[-1]) >= 1
+    assert 'finished_reason="length"' in text
