@@ -60,15 +60,23 @@ class GatewayMetrics:
         self.waiting = Gauge("vllm:num_requests_waiting", "Requests waiting", m, registry=r)
         self.kv_usage = Gauge("vllm:kv_cache_usage_perc", "KV cache usage (0-1)", m, registry=r)
         self.prefix_queries = Gauge(
-            "vllm:prefix_cache_queries_total", "Prefix cache blocks looked up (cumulative)", m, registry=r
+            "vllm:prefix_cache_queries_total",
+            "Prefix cache blocks looked up (cumulative)",
+            m,
+            registry=r,
         )
         self.prefix_hits = Gauge(
             "vllm:prefix_cache_hits_total", "Prefix cache blocks found (cumulative)", m, registry=r
         )
-        self.preemptions = Gauge("vllm:num_preemptions_total", "Preemptions (cumulative)", m, registry=r)
+        self.preemptions = Gauge(
+            "vllm:num_preemptions_total", "Preemptions (cumulative)", m, registry=r
+        )
         self.workers = Gauge("kvflow:workers", "Workers known to the scheduler", m, registry=r)
         self.computed = Gauge(
-            "kvflow:computed_tokens_total", "Tokens run through the model (cumulative)", m, registry=r
+            "kvflow:computed_tokens_total",
+            "Tokens run through the model (cumulative)",
+            m,
+            registry=r,
         )
         self.open_requests = Gauge(
             "kvflow:gateway_open_requests", "Requests open here", m, registry=r
