@@ -40,7 +40,13 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("service", choices=SERVICES)
     Settings.add_arguments(run)
 
+    from services import bench
+
+    bench.add_parser(sub)
+
     args = parser.parse_args(argv)
+    if args.command == "bench":
+        return bench.main(args)
     settings = Settings.from_args(args)
     if args.command == "run":
         _run_service(args.service, settings)

