@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import statistics
 import time
 from dataclasses import asdict, dataclass
 
@@ -99,17 +98,26 @@ async def run_load(
         stats = await asyncio.gather(*(guarded(p, n) for p, n in workload))
         dur = time.perf_counter() - t0
     print()
+    return summarize(name, concurrency, list(stats), dur)
+
+
+def summarize(
+    name: str, concurrency: int, stats: list[RequestStats], duration: float
+) -> RunSummary:
+    """Throughput and latency percentiles of one run."""
     toks = sum(s.output_tokens for s in stats)
+    ttft = [s.ttft_s for s in stats]
+    tpot = [s.tpot_s for s in stats]
     return RunSummary(
         name=name,
         concurrency=concurrency,
         requests=len(stats),
-        duration_s=dur,
+        duration_s=duration,
         output_tokens=toks,
-        output_tokens_per_s=toks / dur,
-        requests_per_s=len(stats) / dur,
-        ttft_p50_s=statistics.median(s.ttft_s for s in stats),
-        ttft_p99_s=percentile([s.ttft_s for s in stats], 99),
-        tpot_p50_s=statistics.median(s.tpot_s for s in stats),
-        tpot_p99_s=percentile([s.tpot_s for s in stats], 99),
+        output_tokens_per_s=toks / duration,
+        requests_per_s=len(stats) / duration,
+        ttft_p50_s=percentile(ttft, 50),
+        ttft_p99_s=percentile(ttft, 99),
+        tpot_p50_s=percentile(tpot, 50),
+        tpot_p99_s=percentile(tpot, 99),
     )

@@ -7,19 +7,11 @@ from __future__ import annotations
 
 import os
 import time
-from dataclasses import dataclass
 
 import torch
 
-from services.bench_client import RunSummary, percentile
+from services.bench_client import RequestStats, RunSummary, summarize
 from shared.model_source import ModelSource
-
-
-@dataclass
-class Timed:
-    ttft_s: float
-    latency_s: float
-    output_tokens: int
 
 
 def load_hf(src: ModelSource):  # -> (model, pad_id)
@@ -67,11 +59,11 @@ def static_batches(
     """Requests in arrival order, ``batch_size`` at a time; every request of a batch waits for
     the batch before it (queueing) and for its batch's longest request."""
     clock = 0.0
-    stats: list[Timed] = []
+    stats: list[RequestStats] = []
     for start in range(0, len(workload), batch_size):
         batch = workload[start : start + batch_size]
         first, total = _run_batch(model, batch, pad_id)
-        stats += [Timed(clock + first, clock + total, n) for _, n in batch]
+        stats += [RequestStats(clock + first, clock + total, n) for _, n in batch]
         clock += total
         print(
             f"\r  {name}: {min(start + batch_size, len(workload))}/{len(workload)} requests",
@@ -80,22 +72,3 @@ def static_batches(
         )
     print()
     return summarize(name, batch_size, stats, clock)
-
-
-def summarize(name: str, concurrency: int, stats: list[Timed], duration: float) -> RunSummary:
-    toks = sum(s.output_tokens for s in stats)
-    ttft = [s.ttft_s for s in stats]
-    tpot = [(s.latency_s - s.ttft_s) / max(1, s.output_tokens - 1) for s in stats]
-    return RunSummary(
-        name=name,
-        concurrency=concurrency,
-        requests=len(stats),
-        duration_s=duration,
-        output_tokens=toks,
-        output_tokens_per_s=toks / duration,
-        requests_per_s=len(stats) / duration,
-        ttft_p50_s=percentile(ttft, 50),
-        ttft_p99_s=percentile(ttft, 99),
-        tpot_p50_s=percentile(tpot, 50),
-        tpot_p99_s=percentile(tpot, 99),
-    )

@@ -60,29 +60,35 @@ def create_app(settings: Settings, bus: Bus | None = None) -> FastAPI:
         except ClientDisconnect:
             return None
 
-    @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request) -> Response:
+    async def generate(
+        request: Request,
+        cls: type[ChatCompletionRequest] | type[CompletionRequest],
+        id_prefix: str,
+        to_generate: Any,
+        fmt_cls: type[ChatFormat] | type[CompletionFormat],
+    ) -> Response:
+        """Chat and completions differ only in body, conversion and response shapes."""
         body = await read_body(request)
         if body is None:
             return Response(status_code=CLIENT_CLOSED)
-        req = parse_request(ChatCompletionRequest, body)
+        req = parse_request(cls, body)
         model = check_model(req.model, state.model_name)
-        request_id = new_request_id("chatcmpl")
-        gen = chat_to_generate(req, request_id, state.inbox, time.time())
-        fmt = ChatFormat(request_id, model, include_usage=req.include_usage())
+        request_id = new_request_id(id_prefix)
+        gen = to_generate(req, request_id, state.inbox, time.time())
+        fmt = fmt_cls(request_id, model, include_usage=req.include_usage())
         return await serve(request, state, gen, fmt, bool(req.stream), n=req.n or 1)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await generate(
+            request, ChatCompletionRequest, "chatcmpl", chat_to_generate, ChatFormat
+        )
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
-        body = await read_body(request)
-        if body is None:
-            return Response(status_code=CLIENT_CLOSED)
-        req = parse_request(CompletionRequest, body)
-        model = check_model(req.model, state.model_name)
-        request_id = new_request_id("cmpl")
-        gen = completion_to_generate(req, request_id, state.inbox, time.time())
-        fmt = CompletionFormat(request_id, model, include_usage=req.include_usage())
-        return await serve(request, state, gen, fmt, bool(req.stream), n=req.n or 1)
+        return await generate(
+            request, CompletionRequest, "cmpl", completion_to_generate, CompletionFormat
+        )
 
     @app.get("/v1/models")
     async def models() -> Response:

@@ -5,8 +5,7 @@ from __future__ import annotations
 import pytest
 
 from services.bench import make_workload
-from services.bench_client import percentile
-from services.bench_hf import Timed, summarize
+from services.bench_client import RequestStats, percentile, summarize
 
 
 def test_workload_is_deterministic_and_within_bounds(tokenizer) -> None:
@@ -26,7 +25,7 @@ def test_percentile_picks_nearest_rank() -> None:
 
 def test_static_batch_accounting_counts_useful_tokens_only() -> None:
     # two requests in one batch that ran 10 s to its longest request; prefill took 1 s
-    stats = [Timed(1.0, 10.0, 50), Timed(1.0, 10.0, 100)]
+    stats = [RequestStats(1.0, 10.0, 50), RequestStats(1.0, 10.0, 100)]
     s = summarize("hf-static-2", 2, stats, 10.0)
     assert s.output_tokens == 150 and s.output_tokens_per_s == pytest.approx(15.0)
     assert s.ttft_p50_s == 1.0
