@@ -83,6 +83,7 @@ class GenerateRequest(_Msg, tag=1):
     messages: list[ChatMessage] | None = None
     add_generation_prompt: bool = True
     arrival_time: float = 0.0
+    priority: int = 0  # lower runs first (vLLM's convention); FCFS within a priority
 
 
 # ---------------------------------------------------------------------------------------------
@@ -96,6 +97,7 @@ class TokenizedRequest(_Msg, tag=2):
     params: SamplingParams
     arrival_time: float = 0.0
     eos_token_ids: list[int] = []
+    priority: int = 0
 
 
 # ---------------------------------------------------------------------------------------------

@@ -112,6 +112,7 @@ def chat_to_generate(
         params=sampling_params(req, chat_max_tokens(req), req.logprobs_count()),
         messages=messages,
         arrival_time=arrival_time,
+        priority=req.priority or 0,
     )
 
 
@@ -154,4 +155,5 @@ def completion_to_generate(
         prompt=prompt,
         prompt_token_ids=ids,
         arrival_time=arrival_time,
+        priority=req.priority or 0,
     )

@@ -69,6 +69,7 @@ class SamplingBody(_Body):
     include_stop_str_in_output: bool | None = False
     repetition_penalty: float | None = Field(None, gt=0.0)
     logit_bias: dict[int, float] | None = None
+    priority: int | None = 0  # vLLM extra: lower values are scheduled first
 
     @field_validator("logit_bias")
     @classmethod

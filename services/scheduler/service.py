@@ -80,7 +80,7 @@ class SchedulerService:
 
     async def _on_request(self, req: TokenizedRequest) -> None:
         try:
-            self.core.add_request(req)
+            self.core.add_request(req, req.priority)
         except QueueFullError as e:
             err = RequestError(req.request_id, f"{e}; retry later", "RateLimitError", None, 429)
             await self.bus.publish(req.reply_to, err)

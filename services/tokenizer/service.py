@@ -66,6 +66,7 @@ class TokenizerService:
             params=params,
             arrival_time=msg.arrival_time,
             eos_token_ids=self.eos_ids,
+            priority=msg.priority,
         )
         await self.bus.publish(subjects.REQUESTS, out)
 

@@ -179,3 +179,16 @@ def test_failed_step_forgets_blocks_it_registered() -> None:
     assert core.stats().num_waiting == 1  # re-queued, to be recomputed
     outputs = run_all(core, w)
     assert len(outputs["a"]) == 5
+
+
+def test_priority_orders_admission_then_fcfs() -> None:
+    core, w = make_core(max_num_seqs=1)
+    for rid, prio in (("late-low", 5), ("first", 0), ("urgent", -1), ("second", 0)):
+        r = req(rid, [1, 2, 3], 1)
+        core.add_request(r, priority=prio)
+    ws = core.workers["w"]
+    order = []
+    while (plan := ws.schedule(core.waiting)) is not None:
+        order += [nr.request_id for nr in plan.new_requests]
+        core.on_result(w.execute(plan))
+    assert order == ["urgent", "first", "second", "late-low"]
