@@ -41,12 +41,16 @@ def main(argv: list[str] | None = None) -> int:
     Settings.add_arguments(run)
 
     from services import bench
+    from services.scheduler import simulator
 
     bench.add_parser(sub)
+    simulator.add_parser(sub)
 
     args = parser.parse_args(argv)
     if args.command == "bench":
         return bench.main(args)
+    if args.command == "simulate":
+        return simulator.main(args)
     settings = Settings.from_args(args)
     if args.command == "run":
         _run_service(args.service, settings)
