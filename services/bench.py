@@ -18,10 +18,8 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
-import httpx
-
 from services.bench_client import RunSummary, run_load
-from shared.infra import free_port
+from shared.infra import free_port, wait_for_http
 from shared.model_source import load_tokenizer, resolve_model
 
 
@@ -54,17 +52,8 @@ def start_stack(extra: list[str]) -> tuple[subprocess.Popen, str]:
         start_new_session=True,
     )
     base = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError("kvflow serve exited during start-up; run `kvflow serve` to see why")
-        try:
-            if httpx.get(f"{base}/health", timeout=1).status_code == 200:
-                return proc, base
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    raise RuntimeError("kvflow serve was not ready after 300 s")
+    wait_for_http(f"{base}/health", proc, "kvflow serve")
+    return proc, base
 
 
 def run_kvflow(url: str | None, model: str, workload, extra: list[str]) -> RunSummary:

@@ -11,10 +11,10 @@ import sys
 import time
 from pathlib import Path
 
-import httpx
 import torch
 
 from services.bench_client import RequestStats, RunSummary, summarize
+from shared.infra import wait_for_http
 from shared.model_source import ModelSource
 
 
@@ -121,14 +121,5 @@ def start_transformers_serve(model_dir: Path, port: int) -> subprocess.Popen:
         stderr=subprocess.DEVNULL,
         start_new_session=True,
     )
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError("transformers serve exited; run it by hand to see why")
-        try:
-            if httpx.get(f"http://localhost:{port}/health", timeout=1).status_code == 200:
-                return proc
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    raise RuntimeError("transformers serve was not ready after 300 s")
+    wait_for_http(f"http://localhost:{port}/health", proc, "transformers serve")
+    return proc

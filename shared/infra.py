@@ -44,6 +44,27 @@ def wait_for_port(port: int, proc: subprocess.Popen, what: str, timeout: float =
     raise TimeoutError(f"{what} did not open port {port} within {timeout:.0f}s")
 
 
+def wait_for_http(url: str, proc: subprocess.Popen, what: str, timeout: float = 300.0) -> None:
+    """Wait until GET ``url`` answers 200 (a server's health check), or raise saying why."""
+    import urllib.error
+    import urllib.request
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(
+                f"{what} exited with code {proc.returncode}; run it by hand to see why"
+            )
+        try:
+            with urllib.request.urlopen(url, timeout=1) as r:
+                if r.status == 200:
+                    return
+        except (urllib.error.URLError, OSError):
+            pass
+        time.sleep(0.5)
+    raise RuntimeError(f"{what} was not ready after {timeout:.0f} s")
+
+
 def _binary(name: str, fallback: Path | None = None) -> str:
     here = Path(sys.executable).parent / name
     if here.is_file():
