@@ -15,7 +15,7 @@ import time
 import httpx
 
 from services.bench_client import run_load
-from shared.infra import free_port
+from shared.infra import free_port, wait_for_http
 
 MODEL = "SmolLM2-135M-Instruct"
 PROMPT = "Write a long story about a lighthouse keeper and the sea."
@@ -32,16 +32,11 @@ def main() -> int:
     )
     base = f"http://127.0.0.1:{port}"
     try:
-        while True:
-            if proc.poll() is not None:
-                print("kvflow serve exited; run it by hand to see why", file=sys.stderr)
-                return 1
-            try:
-                if httpx.get(f"{base}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
+        try:
+            wait_for_http(f"{base}/health", proc, "kvflow serve")
+        except RuntimeError as e:
+            print(e, file=sys.stderr)
+            return 1
         ready = time.monotonic() - t0
         body = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "stream": True}
         with httpx.stream("POST", f"{base}/v1/chat/completions", json=body, timeout=60) as r:

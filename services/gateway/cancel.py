@@ -29,10 +29,14 @@ async def wait_for_disconnect(receive: Receive) -> None:
 
 
 async def run_or_disconnect(request: Request, work: Awaitable[T]) -> tuple[bool, T | None]:
+    return await race_disconnect(request.receive, work)
+
+
+async def race_disconnect(receive: Receive, work: Awaitable[T]) -> tuple[bool, T | None]:
     """``(False, result)`` if ``work`` finished first; ``(True, None)`` if the client went away
     first, in which case ``work`` is cancelled and its cleanup has run when this returns."""
     task = asyncio.ensure_future(work)
-    listener = asyncio.ensure_future(wait_for_disconnect(request.receive))
+    listener = asyncio.ensure_future(wait_for_disconnect(receive))
     try:
         await asyncio.wait({task, listener}, return_when=asyncio.FIRST_COMPLETED)
     finally:
@@ -75,22 +79,13 @@ class SSEResponse(StreamingResponse):
             self.client_disconnected = True
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        stream = asyncio.ensure_future(self._stream(send))
-        listener = asyncio.ensure_future(wait_for_disconnect(receive))
         try:
-            done, _ = await asyncio.wait({stream, listener}, return_when=asyncio.FIRST_COMPLETED)
-            if listener in done:
+            disconnected, _ = await race_disconnect(receive, self._stream(send))
+            if disconnected:
                 self.client_disconnected = True
         finally:
-            listener.cancel()
-            if not stream.done():
-                stream.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await stream
             aclose = getattr(self.body_iterator, "aclose", None)
             if aclose is not None:
                 with contextlib.suppress(Exception):
                     await aclose()
             self.on_close()
-        if stream.done() and not stream.cancelled() and stream.exception() is not None:
-            raise stream.exception()  # type: ignore[misc]

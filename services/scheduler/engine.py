@@ -6,7 +6,7 @@ from __future__ import annotations
 from services.scheduler.block_manager import BlockManager
 from services.scheduler.policy import SchedulerLimits, StepOutcome, WorkerScheduler
 from services.scheduler.sequence import SeqStatus, Sequence, WaitingQueue
-from shared.messages import FinishReason, SchedulerStats, StepResult, TokenizedRequest
+from shared.messages import SchedulerStats, StepResult, TokenizedRequest
 
 
 class QueueFullError(RuntimeError):
@@ -93,6 +93,3 @@ class SchedulerCore:
             prefix_cache_queries=sum(w.bm.prefix_queries for w in self.workers.values()),
             prefix_cache_hits=sum(w.bm.prefix_hits for w in self.workers.values()),
         )
-
-
-__all__ = ["SchedulerCore", "QueueFullError", "FinishReason"]

@@ -136,8 +136,9 @@ class WorkerScheduler:
         back: the worker writes every K/V of a step before any attention reads it, so a sequence
         admitted later in this same step (n > 1 siblings, identical prompts arriving together)
         already shares them. If the step fails they are forgotten again (on_failed_step)."""
+        start = len(seq.hashes)  # blocks before this are registered already (or duplicates)
         self.bm.extend_hashes(seq.hashes, seq.token_ids, seq.num_computed + num_new)
-        self.in_flight_cached += self.bm.cache_blocks(seq.blocks, seq.hashes)
+        self.in_flight_cached += self.bm.cache_blocks(seq.blocks[start:], seq.hashes[start:])
 
     def _preempt(self, seq: Sequence, waiting: WaitingQueue) -> None:
         self.running.remove(seq)
@@ -197,9 +198,3 @@ class WorkerScheduler:
         seq.blocks = []
         seq.status = SeqStatus.FINISHED
         self.to_forget.append(seq.request_id)
-
-    def find(self, request_id: str) -> Sequence | None:
-        for s in self.running:
-            if s.request_id == request_id:
-                return s
-        return None

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import msgspec
+
 from shared.messages import GenerateRequest, RequestError, SamplingParams
 
 
@@ -59,8 +61,6 @@ def check_length(ids: list[int], params: SamplingParams, max_model_len: int) -> 
         )
     room = max_model_len - n
     if params.max_tokens <= 0:
-        import msgspec
-
         return msgspec.structs.replace(params, max_tokens=room)
     if params.max_tokens > room:
         raise PromptError(
