@@ -25,6 +25,12 @@ class Settings:
     redis_url: str = field(default="", metadata={"help": "Redis URL (optional)"})
     host: str = field(default="127.0.0.1", metadata={"help": "gateway bind host"})
     port: int = field(default=8000, metadata={"help": "gateway bind port"})
+    ops_port: int = field(
+        default=0,
+        metadata={
+            "help": "port of the /health and /metrics endpoint of non-gateway services; 0 = off"
+        },
+    )
     block_size: int = field(default=16, metadata={"help": "tokens per KV cache block"})
     kv_cache_memory: float = field(
         default=1.0, metadata={"help": "GiB of KV cache per worker (CPU)"}

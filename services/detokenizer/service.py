@@ -110,8 +110,11 @@ class DetokenizerService:
 
 async def run(settings: Settings) -> None:
     from shared.model_source import load_tokenizer, resolve_model
+    from shared.ops_http import start_ops_server
 
+    ops = start_ops_server(settings.ops_port, "detokenizer")
     tok = load_tokenizer(resolve_model(settings.model, settings.served_model_name))
     service = DetokenizerService(settings, tok)
     await service.start()
+    ops.set_ready(lambda: service.bus.client.is_connected, service.bus)
     await asyncio.Event().wait()

@@ -161,10 +161,13 @@ class SchedulerService:
 async def run(settings: Settings) -> None:
     from shared.model_loader import load_config
     from shared.model_source import resolve_model
+    from shared.ops_http import start_ops_server
 
+    ops = start_ops_server(settings.ops_port, "scheduler")
     src = resolve_model(settings.model, settings.served_model_name)
     cfg = load_config(src)
     max_len = min(settings.max_model_len, cfg.max_position_embeddings)
     service = SchedulerService(settings, src.name, max_len)
     await service.start()
+    ops.set_ready(lambda: service.bus.client.is_connected, service.bus)
     await asyncio.Event().wait()

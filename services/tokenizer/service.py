@@ -74,11 +74,14 @@ class TokenizerService:
 async def run(settings: Settings) -> None:
     from shared.model_loader import load_config
     from shared.model_source import load_tokenizer, resolve_model
+    from shared.ops_http import start_ops_server
 
+    ops = start_ops_server(settings.ops_port, "tokenizer")
     src = resolve_model(settings.model, settings.served_model_name)
     cfg = load_config(src)
     tok = load_tokenizer(src)
     max_len = min(settings.max_model_len, cfg.max_position_embeddings)
     service = TokenizerService(settings, tok, max_len, list(cfg.eos_token_ids))
     await service.start()
+    ops.set_ready(lambda: service.bus.client.is_connected, service.bus)
     await asyncio.Event().wait()

@@ -83,7 +83,9 @@ async def run(settings: Settings) -> None:
     import torch
 
     from shared.model_source import resolve_model
+    from shared.ops_http import start_ops_server
 
+    ops = start_ops_server(settings.ops_port, "worker")
     if settings.threads > 0:
         torch.set_num_threads(settings.threads)
     src = resolve_model(settings.model, settings.served_model_name)
@@ -99,4 +101,5 @@ async def run(settings: Settings) -> None:
     )
     service = WorkerService(settings, runner, src.name)
     await service.start()
+    ops.set_ready(lambda: service.bus.client.is_connected, service.bus)
     await asyncio.Event().wait()
