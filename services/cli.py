@@ -28,7 +28,8 @@ def _run_service(name: str, settings: Settings) -> None:
         pass
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """The ``kvflow`` command line (deployment tests parse compose/k8s commands with it)."""
     parser = argparse.ArgumentParser(prog="kvflow", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -45,11 +46,18 @@ def main(argv: list[str] | None = None) -> int:
 
     bench.add_parser(sub)
     simulator.add_parser(sub)
+    return parser
 
-    args = parser.parse_args(argv)
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     if args.command == "bench":
+        from services import bench
+
         return bench.main(args)
     if args.command == "simulate":
+        from services.scheduler import simulator
+
         return simulator.main(args)
     settings = Settings.from_args(args)
     if args.command == "run":
