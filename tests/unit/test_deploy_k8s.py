@@ -1,0 +1,166 @@
+"""k8s/: each overlay rendered by a real kustomize (kubectl kustomize) is valid against the
+Kubernetes schemas (kubernetes-validate, strict) and, for KEDA's ScaledObject and the
+prometheus-operator's ServiceMonitor, against their CRDs' schemas (vendored); every kvflow
+container runs a command `kvflow` accepts with settings that exist, and has probes on the
+ports its settings open, resources, and the scaling and disruption objects the design asks for."""
+
+from __future__ import annotations
+
+import copy
+import functools
+
+import jsonschema
+import kubernetes_validate
+import pytest
+
+from services.cli import SERVICES
+from tests.unit.deploy_support import (
+    ROOT,
+    closed_crd_schema,
+    environ_of_container,
+    load_schema,
+    parse_kvflow_command,
+    render_overlay,
+)
+from tests.unit.test_deploy_compose import exported_metric_names, metric_names_in
+
+OVERLAYS = ("cpu", "gpu")
+K8S_VERSION = "1.33"
+CRD_SCHEMAS = {
+    ("keda.sh/v1alpha1", "ScaledObject"): "keda-scaledobject-v1alpha1.json",
+    ("monitoring.coreos.com/v1", "ServiceMonitor"): "monitoring-servicemonitor-v1.json",
+}
+
+
+@functools.cache
+def rendered(overlay: str) -> tuple[dict, ...]:
+    return tuple(render_overlay(ROOT / "k8s" / "overlays" / overlay))
+
+
+def _of_kind(docs, kind: str) -> dict[str, dict]:
+    return {d["metadata"]["name"]: d for d in docs if d["kind"] == kind}
+
+
+def validate_resource(doc: dict) -> None:
+    """Raise if ``doc`` does not match its kind's schema."""
+    crd = CRD_SCHEMAS.get((doc["apiVersion"], doc["kind"]))
+    if crd is None:
+        kubernetes_validate.validate(doc, K8S_VERSION, strict=True)
+        return
+    schema = closed_crd_schema(load_schema(crd))
+    jsonschema.Draft7Validator(schema).validate(doc)
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_rendered_manifests_are_valid_kubernetes_objects(overlay: str) -> None:
+    docs = rendered(overlay)
+    assert len(docs) > 10
+    for doc in docs:
+        try:
+            validate_resource(doc)
+        except (kubernetes_validate.ValidationError, jsonschema.ValidationError) as e:
+            pytest.fail(f"{overlay}: {doc['kind']}/{doc['metadata']['name']}: {e}")
+        assert doc["kind"] == "Namespace" or doc["metadata"]["namespace"] == "kvflow"
+
+
+def test_the_validators_reject_broken_objects() -> None:
+    docs = rendered("cpu")
+    deployment = copy.deepcopy(_of_kind(docs, "Deployment")["gateway"])
+    deployment["spec"]["template"]["spec"]["containers"][0]["readinessProbe"]["httpGett"] = {}
+    with pytest.raises(kubernetes_validate.ValidationError):
+        validate_resource(deployment)
+    scaled = copy.deepcopy(_of_kind(docs, "ScaledObject")["worker"])
+    scaled["spec"]["maxReplicas"] = 3  # KEDA spells it maxReplicaCount
+    with pytest.raises(jsonschema.ValidationError):
+        validate_resource(scaled)
+    monitor = copy.deepcopy(_of_kind(docs, "ServiceMonitor")["kvflow"])
+    del monitor["spec"]["selector"]
+    with pytest.raises(jsonschema.ValidationError):
+        validate_resource(monitor)
+
+
+def _kvflow_containers(docs):
+    configmaps = _of_kind(docs, "ConfigMap")
+    for name, dep in _of_kind(docs, "Deployment").items():
+        for c in dep["spec"]["template"]["spec"]["containers"]:
+            if c["image"].startswith("kvflow:"):
+                yield name, dep, c, environ_of_container(c, configmaps)
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_each_service_runs_a_command_kvflow_accepts_with_probes_on_its_ports(overlay) -> None:
+    docs = rendered(overlay)
+    seen: dict[str, str] = {}
+    for name, dep, c, env in _kvflow_containers(docs):
+        assert "command" not in c, "the image's entrypoint is kvflow; args choose the service"
+        cmd = parse_kvflow_command(c["args"], env)
+        seen[name] = cmd.service
+        s = cmd.settings
+        assert s.nats_url == "nats://nats:4222" and s.redis_url == "redis://redis:6379/0"
+        ports = {p["name"]: p["containerPort"] for p in c["ports"]}
+        if cmd.service == "gateway":
+            assert s.host == "0.0.0.0" and ports["http"] == s.port
+            assert c["readinessProbe"]["httpGet"] == {"path": "/health", "port": "http"}
+        else:
+            assert ports["ops"] == s.ops_port
+            assert c["readinessProbe"]["httpGet"] == {"path": "/health", "port": "ops"}
+            assert c["livenessProbe"]["httpGet"] == {"path": "/live", "port": "ops"}
+        for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
+            assert probe in c, f"{name} has no {probe}"
+        assert c["resources"]["requests"]["cpu"] and c["resources"]["limits"]["memory"]
+        # no Service links: a Service named like a setting would inject KVFLOW_* variables
+        assert dep["spec"]["template"]["spec"]["enableServiceLinks"] is False
+        if overlay == "gpu" and cmd.service == "worker":
+            assert c["resources"]["limits"]["nvidia.com/gpu"] == 1
+            assert c["image"] == "kvflow:cuda"
+    assert set(seen.values()) == set(SERVICES)
+    workers = {n: s for n, s in seen.items() if s == "worker"}
+    roles = set()
+    for name, _, c, env in _kvflow_containers(docs):
+        if name in workers:
+            roles.add(parse_kvflow_command(c["args"], env).settings.role)
+    assert roles == ({"both"} if overlay == "cpu" else {"prefill", "decode"})
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_scaling_disruption_budgets_services_and_monitoring(overlay: str) -> None:
+    docs = rendered(overlay)
+    deployments = _of_kind(docs, "Deployment")
+    hpas = _of_kind(docs, "HorizontalPodAutoscaler")
+    assert {h["spec"]["scaleTargetRef"]["name"] for h in hpas.values()} == {
+        "gateway",
+        "tokenizer",
+        "detokenizer",
+    }
+    assert hpas["gateway"]["spec"]["minReplicas"] >= 2
+    workers = {n for n, _, c, _ in _kvflow_containers(docs) if c["args"][1] == "worker"}
+    scaled = _of_kind(docs, "ScaledObject")
+    assert {s["spec"]["scaleTargetRef"]["name"] for s in scaled.values()} == workers
+    exported = exported_metric_names()
+    for so in scaled.values():  # KEDA's queries read series the gateway exports
+        for trigger in so["spec"]["triggers"]:
+            assert metric_names_in(trigger["metadata"]["query"]) <= exported
+    pdb_targets = {
+        p["spec"]["selector"]["matchLabels"]["app.kubernetes.io/name"]
+        for p in _of_kind(docs, "PodDisruptionBudget").values()
+    }
+    assert {"gateway", "tokenizer", *workers} <= pdb_targets
+    assert deployments["scheduler"]["spec"]["replicas"] == 1
+    assert deployments["scheduler"]["spec"]["strategy"]["type"] == "Recreate"
+
+    services = _of_kind(docs, "Service")
+    assert set(deployments) <= set(services), "every Deployment has a Service (API or metrics)"
+    monitor = _of_kind(docs, "ServiceMonitor")["kvflow"]
+    selector = monitor["spec"]["selector"]["matchLabels"]
+    scraped_ports = {e["port"] for e in monitor["spec"]["endpoints"]}
+    for name, *_ in _kvflow_containers(docs):
+        svc = services[name]
+        assert selector.items() <= svc["metadata"]["labels"].items(), name
+        assert {p["name"] for p in svc["spec"]["ports"]} & scraped_ports, name
+    assert {"nats", "redis"} <= set(services)
+    assert (
+        _of_kind(docs, "StatefulSet")["nats"]["spec"]["template"]["spec"]["containers"][0]["args"][
+            0
+        ]
+        == "--jetstream"
+    )
