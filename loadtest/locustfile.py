@@ -10,6 +10,10 @@ events:
 - ``ITL``: inter-token latency, one per content delta after the first;
 - ``E2E``: the whole request, its "content size" being the number of output tokens.
 
+A request's events are fired together when it ends (timings are taken as the deltas arrive), so
+a request still in flight when Locust writes its final CSV is in none of the rows rather than
+in some.
+
 Run it with ``make loadtest URL=http://127.0.0.1:8000 USERS=8 DURATION=60s`` or directly:
 ``locust -f loadtest/locustfile.py --headless --host URL -u 8 -r 2 -t 60s``.
 
@@ -104,7 +108,7 @@ class ChatStreamUser(HttpUser):
         start = time.perf_counter()
         first: float | None = None
         last = start
-        deltas = 0
+        gaps: list[float] = []
         usage_tokens: int | None = None
         done = False
         with self.client.post(
@@ -137,20 +141,22 @@ class ChatStreamUser(HttpUser):
                     now = time.perf_counter()
                     if first is None:
                         first = now
-                        self._event("TTFT", now - start)
                     else:
-                        self._event("ITL", now - last)
+                        gaps.append(now - last)
                     last = now
-                    deltas += 1
             if not done:
                 resp.failure("stream ended without [DONE]")
                 return
             if first is None:
                 resp.failure("no content in the stream")
                 return
-            tokens = usage_tokens if usage_tokens is not None else deltas
+            tokens = usage_tokens if usage_tokens is not None else len(gaps) + 1
             if tokens != body["max_tokens"]:
                 resp.failure(f"{tokens} output tokens, asked for {body['max_tokens']}")
                 return
-            resp.success()
-        self._event("E2E", time.perf_counter() - start, tokens)
+            end = time.perf_counter()
+            self._event("TTFT", first - start)
+            for gap in gaps:
+                self._event("ITL", gap)
+            self._event("E2E", end - start, tokens)
+            resp.success()  # Locust reports the POST (time to headers) as the block exits
