@@ -440,3 +440,11 @@ def test_kernels_compile_for_h100_without_spills():
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "17 kernels compiled, 0 with spills" in proc.stdout, proc.stdout
+
+
+@pytest.mark.skipif(HAS_CUDA, reason="with a GPU the bench runs instead of refusing")
+def test_bench_refuses_without_a_gpu(capsys):
+    from kernels import bench
+
+    assert bench.main(["--skip-e2e"]) == 2
+    assert "needs a CUDA GPU" in capsys.readouterr().err
