@@ -1,6 +1,7 @@
 """Helpers of the deployment tests: render kustomize overlays with a real kustomize (the one in
-kubectl), load the vendored schemas, and check a container's command and KVFLOW_* variables
-against the real ``kvflow`` parser and Settings."""
+kubectl), load the vendored schemas, check a container's command and KVFLOW_* variables
+against the real ``kvflow`` parser and Settings, and list the metric names the services export
+(to check the PromQL of dashboards and autoscalers against)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import dataclasses
 import importlib.util
 import io
 import json
+import re
 import shutil
 import stat
 import subprocess
@@ -19,9 +21,13 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+from prometheus_client import REGISTRY
 
 from services.cli import build_parser
+from services.gateway.metrics import GatewayMetrics
 from shared.config import Settings
+from shared.messages import SchedulerStats
+from shared.ops_http import OpsServer
 
 ROOT = Path(__file__).resolve().parents[2]
 SCHEMAS = ROOT / "tests" / "data" / "schemas"
@@ -144,3 +150,34 @@ def environ_of_container(container: dict[str, Any], configmaps: dict[str, dict])
     for item in container.get("env", []):
         env[item["name"]] = str(item.get("value", "from-field-ref"))
     return env
+
+
+_PROMQL_WORDS = {
+    "sum", "max", "min", "avg", "count", "rate", "irate", "increase", "histogram_quantile",
+    "by", "without", "on", "ignoring", "and", "or", "unless", "le",
+}  # fmt: skip
+
+
+def exported_metric_names() -> set[str]:
+    """Every series name kvflow's services expose: the gateway's registry (vLLM names) with
+    each series observed once, and the ops endpoint's (process metrics, readiness, bus)."""
+    gm = GatewayMetrics("m")
+    timer = gm.request_timer()
+    timer.delta(1)
+    timer.delta(1)
+    timer.finished("stop", 3, 2)
+    gm.aborts.labels("m").inc()
+    gm.update_engine(SchedulerStats(1, 10, 5, 1, 1), 1)
+    names = {"up"}  # Prometheus's own per-target series
+    for registry in (gm.registry, REGISTRY, OpsServer("x").registry):
+        for family in registry.collect():
+            names.update(sample.name for sample in family.samples)
+    return names
+
+
+def metric_names_in(expr: str) -> set[str]:
+    """The series names a PromQL expression reads (labels, ranges and functions removed)."""
+    expr = re.sub(r"\{[^}]*\}|\[[^\]]*\]|\"[^\"]*\"", " ", expr)
+    expr = re.sub(r"\b(by|without)\s*\([^)]*\)", " ", expr)
+    words = set(re.findall(r"[A-Za-z_:][A-Za-z0-9_:]*", expr))
+    return {w for w in words if w not in _PROMQL_WORDS}

@@ -7,21 +7,18 @@ from __future__ import annotations
 
 import copy
 import json
-import re
 
 import jsonschema
 import pytest
 import yaml
-from prometheus_client import REGISTRY
 
 from services.cli import SERVICES
-from services.gateway.metrics import GatewayMetrics
-from shared.messages import SchedulerStats
-from shared.ops_http import OpsServer
 from tests.unit.deploy_support import (
     ROOT,
     environ_of_compose,
+    exported_metric_names,
     load_schema,
+    metric_names_in,
     parse_kvflow_command,
 )
 
@@ -113,37 +110,6 @@ def test_observability_profile_and_prometheus_scrape_every_service(compose) -> N
         cmd = parse_kvflow_command(svc["command"], environ_of_compose(svc))
         port = cmd.settings.port if cmd.service == "gateway" else cmd.settings.ops_port
         assert scraped.get(name) == port, f"Prometheus does not scrape {name} on {port}"
-
-
-_PROMQL_WORDS = {
-    "sum", "max", "min", "avg", "count", "rate", "irate", "increase", "histogram_quantile",
-    "by", "without", "on", "ignoring", "and", "or", "unless", "le",
-}  # fmt: skip
-
-
-def exported_metric_names() -> set[str]:
-    """Every series name kvflow's services expose: the gateway's registry (vLLM names) with
-    each series observed once, and the ops endpoint's (process metrics, readiness, bus)."""
-    gm = GatewayMetrics("m")
-    timer = gm.request_timer()
-    timer.delta(1)
-    timer.delta(1)
-    timer.finished("stop", 3, 2)
-    gm.aborts.labels("m").inc()
-    gm.update_engine(SchedulerStats(1, 10, 5, 1, 1), 1)
-    names = {"up"}  # Prometheus's own per-target series
-    for registry in (gm.registry, REGISTRY, OpsServer("x").registry):
-        for family in registry.collect():
-            names.update(sample.name for sample in family.samples)
-    return names
-
-
-def metric_names_in(expr: str) -> set[str]:
-    """The series names a PromQL expression reads (labels, ranges and functions removed)."""
-    expr = re.sub(r"\{[^}]*\}|\[[^\]]*\]|\"[^\"]*\"", " ", expr)
-    expr = re.sub(r"\b(by|without)\s*\([^)]*\)", " ", expr)
-    words = set(re.findall(r"[A-Za-z_:][A-Za-z0-9_:]*", expr))
-    return {w for w in words if w not in _PROMQL_WORDS}
 
 
 def test_grafana_dashboard_queries_metrics_the_services_export() -> None:

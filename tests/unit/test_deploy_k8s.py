@@ -18,11 +18,12 @@ from tests.unit.deploy_support import (
     ROOT,
     closed_crd_schema,
     environ_of_container,
+    exported_metric_names,
     load_schema,
+    metric_names_in,
     parse_kvflow_command,
     render_overlay,
 )
-from tests.unit.test_deploy_compose import exported_metric_names, metric_names_in
 
 OVERLAYS = ("cpu", "gpu")
 K8S_VERSION = "1.33"
