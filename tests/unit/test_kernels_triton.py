@@ -141,6 +141,8 @@ class Paged:
         (8, 1, 32, 1, [200, 9], 2),
         # a single split over everything, GQA 4 with 2 KV heads
         (8, 2, 16, 8, [130, 64, 1], 1),
+        # a group of 80 heads per KV head: two head tiles of 64 per program row
+        (80, 1, 16, 16, [20, 5], 2),
     ],
 )
 def test_decode_attention(device, dtype, h, hkv, d, block_size, seq_lens, num_splits):
@@ -193,7 +195,7 @@ def test_decode_attention_padded_rows_are_zero(device, dtype, backend):
 @pytest.mark.parametrize("device,dtype", DEVICE_DTYPES)
 @pytest.mark.parametrize(
     "h,hkv,d,block_size",
-    [(2, 2, 16, 5), (6, 2, 32, 16), (8, 1, 16, 3)],
+    [(2, 2, 16, 5), (6, 2, 24, 16), (8, 1, 32, 3)],
     ids=["gqa1", "gqa3", "gqa8"],
 )
 def test_extend_attention(device, dtype, h, hkv, d, block_size):
