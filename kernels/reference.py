@@ -5,8 +5,10 @@ token row never depends on which other rows share the step. fp32 GEMMs on CPU ar
 kernels, K-blocking and thread splits from the matrix shape, so a row's bits change with M), and
 greedy decoding must not change when requests are batched together. So:
 
-* ``linear`` runs the rows of single-token sequences in fixed-size tiles (always the same GEMM
-  shape, whatever the batch size) and each multi-token sequence as its own GEMM;
+* ``linear`` pads the rows of single-token sequences to a row count for which the BLAS gives
+  every row the same bits whatever the count and the row's position (found by
+  ``kernels.batch_invariance.calibrate`` on the machine at hand; fixed 16-row tiles otherwise)
+  and runs each multi-token sequence as its own GEMM;
 * decode attention splits every context into fixed-size key chunks, so each GEMM has a fixed
   shape, padded chunks add exact zeros, and chunk partials are summed in a fixed order;
 * ``silu_and_mul`` is written with ``exp`` (whose vector and scalar paths agreed in our checks),
@@ -19,6 +21,7 @@ shows up there.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -80,13 +83,16 @@ def rotary_embedding(
 @dataclass(frozen=True)
 class RowLayout:
     """How a step's rows go through GEMMs: rows ``[0, num_single)`` belong to single-token
-    sequences and run in tiles of exactly ``tile`` rows (zero-padded); each ``segments`` range is
-    one multi-token sequence and runs as its own GEMM. Either way a row's result depends only on
-    its own sequence, never on the rest of the batch."""
+    sequences; they are zero-padded to a multiple of ``pad`` rows and run in GEMMs of at most
+    ``tile`` rows (``tile`` a multiple of ``pad``). Each ``segments`` range is one multi-token
+    sequence and runs as its own GEMM. With ``pad`` and ``tile`` from
+    ``kernels.batch_invariance.calibrate`` (or ``pad == tile``: fixed tiles), a row's result
+    depends only on its own sequence, never on the rest of the batch."""
 
     num_single: int
     segments: tuple[tuple[int, int], ...] = ()
     tile: int = 16
+    pad: int = 0  # 0: the same as tile (fixed tiles)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, layout: RowLayout | None = None) -> torch.Tensor:
@@ -97,13 +103,13 @@ def linear(x: torch.Tensor, weight: torch.Tensor, layout: RowLayout | None = Non
     ns, tile = layout.num_single, layout.tile
     if ns:
         xs = x[:ns]
-        pad = -ns % tile
-        if pad:
-            xs = torch.cat([xs, xs.new_zeros(pad, xs.shape[1])])
+        extra = -ns % (layout.pad or tile)
+        if extra:
+            xs = torch.cat([xs, xs.new_zeros(extra, xs.shape[1])])
         for s in range(0, xs.shape[0], tile):
             parts.append(F.linear(xs[s : s + tile], weight))
-        if pad:
-            parts[-1] = parts[-1][: tile - pad]
+        if extra:
+            parts[-1] = parts[-1][: parts[-1].shape[0] - extra]
     for a, b in layout.segments:
         parts.append(F.linear(x[a:b], weight))
     if not parts:
@@ -142,16 +148,27 @@ def context_slots(block_table: torch.Tensor, length: int, block_size: int) -> to
     return block_table[pos // block_size].long() * block_size + pos % block_size
 
 
+DecodeFn = Callable[
+    [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor
+]
+"""``(q [Bd, H, D], k_cache, v_cache, block_tables [Bd, max_blocks] int32, seq_lens [Bd] int32,
+scale) -> [Bd, H, D]``: a native decode-attention kernel (e.g. kernels.cpu_native's)."""
+
+
 @dataclass
 class AttentionPlan:
     """Index work for ``paged_attention`` done once per step instead of once per layer."""
 
     decode_rows: torch.Tensor  # [Bd] q rows of sequences with one new token
-    decode_blocks: torch.Tensor  # [Bd, Lp // block_size] block ids (pads: own first block)
-    decode_valid: torch.Tensor  # [Bd, Lp] bool: position < seq_len; Lp a multiple of kv_chunk
-    decode_pad_rows: torch.Tensor  # flat [Bd*Lp] indices of the invalid positions
+    decode_tables: torch.Tensor  # [Bd, max_blocks] int32 block tables of those sequences
+    decode_lens: torch.Tensor  # [Bd] int32 their context lengths
     prefills: list[tuple[int, int, torch.Tensor]]  # (row_start, row_end, slots of the context)
-    kv_chunk: int  # keys per attention chunk, a multiple of the block size
+    decode_fn: DecodeFn | None = None  # a native decode kernel; None: the chunked torch path
+    # the chunked torch decode path (unset when decode_fn is given)
+    decode_blocks: torch.Tensor | None = None  # [Bd, Lp // block_size] (pads: own first block)
+    decode_valid: torch.Tensor | None = None  # [Bd, Lp] bool: position < seq_len
+    decode_pad_rows: torch.Tensor | None = None  # flat [Bd*Lp] indices of invalid positions
+    kv_chunk: int = 128  # keys per attention chunk, a multiple of the block size
     # gather buffers shared by the layers of one step: tens of MB that malloc would otherwise
     # map and page-fault afresh in every layer
     scratch: dict[str, torch.Tensor] = field(default_factory=dict)
@@ -169,9 +186,11 @@ def plan_attention(
     query_lens: torch.Tensor,
     block_size: int,
     kv_chunk: int = 128,
+    decode_fn: DecodeFn | None = None,
 ) -> AttentionPlan:
     """Precompute gathers for ``paged_attention`` (block_tables [B, max_blocks], padded with
-    anything; seq_lens/query_lens [B]). ``kv_chunk`` is rounded up to whole blocks."""
+    anything; seq_lens/query_lens [B]). ``kv_chunk`` is rounded up to whole blocks. With a
+    ``decode_fn``, single-token sequences go to it instead of the chunked torch path."""
     sl, ql = seq_lens.tolist(), query_lens.tolist()
     starts = [0]
     for n in ql:
@@ -182,23 +201,29 @@ def plan_attention(
         for i, n in enumerate(ql)
         if n > 1
     ]
-    c = -(-kv_chunk // block_size) * block_size
-    lp = -(-max([sl[i] for i in dec], default=1) // c) * c
     lens = seq_lens[dec]
+    plan = AttentionPlan(
+        decode_rows=torch.tensor([starts[i] for i in dec], dtype=torch.long),
+        decode_tables=block_tables[dec].to(torch.int32),
+        decode_lens=lens.to(torch.int32),
+        prefills=prefills,
+        decode_fn=decode_fn,
+    )
+    if decode_fn is not None or not dec:
+        return plan
+    c = -(-kv_chunk // block_size) * block_size
+    lp = -(-max(sl[i] for i in dec) // c) * c
     tables = block_tables[dec].long()
     nb = lp // block_size
     if tables.shape[1] < nb:
         tables = torch.cat([tables, tables[:, :1].expand(-1, nb - tables.shape[1])], dim=1)
     used = torch.arange(nb)[None, :] < (lens[:, None] + block_size - 1) // block_size
     valid = torch.arange(lp)[None, :] < lens[:, None]
-    return AttentionPlan(
-        decode_rows=torch.tensor([starts[i] for i in dec], dtype=torch.long),
-        decode_blocks=torch.where(used, tables[:, :nb], tables[:, :1]),
-        decode_valid=valid,
-        decode_pad_rows=(~valid).view(-1).nonzero().view(-1),
-        prefills=prefills,
-        kv_chunk=c,
-    )
+    plan.decode_blocks = torch.where(used, tables[:, :nb], tables[:, :1])
+    plan.decode_valid = valid
+    plan.decode_pad_rows = (~valid).view(-1).nonzero().view(-1)
+    plan.kv_chunk = c
+    return plan
 
 
 def _decode_attention(
@@ -211,6 +236,8 @@ def _decode_attention(
     """One new token per sequence, all sequences at once, in fixed-size key chunks: every GEMM
     is [G, D] x [D, c] or [G, c] x [c, D] whatever the batch, padded keys get probability 0
     (exact zeros in every sum), and chunk partials are added in a fixed order."""
+    assert plan.decode_blocks is not None and plan.decode_valid is not None
+    assert plan.decode_pad_rows is not None
     bd, h, d = q.shape
     hkv, c = k_cache.shape[2], plan.kv_chunk
     g, nch = h // hkv, plan.decode_valid.shape[1] // c
@@ -259,9 +286,12 @@ def paged_attention(
     kf, vf = k_cache.view(-1, hkv, d), v_cache.view(-1, hkv, d)
     out = torch.empty_like(q)
     if plan.decode_rows.numel():
-        out[plan.decode_rows] = _decode_attention(
-            q[plan.decode_rows], k_cache, v_cache, plan, scale
-        )
+        qd = q[plan.decode_rows]
+        if plan.decode_fn is not None:
+            od = plan.decode_fn(qd, k_cache, v_cache, plan.decode_tables, plan.decode_lens, scale)
+        else:
+            od = _decode_attention(qd, k_cache, v_cache, plan, scale)
+        out[plan.decode_rows] = od
     for a, b, slots in plan.prefills:
         qs = q[a:b].transpose(0, 1)[None]
         k = kf[slots].transpose(0, 1)[None]

@@ -103,7 +103,7 @@ class LlamaModel(torch.nn.Module):
             h = K.linear(K.silu_and_mul(K.linear(x, layer["gate_up"], rows)), layer["down"], rows)
         s = batch.sample_rows
         x, _ = K.rms_norm(h[s], self.norm, cfg.rms_norm_eps, residual[s])
-        head_rows = None if rows is None else K.RowLayout(s.numel(), (), rows.tile)
+        head_rows = None if rows is None else K.RowLayout(s.numel(), (), rows.tile, rows.pad)
         return K.linear(x, self.lm_head, head_rows).float()
 
 

@@ -1,9 +1,11 @@
 """Executes StepPlans: keeps per-request sampling state and the paged KV cache, runs the model on
 the step's tokens and samples the sequences whose chunk reaches their last known token.
 
-Rows of single-token sequences (decode) go first and run in fixed-size GEMM tiles, each longer
-chunk runs as its own GEMM (see kernels/reference.py): a sequence's logits are bit-identical
-whatever else is in the step, so batching never changes greedy output.
+Rows of single-token sequences (decode) go first and run in GEMMs padded to a row count that
+calibration showed to be batch invariant on this machine, each longer chunk runs as its own GEMM
+(see kernels/reference.py and kernels/batch_invariance.py), and decode attention runs in the
+native CPU kernel (kernels/cpu_native.py) where a C compiler is available: a sequence's logits
+are bit-identical whatever else is in the step, so batching never changes greedy output.
 """
 
 from __future__ import annotations
@@ -14,7 +16,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kernels import batch_invariance, cpu_native
 from kernels import reference as K
+from kernels.batch_invariance import GemmRows
 from services.worker import sampler
 from services.worker.model import ForwardBatch, LlamaModel
 from shared.messages import (
@@ -64,8 +68,13 @@ class ModelRunner:
         *,
         config: ModelConfig | None = None,
         weights: dict[str, torch.Tensor] | None = None,
-        decode_tile: int = 16,
+        batch_invariant: bool = True,
+        gemm_rows: GemmRows | None = None,
+        native_kernels: bool | None = None,
     ) -> None:
+        """``batch_invariant``: run GEMMs in a row layout that keeps each sequence's logits
+        independent of the batch (``gemm_rows``, or calibrated here when None). ``native_kernels``:
+        the C decode-attention kernel (None: when it builds and the model is fp32)."""
         t0 = time.perf_counter()
         if config is None or weights is None:
             if src is None:
@@ -75,7 +84,12 @@ class ModelRunner:
             weights = load_weights(src, config, dtype)
         self.model = LlamaModel(config, weights)
         self.worker_id = worker_id
-        self.decode_tile = decode_tile
+        if batch_invariant and gemm_rows is None:
+            gemm_rows = self._calibrate_gemm_rows()
+        self.gemm_rows = gemm_rows if batch_invariant else None
+        if native_kernels is None:
+            native_kernels = self.model.dtype == torch.float32 and cpu_native.available()
+        self.decode_fn = cpu_native.paged_decode_attention if native_kernels else None
         self._block_size = block_size
         cfg = config
         per_block = 2 * cfg.num_layers * block_size * cfg.num_kv_heads * cfg.head_dim
@@ -88,13 +102,27 @@ class ModelRunner:
         self.requests: dict[str, RequestState] = {}
         self.total_computed_tokens = 0
         log.info(
-            "model ready in %.1fs: %d layers, %d KV blocks x %d tokens, max_model_len %d",
+            "model ready in %.1fs: %d layers, %d KV blocks x %d tokens, max_model_len %d, "
+            "decode attention %s, GEMM rows %s",
             time.perf_counter() - t0,
             cfg.num_layers,
             self._num_blocks,
             block_size,
             self._max_model_len,
+            "native" if self.decode_fn else "torch",
+            self.gemm_rows,
         )
+
+    def _calibrate_gemm_rows(self) -> GemmRows:
+        """Test this machine's BLAS on the model's own weight shapes (about a second)."""
+        t0 = time.perf_counter()
+        shapes: dict[tuple[int, ...], torch.Tensor] = {}
+        for w in [*self.model.layers[0].values(), self.model.lm_head]:
+            if w.dim() == 2:
+                shapes.setdefault(tuple(w.shape), w)
+        rows = batch_invariance.calibrate(list(shapes.values()))
+        log.info("GEMM row layout %s (calibrated in %.1fs)", rows, time.perf_counter() - t0)
+        return rows
 
     @classmethod
     def from_weights(
@@ -177,7 +205,7 @@ class ModelRunner:
         if not plan.seqs:
             return [], [], [], 0, []
         bs = self._block_size
-        # single-token sequences first (tiled GEMM rows), then one segment per longer chunk
+        # single-token sequences first (padded GEMM rows), then one segment per longer chunk
         order = sorted(range(len(plan.seqs)), key=lambda i: len(plan.seqs[i].token_ids) > 1)
         seqs = [plan.seqs[i] for i in order]
         ids: list[int] = []
@@ -219,9 +247,9 @@ class ModelRunner:
         num_single = len(seqs) - len(segments)
         batch = ForwardBatch(
             slot_mapping=torch.tensor(slots),
-            attn=K.plan_attention(tables, seq_lens, qlens, bs),
-            rows=K.RowLayout(num_single, tuple(segments), self.decode_tile)
-            if self.decode_tile
+            attn=K.plan_attention(tables, seq_lens, qlens, bs, decode_fn=self.decode_fn),
+            rows=K.RowLayout(num_single, tuple(segments), self.gemm_rows.tile, self.gemm_rows.pad)
+            if self.gemm_rows
             else None,
             sample_rows=torch.tensor(sample_rows, dtype=torch.long),
         )

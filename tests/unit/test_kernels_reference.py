@@ -34,10 +34,16 @@ def naive_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.
 
 
 def run_paged(
-    seqs: list[tuple[int, int]], h: int, hkv: int, seed: int = 0, kv_chunk: int = 128
+    seqs: list[tuple[int, int]],
+    h: int,
+    hkv: int,
+    seed: int = 0,
+    kv_chunk: int = 128,
+    decode_fn: K.DecodeFn | None = None,
 ) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """Write K/V of sequences (seq_len, query_len) into a paged cache through shuffled block
-    tables, run paged_attention, and return it with the naive answers."""
+    tables, run paged_attention (decode rows through ``decode_fn`` when given), and return it
+    with the naive answers."""
     g = torch.Generator().manual_seed(seed)
     num_blocks = sum(-(-n // BS) for n, _ in seqs) + 3
     kc, vc = torch.zeros(num_blocks, BS, hkv, D), torch.zeros(num_blocks, BS, hkv, D)
@@ -57,7 +63,7 @@ def run_paged(
     bt = torch.tensor([t + [-1] * (width - len(t)) for t in tables])
     seq_lens = torch.tensor([n for n, _ in seqs])
     query_lens = torch.tensor([nq for _, nq in seqs])
-    plan = K.plan_attention(bt, seq_lens, query_lens, BS, kv_chunk)
+    plan = K.plan_attention(bt, seq_lens, query_lens, BS, kv_chunk, decode_fn=decode_fn)
     out = K.paged_attention(torch.cat(qs), kc, vc, None, None, None, D**-0.5, plan=plan)
     return out, refs
 

@@ -10,6 +10,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from kernels.batch_invariance import GemmRows
 from services.worker.runner import ModelRunner
 from shared.messages import FinishReason, NewRequest, SamplingParams, ScheduledSeq, StepPlan
 from shared.model_loader import ModelConfig, load_config, load_weights
@@ -172,7 +173,7 @@ def test_logits_bitwise_batch_invariant(hf_model: LlamaForCausalLM) -> None:
     captured: dict[int, list[torch.Tensor]] = {}
 
     def run(prompts: list[list[int]], key: int) -> None:
-        runner = make_runner(hf_model, decode_tile=4)
+        runner = make_runner(hf_model, gemm_rows=GemmRows(4, 4, True))
         captured[key] = capture_logits(runner, "r0")
         Driver(runner, prompts, seed=key).run(8)
 

@@ -1,0 +1,73 @@
+"""Find, on the machine at hand, how to run GEMMs so that a row's result never depends on the
+rest of the batch.
+
+A BLAS picks micro-kernels, K-blocking and thread splits from a GEMM's shape, so the same row can
+get different bits in a 5-row GEMM than in a 32-row one, or at a different position. Which row
+counts are safe is a property of the BLAS build and the CPU, not something to assume: on one
+Intel Xeon only fixed 16-row tiles were; on an AMD EPYC any multiple of 4 rows is. ``calibrate``
+tests it with the model's own weights: for each candidate padding ``pad`` (1, 2, 4, 8, 16) it
+runs GEMMs of every multiple of ``pad`` up to ``max_rows`` rows, on rows drawn in random order,
+and compares each row with the same row computed in a ``max_rows``-row GEMM. The smallest
+``pad`` that never differs wins; if none does, fixed 16-row tiles are returned, as before
+calibration existed (and ``invariant`` says whether even those were shown to hold).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+log = logging.getLogger("kvflow.kernels")
+
+CANDIDATE_PADS = (1, 2, 4, 8, 16)
+FALLBACK_TILE = 16
+
+
+@dataclass(frozen=True)
+class GemmRows:
+    """Single-token rows are padded to a multiple of ``pad`` and run in GEMMs of at most
+    ``tile`` rows (see ``reference.RowLayout``)."""
+
+    pad: int
+    tile: int
+    invariant: bool  # shown to be batch invariant by calibration
+
+
+def rows_are_invariant(
+    weight: torch.Tensor, pad: int, max_rows: int, generator: torch.Generator
+) -> bool:
+    """True when every GEMM of ``pad, 2*pad, ..., max_rows`` rows (rows in random order) gives
+    each row the same bits as a ``max_rows``-row GEMM does."""
+    k = weight.shape[1]
+    x = torch.randn(max_rows, k, generator=generator, dtype=weight.dtype)
+    full = F.linear(x, weight)
+    for m in range(pad, max_rows + 1, pad):
+        for _ in range(2):
+            idx = torch.randperm(max_rows, generator=generator)[:m]
+            if not torch.equal(F.linear(x[idx], weight), full[idx]):
+                return False
+    return True
+
+
+def calibrate(weights: Sequence[torch.Tensor], max_rows: int = 64, seed: int = 0) -> GemmRows:
+    """The cheapest batch-invariant row layout for GEMMs with these ``weights`` ([N, K] each,
+    one per distinct shape), with the current torch thread count."""
+    if max_rows % FALLBACK_TILE:
+        raise ValueError(f"max_rows must be a multiple of {FALLBACK_TILE}")
+    gen = torch.Generator().manual_seed(seed)
+    with torch.inference_mode():
+        for pad in CANDIDATE_PADS:
+            if all(rows_are_invariant(w, pad, max_rows, gen) for w in weights):
+                return GemmRows(pad, max_rows, True)
+        fallback = all(rows_are_invariant(w, FALLBACK_TILE, FALLBACK_TILE, gen) for w in weights)
+    if not fallback:
+        log.warning(
+            "this BLAS gives rows different bits for different batches even in fixed %d-row "
+            "tiles: outputs may change slightly with what else is batched",
+            FALLBACK_TILE,
+        )
+    return GemmRows(FALLBACK_TILE, FALLBACK_TILE, fallback)

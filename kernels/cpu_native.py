@@ -1,0 +1,163 @@
+"""Native CPU kernels (C, compiled once with the machine's C compiler, loaded with ctypes).
+
+The CPU path's hot spot that plain PyTorch does badly is decode attention over a paged cache: it
+must gather every sequence's K/V blocks into a contiguous copy before a batched matmul can read
+them, which moves the whole context through memory three times per layer. The C kernel in
+``csrc/paged_attention_cpu.c`` reads the blocks where they lie.
+
+Building needs no torch headers (plain C on raw pointers, OpenMP), so it takes about a second.
+The library is cached under ``$KVFLOW_CACHE_DIR/kernels`` (default ``~/.cache/kvflow/kernels``)
+by a hash of the source, the flags and the compiler, so a changed kernel is rebuilt. At run time
+it binds to the ``libgomp`` that torch already loaded, so both share one OpenMP thread pool.
+Where no compiler is found, ``load()`` returns None and callers use the PyTorch reference.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+from functools import cache
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger("kvflow.kernels")
+
+_SRC = Path(__file__).parent / "csrc" / "paged_attention_cpu.c"
+# -ffast-math lets gcc vectorise the max/sum reductions and expf (glibc's vector math); the
+# arithmetic is still fixed for a given build, so results do not vary from call to call.
+_FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-shared"]
+
+
+def _cache_dir() -> Path:
+    root = os.environ.get("KVFLOW_CACHE_DIR") or Path.home() / ".cache" / "kvflow"
+    return Path(root) / "kernels"
+
+
+def _compiler() -> str | None:
+    for name in (os.environ.get("CC"), "cc", "gcc", "clang"):
+        if name and shutil.which(name):
+            return shutil.which(name)
+    return None
+
+
+def build(src: Path = _SRC) -> Path | None:
+    """Compile ``src`` into a shared library (or reuse the cached one); None without a working
+    compiler, with a warning saying what to install."""
+    cc = _compiler()
+    if cc is None:
+        log.warning("no C compiler found (install gcc): using the slower PyTorch attention")
+        return None
+    key = hashlib.sha256(src.read_bytes() + " ".join([cc, *_FLAGS]).encode()).hexdigest()[:16]
+    out = _cache_dir() / f"{src.stem}-{key}.so"
+    if out.exists():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
+        tmp_out = Path(tmp) / out.name
+        proc = subprocess.run(
+            [cc, *_FLAGS, str(src), "-o", str(tmp_out), "-lm"],
+            capture_output=True,
+            text=True,
+        )
+        if proc.returncode != 0:
+            log.warning(
+                "building %s failed (%s): using the slower PyTorch attention\n%s",
+                src.name,
+                cc,
+                proc.stderr[-2000:],
+            )
+            return None
+        os.replace(tmp_out, out)  # atomic: concurrent workers never load a half-written file
+    log.info("built native CPU kernel %s", out)
+    return out
+
+
+@cache
+def load() -> ctypes.CDLL | None:
+    """The compiled kernels, or None where they cannot be built (``KVFLOW_NATIVE_KERNELS=0``
+    turns them off)."""
+    if os.environ.get("KVFLOW_NATIVE_KERNELS", "1") == "0":
+        return None
+    path = build()
+    if path is None:
+        return None
+    lib = ctypes.CDLL(str(path))
+    fn = lib.kvf_paged_decode_attention
+    fn.restype = ctypes.c_int
+    p, i, f = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
+    fn.argtypes = [p, p, p, p, p, p, i, i, i, i, i, i, i, f, i]
+    return lib
+
+
+def available() -> bool:
+    return load() is not None
+
+
+def paged_decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Attention of one new token per sequence over its paged context.
+
+    ``q`` [B, H, D] fp32; ``k_cache``/``v_cache`` [num_blocks, block_size, Hkv, D] fp32;
+    ``block_tables`` [B, max_blocks] int32 (entries past a sequence's last block are not read);
+    ``seq_lens`` [B] int32, each >= 1, counting the new token whose K/V is already written.
+    Returns [B, H, D]. Any H / Hkv ratio; a sequence's result never depends on the batch."""
+    lib = load()
+    if lib is None:
+        raise RuntimeError("native CPU kernels are not available (see the log for why)")
+    b, h, d = q.shape
+    nb, bs, hkv, dk = k_cache.shape
+    if q.dtype != torch.float32 or k_cache.dtype != torch.float32 or v_cache.dtype != k_cache.dtype:
+        raise TypeError("the native CPU kernel takes fp32 tensors")
+    if dk != d or h % hkv or v_cache.shape != k_cache.shape:
+        raise ValueError(f"shapes do not fit: q {tuple(q.shape)}, cache {tuple(k_cache.shape)}")
+    if block_tables.dtype != torch.int32 or seq_lens.dtype != torch.int32:
+        raise TypeError("block_tables and seq_lens must be int32")
+    if block_tables.shape[0] != b or seq_lens.shape != (b,):
+        raise ValueError("block_tables / seq_lens do not match the batch")
+    if b == 0:
+        return q.new_empty(q.shape)
+    lens = seq_lens.tolist()
+    if min(lens) < 1 or max(lens) > block_tables.shape[1] * bs:
+        raise ValueError("a context length is < 1 or longer than its block table")
+    q = q.contiguous()
+    tables = block_tables.contiguous()
+    for t in (k_cache, v_cache):
+        if not t.is_contiguous():
+            raise ValueError("the KV cache must be contiguous")
+    if out is None:
+        out = torch.empty_like(q)
+    rc = lib.kvf_paged_decode_attention(
+        q.data_ptr(),
+        k_cache.data_ptr(),
+        v_cache.data_ptr(),
+        tables.data_ptr(),
+        seq_lens.data_ptr(),
+        out.data_ptr(),
+        b,
+        h,
+        hkv,
+        d,
+        bs,
+        tables.shape[1],
+        nb,
+        float(scale),
+        torch.get_num_threads(),
+    )
+    if rc == -2:
+        raise ValueError(f"a block table holds a block id outside [0, {nb})")
+    if rc != 0:
+        raise MemoryError("the native attention kernel could not allocate its scratch memory")
+    return out

@@ -1,0 +1,115 @@
+/* Paged decode attention for the CPU (fp32): one new query token per sequence attends to that
+ * sequence's K/V where they lie in the paged cache, with no gather into a contiguous copy.
+ *
+ * Each query head is computed start to finish by one thread in a fixed order (scores, max, exp,
+ * sum, weighted sum of V), so a sequence's output does not depend on what else is in the batch,
+ * on the thread count or on how work is split: batching never changes greedy output. The
+ * G = H / Hkv query heads of a KV head share each K and V row (grouped-query attention).
+ *
+ * Layouts (all contiguous, row-major):
+ *   q        [B, H, D]
+ *   k_cache  [num_blocks, block_size, Hkv, D]   (v_cache the same)
+ *   tables   [B, max_blocks] int32 block ids; only the first ceil(len / block_size) are read
+ *   lens     [B] int32 context length of each sequence, including the new token (>= 1)
+ *   out      [B, H, D]
+ *
+ * Returns 0, -1 when scratch memory could not be allocated, -2 when a block id used by a
+ * sequence lies outside [0, num_blocks) (nothing is read from it; that sequence's output is
+ * left unwritten).
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+
+static inline float dot(const float *restrict a, const float *restrict b, int d) {
+    float s = 0.0f;
+#pragma omp simd reduction(+ : s)
+    for (int i = 0; i < d; i++) s += a[i] * b[i];
+    return s;
+}
+
+/* Attention of sequence b's query heads of KV heads [h0, h1) over its whole context. Scratch
+ * ``s`` holds (h1 - h0) * G * L scores, then G * D accumulators and G sums per KV head. */
+static void attend(const float *restrict q, const float *restrict k_cache,
+                   const float *restrict v_cache, const int32_t *restrict table, float *restrict out,
+                   float *restrict s, int b, int h0, int h1, int L, int H, int Hkv, int D,
+                   int block_size, float scale) {
+    const int G = H / Hkv, nh = h1 - h0, NQ = nh * G; /* query heads handled here */
+    const int64_t row = (int64_t)Hkv * D;             /* floats per cache slot */
+    const float *qb = q + ((int64_t)b * H + (int64_t)h0 * G) * D;
+    float *acc = s + (size_t)NQ * L;
+    float *inv_sum = acc + (size_t)NQ * D;
+    /* scores: slot rows are read in order, all heads of a row at once (one contiguous run) */
+    for (int t = 0; t < L; t++) {
+        const int64_t slot = (int64_t)table[t / block_size] * block_size + t % block_size;
+        const float *k = k_cache + slot * row + (int64_t)h0 * D;
+        for (int j = 0; j < NQ; j++) s[(size_t)j * L + t] = dot(qb + (int64_t)j * D, k + (j / G) * D, D) * scale;
+    }
+    /* softmax per query head (unnormalised; divided by the sum at the end) */
+    for (int j = 0; j < NQ; j++) {
+        float *sj = s + (size_t)j * L;
+        float m = sj[0];
+        for (int t = 1; t < L; t++) m = sj[t] > m ? sj[t] : m;
+        float sum = 0.0f;
+        for (int t = 0; t < L; t++) {
+            sj[t] = expf(sj[t] - m);
+            sum += sj[t];
+        }
+        inv_sum[j] = 1.0f / sum;
+    }
+    for (int i = 0; i < NQ * D; i++) acc[i] = 0.0f;
+    for (int t = 0; t < L; t++) {
+        const int64_t slot = (int64_t)table[t / block_size] * block_size + t % block_size;
+        const float *v = v_cache + slot * row + (int64_t)h0 * D;
+        for (int j = 0; j < NQ; j++) {
+            const float p = s[(size_t)j * L + t];
+            const float *vj = v + (j / G) * D;
+            float *a = acc + (size_t)j * D;
+#pragma omp simd
+            for (int d = 0; d < D; d++) a[d] += p * vj[d];
+        }
+    }
+    for (int j = 0; j < NQ; j++) {
+        float *o = out + ((int64_t)b * H + (int64_t)h0 * G + j) * D;
+        const float inv = inv_sum[j];
+        for (int d = 0; d < D; d++) o[d] = acc[(size_t)j * D + d] * inv;
+    }
+}
+
+int kvf_paged_decode_attention(const float *restrict q, const float *restrict k_cache,
+                               const float *restrict v_cache, const int32_t *restrict tables,
+                               const int32_t *restrict lens, float *restrict out, int B, int H,
+                               int Hkv, int D, int block_size, int max_blocks, int num_blocks,
+                               float scale, int num_threads) {
+    /* One work item per sequence (all its heads: each slot row is one contiguous read) when
+     * there are enough sequences to keep the threads busy, else one per (sequence, KV head).
+     * Either way each query head's result is computed by the same arithmetic in the same
+     * order, so the split never changes a bit. */
+    const int per_head = B < 2 * num_threads;
+    const int items = per_head ? B * Hkv : B;
+    const int G = H / Hkv;
+    int failed = 0;
+#pragma omp parallel for num_threads(num_threads) schedule(dynamic, 1) reduction(min : failed)
+    for (int w = 0; w < items; w++) {
+        const int b = per_head ? w / Hkv : w;
+        const int h0 = per_head ? w % Hkv : 0, h1 = per_head ? h0 + 1 : Hkv;
+        const int L = lens[b];
+        const int32_t *table = tables + (int64_t)b * max_blocks;
+        int bad = 0;
+        for (int i = 0; i < (L + block_size - 1) / block_size; i++)
+            bad |= table[i] < 0 || table[i] >= num_blocks;
+        if (bad) {
+            failed = failed < -2 ? failed : -2;
+            continue;
+        }
+        const size_t nq = (size_t)(h1 - h0) * G;
+        float *s = malloc(sizeof(float) * (nq * L + nq * D + nq));
+        if (s == NULL) {
+            failed = failed < -1 ? failed : -1;
+            continue;
+        }
+        attend(q, k_cache, v_cache, table, out, s, b, h0, h1, L, H, Hkv, D, block_size, scale);
+        free(s);
+    }
+    return failed;
+}

@@ -1,0 +1,116 @@
+"""The native CPU decode-attention kernel (kernels/csrc/paged_attention_cpu.c) against a naive
+dense attention and the PyTorch reference, its batch invariance, and its input checks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels import cpu_native
+from kernels import reference as K
+from tests.unit.test_kernels_reference import CASES, D, run_paged
+
+# Only a missing compiler skips; a kernel that fails to build fails these tests.
+pytestmark = pytest.mark.skipif(
+    cpu_native._compiler() is None, reason="no C compiler: the worker uses the PyTorch path"
+)
+
+
+def test_the_kernel_builds_and_loads() -> None:
+    assert cpu_native.available()
+
+
+@pytest.mark.parametrize("ratio", [1, 3, 8])
+@pytest.mark.parametrize("case", list(CASES))
+def test_matches_dense_attention(case: str, ratio: int) -> None:
+    """Decode rows through the native kernel, prefill rows through SDPA, in one batch: context
+    of one token, lengths not a multiple of the block size, shuffled block tables, GQA 1/3/8."""
+    out, refs = run_paged(
+        CASES[case], h=2 * ratio, hkv=2, decode_fn=cpu_native.paged_decode_attention
+    )
+    torch.testing.assert_close(out, torch.cat(refs), rtol=1e-5, atol=1e-5)
+
+
+def make_cache(lens: list[int], h: int, hkv: int, bs: int, seed: int) -> tuple[torch.Tensor, ...]:
+    g = torch.Generator().manual_seed(seed)
+    need = [-(-n // bs) for n in lens]
+    nb = sum(need) + 4
+    kc = torch.randn(nb, bs, hkv, D, generator=g)
+    vc = torch.randn(nb, bs, hkv, D, generator=g)
+    order = torch.randperm(nb, generator=g)
+    width = max(need) + 2  # wider than needed: the tail must not be read
+    tables = torch.full((len(lens), width), 10**6, dtype=torch.int32)
+    i = 0
+    for b, n in enumerate(need):
+        tables[b, :n] = order[i : i + n].to(torch.int32)
+        i += n
+    q = torch.randn(len(lens), h, D, generator=g)
+    return q, kc, vc, tables, torch.tensor(lens, dtype=torch.int32)
+
+
+def test_matches_the_torch_decode_path() -> None:
+    q, kc, vc, tables, lens = make_cache([1, 16, 17, 250, 3], h=9, hkv=3, bs=16, seed=1)
+    plan = K.plan_attention(
+        tables.clamp(max=kc.shape[0] - 1).long(), lens.long(), torch.ones(5, dtype=torch.long), 16
+    )
+    ref = K.paged_attention(q, kc, vc, None, None, None, D**-0.5, plan=plan)
+    out = cpu_native.paged_decode_attention(q, kc, vc, tables, lens, D**-0.5)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_a_sequence_gets_the_same_bits_in_any_batch(threads: int) -> None:
+    """Alone, first of many, or last of many (the kernel splits work differently for small and
+    large batches), with one or two threads: not one bit changes."""
+    q, kc, vc, tables, lens = make_cache([1, 40, 7, 300, 65, 12, 2, 99], h=6, hkv=2, bs=8, seed=2)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        full = cpu_native.paged_decode_attention(q, kc, vc, tables, lens, 0.25)
+        for i in range(len(lens)):
+            alone = cpu_native.paged_decode_attention(
+                q[i : i + 1], kc, vc, tables[i : i + 1], lens[i : i + 1], 0.25
+            )
+            assert torch.equal(alone[0], full[i])
+        rev = torch.arange(len(lens) - 1, -1, -1)
+        flipped = cpu_native.paged_decode_attention(q[rev], kc, vc, tables[rev], lens[rev], 0.25)
+        assert torch.equal(flipped, full[rev])
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_rejects_block_ids_outside_the_cache() -> None:
+    q, kc, vc, tables, lens = make_cache([20, 5], h=4, hkv=2, bs=8, seed=3)
+    tables[1, 0] = kc.shape[0]  # one past the end
+    with pytest.raises(ValueError, match="block id outside"):
+        cpu_native.paged_decode_attention(q, kc, vc, tables, lens, 0.25)
+    tables[1, 0] = -1
+    with pytest.raises(ValueError, match="block id outside"):
+        cpu_native.paged_decode_attention(q, kc, vc, tables, lens, 0.25)
+
+
+def test_rejects_wrong_dtypes_and_lengths() -> None:
+    q, kc, vc, tables, lens = make_cache([20, 5], h=4, hkv=2, bs=8, seed=4)
+    with pytest.raises(TypeError):
+        cpu_native.paged_decode_attention(q, kc, vc, tables.long(), lens, 0.25)
+    with pytest.raises(TypeError):
+        cpu_native.paged_decode_attention(q.double(), kc, vc, tables, lens, 0.25)
+    with pytest.raises(ValueError, match="context length"):
+        cpu_native.paged_decode_attention(
+            q, kc, vc, tables, torch.tensor([20, 0], dtype=torch.int32), 0.25
+        )
+    with pytest.raises(ValueError, match="context length"):
+        too_long = torch.tensor([20, tables.shape[1] * 8 + 1], dtype=torch.int32)
+        cpu_native.paged_decode_attention(q, kc, vc, tables, too_long, 0.25)
+
+
+def test_the_library_is_cached_by_source_hash(tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv("KVFLOW_CACHE_DIR", str(tmp_path))
+    first = cpu_native.build()
+    assert first is not None and first.parent == tmp_path / "kernels"
+    mtime = first.stat().st_mtime_ns
+    assert cpu_native.build() == first and first.stat().st_mtime_ns == mtime  # reused
+    changed = tmp_path / "changed.c"
+    changed.write_text(cpu_native._SRC.read_text() + "\n/* changed */\n")
+    other = cpu_native.build(changed)
+    assert other is not None and other != first
