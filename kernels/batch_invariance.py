@@ -19,7 +19,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
+
+from kernels.reference import Weight, matmul_fn
 
 log = logging.getLogger("kvflow.kernels")
 
@@ -38,24 +39,26 @@ class GemmRows:
 
 
 def rows_are_invariant(
-    weight: torch.Tensor, pad: int, max_rows: int, generator: torch.Generator
+    weight: torch.Tensor | Weight, pad: int, max_rows: int, generator: torch.Generator
 ) -> bool:
     """True when every GEMM of ``pad, 2*pad, ..., max_rows`` rows (rows in random order) gives
     each row the same bits as a ``max_rows``-row GEMM does."""
-    k = weight.shape[1]
-    x = torch.randn(max_rows, k, generator=generator, dtype=weight.dtype)
-    full = F.linear(x, weight)
+    mm = matmul_fn(weight)
+    x = torch.randn(max_rows, weight.shape[1], generator=generator)
+    full = mm(x)
     for m in range(pad, max_rows + 1, pad):
         for _ in range(2):
             idx = torch.randperm(max_rows, generator=generator)[:m]
-            if not torch.equal(F.linear(x[idx], weight), full[idx]):
+            if not torch.equal(mm(x[idx]), full[idx]):
                 return False
     return True
 
 
-def calibrate(weights: Sequence[torch.Tensor], max_rows: int = 64, seed: int = 0) -> GemmRows:
-    """The cheapest batch-invariant row layout for GEMMs with these ``weights`` ([N, K] each,
-    one per distinct shape), with the current torch thread count."""
+def calibrate(
+    weights: Sequence[torch.Tensor | Weight], max_rows: int = 64, seed: int = 0
+) -> GemmRows:
+    """The cheapest batch-invariant row layout for GEMMs with these fp32 ``weights`` ([N, K]
+    each, dense or packed, one per distinct shape), with the current torch thread count."""
     if max_rows % FALLBACK_TILE:
         raise ValueError(f"max_rows must be a multiple of {FALLBACK_TILE}")
     gen = torch.Generator().manual_seed(seed)

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -95,10 +96,29 @@ class RowLayout:
     pad: int = 0  # 0: the same as tile (fixed tiles)
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, layout: RowLayout | None = None) -> torch.Tensor:
+class Weight(Protocol):
+    """A linear weight in another layout (e.g. ``kernels.cpu_gemm.PackedWeight``):
+    ``w(x) == x @ W.T`` and ``w.shape == (N, K)``."""
+
+    shape: tuple[int, ...]
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor: ...
+
+
+def matmul_fn(weight: torch.Tensor | Weight) -> Callable[[torch.Tensor], torch.Tensor]:
+    """``x -> x @ weight.T`` for a dense or packed weight."""
+    if isinstance(weight, torch.Tensor):
+        return lambda x: F.linear(x, weight)
+    return weight
+
+
+def linear(
+    x: torch.Tensor, weight: torch.Tensor | Weight, layout: RowLayout | None = None
+) -> torch.Tensor:
     """``x @ weight.T`` ([T, K] -> [T, N]), batch invariant when a ``layout`` is given."""
+    mm = matmul_fn(weight)
     if layout is None:
-        return F.linear(x, weight)
+        return mm(x)
     parts = []
     ns, tile = layout.num_single, layout.tile
     if ns:
@@ -107,11 +127,11 @@ def linear(x: torch.Tensor, weight: torch.Tensor, layout: RowLayout | None = Non
         if extra:
             xs = torch.cat([xs, xs.new_zeros(extra, xs.shape[1])])
         for s in range(0, xs.shape[0], tile):
-            parts.append(F.linear(xs[s : s + tile], weight))
+            parts.append(mm(xs[s : s + tile]))
         if extra:
             parts[-1] = parts[-1][: parts[-1].shape[0] - extra]
     for a, b in layout.segments:
-        parts.append(F.linear(x[a:b], weight))
+        parts.append(mm(x[a:b]))
     if not parts:
         return x.new_empty(0, weight.shape[0])
     return parts[0] if len(parts) == 1 else torch.cat(parts)

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from kernels import reference as K
+from kernels.cpu_gemm import PackedWeight
 from shared.model_loader import ModelConfig
 
 
@@ -34,9 +35,11 @@ class LlamaModel(torch.nn.Module):
         self.q_size = cfg.num_heads * cfg.head_dim
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
         self.embed = weights["model.embed_tokens.weight"]
-        self.lm_head = self.embed if cfg.tie_word_embeddings else weights["lm_head.weight"]
+        self.lm_head: torch.Tensor | PackedWeight = (
+            self.embed if cfg.tie_word_embeddings else weights["lm_head.weight"]
+        )
         self.norm = weights["model.norm.weight"]
-        self.layers: list[dict[str, torch.Tensor]] = []
+        self.layers: list[dict[str, torch.Tensor | PackedWeight]] = []
         for i in range(cfg.num_layers):
             p = f"model.layers.{i}."
             w = {n: weights[p + n + ".weight"] for n in _LAYER_NAMES}
@@ -59,6 +62,24 @@ class LlamaModel(torch.nn.Module):
     @property
     def dtype(self) -> torch.dtype:
         return self.embed.dtype
+
+    def pack_weights(self) -> None:
+        """Hold every linear weight in oneDNN's layout (kernels/cpu_gemm.py); the embedding
+        stays dense for lookups, so a tied lm_head gets a packed copy of its own."""
+        for layer in self.layers:
+            for name in ("qkv", "o", "gate_up", "down"):
+                w = layer[name]
+                if isinstance(w, torch.Tensor):
+                    layer[name] = PackedWeight(w)
+        if isinstance(self.lm_head, torch.Tensor):
+            self.lm_head = PackedWeight(self.lm_head)
+
+    def linear_weights(self) -> list[torch.Tensor | PackedWeight]:
+        """One linear weight of each distinct shape (what batch-invariance calibration tests)."""
+        seen: dict[tuple[int, ...], torch.Tensor | PackedWeight] = {}
+        for w in (*(self.layers[0][n] for n in ("qkv", "o", "gate_up", "down")), self.lm_head):
+            seen.setdefault(tuple(w.shape), w)
+        return list(seen.values())
 
     def make_kv_caches(
         self, num_blocks: int, block_size: int

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kernels import batch_invariance, cpu_native
+from kernels import batch_invariance, cpu_gemm, cpu_native
 from kernels import reference as K
 from kernels.batch_invariance import GemmRows
 from services.worker import sampler
@@ -71,10 +71,12 @@ class ModelRunner:
         batch_invariant: bool = True,
         gemm_rows: GemmRows | None = None,
         native_kernels: bool | None = None,
+        packed_gemm: bool | None = None,
     ) -> None:
         """``batch_invariant``: run GEMMs in a row layout that keeps each sequence's logits
         independent of the batch (``gemm_rows``, or calibrated here when None). ``native_kernels``:
-        the C decode-attention kernel (None: when it builds and the model is fp32)."""
+        the C decode-attention kernel; ``packed_gemm``: oneDNN-packed linear weights (None for
+        either: when available and the model is fp32)."""
         t0 = time.perf_counter()
         if config is None or weights is None:
             if src is None:
@@ -83,12 +85,17 @@ class ModelRunner:
             config = load_config(src)
             weights = load_weights(src, config, dtype)
         self.model = LlamaModel(config, weights)
+        fp32 = self.model.dtype == torch.float32
+        if packed_gemm is None:
+            packed_gemm = fp32 and cpu_gemm.onednn_available()
+        if packed_gemm:
+            self.model.pack_weights()
         self.worker_id = worker_id
         if batch_invariant and gemm_rows is None:
             gemm_rows = self._calibrate_gemm_rows()
         self.gemm_rows = gemm_rows if batch_invariant else None
         if native_kernels is None:
-            native_kernels = self.model.dtype == torch.float32 and cpu_native.available()
+            native_kernels = fp32 and cpu_native.available()
         self.decode_fn = cpu_native.paged_decode_attention if native_kernels else None
         self._block_size = block_size
         cfg = config
@@ -103,24 +110,22 @@ class ModelRunner:
         self.total_computed_tokens = 0
         log.info(
             "model ready in %.1fs: %d layers, %d KV blocks x %d tokens, max_model_len %d, "
-            "decode attention %s, GEMM rows %s",
+            "decode attention %s, GEMMs %s in rows %s",
             time.perf_counter() - t0,
             cfg.num_layers,
             self._num_blocks,
             block_size,
             self._max_model_len,
             "native" if self.decode_fn else "torch",
+            "oneDNN" if packed_gemm else "torch",
             self.gemm_rows,
         )
 
     def _calibrate_gemm_rows(self) -> GemmRows:
-        """Test this machine's BLAS on the model's own weight shapes (about a second)."""
+        """Test this machine's GEMM on the model's own weights, one of each shape (about a
+        second)."""
         t0 = time.perf_counter()
-        shapes: dict[tuple[int, ...], torch.Tensor] = {}
-        for w in [*self.model.layers[0].values(), self.model.lm_head]:
-            if w.dim() == 2:
-                shapes.setdefault(tuple(w.shape), w)
-        rows = batch_invariance.calibrate(list(shapes.values()))
+        rows = batch_invariance.calibrate(self.model.linear_weights())
         log.info("GEMM row layout %s (calibrated in %.1fs)", rows, time.perf_counter() - t0)
         return rows
 
