@@ -1,13 +1,20 @@
 """The worker service: loads the model once, owns the KV cache, runs each StepPlan in order and
-publishes one StepResult per step (to the scheduler and the detokenizer). The model runs in a
-thread so the event loop keeps sending heartbeats during long steps."""
+publishes one StepResult per step (to the scheduler and the detokenizer).
+
+All model work (loading, calibration, every step) runs on one dedicated thread, so the event loop
+keeps sending heartbeats during long steps. One thread, always the same: OpenMP keeps a thread
+team per calling thread, and using torch from two threads (say, loading on the main thread and
+stepping on an executor's) made every step about 35 % slower here (docs/benchmarks.md)."""
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import dataclasses
 import logging
 import uuid
+from collections.abc import Callable
+from typing import TypeVar
 
 from nats.aio.msg import Msg
 
@@ -20,12 +27,30 @@ from shared.messages import Message, StepPlan, StepResult, WorkerHeartbeat
 log = logging.getLogger("kvflow.worker")
 
 HEARTBEAT_INTERVAL_S = 1.0
+T = TypeVar("T")
+
+
+class ModelThread:
+    """The one thread that touches the model (see the module docstring)."""
+
+    def __init__(self) -> None:
+        self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="model")
+
+    async def run(self, fn: Callable[..., T], *args: object) -> T:
+        return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
 
 
 class WorkerService:
-    def __init__(self, settings: Settings, runner: ModelRunner, model_name: str) -> None:
+    def __init__(
+        self,
+        settings: Settings,
+        runner: ModelRunner,
+        model_name: str,
+        model_thread: ModelThread | None = None,
+    ) -> None:
         self.settings = settings
         self.runner = runner
+        self.model_thread = model_thread or ModelThread()
         self.model_name = model_name
         self.worker_id = settings.worker_id or f"worker-{uuid.uuid4().hex[:8]}"
         self.step_subject = subjects.worker_step(self.worker_id)
@@ -54,7 +79,7 @@ class WorkerService:
         while True:
             plan = await self.plans.get()
             try:
-                result = await asyncio.to_thread(self.runner.execute, plan)
+                result = await self.model_thread.run(self.runner.execute, plan)
             except Exception as e:  # noqa: BLE001 - execute reports its own errors; belt and braces
                 log.exception("worker: step %d crashed", plan.step_id)
                 result = StepResult(self.worker_id, plan.step_id, [], [], [], error=str(e))
@@ -86,20 +111,25 @@ async def run(settings: Settings) -> None:
     from shared.ops_http import start_ops_server
 
     ops = start_ops_server(settings.ops_port, "worker")
-    if settings.threads > 0:
-        torch.set_num_threads(settings.threads)
     src = resolve_model(settings.model, settings.served_model_name)
     if not settings.worker_id:
         settings = dataclasses.replace(settings, worker_id=f"worker-{uuid.uuid4().hex[:8]}")
-    runner = ModelRunner(
-        src,
-        block_size=settings.block_size,
-        num_blocks=settings.num_kv_blocks or None,
-        kv_cache_gib=settings.kv_cache_memory,
-        worker_id=settings.worker_id,
-        max_model_len=settings.max_model_len,
-    )
-    service = WorkerService(settings, runner, src.name)
+
+    def load() -> ModelRunner:
+        if settings.threads > 0:
+            torch.set_num_threads(settings.threads)
+        return ModelRunner(
+            src,
+            block_size=settings.block_size,
+            num_blocks=settings.num_kv_blocks or None,
+            kv_cache_gib=settings.kv_cache_memory,
+            worker_id=settings.worker_id,
+            max_model_len=settings.max_model_len,
+        )
+
+    model_thread = ModelThread()
+    runner = await model_thread.run(load)
+    service = WorkerService(settings, runner, src.name, model_thread)
     await service.start()
     ops.set_ready(lambda: service.bus.client.is_connected, service.bus)
     await asyncio.Event().wait()
