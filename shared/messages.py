@@ -61,6 +61,9 @@ class SamplingParams(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
     repetition_penalty: float = 1.0
     logprobs: int | None = None  # top logprobs per sampled token (0 = only the sampled one)
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit
+    # top logprobs per prompt token (echo); such requests compute their whole prompt, skipping
+    # prefix-cache hits, because cached tokens have no logits (vLLM does the same)
+    prompt_logprobs: int | None = None
 
 
 class ChatMessage(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):

@@ -82,7 +82,11 @@ class WorkerScheduler:
             seq = waiting.peek()
             if seq is None:
                 break
-            cached = self.bm.find_cached_prefix(seq.token_ids)
+            cached = (
+                self.bm.find_cached_prefix(seq.token_ids)
+                if seq.params.prompt_logprobs is None
+                else []
+            )
             num_computed = len(cached) * self.bm.block_size
             num_new = min(seq.num_tokens - num_computed, budget)
             need = self.bm.blocks_needed(num_computed + num_new) - len(cached)

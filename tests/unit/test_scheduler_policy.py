@@ -135,6 +135,19 @@ def test_prefix_hit_computes_only_new_tokens() -> None:
     assert w.computed - computed_before == 3
 
 
+def test_prompt_logprobs_requests_compute_their_whole_prompt() -> None:
+    """Cached prefix tokens have no logits, so a request asking for prompt logprobs skips
+    prefix-cache hits and computes every prompt token (vLLM does the same)."""
+    core, w = make_core(block_size=4)
+    prefix = list(range(20))
+    core.add_request(req("a", prefix + [1, 2], 3))
+    run_all(core, w)
+    params = SamplingParams(max_tokens=1, prompt_logprobs=2)
+    core.add_request(TokenizedRequest("b", "inbox", prefix + [5, 6, 7], params))
+    plan = core.workers["w"].schedule(core.waiting)
+    assert plan.seqs[0].start_pos == 0 and len(plan.seqs[0].token_ids) == 23
+
+
 def test_abort_frees_blocks_of_waiting_and_running() -> None:
     core, w = make_core(num_blocks=16, max_num_seqs=1)
     core.add_request(req("a", list(range(10)), 50))
