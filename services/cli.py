@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import importlib
+import os
 import sys
 
 from shared.config import Settings
@@ -16,6 +17,7 @@ SERVICES = ("gateway", "tokenizer", "scheduler", "worker", "detokenizer")
 
 def _run_service(name: str, settings: Settings) -> None:
     setup_logging(name, settings.log_level)
+    os.environ.update(settings.to_env())  # the effective settings, for code that reads them later
     if name == "gateway":
         from services.gateway.main import main as gateway_main
 
@@ -41,11 +43,12 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("service", choices=SERVICES)
     Settings.add_arguments(run)
 
-    from services import bench
+    from services import bench, keys_cli
     from services.scheduler import simulator
 
     bench.add_parser(sub)
     simulator.add_parser(sub)
+    keys_cli.add_parser(sub)
     return parser
 
 
@@ -59,6 +62,10 @@ def main(argv: list[str] | None = None) -> int:
         from services.scheduler import simulator
 
         return simulator.main(args)
+    if args.command == "keys":
+        from services import keys_cli
+
+        return keys_cli.main(args)
     settings = Settings.from_args(args)
     if args.command == "run":
         _run_service(args.service, settings)

@@ -56,6 +56,24 @@ class Settings:
         default=600.0, metadata={"help": "seconds a gateway request may take"}
     )
     log_level: str = field(default="info", metadata={"help": "debug | info | warning | error"})
+    api_key: str = field(
+        default="",
+        metadata={"help": "the API key clients must send (Authorization: Bearer KEY); '' = open"},
+    )
+    key_store: str = field(
+        default="",
+        metadata={
+            "help": "'redis': also accept keys made with `kvflow keys add` (in --redis-url), "
+            "with their rate limits; '' = off"
+        },
+    )
+    max_n: int = field(default=16, metadata={"help": "largest n / best_of per request"})
+    max_request_sequences: int = field(
+        default=256, metadata={"help": "most sequences per request (prompts x best_of)"}
+    )
+    max_body_bytes: int = field(
+        default=16 * 2**20, metadata={"help": "largest request body in bytes (413 above)"}
+    )
 
     @classmethod
     def from_env(cls, environ: dict[str, str] | None = None) -> Settings:

@@ -41,6 +41,16 @@ class _Msg(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, tag_fi
 # Request parameters (embedded, not sent alone)
 
 
+class StructuredOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """A constraint on the output, enforced while sampling (the worker masks the logits with a
+    grammar matcher). ``kind``: "json" (``spec`` is a JSON schema as text), "regex" (a regular
+    expression), "choice" (a JSON list of strings) or "grammar" (EBNF, xgrammar's dialect)."""
+
+    kind: str
+    spec: str
+    param: str = "response_format"  # the request field it came from, for error messages
+
+
 class SamplingParams(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     """Per-request sampling and stopping parameters (vLLM names)."""
 
@@ -64,6 +74,7 @@ class SamplingParams(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
     # top logprobs per prompt token (echo); such requests compute their whole prompt, skipping
     # prefix-cache hits, because cached tokens have no logits (vLLM does the same)
     prompt_logprobs: int | None = None
+    structured_output: StructuredOutput | None = None  # response_format / guided decoding
 
 
 class ChatMessage(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
@@ -170,6 +181,22 @@ class StepResult(_Msg, tag=5):
     step_time_s: float = 0.0
     error: str | None = None
     logprobs: list[SampleLogprobs | None] = []  # per entry, only when some request asked
+    prompt_logprobs: list[PromptLogprobs] = []  # prompt positions computed in this step, if asked
+
+
+class PromptLogprobs(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """Log-probabilities of prompt tokens ``start..start+len-1`` (each given the tokens before
+    it; position 0 has none), with their ranks and the top ``prompt_logprobs`` alternatives. A
+    prompt computed in chunks comes in several pieces; one recomputed after a preemption may
+    come again (same values, same positions)."""
+
+    request_id: str
+    start: int
+    token_ids: list[int]
+    logprobs: list[float]
+    ranks: list[int]  # 1 = the most likely token
+    top_ids: list[list[int]] = []
+    top_logprobs: list[list[float]] = []
 
 
 class WorkerHeartbeat(_Msg, tag=6):
@@ -202,6 +229,19 @@ class Delta(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     logprobs: list[TokenLogprob] = []  # for the tokens this delta covers, when asked
+    # every prompt token (entry 0 has no logprob), on a request's first delta, when asked
+    prompt_logprobs: list[PromptTokenLogprob] = []
+
+
+class PromptTokenLogprob(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """One prompt token's id, text and log-probability given the tokens before it (None for
+    the first token), its rank, and the top alternatives as (id, text, logprob), best first."""
+
+    token_id: int
+    token: str
+    logprob: float | None = None
+    rank: int = 0
+    top: list[tuple[int, str, float]] = []
 
 
 class DeltaBatch(_Msg, tag=7):
@@ -241,6 +281,35 @@ class SchedulerStats(_Msg, tag=10):
     prefix_cache_hits: int = 0  # of which found
 
 
+# ---------------------------------------------------------------------------------------------
+# gateway <-> tokenizer, request/reply (the /tokenize and /detokenize endpoints, echo of token-id
+# prompts). Errors come back as RequestError with an empty request_id. Tags from 20 on.
+
+
+class TokenizeRequest(_Msg, tag=20):
+    """Token ids of a text prompt, or of chat messages through the chat template."""
+
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_generation_prompt: bool = True
+    add_special_tokens: bool = True
+    return_token_strs: bool = False
+
+
+class TokenizeResult(_Msg, tag=21):
+    tokens: list[int]
+    max_model_len: int
+    token_strs: list[str] | None = None
+
+
+class DetokenizeRequest(_Msg, tag=22):
+    tokens: list[int]
+
+
+class DetokenizeResult(_Msg, tag=23):
+    prompt: str
+
+
 Message = (
     GenerateRequest
     | TokenizedRequest
@@ -252,6 +321,10 @@ Message = (
     | RequestError
     | StatsRequest
     | SchedulerStats
+    | TokenizeRequest
+    | TokenizeResult
+    | DetokenizeRequest
+    | DetokenizeResult
 )
 
 _encoder = msgspec.msgpack.Encoder()

@@ -10,6 +10,8 @@ ABORT = f"{PREFIX}.abort"  # Abort -> scheduler and detokenizer
 RESULTS = f"{PREFIX}.results"  # StepResult -> scheduler and detokenizer
 HEARTBEAT = f"{PREFIX}.workers.heartbeat"  # WorkerHeartbeat -> scheduler
 SCHEDULER_STATS = f"{PREFIX}.scheduler.stats"  # request/reply StatsRequest -> SchedulerStats
+# request/reply TokenizeRequest | DetokenizeRequest -> TokenizeResult | DetokenizeResult
+TOKENIZER_RPC = f"{PREFIX}.tokenizer.rpc"  # queue group TOKENIZER_QUEUE
 
 
 def worker_step(worker_id: str) -> str:

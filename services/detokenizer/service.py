@@ -22,6 +22,7 @@ from shared.messages import (
     DeltaBatch,
     FinishReason,
     Message,
+    PromptLogprobs,
     SampleLogprobs,
     StepResult,
     TokenizedRequest,
@@ -41,6 +42,7 @@ class DetokenizerService:
         self.states: dict[str, DetokState] = {}
         self.done: OrderedDict[str, None] = OrderedDict()  # recently ended, to ignore late results
         self.early: dict[str, tuple[float, list[tuple[int, int, SampleLogprobs | None]]]] = {}
+        self.early_prompt: dict[str, tuple[float, list[PromptLogprobs]]] = {}
 
     async def start(self) -> None:
         await self.bus.connect(self.settings.nats_url)
@@ -63,12 +65,24 @@ class DetokenizerService:
 
     async def _register(self, req: TokenizedRequest) -> None:
         st = DetokState(req.request_id, req.reply_to, req.params, len(req.prompt_token_ids))
+        if req.params.prompt_logprobs is not None and req.prompt_token_ids:
+            st.first_prompt_token = req.prompt_token_ids[0]
         self.states[req.request_id] = st
+        for piece in self.early_prompt.pop(req.request_id, (0.0, []))[1]:
+            st.add_prompt_logprobs(self.backend, piece)
         early = self.early.pop(req.request_id, None)
         if early:
             await self._apply([(req.request_id, t, r, lp) for t, r, lp in early[1]])
 
     async def _on_result(self, res: StepResult) -> None:
+        for piece in res.prompt_logprobs:  # before the tokens: a first delta carries them
+            st = self.states.get(piece.request_id)
+            if st is not None:
+                st.add_prompt_logprobs(self.backend, piece)
+            elif piece.request_id not in self.done:
+                self.early_prompt.setdefault(piece.request_id, (time.monotonic(), []))[1].append(
+                    piece
+                )
         lps = res.logprobs or [None] * len(res.request_ids)
         entries = list(zip(res.request_ids, res.token_ids, res.finish_reasons, lps, strict=True))
         await self._apply(entries)
@@ -85,7 +99,7 @@ class DetokenizerService:
                     early[1].append((tok, reason, lp))
                 continue
             delta, by_stop = st.add_token(self.backend, tok, FinishReason(reason), lp)
-            if delta.text or delta.finish_reason or delta.logprobs:
+            if delta.text or delta.finish_reason or delta.logprobs or delta.prompt_logprobs:
                 out[st.reply_to].append(delta)
             if st.finished:
                 del self.states[rid]
@@ -106,6 +120,8 @@ class DetokenizerService:
         now = time.monotonic()
         for rid in [r for r, (t, _) in self.early.items() if now - t > EARLY_RESULT_TTL_S]:
             del self.early[rid]
+        for rid in [r for r, (t, _) in self.early_prompt.items() if now - t > EARLY_RESULT_TTL_S]:
+            del self.early_prompt[rid]
 
 
 async def run(settings: Settings) -> None:

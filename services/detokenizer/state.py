@@ -12,7 +12,15 @@ from typing import Any
 
 from tokenizers.decoders import DecodeStream
 
-from shared.messages import Delta, FinishReason, SampleLogprobs, SamplingParams, TokenLogprob
+from shared.messages import (
+    Delta,
+    FinishReason,
+    PromptLogprobs,
+    PromptTokenLogprob,
+    SampleLogprobs,
+    SamplingParams,
+    TokenLogprob,
+)
 
 
 @dataclass
@@ -26,9 +34,48 @@ class DetokState:
     sent: int = 0  # characters of ``text`` already sent
     completion_tokens: int = 0
     finished: bool = False
+    first_prompt_token: int = -1  # kept when prompt logprobs are asked (it has no logprob)
+    # prompt logprobs by position, sent with the request's first delta
+    prompt_lps: dict[int, PromptTokenLogprob] = field(default_factory=dict)
+    prompt_lps_sent: bool = False
 
     def __post_init__(self) -> None:
         self.stream = DecodeStream(skip_special_tokens=self.params.skip_special_tokens)
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        return self.params.prompt_logprobs is not None and not self.prompt_lps_sent
+
+    def add_prompt_logprobs(self, tokenizer: Any, piece: PromptLogprobs) -> None:
+        """Keep one worker piece (a recomputed prompt sends the same positions again)."""
+        if not self.wants_prompt_logprobs:
+            return
+        for i, tok in enumerate(piece.token_ids):
+            tops = (
+                list(zip(piece.top_ids[i], piece.top_logprobs[i], strict=True))
+                if piece.top_ids
+                else []
+            )
+            self.prompt_lps[piece.start + i] = PromptTokenLogprob(
+                token_id=tok,
+                token=token_text(tokenizer, tok),
+                logprob=piece.logprobs[i],
+                rank=piece.ranks[i],
+                top=[(t, token_text(tokenizer, t), v) for t, v in tops],
+            )
+
+    def _take_prompt_logprobs(self, tokenizer: Any) -> list[PromptTokenLogprob]:
+        """Every prompt position, the first without a logprob (sent once)."""
+        self.prompt_lps_sent = True
+        first = PromptTokenLogprob(
+            self.first_prompt_token, token_text(tokenizer, self.first_prompt_token)
+        )
+        rest = [
+            self.prompt_lps.get(pos, PromptTokenLogprob(-1, ""))
+            for pos in range(1, self.prompt_tokens)
+        ]
+        self.prompt_lps = {}
+        return [first, *rest]
 
     def add_token(
         self,
@@ -63,6 +110,8 @@ class DetokState:
             self.text = self.text[:end]
         delta = self._delta(out, finish)
         delta.logprobs = lps
+        if self.wants_prompt_logprobs:
+            delta.prompt_logprobs = self._take_prompt_logprobs(tokenizer)
         return delta, by_stop_string and reason == FinishReason.NONE
 
     def _find_stop(self) -> int | None:
@@ -106,8 +155,10 @@ def token_logprob(tokenizer: Any, token_id: int, lp: SampleLogprobs) -> TokenLog
     """The sampled token's own text (special tokens included, as OpenAI shows them) with its
     log-probability and the top alternatives."""
 
-    def text(t: int) -> str:
-        return tokenizer.decode([t], skip_special_tokens=False)
+    top = [(token_text(tokenizer, t), v) for t, v in zip(lp.top_ids, lp.top_logprobs, strict=True)]
+    return TokenLogprob(token_text(tokenizer, token_id), lp.logprob, top)
 
-    top = [(text(t), v) for t, v in zip(lp.top_ids, lp.top_logprobs, strict=True)]
-    return TokenLogprob(text(token_id), lp.logprob, top)
+
+def token_text(tokenizer: Any, token_id: int) -> str:
+    """One token's own text, special tokens included (as OpenAI shows them)."""
+    return tokenizer.decode([token_id], skip_special_tokens=False)

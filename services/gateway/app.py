@@ -1,14 +1,17 @@
 """The gateway's FastAPI app: OpenAI-compatible routes in front of the NATS pipeline.
 
 Bodies are read and validated by hand (``parse_request``) rather than by FastAPI's body
-injection, so invalid JSON and bad fields get OpenAI-shaped 400s naming the field, and the
-route keeps the raw ASGI ``receive`` to race work against the client's disconnect."""
+injection, so invalid JSON and bad fields get OpenAI-shaped 400s naming the field, bodies over
+``--max-body-bytes`` a 413 before they are read whole, and the route keeps the raw ASGI
+``receive`` to race work against the client's disconnect. The OpenAPI document still carries the
+body models (openapi.py) and the response models (schemas.py)."""
 
 from __future__ import annotations
 
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from importlib import metadata
 from typing import Any
 
 import msgspec
@@ -18,23 +21,77 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.requests import ClientDisconnect
 
 from services.gateway.convert import (
-    chat_to_generate,
+    chat_job,
     check_model,
-    completion_to_generate,
+    completion_job,
     new_request_id,
+    parse_json,
     parse_request,
+    validate_body,
 )
 from services.gateway.errors import APIError, error_response, install_error_handlers
 from services.gateway.generation import CLIENT_CLOSED, serve
-from services.gateway.protocol import ChatCompletionRequest, CompletionRequest
+from services.gateway.openapi import install_openapi
+from services.gateway.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequestBody,
+    TokenizeChatRequest,
+    TokenizeCompletionRequest,
+)
 from services.gateway.responses import ChatFormat, CompletionFormat
+from services.gateway.schemas import (
+    STREAM_NOTE,
+    ChatCompletionResponse,
+    CompletionResponse,
+    DetokenizeResponse,
+    HealthResponse,
+    ModelList,
+    TokenizeResponse,
+    VersionResponse,
+    error_responses,
+)
 from services.gateway.state import GatewayState
 from shared.bus import Bus
 from shared.config import Settings
+from shared.messages import (
+    ChatMessage,
+    DetokenizeRequest,
+    DetokenizeResult,
+    TokenizeRequest,
+    TokenizeResult,
+)
 
 
 def _json(payload: Any, status: int = 200) -> Response:
     return Response(msgspec.json.encode(payload), status_code=status, media_type="application/json")
+
+
+def version() -> str:
+    try:
+        return metadata.version("kvflow")
+    except metadata.PackageNotFoundError:
+        return "0+unknown"
+
+
+async def read_body(request: Request, limit: int) -> bytes | None:
+    """The whole body, or None if the client left; 413 as soon as it is known to be over
+    ``limit`` bytes (from Content-Length, or while it streams in)."""
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise APIError(413, f"the request body is over this server's limit of {limit} bytes")
+    chunks, size = [], 0
+    try:
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise APIError(
+                    413, f"the request body is over this server's limit of {limit} bytes"
+                )
+            chunks.append(chunk)
+    except ClientDisconnect:
+        return None
+    return b"".join(chunks)
 
 
 def create_app(settings: Settings, bus: Bus | None = None) -> FastAPI:
@@ -53,45 +110,76 @@ def create_app(settings: Settings, bus: Bus | None = None) -> FastAPI:
     app = FastAPI(title="kvflow gateway", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.gateway = state
     install_error_handlers(app)
+    limit = settings.max_body_bytes
 
-    async def read_body(request: Request) -> bytes | None:
-        try:
-            return await request.body()
-        except ClientDisconnect:
+    async def echo_texts(req: CompletionRequest, job: Any) -> list[str] | None:
+        """The text each prompt echoes: as given, or decoded from its token ids."""
+        if not job.echo:
             return None
+        out = []
+        for gen in job.prompts:
+            if gen.prompt is not None:
+                out.append(gen.prompt)
+            else:
+                msg = DetokenizeRequest(list(gen.prompt_token_ids or []))
+                try:
+                    res = await state.tokenizer_call(msg, DetokenizeResult)
+                except APIError as e:
+                    if e.status == 400:
+                        e.param, e.message = "prompt", e.message.replace("tokens", "prompt", 1)
+                    raise
+                out.append(res.prompt)
+        return out
 
-    async def generate(
-        request: Request,
-        cls: type[ChatCompletionRequest] | type[CompletionRequest],
-        id_prefix: str,
-        to_generate: Any,
-        fmt_cls: type[ChatFormat] | type[CompletionFormat],
-    ) -> Response:
-        """Chat and completions differ only in body, conversion and response shapes."""
-        body = await read_body(request)
+    gen_errors = error_responses(400, 401, 404, 413, 429, 500, 503, 504)
+    # one SSE event: ``data`` is a chunk as JSON text, an error object, or ``[DONE]``
+    sse_event = {
+        "type": "object",
+        "properties": {"data": {"type": "string"}, "event": {"type": "string"}},
+        "required": ["data"],
+    }
+    stream_content = {"text/event-stream": {"schema": sse_event}}
+
+    @app.post(
+        "/v1/chat/completions",
+        response_model=ChatCompletionResponse,
+        responses={200: {"content": stream_content, "description": STREAM_NOTE}, **gen_errors},
+    )
+    async def chat_completions(request: Request) -> Response:
+        key = await state.auth.check(request)
+        body = await read_body(request, limit)
         if body is None:
             return Response(status_code=CLIENT_CLOSED)
-        req = parse_request(cls, body)
+        req = parse_request(ChatCompletionRequest, body)
         model = check_model(req.model, state.model_name)
-        request_id = new_request_id(id_prefix)
-        gen = to_generate(req, request_id, state.inbox, time.time())
-        fmt = fmt_cls(request_id, model, include_usage=req.include_usage())
-        return await serve(request, state, gen, fmt, bool(req.stream), n=req.n or 1)
+        rid = new_request_id("chatcmpl")
+        job = chat_job(req, rid, state.inbox, time.time(), settings)
+        fmt = ChatFormat(rid, model, include_usage=job.include_usage)
+        fmt.with_logprobs, fmt.with_prompt_logprobs = job.logprobs, job.prompt_logprobs
+        return await serve(request, state, job, fmt, None, _usage(state, key))
 
-    @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request) -> Response:
-        return await generate(
-            request, ChatCompletionRequest, "chatcmpl", chat_to_generate, ChatFormat
-        )
-
-    @app.post("/v1/completions")
+    @app.post(
+        "/v1/completions",
+        response_model=CompletionResponse,
+        responses={200: {"content": stream_content, "description": STREAM_NOTE}, **gen_errors},
+    )
     async def completions(request: Request) -> Response:
-        return await generate(
-            request, CompletionRequest, "cmpl", completion_to_generate, CompletionFormat
-        )
+        key = await state.auth.check(request)
+        body = await read_body(request, limit)
+        if body is None:
+            return Response(status_code=CLIENT_CLOSED)
+        req = parse_request(CompletionRequest, body)
+        model = check_model(req.model, state.model_name)
+        rid = new_request_id("cmpl")
+        job = completion_job(req, rid, state.inbox, time.time(), settings)
+        fmt = CompletionFormat(rid, model, include_usage=job.include_usage)
+        fmt.with_logprobs, fmt.with_prompt_logprobs = job.logprobs, job.prompt_logprobs
+        texts = await echo_texts(req, job)
+        return await serve(request, state, job, fmt, texts, _usage(state, key))
 
-    @app.get("/v1/models")
-    async def models() -> Response:
+    @app.get("/v1/models", response_model=ModelList, responses=error_responses(401, 429))
+    async def models(request: Request) -> Response:
+        await state.auth.check(request)
         if not state.max_model_len:
             try:
                 await state.scheduler_stats(timeout=0.5)
@@ -109,7 +197,74 @@ def create_app(settings: Settings, bus: Bus | None = None) -> FastAPI:
             card["max_model_len"] = state.max_model_len
         return _json({"object": "list", "data": [card]})
 
-    @app.get("/health")
+    @app.post(
+        "/tokenize",
+        response_model=TokenizeResponse,
+        responses=error_responses(400, 401, 404, 413, 429, 503),
+    )
+    async def tokenize(request: Request) -> Response:
+        """vLLM's /tokenize: a prompt, or chat messages through the chat template."""
+        await state.auth.check(request)
+        body = await read_body(request, limit)
+        if body is None:
+            return Response(status_code=CLIENT_CLOSED)
+        data = parse_json(body)
+        is_chat = "messages" in data
+        req: Any = validate_body(
+            TokenizeChatRequest if is_chat else TokenizeCompletionRequest, data
+        )
+        check_model(req.model, state.model_name)
+        if is_chat:
+            msg = TokenizeRequest(
+                messages=[
+                    ChatMessage("system" if m.role == "developer" else m.role, m.text())
+                    for m in req.messages
+                ],
+                add_generation_prompt=req.add_generation_prompt is not False,
+                add_special_tokens=bool(req.add_special_tokens),
+                return_token_strs=bool(req.return_token_strs),
+            )
+        else:
+            msg = TokenizeRequest(
+                prompt=req.prompt,
+                add_special_tokens=req.add_special_tokens is not False,
+                return_token_strs=bool(req.return_token_strs),
+            )
+        res: TokenizeResult = await state.tokenizer_call(msg, TokenizeResult)
+        return _json(
+            {
+                "count": len(res.tokens),
+                "max_model_len": res.max_model_len,
+                "tokens": res.tokens,
+                "token_strs": res.token_strs,
+            }
+        )
+
+    @app.post(
+        "/detokenize",
+        response_model=DetokenizeResponse,
+        responses=error_responses(400, 401, 404, 413, 429, 503),
+    )
+    async def detokenize(request: Request) -> Response:
+        """vLLM's /detokenize: token ids -> text."""
+        await state.auth.check(request)
+        body = await read_body(request, limit)
+        if body is None:
+            return Response(status_code=CLIENT_CLOSED)
+        req = parse_request(DetokenizeRequestBody, body)
+        check_model(req.model, state.model_name)
+        if any(not 0 <= t < 2**31 for t in req.tokens):
+            raise APIError(400, "tokens: token ids must be in [0, 2^31)", param="tokens")
+        res: DetokenizeResult = await state.tokenizer_call(
+            DetokenizeRequest(list(req.tokens)), DetokenizeResult
+        )
+        return _json({"prompt": res.prompt})
+
+    @app.get("/version", response_model=VersionResponse)
+    async def get_version() -> Response:
+        return _json({"version": version()})
+
+    @app.get("/health", response_model=HealthResponse, responses=error_responses(503))
     async def health() -> Response:
         """200 only when a request could be served now: NATS, a scheduler, and a worker."""
         try:
@@ -124,7 +279,7 @@ def create_app(settings: Settings, bus: Bus | None = None) -> FastAPI:
             {"status": "ok", **msgspec.structs.asdict(stats), "served_model": state.model_name}
         )
 
-    @app.get("/stats")
+    @app.get("/stats", responses=error_responses(503))
     async def stats() -> Response:
         """The scheduler's counters as JSON (tests check that all KV blocks are free again)."""
         s = await state.scheduler_stats()
@@ -137,7 +292,7 @@ def create_app(settings: Settings, bus: Bus | None = None) -> FastAPI:
             }
         )
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=Response)
     async def metrics() -> Response:
         """Prometheus text format, vLLM's metric names; engine series from the scheduler."""
         try:
@@ -148,4 +303,20 @@ def create_app(settings: Settings, bus: Bus | None = None) -> FastAPI:
             pass  # request-level series are still worth serving
         return Response(state.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
+    install_openapi(
+        app,
+        {
+            "/v1/chat/completions": [ChatCompletionRequest],
+            "/v1/completions": [CompletionRequest],
+            "/tokenize": [TokenizeCompletionRequest, TokenizeChatRequest],
+            "/detokenize": [DetokenizeRequestBody],
+        },
+        version(),
+    )
     return app
+
+
+def _usage(state: GatewayState, key: str | None) -> Any:
+    if key is None:
+        return None
+    return lambda prompt, completion: state.auth.record(key, prompt, completion)

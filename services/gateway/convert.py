@@ -1,20 +1,30 @@
-"""OpenAI request -> kvflow ``GenerateRequest``: pure functions, no I/O, so every mapping rule
-(defaults, stop lists, content parts, prompt forms) is unit tested without a server."""
+"""OpenAI request -> kvflow ``GenerateRequest``s: pure functions, no I/O, so every mapping rule
+(defaults, validation, stop lists, content parts, prompt forms, batches, structured output) is
+unit tested without a server."""
 
 from __future__ import annotations
 
-import json
 import uuid
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
+import msgspec
 from pydantic import BaseModel, ValidationError
 
 from services.gateway.errors import APIError, validation_error
+from services.gateway.guided import structured_output
 from services.gateway.protocol import ChatCompletionRequest, CompletionRequest, SamplingBody
 from shared.config import Settings
 from shared.messages import ChatMessage, GenerateRequest, SamplingParams
 from shared.model_source import DEFAULT_NAME, ModelNotFoundError, gguf_model_name, resolve_model
+from shared.sampling import (
+    INT64_MAX,
+    INT64_MIN,
+    MAX_TOKEN_ID,
+    SamplingParamError,
+    validate_sampling,
+)
 
 # vLLM's defaults: completions stop after 16 tokens; chat runs until the context is full,
 # which the tokenizer service computes when it receives max_tokens=0 (it knows the prompt).
@@ -24,18 +34,30 @@ CHAT_DEFAULT_MAX_TOKENS = 0
 B = TypeVar("B", bound=BaseModel)
 
 
-def parse_request(cls: type[B], body: bytes) -> B:
-    """Decode and validate a JSON body; any problem becomes a 400 in the OpenAI shape."""
+def parse_json(body: bytes) -> dict[str, Any]:
+    """A JSON object body, or a 400 in the OpenAI shape. msgspec's decoder is strict RFC 8259
+    JSON: no NaN/Infinity, no lone UTF-16 surrogates (which no message could carry on)."""
     try:
-        data = json.loads(body)
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        data = msgspec.json.decode(body)
+    except (msgspec.DecodeError, RecursionError) as e:
         raise APIError(400, f"invalid JSON body: {e}", "BadRequestError") from e
     if not isinstance(data, dict):
         raise APIError(400, "the request body must be a JSON object", "BadRequestError")
+    return data
+
+
+def validate_body(cls: type[B], data: dict[str, Any]) -> B:
     try:
         return cls.model_validate(data)
-    except ValidationError as e:
+    except (ValidationError, RecursionError) as e:
+        if isinstance(e, RecursionError):
+            raise APIError(400, "the request body is nested too deeply", "BadRequestError") from e
         raise validation_error(e) from e
+
+
+def parse_request(cls: type[B], body: bytes) -> B:
+    """Decode and validate a JSON body; any problem becomes a 400 in the OpenAI shape."""
+    return validate_body(cls, parse_json(body))
 
 
 def served_model_name(settings: Settings) -> str:
@@ -69,91 +91,227 @@ def new_request_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
 
+def bad(param: str, message: str) -> APIError:
+    return APIError(400, f"{param}: {message}", "BadRequestError", param)
+
+
+@dataclass
+class Job:
+    """One HTTP generation request, ready to submit: a GenerateRequest per prompt (each to be run
+    ``best_of`` times) and what the answer must contain."""
+
+    prompts: list[GenerateRequest]
+    n: int = 1
+    best_of: int = 1
+    stream: bool = False
+    include_usage: bool = False
+    logprobs: bool = False  # the client asked for sampled tokens' logprobs
+    echo: bool = False  # completions: prompt text (and, with logprobs, its logprobs) first
+    prompt_logprobs: bool = False  # vLLM's extra: choices carry ``prompt_logprobs``
+
+    @property
+    def num_sequences(self) -> int:
+        return len(self.prompts) * self.best_of
+
+
 def sampling_params(
-    req: SamplingBody, max_tokens: int, logprobs: int | None = None
+    req: SamplingBody,
+    max_tokens: int,
+    logprobs: int | None = None,
+    prompt_logprobs: int | None = None,
+    n: int = 1,
+    best_of: int | None = None,
+    settings: Settings | None = None,
+    names: dict[str, str] | None = None,
 ) -> SamplingParams:
-    """Map the OpenAI/vLLM fields onto SamplingParams; ``None`` means the default."""
-    top_k = req.top_k if req.top_k is not None and req.top_k > 0 else 0  # -1 and 0: off
+    """Validate the OpenAI/vLLM fields (``shared.sampling``) and map them onto SamplingParams;
+    ``None`` means the default. ``names`` renames fields in errors (chat's
+    ``max_completion_tokens``, ``top_logprobs``)."""
+    values: dict[str, Any] = {
+        "n": n,
+        "best_of": best_of,
+        "temperature": 1.0 if req.temperature is None else req.temperature,
+        "top_p": 1.0 if req.top_p is None else req.top_p,
+        "top_k": 0 if req.top_k is None else req.top_k,
+        "min_p": 0.0 if req.min_p is None else req.min_p,
+        "presence_penalty": req.presence_penalty or 0.0,
+        "frequency_penalty": req.frequency_penalty or 0.0,
+        "repetition_penalty": 1.0 if req.repetition_penalty is None else req.repetition_penalty,
+        "seed": req.seed,
+        "max_tokens": max_tokens or None,
+        "min_tokens": req.min_tokens or 0,
+        "logprobs": logprobs,
+        "prompt_logprobs": prompt_logprobs,
+        "stop": req.stop,
+        "stop_token_ids": req.stop_token_ids,
+        "logit_bias": req.logit_bias,
+        "ignore_eos": bool(req.ignore_eos),
+        "skip_special_tokens": req.skip_special_tokens is not False,
+        "include_stop_str_in_output": bool(req.include_stop_str_in_output),
+    }
+    try:
+        validate_sampling(**values, max_n=settings.max_n if settings else None)
+    except SamplingParamError as e:
+        param = (names or {}).get(e.param, e.param)
+        raise bad(param, e.reason) from None
+    if req.priority is not None and not INT64_MIN <= req.priority <= INT64_MAX:
+        raise bad("priority", "out of range")
     return SamplingParams(
         max_tokens=max_tokens,
-        temperature=1.0 if req.temperature is None else req.temperature,
-        top_p=1.0 if req.top_p is None else req.top_p,
-        top_k=top_k,
-        min_p=req.min_p or 0.0,
+        temperature=values["temperature"],
+        top_p=values["top_p"],
+        top_k=max(values["top_k"], 0),  # -1 and 0: off
+        min_p=values["min_p"],
         seed=req.seed,
         stop=req.stop_list(),
         stop_token_ids=list(req.stop_token_ids or []),
-        ignore_eos=bool(req.ignore_eos),
-        min_tokens=req.min_tokens or 0,
-        skip_special_tokens=req.skip_special_tokens is not False,
-        include_stop_str_in_output=bool(req.include_stop_str_in_output),
-        presence_penalty=req.presence_penalty or 0.0,
-        frequency_penalty=req.frequency_penalty or 0.0,
-        repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+        ignore_eos=values["ignore_eos"],
+        min_tokens=values["min_tokens"],
+        skip_special_tokens=values["skip_special_tokens"],
+        include_stop_str_in_output=values["include_stop_str_in_output"],
+        presence_penalty=values["presence_penalty"],
+        frequency_penalty=values["frequency_penalty"],
+        repetition_penalty=values["repetition_penalty"],
         logprobs=logprobs,
         logit_bias=dict(req.logit_bias) if req.logit_bias else None,
+        prompt_logprobs=prompt_logprobs,
+        structured_output=structured_output(req),
     )
 
 
 def chat_max_tokens(req: ChatCompletionRequest) -> int:
     """``max_completion_tokens`` (the newer name) wins over ``max_tokens``."""
-    return req.max_completion_tokens or req.max_tokens or CHAT_DEFAULT_MAX_TOKENS
+    if req.max_completion_tokens is not None:
+        return req.max_completion_tokens
+    if req.max_tokens is not None:
+        return req.max_tokens
+    return CHAT_DEFAULT_MAX_TOKENS
 
 
-def chat_to_generate(
-    req: ChatCompletionRequest, request_id: str, reply_to: str, arrival_time: float
-) -> GenerateRequest:
+def _check_max_tokens(value: int | None, param: str) -> None:
+    if value is not None and value < 1:
+        raise bad(param, f"must be >= 1, got {value}")
+
+
+def chat_job(
+    req: ChatCompletionRequest,
+    request_id: str,
+    reply_to: str,
+    arrival_time: float,
+    settings: Settings | None = None,
+) -> Job:
+    _check_max_tokens(req.max_tokens, "max_tokens")
+    _check_max_tokens(req.max_completion_tokens, "max_completion_tokens")
+    if req.top_logprobs is not None and not req.logprobs:
+        raise bad("top_logprobs", "needs logprobs to be true")
+    logprobs = (req.top_logprobs or 0) if req.logprobs else None
+    names = {"logprobs": "top_logprobs"}
+    if req.max_completion_tokens is not None:
+        names["max_tokens"] = "max_completion_tokens"
+    n = 1 if req.n is None else req.n
+    params = sampling_params(
+        req, chat_max_tokens(req), logprobs, req.prompt_logprobs, n, None, settings, names
+    )
     messages = [
         ChatMessage("system" if m.role == "developer" else m.role, m.text()) for m in req.messages
     ]
-    return GenerateRequest(
+    gen = GenerateRequest(
         request_id=request_id,
         reply_to=reply_to,
-        params=sampling_params(req, chat_max_tokens(req), req.logprobs_count()),
+        params=params,
         messages=messages,
+        add_generation_prompt=req.add_generation_prompt is not False,
         arrival_time=arrival_time,
         priority=req.priority or 0,
     )
+    return Job(
+        [gen],
+        n=n,
+        best_of=n,
+        stream=bool(req.stream),
+        include_usage=req.include_usage(),
+        logprobs=logprobs is not None,
+        prompt_logprobs=req.prompt_logprobs is not None,
+    )
 
 
-def completion_prompt(req: CompletionRequest) -> tuple[str | None, list[int] | None]:
-    """``(prompt, prompt_token_ids)``: one of them set. Batched prompts are refused, as one
-    request carries one sequence through the pipeline."""
+def completion_prompts(req: CompletionRequest) -> list[tuple[str | None, list[int] | None]]:
+    """``(prompt, prompt_token_ids)`` per prompt of the request (one of each pair set)."""
     p = req.prompt
-    empty = APIError(400, "prompt must not be empty", "BadRequestError", "prompt")
-    if isinstance(p, list) and p and not isinstance(p[0], int):
-        if len(p) > 1:
-            raise APIError(
-                400,
-                f"batched prompts are not supported ({len(p)} prompts given); "
-                "send one request per prompt",
-                "BadRequestError",
-                "prompt",
-            )
-        p = p[0]  # a list of one string, or of one list of token ids
     if isinstance(p, str):
-        if not p:
-            raise empty
-        return p, None
-    ids = [int(t) for t in p]  # type: ignore[arg-type]
-    if not ids:
-        raise empty
-    if any(t < 0 for t in ids):
-        raise APIError(400, "token ids must not be negative", "BadRequestError", "prompt")
-    return None, ids
+        items: list[Any] = [p]
+    elif p and isinstance(p[0], int):
+        items = [p]  # one prompt of token ids
+    else:
+        items = list(p)  # a batch of strings or of token-id lists
+    if not items:
+        raise bad("prompt", "must not be empty")
+    out: list[tuple[str | None, list[int] | None]] = []
+    for item in items:
+        if isinstance(item, str):
+            if not item:
+                raise bad("prompt", "must not be empty")
+            out.append((item, None))
+            continue
+        ids = list(item)
+        if not ids:
+            raise bad("prompt", "must not be empty")
+        if any(not 0 <= t <= MAX_TOKEN_ID for t in ids):
+            raise bad("prompt", "token ids must be in [0, 2^31)")
+        out.append((None, ids))
+    return out
 
 
-def completion_to_generate(
-    req: CompletionRequest, request_id: str, reply_to: str, arrival_time: float
-) -> GenerateRequest:
-    prompt, ids = completion_prompt(req)
+def completion_job(
+    req: CompletionRequest,
+    request_id: str,
+    reply_to: str,
+    arrival_time: float,
+    settings: Settings | None = None,
+) -> Job:
+    if req.suffix:
+        raise bad("suffix", "is not supported: the served model has no fill-in-the-middle mode")
+    _check_max_tokens(req.max_tokens, "max_tokens")
+    n = 1 if req.n is None else req.n
+    best_of = n if req.best_of is None else req.best_of
+    if req.stream and best_of != n:
+        raise bad("best_of", "must equal n when streaming (the best choices are known at the end)")
+    echo = bool(req.echo)
+    # echo with logprobs gives the prompt tokens' logprobs too (the first one null)
+    plp = req.prompt_logprobs
+    if echo and req.logprobs is not None:
+        plp = max(plp or 0, req.logprobs)
+    # best_of ranks choices by their cumulative logprob: every sequence needs its logprobs
+    logprobs = req.logprobs if req.logprobs is not None or best_of == n else 0
     max_tokens = COMPLETION_DEFAULT_MAX_TOKENS if req.max_tokens is None else req.max_tokens
-    return GenerateRequest(
-        request_id=request_id,
-        reply_to=reply_to,
-        params=sampling_params(req, max_tokens, req.logprobs_count()),
-        prompt=prompt,
-        prompt_token_ids=ids,
-        arrival_time=arrival_time,
-        priority=req.priority or 0,
+    params = sampling_params(req, max_tokens, logprobs, plp, n, best_of, settings)
+    prompts = completion_prompts(req)
+    limit = settings.max_request_sequences if settings else None
+    if limit and len(prompts) * best_of > limit:
+        raise bad(
+            "prompt",
+            f"{len(prompts)} prompts x {best_of} sequences each is more than this server's "
+            f"limit of {limit} sequences per request",
+        )
+    gens = [
+        GenerateRequest(
+            request_id=request_id,
+            reply_to=reply_to,
+            params=params,
+            prompt=text,
+            prompt_token_ids=ids,
+            arrival_time=arrival_time,
+            priority=req.priority or 0,
+        )
+        for text, ids in prompts
+    ]
+    return Job(
+        gens,
+        n=n,
+        best_of=best_of,
+        stream=bool(req.stream),
+        include_usage=req.include_usage(),
+        logprobs=req.logprobs is not None,
+        echo=echo,
+        prompt_logprobs=req.prompt_logprobs is not None,
     )

@@ -1,24 +1,30 @@
 """Serving one generation request, streamed or not, the same way for chat and completions.
 
-A streamed request waits for its first delta before the HTTP response starts, so errors that
-come back at once (prompt too long, queue full) are real HTTP errors the SDK raises, not an
-event inside a 200 stream. Every path ends by closing the request's handle, which aborts the
-request in the pipeline unless its final delta arrived."""
+A request is ``prompts x best_of`` pipeline sequences (``<id>-<i>`` when more than one, seed
+``seed + k`` for the k-th sequence of a prompt). Choice indexes follow OpenAI/vLLM: prompt ``p``'s
+choices are ``p * n .. p * n + n - 1``; with ``best_of > n`` (not streamed) the ``n`` sequences
+with the highest cumulative logprob are returned, best first.
+
+A streamed request waits until every sequence has sent its first delta before the HTTP response
+starts, so errors that come back at once (a prompt too long, a bad schema, a full queue) are
+real HTTP errors the SDK raises, not an event inside a 200 stream. Every path ends by closing
+the request's handles, which aborts what did not finish in the pipeline."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 import msgspec
 from starlette.requests import Request
 from starlette.responses import Response
 
 from services.gateway.cancel import SSEResponse, run_or_disconnect
+from services.gateway.convert import Job
 from services.gateway.errors import APIError
 from services.gateway.metrics import GatewayMetrics
-from services.gateway.responses import DONE, Format, Outcome, outcome_of, sse
+from services.gateway.responses import DONE, Echo, Format, Outcome, outcome_of, sse
 from services.gateway.state import GatewayState
 from services.gateway.streams import RequestHandle
 from shared.messages import Delta, GenerateRequest
@@ -28,6 +34,8 @@ log = logging.getLogger("kvflow.gateway")
 # Status for a request whose client left: nobody reads it, but access logs show it (nginx's).
 CLIENT_CLOSED = 499
 
+UsageCallback = Callable[[int, int], None]  # (prompt tokens, generated tokens) when closed
+
 
 def _check_delta(delta: Delta) -> None:
     if delta.finish_reason == "error":
@@ -35,20 +43,30 @@ def _check_delta(delta: Delta) -> None:
 
 
 class Choices:
-    """The ``n`` sequences of one request (each its own pipeline request, ``<id>-<i>`` when
-    n > 1), read together: deltas come out tagged with their choice index in arrival order."""
+    """The sequences of one request, read together: deltas come out tagged with their sequence
+    index in arrival order."""
 
-    def __init__(self, handles: list[RequestHandle], metrics: GatewayMetrics | None = None) -> None:
+    def __init__(
+        self,
+        handles: list[RequestHandle],
+        metrics: GatewayMetrics | None = None,
+        on_close: UsageCallback | None = None,
+        best_of: int = 1,
+    ) -> None:
         self.handles = handles
         self._pending: dict[int, asyncio.Task[Delta]] = {}
         self._timers = [metrics.request_timer() for _ in handles] if metrics else None
+        self._on_close = on_close
+        self._best_of = best_of
+        self._prompt_tokens = [0] * len(handles)
+        self._completion_tokens = [0] * len(handles)
 
     @property
     def request_id(self) -> str:
         return self.handles[0].request_id
 
     async def next(self) -> tuple[int, Delta]:
-        """The next delta of any unfinished choice."""
+        """The next delta of any unfinished sequence."""
         for i, h in enumerate(self.handles):
             if i not in self._pending and not h.finished:
                 self._pending[i] = asyncio.ensure_future(h.next())
@@ -56,6 +74,8 @@ class Choices:
         i = min(i for i, t in self._pending.items() if t in done)
         delta = self._pending.pop(i).result()
         _check_delta(delta)
+        self._prompt_tokens[i] = max(self._prompt_tokens[i], delta.prompt_tokens)
+        self._completion_tokens[i] = max(self._completion_tokens[i], delta.completion_tokens)
         if self._timers is not None:
             self._timers[i].delta(delta.num_new_tokens)
             if delta.finish_reason is not None:
@@ -64,10 +84,20 @@ class Choices:
                 )
         return i, delta
 
+    async def first_of_each(self) -> list[tuple[int, Delta]]:
+        """Deltas in arrival order until every sequence has sent one."""
+        seen: set[int] = set()
+        out = []
+        while len(seen) < len(self.handles):
+            i, delta = await self.next()
+            seen.add(i)
+            out.append((i, delta))
+        return out
+
     @property
     def finished(self) -> bool:
-        """Every choice's final delta was read (a handle is finished as soon as its final delta
-        arrives, which may still wait in a pending task)."""
+        """Every sequence's final delta was read (a handle is finished as soon as its final
+        delta arrives, which may still wait in a pending task)."""
         return not self._pending and all(h.finished for h in self.handles)
 
     def close(self) -> None:
@@ -76,10 +106,14 @@ class Choices:
         self._pending.clear()
         for h in self.handles:
             h.close()  # aborts the ones whose final delta did not arrive
+        if self._on_close is not None:
+            cb, self._on_close = self._on_close, None
+            prompt = sum(self._prompt_tokens[:: self._best_of])  # each prompt once
+            cb(prompt, sum(self._completion_tokens))
 
 
 async def collect(choices: Choices) -> list[Outcome]:
-    """Every delta of every choice up to its final one, joined per choice."""
+    """Every delta of every sequence up to its final one, joined per sequence."""
     deltas: list[list[Delta]] = [[] for _ in choices.handles]
     while not choices.finished:
         i, delta = await choices.next()
@@ -87,27 +121,46 @@ async def collect(choices: Choices) -> list[Outcome]:
     return [outcome_of(d) for d in deltas]
 
 
+def _echo(
+    job: Job, echo_texts: list[str] | None, prompt: int, delta_or_out: Delta | Outcome
+) -> Echo | None:
+    if not job.echo or echo_texts is None:
+        return None
+    lps = delta_or_out.prompt_logprobs if job.logprobs else None
+    return Echo(echo_texts[prompt], lps or None)
+
+
 async def sse_events(
-    choices: Choices, first: tuple[int, Delta], fmt: Format
+    job: Job,
+    choices: Choices,
+    first: list[tuple[int, Delta]],
+    fmt: Format,
+    echo_texts: list[str] | None,
 ) -> AsyncIterator[bytes]:
     """The SSE body: opening chunks, one chunk per delta, the finishes, usage, ``[DONE]``. An
-    error after the stream started can only be told in the stream: an ``error`` event."""
+    error after the stream started can only be told in the stream: an ``error`` event. When
+    streaming, best_of == n, so sequence i is choice i."""
     try:
         for i in range(len(choices.handles)):
             for chunk in fmt.opening_chunks(i):
                 yield sse(chunk)
         finals: dict[int, Delta] = {}
-        i, delta = first
-        while True:
-            for chunk in fmt.text_chunk(delta.text, delta.finish_reason, i, delta.logprobs):
+        started: set[int] = set()
+        queue = list(first)
+        while len(finals) < len(choices.handles):
+            i, delta = queue.pop(0) if queue else await choices.next()
+            echo, plps = None, None
+            if i not in started:
+                started.add(i)
+                echo = _echo(job, echo_texts, i // job.best_of, delta)
+                plps = delta.prompt_logprobs or None
+            chunks = fmt.text_chunk(delta.text, delta.finish_reason, i, delta.logprobs, echo, plps)
+            for chunk in chunks:
                 yield sse(chunk)
             if delta.finish_reason is not None:
                 finals[i] = delta
-                if len(finals) == len(choices.handles):
-                    break
-            i, delta = await choices.next()
         if fmt.include_usage:
-            prompt = finals[0].prompt_tokens
+            prompt = sum(finals[i].prompt_tokens for i in range(0, len(finals), job.best_of))
             completion = sum(d.completion_tokens for d in finals.values())
             yield sse(fmt.usage_chunk(prompt, completion))
     except APIError as e:
@@ -118,54 +171,72 @@ async def sse_events(
     yield DONE
 
 
-def fan_out(gen: GenerateRequest, n: int) -> list[GenerateRequest]:
-    """One pipeline request per choice. Their identical prompts share KV blocks through prefix
-    caching (the scheduler registers blocks when it schedules them, so siblings admitted in the
-    same step share them too); a seeded request gives choice i the seed ``seed + i``."""
-    if n == 1:
-        return [gen]
+def fan_out(job: Job) -> list[GenerateRequest]:
+    """One pipeline request per sequence. A prompt's sequences share its KV blocks through
+    prefix caching (the scheduler registers blocks when it schedules them, so siblings admitted
+    in the same step share them too); a seeded request gives sequence k the seed ``seed + k``."""
+    if job.num_sequences == 1:
+        return list(job.prompts)
     out = []
-    for i in range(n):
-        params = gen.params
-        if params.seed is not None:
-            params = msgspec.structs.replace(params, seed=params.seed + i)
-        out.append(msgspec.structs.replace(gen, request_id=f"{gen.request_id}-{i}", params=params))
+    for p, gen in enumerate(job.prompts):
+        for k in range(job.best_of):
+            params = gen.params
+            if params.seed is not None:
+                params = msgspec.structs.replace(params, seed=params.seed + k)
+            rid = f"{gen.request_id}-{p * job.best_of + k}"
+            out.append(msgspec.structs.replace(gen, request_id=rid, params=params))
     return out
+
+
+def full_response(job: Job, outs: list[Outcome], fmt: Format, echo_texts: list[str] | None) -> dict:
+    """The non-streamed body: per prompt, its ``n`` best sequences (all of them unless
+    best_of > n), in choice order."""
+    chosen: list[Outcome] = []
+    echoes: list[Echo | None] = []
+    prompt_tokens = 0
+    for p in range(len(job.prompts)):
+        group = outs[p * job.best_of : (p + 1) * job.best_of]
+        prompt_tokens += group[0].prompt_tokens
+        if job.best_of > job.n:
+            group = sorted(group, key=lambda o: o.cumulative_logprob, reverse=True)[: job.n]
+        chosen += group
+        echoes += [_echo(job, echo_texts, p, o) for o in group]
+    return fmt.response(chosen, prompt_tokens, echoes)
 
 
 async def serve(
     request: Request,
     state: GatewayState,
-    gen: GenerateRequest,
+    job: Job,
     fmt: Format,
-    stream: bool,
-    n: int = 1,
+    echo_texts: list[str] | None = None,
+    on_usage: UsageCallback | None = None,
 ) -> Response:
-    """Submit ``gen`` (as ``n`` choices) and answer the HTTP request from what comes back."""
+    """Submit ``job``'s sequences and answer the HTTP request from what comes back."""
     handles: list[RequestHandle] = []
     try:
-        for child in fan_out(gen, n):
+        for child in fan_out(job):
             handles.append(await state.submit(child))
     except APIError:
         for h in handles:
             h.close()
         raise
-    choices = Choices(handles, state.metrics)
+    choices = Choices(handles, state.metrics, on_usage, job.best_of)
     handed_over = False
     try:
-        work = choices.next() if stream else collect(choices)
+        work = choices.first_of_each() if job.stream else collect(choices)
         disconnected, result = await run_or_disconnect(request, work)
         if disconnected:
-            log.info("client left before %s finished; aborted", gen.request_id)
+            log.info("client left before %s finished; aborted", choices.request_id)
             return Response(status_code=CLIENT_CLOSED)
-        if not stream:
+        if not job.stream:
             assert isinstance(result, list)
-            return Response(
-                msgspec.json.encode(fmt.response(result)), media_type="application/json"
-            )
-        assert isinstance(result, tuple)
+            body = full_response(job, result, fmt, echo_texts)
+            return Response(msgspec.json.encode(body), media_type="application/json")
+        assert isinstance(result, list)
         handed_over = True
-        return SSEResponse(sse_events(choices, result, fmt), on_close=choices.close)
+        events = sse_events(job, choices, result, fmt, echo_texts)
+        return SSEResponse(events, on_close=choices.close)
     finally:
         if not handed_over:
             choices.close()

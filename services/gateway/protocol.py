@@ -1,21 +1,20 @@
-"""The OpenAI request bodies the gateway accepts (chat and completions), as pydantic models.
+"""The request bodies the gateway accepts, as pydantic models: OpenAI's fields, then vLLM's extras.
 
-Validation happens here, at the edge, so a bad value is answered with a 400 naming the field
-before anything is published; the services behind trust what they receive. Unknown fields are
-ignored, as OpenAI clients send fields kvflow does not implement (``user``, ``parallel_tool_calls``...)."""
+The models check types and shapes only; value ranges are checked by ``shared.sampling`` (the one
+place a future Python API shares) when the request is converted (convert.py). Bodies are parsed
+by hand from these models (for OpenAI-shaped 400s) and the OpenAPI document carries them
+(openapi.py). Unknown fields are ignored, as OpenAI clients send fields kvflow does not use
+(``parallel_tool_calls``, ``store``, ``metadata``...)."""
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
-
-MAX_N = 16  # choices per request; each is a sequence sharing the prompt's KV blocks
-MAX_LOGPROBS = 20  # top alternatives per token (vLLM's default max_logprobs)
+from pydantic import BaseModel, ConfigDict, Field
 
 
 class _Body(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
 
 
 class StreamOptions(_Body):
@@ -44,57 +43,63 @@ class ChatMessageIn(_Body):
         return "\n".join(p.text for p in self.content)
 
 
+class JsonSchemaSpec(_Body):
+    """``response_format.json_schema``: OpenAI's named schema."""
+
+    name: str | None = None
+    description: str | None = None
+    json_schema: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Body):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaSpec | None = None
+
+
+class StructuredOutputs(_Body):
+    """vLLM's ``structured_outputs`` extra: exactly one constraint."""
+
+    json_: dict[str, Any] | str | None = Field(None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+
 class SamplingBody(_Body):
     """Fields shared by chat and completions: OpenAI's, then vLLM's extras."""
 
     model: str | None = None
-    temperature: float | None = Field(None, ge=0.0, le=2.0)
-    top_p: float | None = Field(None, gt=0.0, le=1.0)
-    max_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = None
+    top_p: float | None = None
+    max_tokens: int | None = None
     stop: str | list[str] | None = None
     seed: int | None = None
     stream: bool | None = False
     stream_options: StreamOptions | None = None
-    user: str | None = None
+    user: str | None = None  # accepted; kvflow keeps per-key usage instead (see API keys)
     n: int | None = 1
-    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
-    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[int, float] | None = None
+    response_format: ResponseFormat | None = None
     # vLLM extras
-    top_k: int | None = Field(None, ge=-1)
-    min_p: float | None = Field(None, ge=0.0, le=1.0)
+    top_k: int | None = None
+    min_p: float | None = None
     ignore_eos: bool | None = False
-    min_tokens: int | None = Field(None, ge=0)
+    min_tokens: int | None = None
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool | None = True
     include_stop_str_in_output: bool | None = False
-    repetition_penalty: float | None = Field(None, gt=0.0)
-    logit_bias: dict[int, float] | None = None
-    priority: int | None = 0  # vLLM extra: lower values are scheduled first
-
-    @field_validator("logit_bias")
-    @classmethod
-    def _bias_range(cls, v: dict[int, float] | None) -> dict[int, float] | None:
-        for tok, bias in (v or {}).items():
-            if tok < 0:
-                raise ValueError(f"token id {tok} in logit_bias is negative")
-            if not -100.0 <= bias <= 100.0:
-                raise ValueError(f"bias {bias} for token {tok} is outside [-100, 100]")
-        return v
-
-    @field_validator("n")
-    @classmethod
-    def _choices(cls, v: int | None) -> int | None:
-        if v is not None and not 1 <= v <= MAX_N:
-            raise ValueError(f"n must be between 1 and {MAX_N}")
-        return v
-
-    @field_validator("stop")
-    @classmethod
-    def _stop_not_empty(cls, v: str | list[str] | None) -> str | list[str] | None:
-        values = [v] if isinstance(v, str) else (v or [])
-        if any(s == "" for s in values):
-            raise ValueError("stop strings must not be empty")
-        return v
+    repetition_penalty: float | None = None
+    priority: int | None = 0  # lower values are scheduled first
+    prompt_logprobs: int | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    structured_outputs: StructuredOutputs | None = None
 
     def stop_list(self) -> list[str]:
         if self.stop is None:
@@ -107,42 +112,43 @@ class SamplingBody(_Body):
 
 class ChatCompletionRequest(SamplingBody):
     messages: list[ChatMessageIn] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = None
     logprobs: bool | None = False
-    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    top_logprobs: int | None = None
+    add_generation_prompt: bool | None = True  # vLLM extra
 
-    @field_validator("top_logprobs")
-    @classmethod
-    def _top_needs_logprobs(cls, v: int | None, info: ValidationInfo) -> int | None:
-        if v and not info.data.get("logprobs"):
-            raise ValueError("top_logprobs needs logprobs to be true")
-        return v
 
-    def logprobs_count(self) -> int | None:
-        """How many top alternatives per token (None: no logprobs at all)."""
-        return (self.top_logprobs or 0) if self.logprobs else None
+# A string, a list of strings (a batch), token ids, or a list of token-id lists (a batch).
+Prompt = str | list[str] | list[int] | list[list[int]]
 
 
 class CompletionRequest(SamplingBody):
-    # A string, or a list of one string, or token ids (or a list of one list of token ids).
-    prompt: str | list[str] | list[int] | list[list[int]]
+    prompt: Prompt
+    best_of: int | None = None
     echo: bool | None = False
-    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    suffix: str | None = None
+    logprobs: int | None = None
+    suffix: str | None = None  # refused when set: no fill-in-the-middle model is served
 
-    @field_validator("echo")
-    @classmethod
-    def _no_echo(cls, v: bool | None) -> bool | None:
-        if v:
-            raise ValueError("echo is not supported")
-        return v
 
-    def logprobs_count(self) -> int | None:
-        return self.logprobs
+class TokenizeCompletionRequest(_Body):
+    """vLLM's /tokenize with a prompt."""
 
-    @field_validator("suffix")
-    @classmethod
-    def _no_suffix(cls, v: str | None) -> str | None:
-        if v:
-            raise ValueError("suffix is not supported")
-        return v
+    model: str | None = None
+    prompt: str
+    add_special_tokens: bool | None = True
+    return_token_strs: bool | None = False
+
+
+class TokenizeChatRequest(_Body):
+    """vLLM's /tokenize with chat messages (through the model's chat template)."""
+
+    model: str | None = None
+    messages: list[ChatMessageIn] = Field(min_length=1)
+    add_generation_prompt: bool | None = True
+    add_special_tokens: bool | None = False
+    return_token_strs: bool | None = False
+
+
+class DetokenizeRequestBody(_Body):
+    model: str | None = None
+    tokens: list[int]

@@ -2,7 +2,9 @@
 
 Chat and completions differ only in these shapes, so the serving loop is written once against
 ``Format`` and each endpoint supplies its own. Bodies are encoded with msgspec (faster than the
-stdlib ``json`` on the per-token path)."""
+stdlib ``json`` on the per-token path). Completions' ``text_offset`` counts characters of the
+token strings before each token, from the start of the choice's text (the prompt's when echoed),
+as vLLM does; a stream keeps counting across chunks."""
 
 from __future__ import annotations
 
@@ -12,7 +14,7 @@ from typing import Any
 
 import msgspec
 
-from shared.messages import Delta, TokenLogprob
+from shared.messages import Delta, PromptTokenLogprob, TokenLogprob
 
 DONE = b"data: [DONE]\n\n"
 
@@ -23,13 +25,27 @@ def sse(payload: dict[str, Any]) -> bytes:
 
 @dataclass
 class Outcome:
-    """A finished request, for the non-streamed response."""
+    """A finished sequence, for the non-streamed response."""
 
     text: str
     finish_reason: str | None
     prompt_tokens: int
     completion_tokens: int
     logprobs: list[TokenLogprob] | None = None  # None: not asked for
+    prompt_logprobs: list[PromptTokenLogprob] | None = None
+
+    @property
+    def cumulative_logprob(self) -> float:
+        """Sum of the sampled tokens' logprobs (best_of ranks choices by it)."""
+        return sum(lp.logprob for lp in self.logprobs or [])
+
+
+@dataclass
+class Echo:
+    """What a completion choice starts with when ``echo`` is set."""
+
+    text: str
+    logprobs: list[PromptTokenLogprob] | None = None  # with ``logprobs``: every prompt token
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
@@ -41,15 +57,17 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
 
 
 def outcome_of(deltas: list[Delta]) -> Outcome:
-    """Join a request's deltas; counts come from the final delta."""
+    """Join a sequence's deltas; counts come from the final delta."""
     last = deltas[-1]
     lps = [lp for d in deltas for lp in d.logprobs]
+    plps = next((d.prompt_logprobs for d in deltas if d.prompt_logprobs), None)
     return Outcome(
         "".join(d.text for d in deltas),
         last.finish_reason,
         last.prompt_tokens,
         last.completion_tokens,
         lps or None,
+        plps,
     )
 
 
@@ -59,7 +77,7 @@ def _bytes(s: str) -> list[int]:
 
 def chat_logprobs(lps: list[TokenLogprob] | None) -> dict[str, Any] | None:
     """OpenAI chat shape: ``{"content": [{token, logprob, bytes, top_logprobs: [...]}]}``."""
-    if not lps:
+    if lps is None:
         return None
     return {
         "content": [
@@ -74,21 +92,63 @@ def chat_logprobs(lps: list[TokenLogprob] | None) -> dict[str, Any] | None:
     }
 
 
-def completion_logprobs(lps: list[TokenLogprob] | None, offset: int = 0) -> dict[str, Any] | None:
-    """OpenAI completions shape: parallel lists of tokens, their logprobs, the top
-    alternatives as {token: logprob}, and each token's character offset in the text."""
-    if not lps:
+def completion_logprobs(
+    lps: list[TokenLogprob] | None,
+    offset: int = 0,
+    prompt: list[PromptTokenLogprob] | None = None,
+) -> dict[str, Any] | None:
+    """OpenAI completions shape: parallel lists of tokens, their logprobs, the top alternatives
+    as {token: logprob} (with the chosen token, so up to logprobs + 1 entries), and each token's
+    character offset. ``prompt`` (echo): the prompt's tokens come first, the first one with
+    null logprob and null alternatives."""
+    if lps is None and prompt is None:
         return None
+    tokens: list[str] = []
+    token_lps: list[float | None] = []
+    tops: list[dict[str, float] | None] = []
+    for i, p in enumerate(prompt or []):
+        tokens.append(p.token)
+        if i == 0 or p.logprob is None:
+            token_lps.append(None)
+            tops.append(None)
+            continue
+        token_lps.append(p.logprob)
+        top = {text: v for _, text, v in p.top}
+        top.setdefault(p.token, p.logprob)
+        tops.append(top)
+    for lp in lps or []:
+        tokens.append(lp.token)
+        token_lps.append(lp.logprob)
+        top = dict(lp.top)
+        top.setdefault(lp.token, lp.logprob)
+        tops.append(top)
     offsets = []
-    for lp in lps:
+    for t in tokens:
         offsets.append(offset)
-        offset += len(lp.token)
+        offset += len(t)
     return {
-        "tokens": [lp.token for lp in lps],
-        "token_logprobs": [lp.logprob for lp in lps],
-        "top_logprobs": [dict(lp.top) for lp in lps],
+        "tokens": tokens,
+        "token_logprobs": token_lps,
+        "top_logprobs": tops,
         "text_offset": offsets,
     }
+
+
+def vllm_prompt_logprobs(prompt: list[PromptTokenLogprob] | None) -> list[Any] | None:
+    """vLLM's ``prompt_logprobs``: per prompt token, {token id: {logprob, rank, decoded_token}}
+    for the token itself and the top alternatives; null for the first token."""
+    if prompt is None:
+        return None
+    out: list[Any] = []
+    for i, p in enumerate(prompt):
+        if i == 0 or p.logprob is None:
+            out.append(None)
+            continue
+        entry = {str(p.token_id): {"logprob": p.logprob, "rank": p.rank, "decoded_token": p.token}}
+        for rank, (tid, text, v) in enumerate(p.top, start=1):
+            entry.setdefault(str(tid), {"logprob": v, "rank": rank, "decoded_token": text})
+        out.append(entry)
+    return out
 
 
 @dataclass
@@ -101,6 +161,8 @@ class Format:
     created: int = field(default_factory=lambda: int(time.time()))
     object_stream: str = ""
     object_full: str = ""
+    with_logprobs: bool = True  # False: logprobs were computed only to rank best_of choices
+    with_prompt_logprobs: bool = False  # vLLM's prompt_logprobs extra
 
     def _chunk(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
         out: dict[str, Any] = {
@@ -128,21 +190,32 @@ class Format:
         finish_reason: str | None,
         index: int = 0,
         lps: list[TokenLogprob] | None = None,
+        echo: Echo | None = None,
+        prompt_lps: list[PromptTokenLogprob] | None = None,
     ) -> list[dict[str, Any]]:
+        """Chunks for one delta of choice ``index``; a choice's first delta brings its ``echo``
+        and (vLLM's extra) ``prompt_lps``."""
         raise NotImplementedError
 
-    def response(self, outs: list[Outcome]) -> dict[str, Any]:
-        """The whole response: one choice per outcome; the prompt is counted once."""
+    def response(
+        self, outs: list[Outcome], prompt_tokens: int, echoes: list[Echo | None] | None = None
+    ) -> dict[str, Any]:
+        """The whole response: choice ``i`` is ``outs[i]``; ``prompt_tokens`` counts every
+        prompt once."""
+        echoes = echoes or [None] * len(outs)
         return {
             "id": self.request_id,
             "object": self.object_full,
             "created": self.created,
             "model": self.model,
-            "choices": [self._full_choice(out, i) for i, out in enumerate(outs)],
-            "usage": usage(outs[0].prompt_tokens, sum(o.completion_tokens for o in outs)),
+            "choices": [
+                self._full_choice(out, i, echo)
+                for i, (out, echo) in enumerate(zip(outs, echoes, strict=True))
+            ],
+            "usage": usage(prompt_tokens, sum(o.completion_tokens for o in outs)),
         }
 
-    def _full_choice(self, out: Outcome, index: int) -> dict[str, Any]:
+    def _full_choice(self, out: Outcome, index: int, echo: Echo | None) -> dict[str, Any]:
         raise NotImplementedError
 
 
@@ -161,7 +234,7 @@ class ChatFormat(Format):
         return {
             "index": index,
             "delta": delta,
-            "logprobs": chat_logprobs(lps),
+            "logprobs": chat_logprobs(lps) if self.with_logprobs else None,
             "finish_reason": finish_reason,
         }
 
@@ -174,6 +247,8 @@ class ChatFormat(Format):
         finish_reason: str | None,
         index: int = 0,
         lps: list[TokenLogprob] | None = None,
+        echo: Echo | None = None,
+        prompt_lps: list[PromptTokenLogprob] | None = None,
     ) -> list[dict[str, Any]]:
         """Content, then (as OpenAI) the finish reason in its own chunk with an empty delta."""
         chunks = []
@@ -183,11 +258,19 @@ class ChatFormat(Format):
             chunks.append(self._chunk([self._choice({}, finish_reason, index)]))
         return chunks
 
-    def _full_choice(self, out: Outcome, index: int) -> dict[str, Any]:
+    def response(
+        self, outs: list[Outcome], prompt_tokens: int, echoes: list[Echo | None] | None = None
+    ) -> dict[str, Any]:
+        out = super().response(outs, prompt_tokens, echoes)
+        if self.with_prompt_logprobs:
+            out["prompt_logprobs"] = vllm_prompt_logprobs(outs[0].prompt_logprobs)
+        return out
+
+    def _full_choice(self, out: Outcome, index: int, echo: Echo | None) -> dict[str, Any]:
         return {
             "index": index,
             "message": {"role": "assistant", "content": out.text},
-            "logprobs": chat_logprobs(out.logprobs),
+            "logprobs": chat_logprobs(out.logprobs or []) if self.with_logprobs else None,
             "finish_reason": out.finish_reason,
         }
 
@@ -196,6 +279,19 @@ class ChatFormat(Format):
 class CompletionFormat(Format):
     object_stream: str = "text_completion"
     object_full: str = "text_completion"
+    # per choice index: characters of token strings already sent (stream text_offset)
+    _offsets: dict[int, int] = field(default_factory=dict)
+
+    def _logprobs(
+        self, index: int, lps: list[TokenLogprob] | None, echo: Echo | None
+    ) -> dict[str, Any] | None:
+        if not self.with_logprobs:
+            return None
+        prompt = echo.logprobs if echo is not None else None
+        out = completion_logprobs(lps, self._offsets.get(index, 0), prompt)
+        if out is not None:
+            self._offsets[index] = self._offsets.get(index, 0) + sum(len(t) for t in out["tokens"])
+        return out
 
     def text_chunk(
         self,
@@ -203,21 +299,33 @@ class CompletionFormat(Format):
         finish_reason: str | None,
         index: int = 0,
         lps: list[TokenLogprob] | None = None,
+        echo: Echo | None = None,
+        prompt_lps: list[PromptTokenLogprob] | None = None,
     ) -> list[dict[str, Any]]:
+        if echo is not None:
+            text = echo.text + text
         if not text and finish_reason is None and not lps:
             return []
-        choice = {
+        choice: dict[str, Any] = {
             "index": index,
             "text": text,
-            "logprobs": completion_logprobs(lps),
+            "logprobs": self._logprobs(index, lps, echo),
             "finish_reason": finish_reason,
         }
+        if prompt_lps is not None and self.with_prompt_logprobs:
+            choice["prompt_logprobs"] = vllm_prompt_logprobs(prompt_lps)
         return [self._chunk([choice])]
 
-    def _full_choice(self, out: Outcome, index: int) -> dict[str, Any]:
-        return {
+    def _full_choice(self, out: Outcome, index: int, echo: Echo | None) -> dict[str, Any]:
+        prompt = echo.logprobs if echo is not None else None
+        choice: dict[str, Any] = {
             "index": index,
-            "text": out.text,
-            "logprobs": completion_logprobs(out.logprobs),
+            "text": (echo.text if echo is not None else "") + out.text,
+            "logprobs": completion_logprobs(out.logprobs or [], 0, prompt)
+            if self.with_logprobs
+            else None,
             "finish_reason": out.finish_reason,
         }
+        if self.with_prompt_logprobs:
+            choice["prompt_logprobs"] = vllm_prompt_logprobs(out.prompt_logprobs)
+        return choice

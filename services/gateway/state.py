@@ -9,6 +9,7 @@ import logging
 import uuid
 from typing import Any
 
+from services.gateway.auth import Auth
 from services.gateway.convert import served_model_name
 from services.gateway.errors import APIError
 from services.gateway.metrics import GatewayMetrics
@@ -16,7 +17,14 @@ from services.gateway.streams import RequestHandle, RequestStreams
 from shared import subjects
 from shared.bus import Bus
 from shared.config import Settings
-from shared.messages import Abort, GenerateRequest, SchedulerStats, StatsRequest
+from shared.messages import (
+    Abort,
+    GenerateRequest,
+    Message,
+    RequestError,
+    SchedulerStats,
+    StatsRequest,
+)
 
 log = logging.getLogger("kvflow.gateway")
 
@@ -36,6 +44,7 @@ class GatewayState:
         self.streams = RequestStreams()
         self.num_aborts = 0
         self.metrics = GatewayMetrics(self.model_name)
+        self.auth = Auth(settings)
         self._own_bus = bus is None
         self.bus: Any = bus if bus is not None else Bus(f"gateway-{self.gateway_id}")
         self._sub: Any = None
@@ -56,6 +65,7 @@ class GatewayState:
                 pass
         if self._tasks:  # let pending aborts go out before the connection closes
             await asyncio.wait(set(self._tasks), timeout=2.0)
+        await self.auth.close()
         if self._own_bus:
             await self.bus.close()
 
@@ -96,6 +106,25 @@ class GatewayState:
             await self.bus.publish(subjects.ABORT, Abort(request_id))
         except Exception as e:  # noqa: BLE001 - the scheduler's own timeouts are the backstop
             log.warning("abort of %s not published: %s", request_id, e)
+
+    async def tokenizer_call(self, msg: Message, expect: type, timeout: float = 10.0) -> Any:
+        """Request/reply with a tokenizer (TokenizeRequest, DetokenizeRequest): the reply of
+        type ``expect``, a RequestError as APIError, or 503 when no tokenizer answers."""
+        if not bus_connected(self.bus):
+            raise APIError(503, "the gateway is not connected to NATS", "ServiceUnavailableError")
+        try:
+            reply = await self.bus.request(subjects.TOKENIZER_RPC, msg, timeout)
+        except Exception as e:  # noqa: BLE001 - no responder, timeout, closed connection
+            raise APIError(
+                503, f"no tokenizer answered ({type(e).__name__})", "ServiceUnavailableError"
+            ) from e
+        if isinstance(reply, RequestError):
+            raise APIError(reply.code, reply.message, reply.type, reply.param)
+        if not isinstance(reply, expect):
+            raise APIError(
+                503, f"unexpected reply {type(reply).__name__}", "ServiceUnavailableError"
+            )
+        return reply
 
     async def scheduler_stats(self, timeout: float = 1.0) -> SchedulerStats:
         """The scheduler's counters, or 503 saying what is missing."""

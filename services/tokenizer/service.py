@@ -1,6 +1,8 @@
 """The tokenizer service: stateless, in a queue group, so any number of instances share the
 load. GenerateRequest in; TokenizedRequest out to the scheduler and detokenizer, or RequestError
-straight back to the gateway's inbox."""
+straight back to the gateway's inbox. A request with structured output has its constraint
+compiled here first (cached per constraint), so a bad schema is a 400, not a failure in a worker.
+On a second subject it answers TokenizeRequest / DetokenizeRequest (request/reply)."""
 
 from __future__ import annotations
 
@@ -16,30 +18,76 @@ from services.tokenizer.prompts import (
     check_logit_bias,
     prompt_token_ids,
 )
+from services.tokenizer.rpc import detokenize, tokenize
 from shared import subjects
 from shared.bus import Bus
 from shared.config import Settings
-from shared.messages import GenerateRequest, Message, RequestError, TokenizedRequest
+from shared.messages import (
+    DetokenizeRequest,
+    GenerateRequest,
+    Message,
+    RequestError,
+    StructuredOutput,
+    TokenizedRequest,
+    TokenizeRequest,
+)
+from shared.structured_output import GrammarCompiler, GrammarError, tokenizer_info
 
 log = logging.getLogger("kvflow.tokenizer")
 
 
 class TokenizerService:
     def __init__(
-        self, settings: Settings, tokenizer: Any, max_model_len: int, eos_ids: list[int]
+        self,
+        settings: Settings,
+        tokenizer: Any,
+        max_model_len: int,
+        eos_ids: list[int],
+        vocab_size: int | None = None,
     ) -> None:
         self.settings = settings
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
         self.eos_ids = eos_ids
+        self.vocab_size = vocab_size or len(tokenizer)
         self.bus = Bus("tokenizer")
+        self._grammar: GrammarCompiler | None = None
 
     async def start(self) -> None:
         await self.bus.connect(self.settings.nats_url)
         await self.bus.subscribe(
             subjects.TOKENIZE, self._on_message, queue=subjects.TOKENIZER_QUEUE
         )
+        await self.bus.subscribe(
+            subjects.TOKENIZER_RPC, self._on_rpc, queue=subjects.TOKENIZER_QUEUE
+        )
         log.info("tokenizer ready")
+
+    def check_structured_output(self, so: StructuredOutput) -> None:
+        """Compile the constraint as the worker will (the compiler caches it); PromptError if
+        it does not compile. Runs in a thread: a large schema takes a while."""
+        if self._grammar is None:
+            info = tokenizer_info(self.tokenizer, self.vocab_size, self.eos_ids)
+            self._grammar = GrammarCompiler(info)
+        try:
+            self._grammar.compile(so)
+        except GrammarError as e:
+            raise PromptError(f"invalid {so.param}: {e}", so.param) from e
+
+    async def _on_rpc(self, msg: Message, raw: Msg) -> None:
+        try:
+            if isinstance(msg, TokenizeRequest):
+                reply: Any = tokenize(self.tokenizer, msg, self.max_model_len)
+            elif isinstance(msg, DetokenizeRequest):
+                reply = detokenize(self.tokenizer, msg)
+            else:
+                reply = RequestError("", f"unexpected {type(msg).__name__}", "BadRequestError")
+        except PromptError as e:
+            reply = e.to_message("")
+        except Exception as e:  # noqa: BLE001 - the caller gets an error, the service goes on
+            log.exception("tokenizer: %s failed", type(msg).__name__)
+            reply = RequestError("", f"tokenizer failed: {e}", "InternalServerError", None, 500)
+        await self.bus.reply(raw, reply)
 
     async def _on_message(self, msg: Message, raw: Msg) -> None:
         if not isinstance(msg, GenerateRequest):
@@ -49,6 +97,8 @@ class TokenizerService:
             ids = prompt_token_ids(self.tokenizer, msg)
             params = check_length(ids, msg.params, self.max_model_len)
             check_logit_bias(params, len(self.tokenizer))
+            if params.structured_output is not None:
+                await asyncio.to_thread(self.check_structured_output, params.structured_output)
         except PromptError as e:
             await self.bus.publish(msg.reply_to, e.to_message(msg.request_id))
             return
@@ -81,7 +131,7 @@ async def run(settings: Settings) -> None:
     cfg = load_config(src)
     tok = load_tokenizer(src)
     max_len = min(settings.max_model_len, cfg.max_position_embeddings)
-    service = TokenizerService(settings, tok, max_len, list(cfg.eos_token_ids))
+    service = TokenizerService(settings, tok, max_len, list(cfg.eos_token_ids), cfg.vocab_size)
     await service.start()
     ops.set_ready(lambda: service.bus.client.is_connected, service.bus)
     await asyncio.Event().wait()

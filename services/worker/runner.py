@@ -19,11 +19,13 @@ import torch
 from kernels import batch_invariance, cpu_gemm, cpu_native
 from kernels import reference as K
 from kernels.batch_invariance import GemmRows
-from services.worker import sampler
+from services.worker import sampler, structured
 from services.worker.model import ForwardBatch, LlamaModel
+from services.worker.prompt_logprobs import PromptRows
 from shared.messages import (
     FinishReason,
     NewRequest,
+    PromptLogprobs,
     SampleLogprobs,
     SamplingParams,
     ScheduledSeq,
@@ -51,6 +53,12 @@ class RequestState:
     # penalties (prompt tokens served from a prefix cache are not seen here)
     prompt_tokens: list[int] = field(default_factory=list)
     output_tokens: list[int] = field(default_factory=list)
+    guide: structured.Guide | None = None  # grammar matcher (structured output)
+    guide_failed: bool = False  # the constraint did not compile: the request ends in ERROR
+    # prompt logprobs: top-k wanted (None: not asked, or sent before a preemption), and the
+    # log-softmax of a chunk's last row, which predicts the next chunk's first token
+    prompt_logprobs_k: int | None = None
+    pending_prompt_row: tuple[int, torch.Tensor] | None = None
 
 
 class ModelRunner:
@@ -164,11 +172,11 @@ class ModelRunner:
         t0 = time.perf_counter()
         try:
             with torch.inference_mode():
-                ids, tokens, reasons, n, lps = self._execute(plan)
+                ids, tokens, reasons, n, lps, plps = self._execute(plan)
             err = None
         except Exception as e:  # noqa: BLE001 - the worker loop must survive a bad step
             log.exception("step %d failed", plan.step_id)
-            ids, tokens, reasons, n, lps = [], [], [], 0, []
+            ids, tokens, reasons, n, lps, plps = [], [], [], 0, [], []
             err = f"{type(e).__name__}: {e}"
         return StepResult(
             worker_id=self.worker_id,
@@ -180,6 +188,7 @@ class ModelRunner:
             step_time_s=time.perf_counter() - t0,
             error=err,
             logprobs=lps,
+            prompt_logprobs=plps,
         )
 
     def _add_request(self, r: NewRequest) -> None:
@@ -188,7 +197,7 @@ class ModelRunner:
         if p.seed is not None:
             gen = torch.Generator().manual_seed(int(p.seed))
         eos = r.eos_token_ids or list(self.config.eos_token_ids)
-        self.requests[r.request_id] = RequestState(
+        st = self.requests[r.request_id] = RequestState(
             params=p,
             prompt_len=r.prompt_len,
             num_output_tokens=r.num_output_tokens,
@@ -198,17 +207,28 @@ class ModelRunner:
             penalized=bool(
                 p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0
             ),
+            # sent with the first token already when resumed after a preemption
+            prompt_logprobs_k=p.prompt_logprobs if r.num_output_tokens == 0 else None,
         )
+        if p.structured_output is not None:
+            stops = set(eos) | set(p.stop_token_ids)
+            compiler = structured.compiler_for(self)
+            st.guide = structured.make_guide(
+                compiler, p.structured_output, stops, r.num_output_tokens
+            )
+            st.guide_failed = st.guide is None
 
     def _execute(
         self, plan: StepPlan
-    ) -> tuple[list[str], list[int], list[int], int, list[SampleLogprobs | None]]:
+    ) -> tuple[
+        list[str], list[int], list[int], int, list[SampleLogprobs | None], list[PromptLogprobs]
+    ]:
         for rid in plan.finished_request_ids:
             self.requests.pop(rid, None)
         for r in plan.new_requests:
             self._add_request(r)
         if not plan.seqs:
-            return [], [], [], 0, []
+            return [], [], [], 0, [], []
         bs = self._block_size
         # single-token sequences first (padded GEMM rows), then one segment per longer chunk
         order = sorted(range(len(plan.seqs)), key=lambda i: len(plan.seqs[i].token_ids) > 1)
@@ -218,6 +238,7 @@ class ModelRunner:
         slots: list[int] = []
         sample_rows: list[int] = []
         segments: list[tuple[int, int]] = []
+        prompt_rows = PromptRows()  # extra logits rows for requests asking prompt logprobs
         for s in seqs:
             n = len(s.token_ids)
             if n == 0:
@@ -243,6 +264,10 @@ class ModelRunner:
             if st is not None and st.penalized:
                 for p, tok in zip(range(s.start_pos, end), s.token_ids, strict=True):
                     (st.prompt_tokens if p < st.prompt_len else st.output_tokens).append(tok)
+            if st is not None:
+                if st.guide is not None:  # tokens generated before a preemption
+                    st.guide.replay(s, st.prompt_len)
+                prompt_rows.add(s, st, start_row)
         max_blocks = max(len(s.block_table) for s in seqs)
         tables = torch.tensor(
             [s.block_table + [0] * (max_blocks - len(s.block_table)) for s in seqs]
@@ -256,11 +281,13 @@ class ModelRunner:
             rows=K.RowLayout(num_single, tuple(segments), self.gemm_rows.tile, self.gemm_rows.pad)
             if self.gemm_rows
             else None,
-            sample_rows=torch.tensor(sample_rows, dtype=torch.long),
+            sample_rows=torch.tensor(sample_rows + prompt_rows.rows, dtype=torch.long),
         )
         n_tokens = len(ids)
         logits = self.model(torch.tensor(ids), torch.tensor(pos), batch, self.kv_caches)
         self.total_computed_tokens += n_tokens
+        prompt_lps = prompt_rows.collect(logits[len(sample_rows) :]) if prompt_rows.rows else []
+        logits = logits[: len(sample_rows)]
         sampled = [s for s in seqs if s.sample]
         want_lp = [self.requests[s.request_id].params.logprobs is not None for s in sampled]
         raw = logits[torch.tensor(want_lp)].clone() if any(want_lp) else None
@@ -280,7 +307,7 @@ class ModelRunner:
                 out_tokens.append(tok)
                 reasons.append(int(self._finish(self.requests[s.request_id], tok)))
                 out_lps.append(lp_by_id.get(s.request_id))
-        return out_ids, out_tokens, reasons, n_tokens, out_lps if lp_by_id else []
+        return out_ids, out_tokens, reasons, n_tokens, out_lps if lp_by_id else [], prompt_lps
 
     def _sample(self, logits: torch.Tensor, sampled: list[ScheduledSeq]) -> torch.Tensor:
         """Penalties and min_tokens masks per row, then one batched draw."""
@@ -290,11 +317,13 @@ class ModelRunner:
                 sampler.apply_logit_bias(logits, row, st.params.logit_bias)
             if st.penalized:
                 sampler.apply_penalties(logits, row, st.params, st.prompt_tokens, st.output_tokens)
-            if st.num_output_tokens < st.params.min_tokens:
+            # under a grammar, the grammar decides where the output may end
+            if st.num_output_tokens < st.params.min_tokens and st.guide is None:
                 stops = set(st.stop_token_ids)
                 if not st.params.ignore_eos:
                     stops |= st.eos_token_ids
                 sampler.suppress_tokens(logits, row, sorted(stops))
+        structured.apply_masks(logits, [st.guide for st in states])
         batch = sampler.make_batch([st.params for st in states], [st.generator for st in states])
         return sampler.sample(logits, batch)
 
@@ -302,6 +331,10 @@ class ModelRunner:
         """Count the new token and say whether the request ends with it."""
         st.num_output_tokens += 1
         n, p = st.num_output_tokens, st.params
+        if st.guide_failed or (st.guide is not None and not st.guide.accept(token)):
+            return FinishReason.ERROR
+        if st.guide is not None and st.guide.terminated:  # the grammar ended with a stop token
+            return FinishReason.STOP
         is_stop = token in st.stop_token_ids or (not p.ignore_eos and token in st.eos_token_ids)
         if is_stop and n >= p.min_tokens:
             return FinishReason.STOP

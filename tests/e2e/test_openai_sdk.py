@@ -101,7 +101,7 @@ def test_stop_string_ends_the_text(client) -> None:
     [
         ({"model": MODEL, "messages": "not a list"}, 400, "messages"),
         (
-            {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "temperature": 5},
+            {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "temperature": -1},
             400,
             "temperature",
         ),

@@ -277,7 +277,7 @@ def test_concurrent_streams_get_their_own_deltas(client) -> None:
     [
         ({"messages": "not a list"}, "messages"),
         ({"max_tokens": "ten"}, "max_tokens"),
-        ({"temperature": 5}, "temperature"),
+        ({"temperature": -1}, "temperature"),
         ({"top_p": 0}, "top_p"),
         ({"max_tokens": 0}, "max_tokens"),
         ({"n": 17}, "n"),

@@ -98,7 +98,7 @@ def test_unexpected_errors_are_500_and_the_app_goes_on(http, monkeypatch) -> Non
     def boom(*args: Any, **kwargs: Any) -> None:
         raise RuntimeError("boom")
 
-    monkeypatch.setattr(gateway_app, "completion_to_generate", boom)
+    monkeypatch.setattr(gateway_app, "completion_job", boom)
     r = http.post("/v1/completions", json=BODY)
     assert r.status_code == 500
     err = r.json()["error"]

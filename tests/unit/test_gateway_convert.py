@@ -7,9 +7,9 @@ import json
 import pytest
 
 from services.gateway.convert import (
-    chat_to_generate,
+    chat_job,
     check_model,
-    completion_to_generate,
+    completion_job,
     parse_request,
     served_model_name,
 )
@@ -28,6 +28,14 @@ def chat(**body) -> ChatCompletionRequest:
 
 def completion(**body) -> CompletionRequest:
     return parse_request(CompletionRequest, json.dumps({"prompt": "p", **body}).encode())
+
+
+def chat_to_generate(req, request_id, reply_to, arrival_time):
+    return chat_job(req, request_id, reply_to, arrival_time).prompts[0]
+
+
+def completion_to_generate(req, request_id, reply_to, arrival_time):
+    return completion_job(req, request_id, reply_to, arrival_time).prompts[0]
 
 
 def test_chat_defaults_follow_vllm() -> None:
@@ -113,7 +121,7 @@ def test_prompt_forms(prompt, text, ids) -> None:
     assert (gen.prompt, gen.prompt_token_ids) == (text, ids)
 
 
-@pytest.mark.parametrize("prompt", ["", [], ["a", "b"], [[1], [2]], [-1]])
+@pytest.mark.parametrize("prompt", ["", [], [-1], ["a", ""], [[1], []], [2**31], [[1], [-2]]])
 def test_bad_prompts_are_refused(prompt) -> None:
     with pytest.raises(APIError) as e:
         completion_to_generate(completion(prompt=prompt), "r", "i", 0)
@@ -132,7 +140,7 @@ def test_bad_prompts_are_refused(prompt) -> None:
         ({"max_tokens": 0}, "max_tokens"),
         ({"max_completion_tokens": -1}, "max_completion_tokens"),
         ({"temperature": -0.1}, "temperature"),
-        ({"temperature": 2.5}, "temperature"),
+        ({"top_k": -2}, "top_k"),
         ({"temperature": "hot"}, "temperature"),
         ({"top_p": 0}, "top_p"),
         ({"top_p": 1.5}, "top_p"),
@@ -150,7 +158,8 @@ def test_bad_prompts_are_refused(prompt) -> None:
 )
 def test_bad_values_name_the_param(body, param) -> None:
     with pytest.raises(APIError) as e:
-        parse_request(ChatCompletionRequest, json.dumps({"messages": HI, **body}).encode())
+        req = parse_request(ChatCompletionRequest, json.dumps({"messages": HI, **body}).encode())
+        chat_job(req, "r", "i", 0, Settings())
     assert e.value.status == 400 and e.value.type == "BadRequestError"
     assert e.value.param == param, e.value.message
     assert e.value.message.startswith(param)
@@ -192,7 +201,7 @@ def test_served_model_name(tmp_path) -> None:
 
 def test_response_shapes() -> None:
     out = Outcome("hello", "length", 3, 2)
-    full = ChatFormat("chatcmpl-x", "m", created=1).response([out])
+    full = ChatFormat("chatcmpl-x", "m", created=1).response([out], 3)
     assert full["object"] == "chat.completion"
     assert full["choices"][0]["message"] == {"role": "assistant", "content": "hello"}
     assert full["usage"] == {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}
@@ -203,6 +212,6 @@ def test_response_shapes() -> None:
     assert last[-1]["choices"][0]["finish_reason"] == "stop" and last[-1]["usage"] is None
     assert fmt.usage_chunk(3, 2)["choices"] == []
     text = CompletionFormat("cmpl-x", "m", created=1)
-    assert text.response([out])["choices"][0]["text"] == "hello"
+    assert text.response([out], 3)["choices"][0]["text"] == "hello"
     assert text.text_chunk("", None) == []
     assert "usage" not in text.text_chunk("a", None)[0]

@@ -1,0 +1,146 @@
+"""Response shapes, as pydantic models, for the OpenAPI document only: routes build their bodies
+with the plain builders of responses.py (msgspec-encoded, on the per-token path) and return them
+directly, so these models never validate anything at run time. Tests check that real responses
+validate against the schemas generated from them (schemathesis' response conformance)."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None
+    code: int
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorDetail
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class VllmPromptLogprob(BaseModel):
+    """vLLM's ``prompt_logprobs`` entry for one candidate token id."""
+
+    logprob: float
+    rank: int
+    decoded_token: str
+
+
+# one dict per prompt token (token id as text -> its entry), null for the first token
+PromptLogprobsOut = list[dict[str, VllmPromptLogprob] | None]
+
+
+class CompletionLogprobs(BaseModel):
+    tokens: list[str]
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float] | None]
+    text_offset: list[int]
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None
+    finish_reason: str | None
+    prompt_logprobs: PromptLogprobsOut | None = None
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"]
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None
+
+
+class ChatTokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(BaseModel):
+    content: list[ChatTokenLogprob] | None
+
+
+class ChatMessageOut(BaseModel):
+    role: Literal["assistant"]
+    content: str | None
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: ChatMessageOut
+    logprobs: ChatLogprobs | None
+    finish_reason: str | None
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"]
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+    prompt_logprobs: PromptLogprobsOut | None = None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"]
+    created: int
+    owned_by: str
+    root: str | None = None
+    parent: str | None = None
+    max_model_len: int | None = None
+
+
+class ModelList(BaseModel):
+    object: Literal["list"]
+    data: list[ModelCard]
+
+
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
+
+
+class VersionResponse(BaseModel):
+    version: str
+
+
+class HealthResponse(BaseModel):
+    status: str
+    model_config = {"extra": "allow"}
+
+
+STREAM_NOTE = (
+    "With `stream: true` the body is `text/event-stream`: `data: {chunk}` events (the "
+    "`*.chunk` / `text_completion` objects of the OpenAI API), an `error` object if the request "
+    "fails after the stream started, then `data: [DONE]`."
+)
+
+
+def error_responses(*codes: int) -> dict[int | str, dict[str, Any]]:
+    """OpenAPI ``responses`` entries for OpenAI-shaped errors."""
+    return {c: {"model": ErrorResponse, "description": "OpenAI error object"} for c in codes}

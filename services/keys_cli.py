@@ -1,0 +1,78 @@
+"""``kvflow keys``: API keys kept in Redis for gateways started with ``--key-store redis``.
+
+    kvflow keys add NAME [--rpm 60] [--tpm 10000]   prints the new key (shown only once)
+    kvflow keys list                                 names, limits and usage
+    kvflow keys remove NAME
+
+The Redis URL comes from ``--redis-url`` or ``KVFLOW_REDIS_URL`` (``kvflow serve`` prints the
+one it started)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import sys
+import time
+from typing import Any
+
+from services.gateway.keys import KeyStore
+
+
+def add_parser(sub: Any) -> None:
+    keys = sub.add_parser("keys", help="manage API keys kept in Redis (gateway --key-store redis)")
+    keys.add_argument(
+        "--redis-url",
+        default=os.environ.get("KVFLOW_REDIS_URL", ""),
+        help="Redis URL (default: KVFLOW_REDIS_URL)",
+    )
+    ops = keys.add_subparsers(dest="keys_command", required=True)
+    add = ops.add_parser("add", help="make a key and print it")
+    add.add_argument("name")
+    add.add_argument("--rpm", type=int, default=0, help="requests per minute (0: no limit)")
+    add.add_argument("--tpm", type=int, default=0, help="tokens per minute (0: no limit)")
+    ops.add_parser("list", help="list keys with their limits and usage")
+    rm = ops.add_parser("remove", help="remove a key")
+    rm.add_argument("name")
+
+
+async def _run(args: argparse.Namespace) -> int:
+    import redis.asyncio as aioredis
+
+    client = aioredis.from_url(args.redis_url, decode_responses=True)
+    store = KeyStore(client)
+    try:
+        if args.keys_command == "add":
+            key = await store.add(args.name, args.rpm, args.tpm)
+            print(key)
+        elif args.keys_command == "remove":
+            if not await store.remove(args.name):
+                print(f"kvflow: no key named {args.name!r}", file=sys.stderr)
+                return 1
+        else:
+            print(
+                f"{'name':20} {'rpm':>6} {'tpm':>8} {'requests':>9} {'prompt':>9} {'completion':>10}  created"
+            )
+            for k in await store.list():
+                created = time.strftime("%Y-%m-%d %H:%M", time.localtime(k.created))
+                print(
+                    f"{k.name:20} {k.rpm:>6} {k.tpm:>8} {k.requests:>9} {k.prompt_tokens:>9} "
+                    f"{k.completion_tokens:>10}  {created}"
+                )
+        return 0
+    finally:
+        await client.aclose()
+
+
+def main(args: argparse.Namespace) -> int:
+    if not args.redis_url:
+        print("kvflow: error: give --redis-url or set KVFLOW_REDIS_URL", file=sys.stderr)
+        return 2
+    try:
+        return asyncio.run(_run(args))
+    except ValueError as e:
+        print(f"kvflow: error: {e}", file=sys.stderr)
+        return 2
+    except OSError as e:
+        print(f"kvflow: error: cannot reach Redis at {args.redis_url}: {e}", file=sys.stderr)
+        return 2
