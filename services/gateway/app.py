@@ -58,6 +58,7 @@ from shared.messages import (
     ChatMessage,
     DetokenizeRequest,
     DetokenizeResult,
+    SchedulerStats,
     TokenizeRequest,
     TokenizeResult,
 )
@@ -92,6 +93,13 @@ async def read_body(request: Request, limit: int) -> bytes | None:
     except ClientDisconnect:
         return None
     return b"".join(chunks)
+
+
+def stats_dict(stats: SchedulerStats) -> dict[str, Any]:
+    """The scheduler's counters as JSON-ready dicts (per-worker entries too)."""
+    out = msgspec.structs.asdict(stats)
+    out["workers"] = [msgspec.structs.asdict(w) for w in stats.workers]
+    return out
 
 
 def create_app(settings: Settings, bus: Bus | None = None) -> FastAPI:
@@ -275,9 +283,17 @@ def create_app(settings: Settings, bus: Bus | None = None) -> FastAPI:
             return error_response(
                 APIError(503, "the scheduler has no workers yet", "ServiceUnavailableError")
             )
-        return _json(
-            {"status": "ok", **msgspec.structs.asdict(stats), "served_model": state.model_name}
-        )
+        roles = {w.role for w in stats.workers if not w.draining}
+        if stats.workers and not ("both" in roles or {"prefill", "decode"} <= roles):
+            return error_response(
+                APIError(
+                    503,
+                    f"the scheduler's workers ({', '.join(sorted(roles)) or 'draining'}) cannot "
+                    "both prefill and decode yet",
+                    "ServiceUnavailableError",
+                )
+            )
+        return _json({"status": "ok", **stats_dict(stats), "served_model": state.model_name})
 
     @app.get("/stats", responses=error_responses(503))
     async def stats() -> Response:
@@ -285,7 +301,7 @@ def create_app(settings: Settings, bus: Bus | None = None) -> FastAPI:
         s = await state.scheduler_stats()
         return _json(
             {
-                **msgspec.structs.asdict(s),
+                **stats_dict(s),
                 "gateway_id": state.gateway_id,
                 "gateway_open_requests": len(state.streams),
                 "gateway_aborts": state.num_aborts,
