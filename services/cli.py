@@ -37,7 +37,18 @@ def build_parser() -> argparse.ArgumentParser:
 
     serve = sub.add_parser("serve", help="run the whole stack on this machine")
     Settings.add_arguments(serve)
-    serve.add_argument("--workers", type=int, default=1, help="workers of role 'both'")
+    serve.add_argument(
+        "--workers",
+        type=int,
+        default=None,
+        help="workers of role 'both' (default: 1, or 0 with --prefill-workers/--decode-workers)",
+    )
+    serve.add_argument(
+        "--prefill-workers", type=int, default=0, help="workers of role 'prefill' (disaggregated)"
+    )
+    serve.add_argument(
+        "--decode-workers", type=int, default=0, help="workers of role 'decode' (disaggregated)"
+    )
 
     run = sub.add_parser("run", help="run one service")
     run.add_argument("service", choices=SERVICES)
@@ -72,7 +83,14 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     from services.launcher import serve as serve_stack
 
-    return serve_stack(settings, workers=args.workers)
+    disaggregated = args.prefill_workers or args.decode_workers
+    both = args.workers if args.workers is not None else (0 if disaggregated else 1)
+    return serve_stack(
+        settings,
+        workers=both,
+        prefill_workers=args.prefill_workers,
+        decode_workers=args.decode_workers,
+    )
 
 
 if __name__ == "__main__":

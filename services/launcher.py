@@ -7,6 +7,7 @@ service's internals: services are processes that meet on the bus."""
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import signal
 import subprocess
@@ -31,26 +32,57 @@ def _fail(msg: str) -> int:
     return 2
 
 
-def _spawn(service: str, settings: Settings, worker_id: str = "") -> subprocess.Popen:
+def _spawn(
+    service: str, settings: Settings, worker_id: str = "", role: str = ""
+) -> subprocess.Popen:
     env = {**os.environ, **settings.to_env(), "PYTHONUNBUFFERED": "1"}
     if worker_id:
         env["KVFLOW_WORKER_ID"] = worker_id
+    if role:
+        env["KVFLOW_ROLE"] = role
     return subprocess.Popen([sys.executable, "-m", "services.cli", "run", service], env=env)
 
 
-def _healthy(url: str) -> bool:
+def worker_plan(both: int, prefill: int, decode: int) -> list[tuple[str, str]]:
+    """(worker id, role) of every worker to start."""
+    if min(both, prefill, decode) < 0:
+        raise ValueError("worker counts cannot be negative")
+    if (prefill > 0) != (decode > 0) and both == 0:
+        raise ValueError(
+            "disaggregated serving needs at least one prefill and one decode worker "
+            "(or a 'both' worker with --workers)"
+        )
+    plan = [(f"worker-{i}", "both") for i in range(both)]
+    plan += [(f"prefill-{i}", "prefill") for i in range(prefill)]
+    plan += [(f"decode-{i}", "decode") for i in range(decode)]
+    if not plan:
+        raise ValueError("no workers: pass --workers, or --prefill-workers and --decode-workers")
+    return plan
+
+
+def _healthy(url: str, num_workers: int = 1) -> bool:
+    """The gateway answers /health with 200 and the scheduler knows ``num_workers`` workers."""
     try:
         with urllib.request.urlopen(url, timeout=2) as r:
-            return r.status == 200
-    except (urllib.error.URLError, OSError):
+            if r.status != 200:
+                return False
+            return json.loads(r.read()).get("num_workers", 0) >= num_workers
+    except (urllib.error.URLError, OSError, ValueError):
         return False
 
 
-def serve(settings: Settings, workers: int = 1) -> int:
+def serve(
+    settings: Settings, workers: int = 1, prefill_workers: int = 0, decode_workers: int = 0
+) -> int:
     try:
         resolve_model(settings.model, settings.served_model_name)
-    except ModelNotFoundError as e:
+        plan = worker_plan(workers, prefill_workers, decode_workers)
+    except (ModelNotFoundError, ValueError) as e:
         return _fail(str(e))
+    if settings.threads == 0 and len(plan) > 1:
+        # the workers share this machine's cores instead of each taking all of them
+        share = max(1, (os.cpu_count() or 1) // len(plan))
+        settings = dataclasses.replace(settings, threads=share)
     if not port_is_free(settings.host, settings.port):
         return _fail(
             f"port {settings.port} on {settings.host} is taken: stop what uses it or pass --port N"
@@ -70,8 +102,8 @@ def serve(settings: Settings, workers: int = 1) -> int:
         infra.append(redis)
         settings = dataclasses.replace(settings, nats_url=nats.url, redis_url=redis.url)
         print(f"kvflow: nats {nats.url}, redis {redis.url}", flush=True)
-        for i in range(workers):
-            procs.append(("worker", _spawn("worker", settings, f"worker-{i}")))
+        for wid, role in plan:
+            procs.append((wid, _spawn("worker", settings, wid, role)))
         for name in ("scheduler", "tokenizer", "detokenizer", "gateway"):
             procs.append((name, _spawn(name, settings)))
         print(
@@ -81,7 +113,7 @@ def serve(settings: Settings, workers: int = 1) -> int:
         health = f"http://{settings.host}:{settings.port}/health"
         start = time.monotonic()
         last_note = start
-        while not _healthy(health):
+        while not _healthy(health, len(plan)):
             for name, p in procs:
                 if p.poll() is not None:
                     raise RuntimeError(

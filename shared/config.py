@@ -52,6 +52,10 @@ class Settings:
     role: str = field(default="both", metadata={"help": "worker role: both | prefill | decode"})
     dtype: str = field(default="float32", metadata={"help": "model dtype on CPU"})
     threads: int = field(default=0, metadata={"help": "torch threads in the worker (0: all cores)"})
+    drain_timeout: float = field(
+        default=30.0,
+        metadata={"help": "seconds a draining service (SIGTERM) may take to finish its work"},
+    )
     request_timeout: float = field(
         default=600.0, metadata={"help": "seconds a gateway request may take"}
     )

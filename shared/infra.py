@@ -96,17 +96,23 @@ class Server:
             shutil.rmtree(self.workdir, ignore_errors=True)
 
 
-def start_nats(port: int | None = None, log_file: str | None = None) -> Server:
+def start_nats(
+    port: int | None = None, log_file: str | None = None, max_payload: int | None = None
+) -> Server:
+    """nats-server on a loopback port; ``max_payload`` (bytes) lowers the largest message the
+    server accepts (tests use it to show that nothing relies on a raised limit)."""
     port = port or free_port()
     out = open(log_file, "ab") if log_file else subprocess.DEVNULL  # noqa: SIM115
-    proc = subprocess.Popen(
-        [_binary("nats-server"), "-a", "127.0.0.1", "-p", str(port)],
-        stdout=out,
-        stderr=out,
-        start_new_session=True,
-    )
+    args = [_binary("nats-server"), "-a", "127.0.0.1", "-p", str(port)]
+    workdir = None
+    if max_payload is not None:
+        workdir = Path(tempfile.mkdtemp(prefix="kvflow-nats-"))
+        conf = workdir / "nats.conf"
+        conf.write_text(f"max_payload: {int(max_payload)}\n")
+        args += ["-c", str(conf)]
+    proc = subprocess.Popen(args, stdout=out, stderr=out, start_new_session=True)
     wait_for_port(port, proc, "nats-server")
-    return Server(proc, f"nats://127.0.0.1:{port}", port)
+    return Server(proc, f"nats://127.0.0.1:{port}", port, workdir)
 
 
 def start_redis(port: int | None = None) -> Server:

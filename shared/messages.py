@@ -201,12 +201,15 @@ class PromptLogprobs(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
 
 class WorkerHeartbeat(_Msg, tag=6):
     worker_id: str
-    role: str
+    role: str  # "both" | "prefill" | "decode"
     num_blocks: int
     block_size: int
     model: str
     step_subject: str
     max_model_len: int = 0
+    kv_subject: str = ""  # where this worker serves KvChunkRequest (its blocks, to other workers)
+    kv_layout: str = ""  # dtype and shape of one block; KV moves only between equal layouts
+    draining: bool = False  # leaving: finish what runs here, take nothing new
 
 
 # ---------------------------------------------------------------------------------------------
@@ -279,6 +282,83 @@ class SchedulerStats(_Msg, tag=10):
     num_computed_tokens: int = 0  # tokens run through the model, all workers (prefix hits skip)
     prefix_cache_queries: int = 0  # full blocks looked up in the prefix cache
     prefix_cache_hits: int = 0  # of which found
+    workers: list[WorkerStats] = []
+    kv_transfers: int = 0  # finished KV block transfers between workers
+    kv_transfer_failures: int = 0
+    kv_transfer_bytes: int = 0
+    kv_transfer_seconds: float = 0.0  # summed over transfers (each from order to done)
+
+
+# ---------------------------------------------------------------------------------------------
+# KV block transfer between workers (disaggregated prefill -> decode)
+#
+#   scheduler --KvPull--> decode worker (its step subject)
+#   decode worker --KvChunkRequest--> prefill worker's kv subject (request/reply) --KvChunk-->
+#   decode worker --KvTransferDone--> scheduler
+
+
+class KvPull(_Msg, tag=11):
+    """Fetch the K/V of ``src_blocks`` on worker ``src_worker`` into this worker's
+    ``dst_blocks`` (pairwise), then report KvTransferDone."""
+
+    transfer_id: str
+    request_id: str
+    src_worker: str
+    src_subject: str  # the source's kv subject
+    src_blocks: list[int]
+    dst_blocks: list[int]
+
+
+class KvChunkRequest(_Msg, tag=12):
+    """Layers ``[layer_start, layer_end)`` of one block (K then V of each layer)."""
+
+    transfer_id: str
+    block: int
+    layer_start: int
+    layer_end: int
+
+
+class KvChunk(_Msg, tag=13):
+    """The reply to a KvChunkRequest: raw bytes in the source's ``kv_layout``, with their
+    CRC-32 so the receiver can tell a damaged chunk from a good one."""
+
+    transfer_id: str
+    block: int
+    layer_start: int
+    layer_end: int
+    data: bytes = b""
+    crc32: int = 0
+    kv_layout: str = ""
+    error: str | None = None
+
+
+class KvTransferDone(_Msg, tag=14):
+    transfer_id: str
+    request_id: str
+    worker_id: str  # the receiving (decode) worker
+    ok: bool
+    num_bytes: int = 0
+    seconds: float = 0.0
+    error: str | None = None
+
+
+class WorkerRelease(_Msg, tag=15):
+    """scheduler -> a draining worker: nothing of yours is running or needed any more; exit."""
+
+    worker_id: str
+
+
+class WorkerStats(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    worker_id: str
+    role: str
+    num_blocks: int
+    num_free_blocks: int
+    num_running: int
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+    num_prefills: int = 0  # requests routed here for their prefill
+    num_decodes: int = 0  # requests routed here for their decode
+    draining: bool = False
 
 
 # ---------------------------------------------------------------------------------------------
@@ -321,6 +401,11 @@ Message = (
     | RequestError
     | StatsRequest
     | SchedulerStats
+    | KvPull
+    | KvChunkRequest
+    | KvChunk
+    | KvTransferDone
+    | WorkerRelease
     | TokenizeRequest
     | TokenizeResult
     | DetokenizeRequest

@@ -12,11 +12,17 @@ HEARTBEAT = f"{PREFIX}.workers.heartbeat"  # WorkerHeartbeat -> scheduler
 SCHEDULER_STATS = f"{PREFIX}.scheduler.stats"  # request/reply StatsRequest -> SchedulerStats
 # request/reply TokenizeRequest | DetokenizeRequest -> TokenizeResult | DetokenizeResult
 TOKENIZER_RPC = f"{PREFIX}.tokenizer.rpc"  # queue group TOKENIZER_QUEUE
+KV_DONE = f"{PREFIX}.kv.done"  # KvTransferDone: decode worker -> scheduler
 
 
 def worker_step(worker_id: str) -> str:
     """Where a worker receives its StepPlans."""
     return f"{PREFIX}.worker.{worker_id}.step"
+
+
+def worker_kv(worker_id: str) -> str:
+    """Where a worker serves KvChunkRequest for its blocks (request/reply)."""
+    return f"{PREFIX}.worker.{worker_id}.kv"
 
 
 def gateway_inbox(gateway_id: str) -> str:

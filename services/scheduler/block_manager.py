@@ -72,15 +72,25 @@ class BlockManager:
     def find_cached_prefix(self, token_ids: Sequence[int]) -> list[int]:
         """Block ids holding the longest cached prefix of ``token_ids`` (full blocks only), at
         most ``(len-1)//block_size`` blocks so that at least one token is still computed (its
-        logits are needed to sample)."""
-        limit = (len(token_ids) - 1) // self.block_size
+        logits are needed to sample). Counts the lookup in the hit-rate counters."""
+        found = self.lookup_prefix(token_ids)
+        self.prefix_queries += (len(token_ids) - 1) // self.block_size
+        self.prefix_hits += len(found)
+        return found
+
+    def lookup_prefix(self, token_ids: Sequence[int], limit: int | None = None) -> list[int]:
+        """Like ``find_cached_prefix`` but counts nothing (routing probes every worker);
+        ``limit`` caps the number of blocks (default: leave one token to compute)."""
+        if limit is None:
+            limit = (len(token_ids) - 1) // self.block_size
         found: list[int] = []
-        for h in self.block_hashes(token_ids)[:limit]:
-            self.prefix_queries += 1
-            block = self.cached.get(h)
+        parent: BlockHash | None = None
+        bs = self.block_size
+        for i in range(min(limit, len(token_ids) // bs)):
+            parent = hash_block(parent, token_ids[i * bs : (i + 1) * bs], self.salt)
+            block = self.cached.get(parent)
             if block is None:
                 break
-            self.prefix_hits += 1
             found.append(block)
         return found
 

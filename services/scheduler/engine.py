@@ -1,16 +1,50 @@
-"""The scheduler's state across workers: the global waiting queue, every live request, and one
-WorkerScheduler per worker. Plain Python (no NATS), so tests can drive it offline."""
+"""The scheduler's state across workers: the global waiting queue, every live request, one
+WorkerScheduler per worker, the router that decides where a request is prefilled and decoded,
+and the KV transfers between workers. Plain Python (no NATS), so tests can drive it offline.
+
+Routing (as Dynamo's KV router): among the workers that can take a sequence now, the cost of a
+worker is the blocks it would have to compute (prefill) or receive (decode), i.e. the prompt's
+blocks minus those already in its prefix cache, plus the blocks it has in use (its load). The
+cheapest wins, so a shared prefix pulls requests to the worker that holds it, while unrelated
+requests spread by load. A ``both`` worker decodes what it prefills.
+"""
 
 from __future__ import annotations
 
+import itertools
+import time
+from dataclasses import dataclass, field
+
 from services.scheduler.block_manager import BlockManager
-from services.scheduler.policy import SchedulerLimits, StepOutcome, WorkerScheduler
-from services.scheduler.sequence import SeqStatus, Sequence, WaitingQueue
-from shared.messages import SchedulerStats, StepResult, TokenizedRequest
+from services.scheduler.policy import Route, SchedulerLimits, StepOutcome, WorkerScheduler
+from services.scheduler.sequence import Reservation, SeqStatus, Sequence, Transfer, WaitingQueue
+from shared.messages import (
+    KvPull,
+    KvTransferDone,
+    SchedulerStats,
+    StepResult,
+    TokenizedRequest,
+    WorkerStats,
+)
 
 
 class QueueFullError(RuntimeError):
     pass
+
+
+@dataclass
+class CoreOutcome(StepOutcome):
+    """A StepOutcome plus the KV pulls the service must send (to the decode workers)."""
+
+    pulls: list[tuple[str, KvPull]] = field(default_factory=list)  # (decode worker id, order)
+
+
+@dataclass
+class TransferTotals:
+    done: int = 0
+    failed: int = 0
+    num_bytes: int = 0
+    seconds: float = 0.0
 
 
 class SchedulerCore:
@@ -21,19 +55,73 @@ class SchedulerCore:
         self.waiting = WaitingQueue()
         self.requests: dict[str, Sequence] = {}
         self.workers: dict[str, WorkerScheduler] = {}
+        self.kv_subject: dict[str, str] = {}  # worker id -> where it serves its blocks
+        self.kv_layout: dict[str, str] = {}  # worker id -> KV block layout
+        self.transfers: dict[str, Sequence] = {}  # transfer id -> sequence (aborted ones too)
+        self.transfer_totals = TransferTotals()
         self.num_finished = 0
         self.num_computed_tokens = 0  # as reported by the workers' StepResults
+        self._transfer_ids = itertools.count(1)
 
-    def add_worker(self, worker_id: str, num_blocks: int, block_size: int) -> WorkerScheduler:
+    # -- workers ----------------------------------------------------------------------------
+
+    def add_worker(
+        self,
+        worker_id: str,
+        num_blocks: int,
+        block_size: int,
+        role: str = "both",
+        kv_subject: str = "",
+        kv_layout: str = "",
+    ) -> WorkerScheduler:
         salt = f"{self.model}|{block_size}".encode()
-        ws = WorkerScheduler(worker_id, BlockManager(num_blocks, block_size, salt), self.limits)
+        ws = WorkerScheduler(
+            worker_id, BlockManager(num_blocks, block_size, salt), self.limits, role=role
+        )
+        ws.router = self._route
+        ws.release_elsewhere = self._release_elsewhere
         self.workers[worker_id] = ws
+        self.kv_subject[worker_id] = kv_subject
+        self.kv_layout[worker_id] = kv_layout
         return ws
 
     def remove_worker(self, worker_id: str) -> list[Sequence]:
-        """A worker left: its sequences wait again, to be recomputed elsewhere."""
+        """A worker left: its sequences wait again, to be recomputed elsewhere; sequences
+        prefilling elsewhere for a decode here are re-queued too (their reservation is gone)."""
         ws = self.workers.pop(worker_id, None)
-        return ws.on_failed_step(self.waiting) if ws else []
+        self.kv_subject.pop(worker_id, None)
+        self.kv_layout.pop(worker_id, None)
+        if ws is None:
+            return []
+        moved = ws.on_failed_step(self.waiting, removing=True)
+        for other in self.workers.values():
+            for seq in list(other.running):
+                if seq.reservation is not None and seq.reservation.worker_id == worker_id:
+                    seq.reservation = None  # nothing to free there any more
+                    other._preempt(seq, self.waiting)
+                    other.num_preemptions -= 1
+                    moved.append(seq)
+        for seq in moved:
+            if seq.request_id not in self.requests:  # aborted while its K/V was in flight
+                self.waiting.remove(seq.request_id)
+                seq.status = SeqStatus.FINISHED
+        return moved
+
+    def set_draining(self, worker_id: str) -> None:
+        ws = self.workers.get(worker_id)
+        if ws is not None:
+            ws.draining = True
+
+    def drained(self, worker_id: str) -> bool:
+        """A draining worker with nothing running, reserved or being copied from it."""
+        ws = self.workers.get(worker_id)
+        if ws is None or not ws.draining or ws.running or ws.num_reserved or ws.in_flight:
+            return False
+        return not any(
+            s.transfer and s.transfer.src_worker == worker_id for s in self.transfers.values()
+        )
+
+    # -- requests ---------------------------------------------------------------------------
 
     def add_request(self, req: TokenizedRequest, priority: int = 0) -> Sequence:
         if len(self.waiting) >= self.max_waiting:
@@ -60,36 +148,219 @@ class SchedulerCore:
         if seq.status is SeqStatus.WAITING:
             self.waiting.remove(request_id)
             seq.status = SeqStatus.FINISHED
+        elif seq.status is SeqStatus.TRANSFERRING:
+            seq.aborted = True  # its blocks are being written: freed when the transfer ends
         elif seq.worker_id in self.workers:
             self.workers[seq.worker_id].finish(seq)
         return True
 
-    def on_result(self, result: StepResult) -> StepOutcome:
+    # -- routing ----------------------------------------------------------------------------
+
+    def _cost(self, ws: WorkerScheduler, seq: Sequence, cached: int) -> tuple[int, str]:
+        new = ws.bm.blocks_needed(seq.num_tokens) - cached
+        used = ws.bm.num_blocks - ws.bm.num_free_blocks
+        return new + used, ws.worker_id
+
+    def _candidates(
+        self, seq: Sequence, prefill: bool
+    ) -> list[tuple[tuple[int, str], WorkerScheduler, int]]:
+        out = []
+        for ws in self.workers.values():
+            if ws.draining or not ws.has_room_for_one_more():
+                continue
+            if not (ws.can_prefill if prefill else ws.can_decode):
+                continue
+            if prefill and seq.params.prompt_logprobs is not None:
+                cached = 0
+            else:
+                limit = None if prefill else seq.num_tokens // ws.bm.block_size
+                cached = len(ws.bm.lookup_prefix(seq.token_ids, limit))
+            if ws.bm.num_free_blocks < ws.bm.blocks_needed(seq.num_tokens) - cached:
+                continue
+            out.append((self._cost(ws, seq, cached), ws, cached))
+        return out
+
+    def _route(self, seq: Sequence, here: WorkerScheduler) -> Route | None:
+        """Admit ``seq`` on ``here`` now? Only if ``here`` is the cheapest prefill worker that
+        can take it (when none can take the whole prompt, any may start it) and, for a
+        prefill-only worker, a decode worker has room: its blocks are reserved now."""
+        prefill = self._candidates(seq, prefill=True)
+        if prefill and min(prefill, key=lambda c: c[0])[1] is not here:
+            return None
+        if here.can_decode:
+            return Route()
+        layout = self.kv_layout.get(here.worker_id, "")
+        decode = [
+            c
+            for c in self._candidates(seq, prefill=False)
+            if self.kv_layout[c[1].worker_id] == layout
+        ]
+        if not decode:
+            return None
+        _, dst, _ = min(decode, key=lambda c: c[0])
+        limit = seq.num_tokens // dst.bm.block_size
+        cached = dst.bm.lookup_prefix(seq.token_ids, limit)
+        dst.bm.prefix_queries += limit  # blocks it need not receive count as hits
+        dst.bm.prefix_hits += len(cached)
+        dst.bm.take_cached(cached)
+        blocks = cached + dst.bm.allocate(dst.bm.blocks_needed(seq.num_tokens) - len(cached))
+        dst.num_reserved += 1
+        return Route(Reservation(dst.worker_id, blocks, len(cached)))
+
+    def _release_elsewhere(self, seq: Sequence) -> None:
+        """Free what ``seq`` holds on other workers: its decode reservation, or the source
+        blocks of its transfer."""
+        res, seq.reservation = seq.reservation, None
+        if res is not None and res.worker_id in self.workers:
+            dst = self.workers[res.worker_id]
+            dst.bm.free_blocks(res.blocks)
+            dst.num_reserved -= 1
+        t, seq.transfer = seq.transfer, None
+        if t is not None:
+            self.transfers.pop(t.transfer_id, None)
+            if t.src_worker in self.workers:
+                self.workers[t.src_worker].bm.free_blocks(t.held_blocks)
+
+    # -- results ----------------------------------------------------------------------------
+
+    def on_result(self, result: StepResult) -> CoreOutcome:
         self.num_computed_tokens += result.num_computed_tokens
         ws = self.workers.get(result.worker_id)
         if ws is None:
-            return StepOutcome()
+            return CoreOutcome()
         if result.error:
             ws.on_failed_step(self.waiting)
-            return StepOutcome()
-        outcome = ws.on_result(result)
-        for seq, _reason in outcome.finished:
+            return CoreOutcome()
+        step = ws.on_result(result)
+        outcome = CoreOutcome(finished=step.finished, prefilled=step.prefilled)
+        for seq, _reason in step.finished:
             self.requests.pop(seq.request_id, None)
             self.num_finished += 1
+        for seq in step.prefilled:
+            pull = self._hand_off(ws, seq)
+            if pull is not None:
+                outcome.pulls.append(pull)
         return outcome
 
+    def _hand_off(self, src: WorkerScheduler, seq: Sequence) -> tuple[str, KvPull] | None:
+        """``seq``'s prefill on ``src`` sampled its first token: move it to its decode worker
+        and order the copy of the blocks that worker does not hold yet."""
+        res = seq.reservation
+        assert res is not None
+        dst = self.workers.get(res.worker_id)
+        if dst is None:  # the decode worker left meanwhile: start over
+            seq.reservation = None
+            src._preempt(seq, self.waiting)
+            src.num_preemptions -= 1
+            return None
+        n = seq.num_computed  # tokens whose K/V the prefill computed
+        nb = src.bm.blocks_needed(n)
+        held = src.hand_off(seq)
+        dst.receive(seq)
+        src_blocks, dst_blocks = held[res.num_cached : nb], res.blocks[res.num_cached : nb]
+        if not src_blocks:  # every block was cached there already
+            src.bm.free_blocks(held)
+            dst.kv_arrived(seq)
+            return None
+        tid = f"{seq.request_id}#{next(self._transfer_ids)}"
+        seq.transfer = Transfer(
+            tid,
+            seq.request_id,
+            src.worker_id,
+            dst.worker_id,
+            held,
+            src_blocks,
+            dst_blocks,
+            time.monotonic(),
+        )
+        self.transfers[tid] = seq
+        pull = KvPull(
+            transfer_id=tid,
+            request_id=seq.request_id,
+            src_worker=src.worker_id,
+            src_subject=self.kv_subject.get(src.worker_id, ""),
+            src_blocks=src_blocks,
+            dst_blocks=dst_blocks,
+        )
+        return dst.worker_id, pull
+
+    def on_transfer_done(self, msg: KvTransferDone) -> str | None:
+        """A decode worker finished (or gave up) copying a sequence's K/V. Returns the id of
+        the worker that may now have work, if any."""
+        seq = self.transfers.pop(msg.transfer_id, None)
+        if seq is None or seq.transfer is None or seq.transfer.transfer_id != msg.transfer_id:
+            return None  # late news of a transfer already given up
+        t, seq.transfer = seq.transfer, None
+        if t.src_worker in self.workers:
+            self.workers[t.src_worker].bm.free_blocks(t.held_blocks)
+        totals = self.transfer_totals
+        dst = self.workers.get(t.dst_worker)
+        if msg.ok:
+            totals.done += 1
+            totals.num_bytes += msg.num_bytes
+            totals.seconds += msg.seconds
+        else:
+            totals.failed += 1
+        if dst is None or seq not in dst.running:
+            return None
+        if seq.aborted:
+            dst.finish(seq)
+        elif msg.ok:
+            dst.kv_arrived(seq)
+        else:  # recompute from its tokens, like a preemption
+            dst._preempt(seq, self.waiting)
+            dst.num_preemptions -= 1
+        return dst.worker_id
+
+    def expire_transfers(self, timeout_s: float, now: float | None = None) -> list[str]:
+        """Give up on transfers older than ``timeout_s`` (their KvTransferDone was lost)."""
+        now = time.monotonic() if now is None else now
+        woken = []
+        for tid, seq in list(self.transfers.items()):
+            t = seq.transfer
+            if t is not None and now - t.started > timeout_s:
+                wid = self.on_transfer_done(
+                    KvTransferDone(tid, seq.request_id, t.dst_worker, False, error="timed out")
+                )
+                if wid:
+                    woken.append(wid)
+        return woken
+
+    # -- stats ------------------------------------------------------------------------------
+
     def stats(self) -> SchedulerStats:
+        ws = self.workers.values()
+        t = self.transfer_totals
         return SchedulerStats(
             num_workers=len(self.workers),
-            num_total_blocks=sum(w.bm.num_blocks for w in self.workers.values()),
-            num_free_blocks=sum(w.bm.num_free_blocks for w in self.workers.values()),
-            num_running=sum(len(w.running) for w in self.workers.values()),
+            num_total_blocks=sum(w.bm.num_blocks for w in ws),
+            num_free_blocks=sum(w.bm.num_free_blocks for w in ws),
+            num_running=sum(len(w.running) for w in ws),
             num_waiting=len(self.waiting),
             num_finished=self.num_finished,
-            num_preemptions=sum(w.num_preemptions for w in self.workers.values()),
+            num_preemptions=sum(w.num_preemptions for w in ws),
             model=self.model,
             max_model_len=self.limits.max_model_len,
             num_computed_tokens=self.num_computed_tokens,
-            prefix_cache_queries=sum(w.bm.prefix_queries for w in self.workers.values()),
-            prefix_cache_hits=sum(w.bm.prefix_hits for w in self.workers.values()),
+            prefix_cache_queries=sum(w.bm.prefix_queries for w in ws),
+            prefix_cache_hits=sum(w.bm.prefix_hits for w in ws),
+            workers=[
+                WorkerStats(
+                    worker_id=w.worker_id,
+                    role=w.role,
+                    num_blocks=w.bm.num_blocks,
+                    num_free_blocks=w.bm.num_free_blocks,
+                    num_running=len(w.running),
+                    prefix_cache_queries=w.bm.prefix_queries,
+                    prefix_cache_hits=w.bm.prefix_hits,
+                    num_prefills=w.num_prefills,
+                    num_decodes=w.num_decodes,
+                    draining=w.draining,
+                )
+                for w in ws
+            ],
+            kv_transfers=t.done,
+            kv_transfer_failures=t.failed,
+            kv_transfer_bytes=t.num_bytes,
+            kv_transfer_seconds=t.seconds,
         )

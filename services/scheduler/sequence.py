@@ -1,5 +1,7 @@
 """A request as the scheduler tracks it: every token so far (prompt + output), how many have
-their K/V computed on the worker, and the blocks that hold them."""
+their K/V computed on the worker, and the blocks that hold them. In disaggregated serving a
+sequence also holds a reservation of blocks on its decode worker while it is prefilled
+elsewhere, and, while its K/V moves there, the prefill worker's blocks (``Transfer``)."""
 
 from __future__ import annotations
 
@@ -17,7 +19,34 @@ _order = itertools.count()
 class SeqStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
+    TRANSFERRING = "transferring"  # on its decode worker, waiting for its K/V to arrive
     FINISHED = "finished"
+
+
+@dataclass
+class Reservation:
+    """Blocks taken on the decode worker at admission, for the K/V of the tokens the prefill
+    worker computes; the first ``num_cached`` already hold that prefix (prefix-cache hits
+    there), so only the rest are transferred."""
+
+    worker_id: str
+    blocks: list[int]
+    num_cached: int
+
+
+@dataclass
+class Transfer:
+    """A sequence's K/V on its way from the prefill worker's ``src_blocks`` to the decode
+    worker's ``dst_blocks`` (pairwise; blocks the decode worker had cached are not sent)."""
+
+    transfer_id: str
+    request_id: str
+    src_worker: str
+    dst_worker: str
+    held_blocks: list[int]  # all of the sequence's blocks on the source, held until the end
+    src_blocks: list[int]
+    dst_blocks: list[int]
+    started: float = 0.0
 
 
 @dataclass(eq=False)
@@ -34,6 +63,10 @@ class Sequence:
     blocks: list[int] = field(default_factory=list)
     hashes: list[BlockHash] = field(default_factory=list)
     worker_id: str | None = None
+    reservation: Reservation | None = None  # decode-worker blocks while prefilled elsewhere
+    transfer: Transfer | None = None  # while TRANSFERRING
+    announced: bool = False  # the current worker has had this sequence's NewRequest
+    aborted: bool = False  # aborted while its K/V was in flight: freed when the transfer ends
     num_preemptions: int = 0
     order: int = field(default_factory=lambda: next(_order))  # FCFS tie-break, kept on preemption
 

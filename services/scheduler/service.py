@@ -1,6 +1,8 @@
 """The scheduler service: a thin NATS shell around SchedulerCore. It receives tokenized requests,
-aborts, worker heartbeats and step results; for each worker it runs a loop that plans a step,
-sends it, and waits for that step's result before planning the next."""
+aborts, worker heartbeats, step results and KV-transfer reports; for each worker it runs a loop
+that plans a step, sends it, and waits for that step's result before planning the next. Prefill
+hand-offs become KvPull orders to the decode worker; a draining worker is released (and
+forgotten) once nothing of it is needed."""
 
 from __future__ import annotations
 
@@ -11,24 +13,27 @@ import time
 from nats.aio.msg import Msg
 
 from services.scheduler.engine import QueueFullError, SchedulerCore
-from services.scheduler.policy import SchedulerLimits, WorkerScheduler
+from services.scheduler.policy import ROLES, SchedulerLimits, WorkerScheduler
 from shared import subjects
 from shared.bus import Bus
 from shared.config import Settings
 from shared.messages import (
     Abort,
+    KvTransferDone,
     Message,
     RequestError,
     StatsRequest,
     StepResult,
     TokenizedRequest,
     WorkerHeartbeat,
+    WorkerRelease,
 )
 
 log = logging.getLogger("kvflow.scheduler")
 
 HEARTBEAT_TIMEOUT_S = 10.0  # a worker silent this long is considered gone
 STEP_TIMEOUT_S = 120.0  # a step that takes longer is considered lost
+TRANSFER_TIMEOUT_S = 120.0  # a KV transfer not reported done by then is given up
 
 
 class SchedulerService:
@@ -53,6 +58,7 @@ class SchedulerService:
         await self.bus.subscribe(subjects.RESULTS, self._on_message)
         await self.bus.subscribe(subjects.HEARTBEAT, self._on_message)
         await self.bus.subscribe(subjects.SCHEDULER_STATS, self._on_message)
+        await self.bus.subscribe(subjects.KV_DONE, self._on_message)
         self.bus.spawn(self._watch_workers())
         log.info(
             "scheduler ready (model %s, max_model_len %d)",
@@ -72,7 +78,10 @@ class SchedulerService:
                 if fut is not None and not fut.done():
                     fut.set_result(msg)
             case WorkerHeartbeat():
-                self._on_heartbeat(msg)
+                await self._on_heartbeat(msg)
+            case KvTransferDone():
+                self.core.on_transfer_done(msg)
+                self._wake_all()
             case StatsRequest():
                 await self.bus.reply(raw, self.core.stats())
             case _:
@@ -87,25 +96,51 @@ class SchedulerService:
             return
         self._wake_all()
 
-    def _on_heartbeat(self, hb: WorkerHeartbeat) -> None:
+    async def _on_heartbeat(self, hb: WorkerHeartbeat) -> None:
         self.last_seen[hb.worker_id] = time.monotonic()
-        if hb.worker_id in self.core.workers:
+        known = hb.worker_id in self.core.workers
+        if known:
+            if hb.draining and not self.core.workers[hb.worker_id].draining:
+                log.info("worker %s is draining: no new work goes there", hb.worker_id)
+                self.core.set_draining(hb.worker_id)
+                await self._release_drained()
             return
-        if hb.role not in ("both",):
-            log.warning(
-                "worker %s has role %s, which this scheduler does not drive yet",
-                hb.worker_id,
-                hb.role,
-            )
+        if hb.draining:  # a draining worker we do not know: nothing of ours runs there
+            self.step_subject[hb.worker_id] = hb.step_subject
+            await self.bus.publish(hb.step_subject, WorkerRelease(hb.worker_id))
             return
-        ws = self.core.add_worker(hb.worker_id, hb.num_blocks, hb.block_size)
+        if hb.role not in ROLES:
+            log.warning("worker %s has unknown role %r; ignored", hb.worker_id, hb.role)
+            return
+        ws = self.core.add_worker(
+            hb.worker_id,
+            hb.num_blocks,
+            hb.block_size,
+            role=hb.role,
+            kv_subject=hb.kv_subject,
+            kv_layout=hb.kv_layout,
+        )
         self.step_subject[hb.worker_id] = hb.step_subject
         self.wake[hb.worker_id] = asyncio.Event()
         self.wake[hb.worker_id].set()
         self.bus.spawn(self._worker_loop(ws))
         log.info(
-            "worker %s joined: %d blocks of %d tokens", hb.worker_id, hb.num_blocks, hb.block_size
+            "worker %s joined (role %s): %d blocks of %d tokens",
+            hb.worker_id,
+            hb.role,
+            hb.num_blocks,
+            hb.block_size,
         )
+        self._wake_all()
+
+    async def _release_drained(self) -> None:
+        """Release draining workers that nothing needs any more: they exit on WorkerRelease."""
+        for wid in list(self.core.workers):
+            if self.core.drained(wid):
+                log.info("worker %s drained; releasing it", wid)
+                self.core.remove_worker(wid)
+                self.wake.pop(wid, None)
+                await self.bus.publish(self.step_subject[wid], WorkerRelease(wid))
 
     def _wake_all(self) -> None:
         for ev in self.wake.values():
@@ -138,13 +173,23 @@ class SchedulerService:
                 return
             if result.error:
                 log.error("worker %s: step %d failed: %s", wid, plan.step_id, result.error)
-            self.core.on_result(result)
+            outcome = self.core.on_result(result)
+            for dst, pull in outcome.pulls:
+                if dst in self.step_subject:
+                    await self.bus.publish(self.step_subject[dst], pull)
+            if outcome.finished or outcome.prefilled:
+                self._wake_all()  # freed blocks or slots: waiting requests may fit somewhere
+                if ws.draining:
+                    await self._release_drained()
             if not ws.running and not len(self.core.waiting) and not ws.to_forget:
                 ev.clear()
 
     async def _watch_workers(self) -> None:
         while True:
             await asyncio.sleep(1.0)
+            if self.core.expire_transfers(TRANSFER_TIMEOUT_S):
+                self._wake_all()
+            await self._release_drained()
             now = time.monotonic()
             for wid in list(self.core.workers):
                 if now - self.last_seen.get(wid, now) > HEARTBEAT_TIMEOUT_S:

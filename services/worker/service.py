@@ -12,17 +12,28 @@ import asyncio
 import concurrent.futures
 import dataclasses
 import logging
+import signal
 import uuid
 from collections.abc import Callable
 from typing import TypeVar
 
 from nats.aio.msg import Msg
 
+from services.worker.kv_blocks import KvBlockIO
+from services.worker.kv_connector import NatsKvConnector
 from services.worker.runner import ModelRunner
 from shared import subjects
 from shared.bus import Bus
 from shared.config import Settings
-from shared.messages import Message, StepPlan, StepResult, WorkerHeartbeat
+from shared.messages import (
+    KvPull,
+    KvTransferDone,
+    Message,
+    StepPlan,
+    StepResult,
+    WorkerHeartbeat,
+    WorkerRelease,
+)
 
 log = logging.getLogger("kvflow.worker")
 
@@ -56,24 +67,61 @@ class WorkerService:
         self.step_subject = subjects.worker_step(self.worker_id)
         self.bus = Bus(self.worker_id)
         self.plans: asyncio.Queue[StepPlan] = asyncio.Queue()
+        self.kv_io = KvBlockIO(runner.kv_caches)
+        self.kv = NatsKvConnector(self.bus, self.kv_io, self.worker_id)
+        self.draining = False
+        self.stopped = asyncio.Event()  # set when released (or the drain timed out)
+        self._beat = asyncio.Event()  # wakes the heartbeat loop early
 
     async def start(self) -> None:
         await self.bus.connect(self.settings.nats_url)
         await self.bus.subscribe(self.step_subject, self._on_message)
+        await self.kv.start()
         self.bus.spawn(self._run_steps())
         self.bus.spawn(self._heartbeat())
         log.info(
-            "worker %s ready: %d KV blocks of %d tokens",
+            "worker %s ready (role %s): %d KV blocks of %d tokens, layout %s",
             self.worker_id,
+            self.settings.role,
             self.runner.num_blocks,
             self.runner.block_size,
+            self.kv_io.layout(),
         )
 
     async def _on_message(self, msg: Message, raw: Msg) -> None:
-        if isinstance(msg, StepPlan):
-            self.plans.put_nowait(msg)
-        else:
-            log.warning("worker: unexpected %s", type(msg).__name__)
+        match msg:
+            case StepPlan():
+                self.plans.put_nowait(msg)
+            case KvPull():
+                self.bus.spawn(self._pull(msg))
+            case WorkerRelease() if msg.worker_id == self.worker_id:
+                log.info("worker %s released by the scheduler", self.worker_id)
+                self.stopped.set()
+            case _:
+                log.warning("worker: unexpected %s", type(msg).__name__)
+
+    async def _pull(self, order: KvPull) -> None:
+        """Copy a sequence's K/V from its prefill worker into our blocks, then tell the
+        scheduler (which frees the source's blocks and schedules the sequence here)."""
+        result = await self.kv.pull(order)
+        done = KvTransferDone(
+            transfer_id=order.transfer_id,
+            request_id=order.request_id,
+            worker_id=self.worker_id,
+            ok=result.ok,
+            num_bytes=result.num_bytes,
+            seconds=result.seconds,
+            error=result.error,
+        )
+        await self.bus.publish(subjects.KV_DONE, done)
+
+    def begin_drain(self) -> None:
+        """Stop taking new work (the scheduler learns it from the next heartbeat, sent at
+        once), finish what runs here, and exit when the scheduler releases this worker."""
+        if not self.draining:
+            log.info("worker %s draining", self.worker_id)
+            self.draining = True
+            self._beat.set()
 
     async def _run_steps(self) -> None:
         while True:
@@ -86,8 +134,8 @@ class WorkerService:
             result.worker_id = self.worker_id
             await self.bus.publish(subjects.RESULTS, result)
 
-    async def _heartbeat(self) -> None:
-        hb = WorkerHeartbeat(
+    def heartbeat(self) -> WorkerHeartbeat:
+        return WorkerHeartbeat(
             worker_id=self.worker_id,
             role=self.settings.role,
             num_blocks=self.runner.num_blocks,
@@ -95,13 +143,22 @@ class WorkerService:
             model=self.model_name,
             step_subject=self.step_subject,
             max_model_len=self.runner.max_model_len,
+            kv_subject=self.kv.subject,
+            kv_layout=self.kv_io.layout(),
+            draining=self.draining,
         )
+
+    async def _heartbeat(self) -> None:
         while True:
             try:
-                await self.bus.publish(subjects.HEARTBEAT, hb)
+                await self.bus.publish(subjects.HEARTBEAT, self.heartbeat())
             except Exception as e:  # noqa: BLE001 - NATS down: try again next beat
                 log.warning("worker: heartbeat failed: %s", e)
-            await asyncio.sleep(HEARTBEAT_INTERVAL_S)
+            self._beat.clear()
+            try:
+                await asyncio.wait_for(self._beat.wait(), HEARTBEAT_INTERVAL_S)
+            except TimeoutError:
+                pass
 
 
 async def run(settings: Settings) -> None:
@@ -131,5 +188,24 @@ async def run(settings: Settings) -> None:
     runner = await model_thread.run(load)
     service = WorkerService(settings, runner, src.name, model_thread)
     await service.start()
-    ops.set_ready(lambda: service.bus.client.is_connected, service.bus)
-    await asyncio.Event().wait()
+    ops.set_ready(lambda: service.bus.client.is_connected and not service.draining, service.bus)
+    loop = asyncio.get_running_loop()
+    loop.add_signal_handler(signal.SIGTERM, service.begin_drain)
+    await _until_released(service, settings)
+    await service.bus.close()
+
+
+async def _until_released(service: WorkerService, settings: Settings) -> None:
+    """Run until the scheduler releases a draining worker, or the drain times out."""
+    while not service.stopped.is_set():
+        if service.draining:
+            try:
+                await asyncio.wait_for(service.stopped.wait(), settings.drain_timeout)
+            except TimeoutError:
+                log.warning(
+                    "worker %s: not released within %.0fs of draining; exiting",
+                    service.worker_id,
+                    settings.drain_timeout,
+                )
+            return
+        await asyncio.sleep(0.2)

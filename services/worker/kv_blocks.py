@@ -1,0 +1,87 @@
+"""Reading and writing whole KV blocks of a worker's paged cache as bytes, for moving them to
+another worker (disaggregated decode) or a storage tier.
+
+A block's bytes for layers ``[l0, l1)`` are, layer by layer, its K then its V, each
+``[block_size, Hkv, D]`` in the cache's dtype. Both ends must have the same ``layout()`` (dtype,
+layers, block size, KV heads, head size); the scheduler pairs only equal layouts.
+
+On the CPU the copies go through numpy views of the cache tensors: a plain memcpy that takes no
+torch thread team, so the event loop can serve and receive blocks while the model thread runs a
+step (on other blocks: a block in transfer is never scheduled).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+KvCaches = list[tuple[torch.Tensor, torch.Tensor]]
+
+
+class KvBlockIO:
+    def __init__(self, kv_caches: KvCaches) -> None:
+        if not kv_caches:
+            raise ValueError("no KV caches")
+        k0 = kv_caches[0][0]
+        self.caches = kv_caches
+        self.num_layers = len(kv_caches)
+        self.num_blocks, self.block_size, self.num_kv_heads, self.head_dim = k0.shape
+        self.dtype = k0.dtype
+        self.on_cpu = k0.device.type == "cpu"
+        # byte views: numpy has no bfloat16, and bytes are all a copy needs
+        self._bytes = [(k.view(torch.uint8), v.view(torch.uint8)) for k, v in kv_caches]
+        self._np = [(k.numpy(), v.numpy()) for k, v in self._bytes] if self.on_cpu else []
+        self.layer_bytes = 2 * k0[0].numel() * k0.element_size()  # K and V of one block
+
+    def layout(self) -> str:
+        dtype = str(self.dtype).removeprefix("torch.")
+        return (
+            f"{dtype}:{self.num_layers}x{self.block_size}x{self.num_kv_heads}x{self.head_dim}"
+        )
+
+    @property
+    def block_bytes(self) -> int:
+        return self.layer_bytes * self.num_layers
+
+    def layer_chunks(self, max_bytes: int) -> list[tuple[int, int]]:
+        """Layer ranges whose bytes for one block stay within ``max_bytes`` (at least one
+        layer each)."""
+        per = max(1, max_bytes // self.layer_bytes)
+        return [(a, min(a + per, self.num_layers)) for a in range(0, self.num_layers, per)]
+
+    def _check(self, block: int, l0: int, l1: int) -> None:
+        if not 0 <= block < self.num_blocks:
+            raise ValueError(f"block {block} is outside [0, {self.num_blocks})")
+        if not 0 <= l0 < l1 <= self.num_layers:
+            raise ValueError(f"layers [{l0}, {l1}) are outside [0, {self.num_layers})")
+
+    def read(self, block: int, l0: int = 0, l1: int | None = None) -> bytes:
+        l1 = self.num_layers if l1 is None else l1
+        self._check(block, l0, l1)
+        if self.on_cpu:
+            return b"".join(
+                self._np[i][kv][block].tobytes() for i in range(l0, l1) for kv in (0, 1)
+            )
+        parts = [self._bytes[i][kv][block] for i in range(l0, l1) for kv in (0, 1)]
+        return torch.stack(parts).cpu().numpy().tobytes()
+
+    def write(self, block: int, data: bytes, l0: int = 0, l1: int | None = None) -> None:
+        l1 = self.num_layers if l1 is None else l1
+        self._check(block, l0, l1)
+        if len(data) != self.layer_bytes * (l1 - l0):
+            raise ValueError(
+                f"{len(data)} bytes for layers [{l0}, {l1}) of a block; expected "
+                f"{self.layer_bytes * (l1 - l0)}"
+            )
+        shape = (l1 - l0, 2, *self._bytes[0][0].shape[1:])
+        arr = np.frombuffer(data, dtype=np.uint8).reshape(shape)
+        if self.on_cpu:
+            for j, i in enumerate(range(l0, l1)):
+                self._np[i][0][block] = arr[j, 0]
+                self._np[i][1][block] = arr[j, 1]
+            return
+        dev = self.caches[0][0].device
+        src = torch.from_numpy(arr.copy()).to(dev)
+        for j, i in enumerate(range(l0, l1)):
+            self._bytes[i][0][block].copy_(src[j, 0])
+            self._bytes[i][1][block].copy_(src[j, 1])

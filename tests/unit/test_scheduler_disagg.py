@@ -1,0 +1,203 @@
+"""Disaggregated prefill/decode and routing across workers, offline: several stand-in workers
+(tests.unit.test_scheduler_policy.FakeWorker, whose output depends on every K/V slot it reads)
+each with its own 'KV cache', and KV transfers that really copy slots from one worker's blocks to
+another's. A wrong, missing or late copy changes the output; every block must come back."""
+
+from __future__ import annotations
+
+from services.scheduler.engine import SchedulerCore
+from services.scheduler.policy import SchedulerLimits
+from shared.messages import KvPull, KvTransferDone, SamplingParams, TokenizedRequest
+from tests.unit.test_scheduler_policy import PROMPTS, FakeWorker, reference_outputs, req
+
+BS = 4
+
+
+class Cluster:
+    def __init__(self, roles: dict[str, str], num_blocks: int = 256, **limits: int) -> None:
+        self.core = SchedulerCore(SchedulerLimits(**limits), model="m")
+        self.fakes: dict[str, FakeWorker] = {}
+        for wid, role in roles.items():
+            self.core.add_worker(wid, num_blocks, BS, role=role, kv_subject=f"kv.{wid}")
+            self.fakes[wid] = FakeWorker(BS)
+        self.outputs: dict[str, list[int]] = {}
+        self.pending: list[tuple[str, KvPull]] = []  # transfers not yet carried out
+        self.copied_blocks = 0
+        self.fail_next_transfer = False
+
+    def add(self, rid: str, prompt: list[int], max_tokens: int) -> None:
+        self.core.add_request(req(rid, prompt, max_tokens))
+        self.outputs[rid] = []
+
+    def step_all(self) -> bool:
+        """One step on every worker that has something to run; returns whether any did."""
+        progressed = False
+        for wid in list(self.core.workers):
+            ws = self.core.workers.get(wid)
+            if ws is None:
+                continue
+            plan = ws.schedule(self.core.waiting)
+            if plan is None:
+                continue
+            progressed = True
+            res = self.fakes[wid].execute(plan)
+            res.worker_id = wid
+            for rid, tok in zip(res.request_ids, res.token_ids, strict=True):
+                self.outputs[rid].append(tok)
+            out = self.core.on_result(res)
+            self.pending += out.pulls
+        return progressed
+
+    def deliver(self) -> None:
+        """Carry out the pending transfers: copy slots, then report done."""
+        pending, self.pending = self.pending, []
+        for dst, pull in pending:
+            ok = not self.fail_next_transfer
+            self.fail_next_transfer = False
+            if ok:
+                src_fake, dst_fake = self.fakes[pull.src_worker], self.fakes[dst]
+                for sb, db in zip(pull.src_blocks, pull.dst_blocks, strict=True):
+                    for off in range(BS):
+                        v = src_fake.slots.get(sb * BS + off)
+                        if v is not None:
+                            dst_fake.slots[db * BS + off] = v
+                    self.copied_blocks += 1
+            self.core.on_transfer_done(
+                KvTransferDone(pull.transfer_id, pull.request_id, dst, ok, num_bytes=1)
+            )
+
+    def run(self, max_rounds: int = 10_000) -> dict[str, list[int]]:
+        for _ in range(max_rounds):
+            progressed = self.step_all()
+            had_pending = bool(self.pending)
+            self.deliver()
+            if not progressed and not had_pending:
+                break
+        return self.outputs
+
+    def all_free(self) -> bool:
+        return all(w.bm.num_free_blocks == w.bm.num_blocks for w in self.core.workers.values())
+
+
+def test_disaggregated_outputs_equal_aggregated_and_every_block_returns() -> None:
+    ref = reference_outputs()
+    c = Cluster({"p": "prefill", "d": "decode"}, max_num_batched_tokens=16)
+    for rid, p in PROMPTS.items():
+        c.add(rid, p, 12)
+    assert c.run() == ref
+    assert c.all_free()
+    stats = c.core.stats()
+    assert stats.kv_transfers == len(PROMPTS) and stats.kv_transfer_failures == 0
+    by_id = {w.worker_id: w for w in stats.workers}
+    assert by_id["p"].num_prefills == len(PROMPTS) and by_id["p"].num_decodes == 0
+    assert by_id["d"].num_decodes == len(PROMPTS) and by_id["d"].num_prefills == 0
+
+
+def test_decode_worker_reuses_its_cached_prefix_blocks() -> None:
+    """The second request with the same 32-token prefix finds its 8 full blocks cached on the
+    decode worker, so only the rest is copied."""
+    c = Cluster({"p": "prefill", "d": "decode"})
+    prefix = list(range(32))
+    c.add("a", prefix + [1, 2], 3)
+    c.run()
+    first = c.copied_blocks
+    assert first == 9  # 34 tokens: 8 full blocks + 1 partial
+    c.add("b", prefix + [7, 8, 9], 3)
+    c.run()
+    assert c.copied_blocks - first == 1  # only the partial block
+    assert c.outputs["b"] == Cluster.reference("b", prefix + [7, 8, 9], 3)
+    assert c.all_free()
+
+
+def test_shared_prefixes_land_where_they_are_cached_and_others_spread() -> None:
+    c = Cluster({"p": "prefill", "d1": "decode", "d2": "decode"})
+    shared = list(range(40))
+    c.add("s0", shared + [1], 4)
+    c.run()
+    home = (
+        "d1" if any(s.num_decodes for s in c.core.stats().workers if s.worker_id == "d1") else "d2"
+    )
+    other = "d2" if home == "d1" else "d1"
+    for i in range(1, 4):
+        c.add(f"s{i}", shared + [i + 1], 4)
+        c.run()
+    by_id = {w.worker_id: w for w in c.core.stats().workers}
+    assert by_id[home].num_decodes == 4 and by_id[other].num_decodes == 0
+    # unrelated prompts submitted together spread over both decode workers
+    for i in range(6):
+        c.add(f"u{i}", [100 + i * 7 + j for j in range(20)], 30)
+    c.run()
+    by_id = {w.worker_id: w for w in c.core.stats().workers}
+    assert by_id[other].num_decodes >= 2
+    assert c.all_free()
+
+
+def test_a_failed_transfer_is_recomputed_with_the_same_output() -> None:
+    ref = reference_outputs()
+    c = Cluster({"p": "prefill", "d": "decode"})
+    c.fail_next_transfer = True
+    for rid, p in PROMPTS.items():
+        c.add(rid, p, 12)
+    assert c.run() == ref
+    assert c.core.stats().kv_transfer_failures == 1
+    assert c.all_free()
+
+
+def test_abort_while_the_kv_is_in_flight_frees_both_sides_when_it_lands() -> None:
+    c = Cluster({"p": "prefill", "d": "decode"})
+    c.add("a", list(range(30)), 10)
+    assert c.step_all()  # prefill: first token sampled, transfer ordered
+    assert len(c.pending) == 1
+    assert c.core.abort("a")
+    assert not c.all_free()  # the decode blocks are still being written
+    c.deliver()
+    assert c.all_free()
+    assert c.core.stats().num_running == 0
+
+
+def test_decode_worker_lost_mid_run_requeues_without_changing_outputs() -> None:
+    ref = reference_outputs()
+    c = Cluster({"p": "prefill", "d1": "decode", "d2": "decode"}, max_num_batched_tokens=16)
+    for rid, p in PROMPTS.items():
+        c.add(rid, p, 12)
+    for _ in range(6):
+        c.step_all()
+        c.deliver()
+    c.core.remove_worker("d1")
+    c.pending = [(d, pull) for d, pull in c.pending if d != "d1"]
+    assert c.run() == ref
+    assert c.all_free()
+
+
+def test_a_draining_worker_takes_nothing_new_and_is_released_when_idle() -> None:
+    c = Cluster({"a": "both", "b": "both"})
+    c.add("r0", list(range(12)), 20)
+    c.step_all()
+    busy = next(w for w in c.core.workers.values() if w.running).worker_id
+    idle = "b" if busy == "a" else "a"
+    c.core.set_draining(busy)
+    assert not c.core.drained(busy)  # r0 still runs there
+    for i in range(1, 5):
+        c.add(f"r{i}", [50 + i] * 9, 3)
+    c.run()
+    by_id = {w.worker_id: w for w in c.core.stats().workers}
+    assert by_id[busy].num_prefills == 1 and by_id[idle].num_prefills == 4
+    assert c.core.drained(busy)
+
+
+def test_prompt_logprobs_requests_are_routed_without_prefix_credit() -> None:
+    c = Cluster({"a": "both"})
+    params = SamplingParams(max_tokens=2, prompt_logprobs=1)
+    c.core.add_request(TokenizedRequest("x", "inbox", list(range(20)), params))
+    c.outputs["x"] = []
+    c.run()
+    assert len(c.outputs["x"]) == 2 and c.all_free()
+
+
+def _reference(rid: str, prompt: list[int], max_tokens: int) -> list[int]:
+    c = Cluster({"w": "both"})
+    c.add(rid, prompt, max_tokens)
+    return c.run()[rid]
+
+
+Cluster.reference = staticmethod(_reference)  # type: ignore[attr-defined]
