@@ -98,3 +98,19 @@ def wait_all_blocks_free(base: str, timeout: float = 10.0) -> dict:
         if time.monotonic() > deadline:
             return stats
         time.sleep(0.1)
+
+
+GUARDED_KEY = "sk-static-e2e"
+
+
+@pytest.fixture(scope="session")
+def guarded_stack():
+    """API keys on (the static --api-key and keys in the stack's own Redis), a short
+    --request-timeout and a 64 KiB body limit: yields (base URL, the stack's Redis URL)."""
+    args = ["--api-key", GUARDED_KEY, "--key-store", "redis", "--request-timeout", "5"]
+    args += ["--max-body-bytes", "65536"]
+    with running_stack("guarded", "--max-model-len", "2048", *args) as base:
+        log = (ROOT / ".pytest_cache" / "kvflow-serve-guarded.log").read_text()
+        # `kvflow serve` prints the URLs of the nats-server and redis-server it started
+        redis_url = log.split(", redis ", 1)[1].split()[0]
+        yield base, redis_url

@@ -1,0 +1,235 @@
+"""The gateway's request -> Job conversion (batches, best_of, echo, structured output, limits)
+and the response builders (echo, prompt logprobs, best_of choice, stream offsets); no network."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from services.gateway.convert import chat_job, completion_job, parse_request
+from services.gateway.errors import APIError
+from services.gateway.generation import fan_out, full_response
+from services.gateway.protocol import ChatCompletionRequest, CompletionRequest
+from services.gateway.responses import (
+    ChatFormat,
+    CompletionFormat,
+    Echo,
+    Outcome,
+    completion_logprobs,
+    vllm_prompt_logprobs,
+)
+from shared.config import Settings
+from shared.messages import PromptTokenLogprob, StructuredOutput, TokenLogprob
+from shared.structured_output import JSON_OBJECT_SCHEMA
+
+HI = [{"role": "user", "content": "hi"}]
+SETTINGS = Settings(max_n=4, max_request_sequences=8)
+
+
+def cjob(**body):
+    req = parse_request(CompletionRequest, json.dumps({"prompt": "p", **body}).encode())
+    return completion_job(req, "cmpl-1", "inbox", 0.0, SETTINGS)
+
+
+def chjob(**body):
+    req = parse_request(ChatCompletionRequest, json.dumps({"messages": HI, **body}).encode())
+    return chat_job(req, "chatcmpl-1", "inbox", 0.0, SETTINGS)
+
+
+def refused(fn, **body) -> APIError:
+    with pytest.raises(APIError) as e:
+        fn(**body)
+    assert e.value.status == 400 and e.value.type == "BadRequestError"
+    assert e.value.message.startswith(f"{e.value.param}: ")
+    return e.value
+
+
+def test_batched_prompts_and_best_of_fan_out_in_openai_order() -> None:
+    job = cjob(prompt=["a", "b"], n=2, best_of=3, seed=10)
+    assert [g.prompt for g in job.prompts] == ["a", "b"]
+    assert (job.n, job.best_of, job.num_sequences) == (2, 3, 6)
+    assert job.prompts[0].params.logprobs == 0  # best_of ranks by logprob
+    kids = fan_out(job)
+    assert [k.request_id for k in kids] == [f"cmpl-1-{i}" for i in range(6)]
+    assert [k.prompt for k in kids] == ["a"] * 3 + ["b"] * 3
+    assert [k.params.seed for k in kids] == [10, 11, 12, 10, 11, 12]
+    ids = cjob(prompt=[[1, 2], [3]])
+    assert [g.prompt_token_ids for g in ids.prompts] == [[1, 2], [3]]
+    assert [k.request_id for k in fan_out(cjob())] == ["cmpl-1"]
+
+
+def test_limits_and_refusals_name_the_param() -> None:
+    assert refused(cjob, prompt=["a"] * 3, best_of=3).param == "prompt"  # 9 > 8 sequences
+    assert refused(cjob, n=5).param == "n"  # max_n 4
+    assert refused(cjob, n=3, best_of=2).param == "best_of"
+    assert refused(cjob, n=1, best_of=2, stream=True).param == "best_of"
+    assert refused(cjob, suffix="tail").param == "suffix"
+    assert refused(cjob, max_tokens=0).param == "max_tokens"
+    assert refused(cjob, logprobs=21).param == "logprobs"
+    assert refused(cjob, priority=2**70).param == "priority"
+    assert refused(chjob, max_completion_tokens=0).param == "max_completion_tokens"
+    assert refused(chjob, max_completion_tokens=3, min_tokens=5).param == "min_tokens"
+    assert refused(chjob, logprobs=True, top_logprobs=25).param == "top_logprobs"
+    assert refused(chjob, top_logprobs=2).param == "top_logprobs"
+    assert refused(chjob, guided_regex="a", guided_choice=["x"]).param in (
+        "guided_regex",
+        "guided_choice",
+    )
+
+
+def test_echo_and_logprobs_ask_for_prompt_logprobs() -> None:
+    job = cjob(echo=True, logprobs=2)
+    assert job.echo and job.logprobs
+    assert (job.prompts[0].params.logprobs, job.prompts[0].params.prompt_logprobs) == (2, 2)
+    plain = cjob(echo=True)
+    assert plain.prompts[0].params.prompt_logprobs is None and not plain.logprobs
+    vllm = chjob(prompt_logprobs=1)
+    assert vllm.prompt_logprobs and vllm.prompts[0].params.prompt_logprobs == 1
+
+
+@pytest.mark.parametrize(
+    ("body", "kind", "param"),
+    [
+        ({"response_format": {"type": "json_object"}}, "json", "response_format"),
+        (
+            {
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {"name": "x", "schema": {"type": "integer"}},
+                }
+            },
+            "json",
+            "response_format",
+        ),
+        ({"guided_json": {"type": "string"}}, "json", "guided_json"),
+        ({"guided_json": '{"type": "string"}'}, "json", "guided_json"),
+        ({"guided_regex": "[0-9]+"}, "regex", "guided_regex"),
+        ({"guided_choice": ["yes", "no"]}, "choice", "guided_choice"),
+        ({"guided_grammar": 'root ::= "a"'}, "grammar", "guided_grammar"),
+        ({"structured_outputs": {"regex": "x+"}}, "regex", "structured_outputs"),
+        ({"structured_outputs": {"json": {"type": "object"}}}, "json", "structured_outputs"),
+    ],
+)
+def test_structured_output_forms(body, kind, param) -> None:
+    for job in (cjob(**body), chjob(**body)):
+        so = job.prompts[0].params.structured_output
+        assert isinstance(so, StructuredOutput) and (so.kind, so.param) == (kind, param)
+    so = chjob(**body).prompts[0].params.structured_output
+    if param == "response_format" and body["response_format"]["type"] == "json_object":
+        assert so.spec == JSON_OBJECT_SCHEMA
+    if kind == "choice":
+        assert json.loads(so.spec) == ["yes", "no"]
+    assert chjob(response_format={"type": "text"}).prompts[0].params.structured_output is None
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        {"response_format": {"type": "json_schema"}},
+        {"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
+        {"guided_json": "not json"},
+        {"guided_json": "[1, 2]"},
+        {"guided_choice": []},
+        {"guided_choice": ["a", ""]},
+    ],
+)
+def test_bad_structured_output_is_400(body) -> None:
+    err = refused(chjob, **body)
+    assert err.param == next(iter(body))
+
+
+def lp(token: str, value: float, top: list[tuple[str, float]]) -> TokenLogprob:
+    return TokenLogprob(token, value, top)
+
+
+PROMPT = [
+    PromptTokenLogprob(5, "The"),
+    PromptTokenLogprob(9, " cat", -3.0, 7, [(11, " dog", -1.0), (12, " man", -2.0)]),
+    PromptTokenLogprob(3, " sat", -0.5, 1, [(3, " sat", -0.5), (4, " ran", -1.5)]),
+]
+
+
+def test_completion_logprobs_with_echo_exact_openai_shape() -> None:
+    gen = [lp(" on", -0.1, [(" on", -0.1), (" in", -2.5)]), lp("!", -4.0, [(".", -0.2)])]
+    out = completion_logprobs(gen, 0, PROMPT)
+    assert out == {
+        "tokens": ["The", " cat", " sat", " on", "!"],
+        "token_logprobs": [None, -3.0, -0.5, -0.1, -4.0],
+        "top_logprobs": [
+            None,
+            {" dog": -1.0, " man": -2.0, " cat": -3.0},  # the chosen token is always there
+            {" sat": -0.5, " ran": -1.5},
+            {" on": -0.1, " in": -2.5},
+            {".": -0.2, "!": -4.0},
+        ],
+        "text_offset": [0, 3, 7, 11, 14],
+    }
+    assert completion_logprobs(None, 0, None) is None
+
+
+def test_vllm_prompt_logprobs_shape() -> None:
+    assert vllm_prompt_logprobs(PROMPT) == [
+        None,
+        {
+            "9": {"logprob": -3.0, "rank": 7, "decoded_token": " cat"},
+            "11": {"logprob": -1.0, "rank": 1, "decoded_token": " dog"},
+            "12": {"logprob": -2.0, "rank": 2, "decoded_token": " man"},
+        },
+        {
+            "3": {"logprob": -0.5, "rank": 1, "decoded_token": " sat"},
+            "4": {"logprob": -1.5, "rank": 2, "decoded_token": " ran"},
+        },
+    ]
+
+
+def test_echoed_full_response_and_best_of_choice() -> None:
+    job = cjob(prompt=["x", "y"], n=1, best_of=2, echo=True)
+    outs = [
+        Outcome(" lo", "length", 3, 1, [lp(" lo", -2.0, [])], PROMPT),
+        Outcome(" hi", "stop", 3, 1, [lp(" hi", -0.5, [])], PROMPT),
+        Outcome(" a", "length", 4, 2, [lp(" a", -0.1, []), lp("b", -0.1, [])], None),
+        Outcome(" c", "length", 4, 2, [lp(" c", -3.0, []), lp("d", -0.1, [])], None),
+    ]
+    fmt = CompletionFormat("cmpl-1", "m", created=1, with_logprobs=job.logprobs)
+    body = full_response(job, outs, fmt, ["The cat sat", "y"])
+    assert [c["index"] for c in body["choices"]] == [0, 1]
+    assert [c["text"] for c in body["choices"]] == ["The cat sat hi", "y a"]
+    assert all(c["logprobs"] is None for c in body["choices"])  # not asked: used for ranking
+    assert body["usage"] == {"prompt_tokens": 7, "completion_tokens": 3, "total_tokens": 10}
+    job = cjob(prompt="x", echo=True, logprobs=1)
+    fmt = CompletionFormat("cmpl-1", "m", created=1, with_logprobs=True)
+    body = full_response(job, outs[1:2], fmt, ["The cat sat"])
+    lps = body["choices"][0]["logprobs"]
+    assert lps["tokens"] == ["The", " cat", " sat", " hi"] and lps["token_logprobs"][0] is None
+    assert lps["text_offset"] == [0, 3, 7, 11]
+
+
+def test_stream_chunks_echo_first_and_keep_offsets() -> None:
+    fmt = CompletionFormat("cmpl-1", "m", created=1, include_usage=True)
+    first = fmt.text_chunk(" on", None, 0, [lp(" on", -0.1, [])], Echo("The cat sat", PROMPT))
+    choice = first[0]["choices"][0]
+    assert choice["text"] == "The cat sat on" and first[0]["usage"] is None
+    assert choice["logprobs"]["text_offset"] == [0, 3, 7, 11]
+    nxt = fmt.text_chunk("!", "stop", 0, [lp("!", -1.0, [])])[0]["choices"][0]
+    assert nxt["logprobs"]["text_offset"] == [14] and nxt["finish_reason"] == "stop"
+    other = fmt.text_chunk("a", None, 1, [lp("a", -1.0, [])])[0]["choices"][0]
+    assert other["logprobs"]["text_offset"] == [0]  # each choice counts its own text
+
+
+def test_chat_prompt_logprobs_and_logprobs_off() -> None:
+    fmt = ChatFormat("c", "m", created=1, with_logprobs=False, with_prompt_logprobs=True)
+    out = Outcome("hi", "stop", 3, 1, [lp("hi", -0.2, [])], PROMPT)
+    body = fmt.response([out], 3)
+    assert body["choices"][0]["logprobs"] is None
+    assert body["prompt_logprobs"] == vllm_prompt_logprobs(PROMPT)
+    chunk = ChatFormat("c", "m", created=1).text_chunk(
+        "hi", None, 0, [lp("hi", -0.2, [("hi", -0.2)])]
+    )
+    entry = chunk[0]["choices"][0]["logprobs"]["content"][0]
+    assert entry == {
+        "token": "hi",
+        "logprob": -0.2,
+        "bytes": [104, 105],
+        "top_logprobs": [{"token": "hi", "logprob": -0.2, "bytes": [104, 105]}],
+    }
