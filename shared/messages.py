@@ -75,6 +75,7 @@ class SamplingParams(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
     # prefix-cache hits, because cached tokens have no logits (vLLM does the same)
     prompt_logprobs: int | None = None
     structured_output: StructuredOutput | None = None  # response_format / guided decoding
+    allowed_token_ids: list[int] | None = None  # vLLM's: sample only among these
 
 
 class ChatMessage(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
@@ -98,6 +99,7 @@ class GenerateRequest(_Msg, tag=1):
     add_generation_prompt: bool = True
     arrival_time: float = 0.0
     priority: int = 0  # lower runs first (vLLM's convention); FCFS within a priority
+    truncate_prompt_tokens: int | None = None  # vLLM's: keep only the prompt's last N tokens
 
 
 # ---------------------------------------------------------------------------------------------

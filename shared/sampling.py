@@ -103,6 +103,8 @@ def validate_sampling(
     stop: str | Sequence[str] | None = None,
     stop_token_ids: Sequence[int] | None = None,
     logit_bias: Mapping[Any, float] | None = None,
+    allowed_token_ids: Sequence[int] | None = None,
+    truncate_prompt_tokens: int | None = None,
     ignore_eos: bool = False,
     skip_special_tokens: bool = True,
     include_stop_str_in_output: bool = False,
@@ -153,6 +155,16 @@ def validate_sampling(
         _token_ids("stop_token_ids", stop_token_ids)
     if logit_bias is not None:
         _logit_bias(logit_bias)
+    if allowed_token_ids is not None:
+        _token_ids("allowed_token_ids", allowed_token_ids)
+        if not allowed_token_ids:
+            raise SamplingParamError("allowed_token_ids", "must not be empty")
+    if truncate_prompt_tokens is not None:
+        _int("truncate_prompt_tokens", truncate_prompt_tokens, -1, MAX_TOKEN_ID)
+        if truncate_prompt_tokens == 0:
+            raise SamplingParamError(
+                "truncate_prompt_tokens", "must be -1 (the model length) or >= 1"
+            )
     _bool("ignore_eos", ignore_eos)
     _bool("skip_special_tokens", skip_special_tokens)
     _bool("include_stop_str_in_output", include_stop_str_in_output)

@@ -145,10 +145,15 @@ def sampling_params(
         "stop": req.stop,
         "stop_token_ids": req.stop_token_ids,
         "logit_bias": req.logit_bias,
+        "allowed_token_ids": req.allowed_token_ids,
+        "truncate_prompt_tokens": req.truncate_prompt_tokens,
         "ignore_eos": bool(req.ignore_eos),
         "skip_special_tokens": req.skip_special_tokens is not False,
         "include_stop_str_in_output": bool(req.include_stop_str_in_output),
     }
+    unsupported = req.unsupported()
+    if unsupported is not None:
+        raise bad(unsupported, "is not supported by kvflow")
     try:
         validate_sampling(**values, max_n=settings.max_n if settings else None)
     except SamplingParamError as e:
@@ -176,6 +181,7 @@ def sampling_params(
         logit_bias=dict(req.logit_bias) if req.logit_bias else None,
         prompt_logprobs=prompt_logprobs,
         structured_output=structured_output(req),
+        allowed_token_ids=list(req.allowed_token_ids) if req.allowed_token_ids else None,
     )
 
 
@@ -204,6 +210,11 @@ def chat_job(
     _check_max_tokens(req.max_completion_tokens, "max_completion_tokens")
     if req.top_logprobs is not None and not req.logprobs:
         raise bad("top_logprobs", "needs logprobs to be true")
+    if req.tools and req.tool_choice != "none":
+        raise bad(
+            "tool_choice",
+            "tool calls are not supported: send tool_choice 'none' (or no tools)",
+        )
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
     names = {"logprobs": "top_logprobs"}
     if req.max_completion_tokens is not None:
@@ -223,6 +234,7 @@ def chat_job(
         add_generation_prompt=req.add_generation_prompt is not False,
         arrival_time=arrival_time,
         priority=req.priority or 0,
+        truncate_prompt_tokens=req.truncate_prompt_tokens,
     )
     return Job(
         [gen],
@@ -302,6 +314,7 @@ def completion_job(
             prompt_token_ids=ids,
             arrival_time=arrival_time,
             priority=req.priority or 0,
+            truncate_prompt_tokens=req.truncate_prompt_tokens,
         )
         for text, ids in prompts
     ]

@@ -100,6 +100,25 @@ class SamplingBody(_Body):
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
     structured_outputs: StructuredOutputs | None = None
+    allowed_token_ids: list[int] | None = None
+    truncate_prompt_tokens: int | None = None  # keep the prompt's last N tokens (-1: max length)
+    # vLLM extras kvflow does not implement: refused when set (never silently ignored)
+    use_beam_search: bool | None = None
+    length_penalty: float | None = None
+    bad_words: list[str] | None = None
+    return_tokens_as_token_ids: bool | None = None
+
+    def unsupported(self) -> str | None:
+        """The first field set that kvflow does not implement, if any."""
+        if self.use_beam_search:
+            return "use_beam_search"
+        if self.length_penalty not in (None, 1.0):
+            return "length_penalty"
+        if self.bad_words:
+            return "bad_words"
+        if self.return_tokens_as_token_ids:
+            return "return_tokens_as_token_ids"
+        return None
 
     def stop_list(self) -> list[str]:
         if self.stop is None:
@@ -116,6 +135,9 @@ class ChatCompletionRequest(SamplingBody):
     logprobs: bool | None = False
     top_logprobs: int | None = None
     add_generation_prompt: bool | None = True  # vLLM extra
+    # accepted only without tool calls (as vLLM without a tool parser): none are generated
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
 
 
 # A string, a list of strings (a batch), token ids, or a list of token-id lists (a batch).

@@ -73,9 +73,23 @@ def check_length(ids: list[int], params: SamplingParams, max_model_len: int) -> 
 
 
 def check_logit_bias(params: SamplingParams, vocab_size: int) -> None:
-    """Every biased token must exist in the vocabulary (vLLM answers 400 too)."""
+    """Every biased (or allowed) token must exist in the vocabulary (vLLM answers 400 too)."""
     for tok in params.logit_bias or {}:
         if not 0 <= tok < vocab_size:
             raise PromptError(
                 f"token id {tok} in logit_bias is out of vocabulary [0, {vocab_size})", "logit_bias"
             )
+    for tok in params.allowed_token_ids or []:
+        if not 0 <= tok < vocab_size:
+            raise PromptError(
+                f"token id {tok} in allowed_token_ids is out of vocabulary [0, {vocab_size})",
+                "allowed_token_ids",
+            )
+
+
+def truncate(ids: list[int], keep: int | None, max_model_len: int) -> list[int]:
+    """vLLM's ``truncate_prompt_tokens``: only the prompt's last ``keep`` tokens (-1: as many
+    as the model's length)."""
+    if keep == -1:
+        keep = max_model_len
+    return ids[-keep:] if keep and len(ids) > keep else ids

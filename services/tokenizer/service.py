@@ -17,6 +17,7 @@ from services.tokenizer.prompts import (
     check_length,
     check_logit_bias,
     prompt_token_ids,
+    truncate,
 )
 from services.tokenizer.rpc import detokenize, tokenize
 from shared import subjects
@@ -95,6 +96,7 @@ class TokenizerService:
             return
         try:
             ids = prompt_token_ids(self.tokenizer, msg)
+            ids = truncate(ids, msg.truncate_prompt_tokens, self.max_model_len)
             params = check_length(ids, msg.params, self.max_model_len)
             check_logit_bias(params, len(self.tokenizer))
             if params.structured_output is not None:

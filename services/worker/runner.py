@@ -315,6 +315,8 @@ class ModelRunner:
         for row, st in enumerate(states):
             if st.params.logit_bias:
                 sampler.apply_logit_bias(logits, row, st.params.logit_bias)
+            if st.params.allowed_token_ids:
+                sampler.allow_only_tokens(logits, row, st.params.allowed_token_ids)
             if st.penalized:
                 sampler.apply_penalties(logits, row, st.params, st.prompt_tokens, st.output_tokens)
             # under a grammar, the grammar decides where the output may end

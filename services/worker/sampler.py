@@ -63,6 +63,14 @@ def apply_logit_bias(logits: torch.Tensor, row: int, bias: dict[int, float]) -> 
         logits[row, ids] += torch.tensor([b for _, b in items], dtype=logits.dtype)
 
 
+def allow_only_tokens(logits: torch.Tensor, row: int, token_ids: Sequence[int]) -> None:
+    """vLLM's ``allowed_token_ids``: every other token of ``row`` is forbidden (in place)."""
+    keep = torch.tensor([t for t in token_ids if 0 <= t < logits.shape[-1]], dtype=torch.long)
+    mask = torch.ones(logits.shape[-1], dtype=torch.bool)
+    mask[keep] = False
+    logits[row, mask] = float("-inf")
+
+
 def suppress_tokens(logits: torch.Tensor, row: int, token_ids: Sequence[int]) -> None:
     """Forbid ``token_ids`` in ``row`` (in place); used to hold back EOS/stop ids before
     ``min_tokens`` outputs."""

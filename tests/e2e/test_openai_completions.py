@@ -237,3 +237,36 @@ def test_suffix_and_bad_values_are_refused_by_name(client) -> None:
             client.completions.create(**body)
         assert e.value.body["param"] == param, (extra, e.value.body)
         assert e.value.body["message"] and e.value.body["type"] == "BadRequestError"
+
+
+def test_allowed_token_ids_and_truncate_prompt_tokens(client, stack) -> None:
+    allowed = tokenize(stack, " yes no maybe")
+    out = client.completions.create(
+        model=MODEL,
+        prompt="Question: is the sky blue? Answer:",
+        max_tokens=6,
+        temperature=1.0,
+        seed=3,
+        logprobs=0,
+        extra_body={"allowed_token_ids": allowed, "ignore_eos": True},
+    )
+    tokens = out.choices[0].logprobs.tokens
+    assert len(tokens) == 6 and all(tokenize(stack, t)[0] in allowed for t in tokens), tokens
+    long = "one two three four five six seven eight nine ten"
+    cut = client.completions.create(
+        model=MODEL,
+        prompt=long,
+        max_tokens=3,
+        temperature=0,
+        extra_body={"truncate_prompt_tokens": 4},
+    )
+    assert cut.usage.prompt_tokens == 4
+    tail = client.completions.create(
+        model=MODEL, prompt=tokenize(stack, long)[-4:], max_tokens=3, temperature=0
+    )
+    assert cut.choices[0].text == tail.choices[0].text
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(
+            model=MODEL, prompt="x", max_tokens=2, extra_body={"allowed_token_ids": [10**8]}
+        )
+    assert e.value.body["param"] == "allowed_token_ids"

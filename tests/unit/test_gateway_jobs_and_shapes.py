@@ -233,3 +233,22 @@ def test_chat_prompt_logprobs_and_logprobs_off() -> None:
         "bytes": [104, 105],
         "top_logprobs": [{"token": "hi", "logprob": -0.2, "bytes": [104, 105]}],
     }
+
+
+def test_vllm_extras_mapped_or_refused_by_name() -> None:
+    job = cjob(allowed_token_ids=[5, 7], truncate_prompt_tokens=3)
+    assert job.prompts[0].params.allowed_token_ids == [5, 7]
+    assert job.prompts[0].truncate_prompt_tokens == 3
+    assert chjob(truncate_prompt_tokens=-1).prompts[0].truncate_prompt_tokens == -1
+    for field, value in (
+        ("use_beam_search", True),
+        ("length_penalty", 0.5),
+        ("bad_words", ["x"]),
+        ("return_tokens_as_token_ids", True),
+    ):
+        assert refused(cjob, **{field: value}).param == field
+    cjob(use_beam_search=False, length_penalty=1.0, bad_words=[])  # defaults are fine
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {}}}]
+    assert refused(chjob, tools=tools).param == "tool_choice"
+    assert refused(chjob, tools=tools, tool_choice="required").param == "tool_choice"
+    assert chjob(tools=tools, tool_choice="none").prompts[0].messages

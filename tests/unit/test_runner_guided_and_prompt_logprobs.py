@@ -200,3 +200,21 @@ def test_no_prompt_rows_unless_asked(tiny) -> None:
     params = SamplingParams(max_tokens=2, temperature=0, prompt_logprobs=0)
     run(r, "y", [5, 6, 7, 8, 9, 10], 6, params, chunk=4)
     assert counts == [4, 1 + 1, 1]  # rows 0-3, then row 4 beside the sampled row 5
+
+
+def test_allowed_token_ids_restrict_sampling(tiny) -> None:
+    allowed = [3, 40, 41, 90]
+    for temperature, seed in ((0.0, None), (1.5, 1), (1.5, 2)):
+        params = SamplingParams(
+            max_tokens=12,
+            temperature=temperature,
+            seed=seed,
+            allowed_token_ids=allowed,
+            ignore_eos=True,
+        )
+        out, _, _ = run(runner(tiny), "a", [5, 6, 7], 3, params)
+        assert len(out) == 12 and set(out) <= set(allowed), out
+    free, _, _ = run(
+        runner(tiny), "b", [5, 6, 7], 3, SamplingParams(max_tokens=12, temperature=1.5, seed=1)
+    )
+    assert not set(free) <= set(allowed)

@@ -69,6 +69,10 @@ def test_defaults_and_edges_are_valid() -> None:
         ({"logit_bias": {-5: 1}}, "logit_bias", "out of range"),
         ({"logit_bias": [1]}, "logit_bias", "map"),
         ({"ignore_eos": "yes"}, "ignore_eos", "boolean"),
+        ({"allowed_token_ids": []}, "allowed_token_ids", "empty"),
+        ({"allowed_token_ids": [2**31]}, "allowed_token_ids", "in ["),
+        ({"truncate_prompt_tokens": 0}, "truncate_prompt_tokens", ">= 1"),
+        ({"truncate_prompt_tokens": -2}, "truncate_prompt_tokens", "[-1,"),
     ],
 )
 def test_each_bad_value_names_its_field(kwargs, param, words) -> None:

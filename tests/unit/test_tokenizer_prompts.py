@@ -39,3 +39,11 @@ def test_length_rules() -> None:
         check_length(list(range(10)), SamplingParams(), 10)
     with pytest.raises(PromptError):
         check_length([], SamplingParams(), 10)
+
+
+def test_truncate_keeps_the_last_tokens() -> None:
+    from services.tokenizer.prompts import truncate
+
+    assert truncate([1, 2, 3, 4], 2, 100) == [3, 4]
+    assert truncate([1, 2, 3], 5, 100) == [1, 2, 3] and truncate([1, 2], None, 100) == [1, 2]
+    assert truncate(list(range(10)), -1, 4) == [6, 7, 8, 9]  # -1: the model's length
