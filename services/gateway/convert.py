@@ -105,6 +105,7 @@ class Job:
     best_of: int = 1
     stream: bool = False
     include_usage: bool = False
+    continuous_usage: bool = False  # vLLM's continuous_usage_stats: usage on every chunk
     logprobs: bool = False  # the client asked for sampled tokens' logprobs
     echo: bool = False  # completions: prompt text (and, with logprobs, its logprobs) first
     prompt_logprobs: bool = False  # vLLM's extra: choices carry ``prompt_logprobs``
@@ -242,6 +243,7 @@ def chat_job(
         best_of=n,
         stream=bool(req.stream),
         include_usage=req.include_usage(),
+        continuous_usage=req.continuous_usage(),
         logprobs=logprobs is not None,
         prompt_logprobs=req.prompt_logprobs is not None,
     )
@@ -324,6 +326,7 @@ def completion_job(
         best_of=best_of,
         stream=bool(req.stream),
         include_usage=req.include_usage(),
+        continuous_usage=req.continuous_usage(),
         logprobs=req.logprobs is not None,
         echo=echo,
         prompt_logprobs=req.prompt_logprobs is not None,

@@ -24,7 +24,7 @@ from services.gateway.cancel import SSEResponse, run_or_disconnect
 from services.gateway.convert import Job
 from services.gateway.errors import APIError
 from services.gateway.metrics import GatewayMetrics
-from services.gateway.responses import DONE, Echo, Format, Outcome, outcome_of, sse
+from services.gateway.responses import DONE, Echo, Format, Outcome, outcome_of, sse, usage
 from services.gateway.state import GatewayState
 from services.gateway.streams import RequestHandle
 from shared.messages import Delta, GenerateRequest
@@ -100,6 +100,10 @@ class Choices:
         delta arrives, which may still wait in a pending task)."""
         return not self._pending and all(h.finished for h in self.handles)
 
+    def usage_so_far(self) -> tuple[int, int]:
+        """(prompt tokens, each prompt once; tokens generated) from the deltas read so far."""
+        return sum(self._prompt_tokens[:: self._best_of]), sum(self._completion_tokens)
+
     def close(self) -> None:
         for t in self._pending.values():
             t.cancel()
@@ -108,8 +112,7 @@ class Choices:
             h.close()  # aborts the ones whose final delta did not arrive
         if self._on_close is not None:
             cb, self._on_close = self._on_close, None
-            prompt = sum(self._prompt_tokens[:: self._best_of])  # each prompt once
-            cb(prompt, sum(self._completion_tokens))
+            cb(*self.usage_so_far())
 
 
 async def collect(choices: Choices) -> list[Outcome]:
@@ -156,6 +159,8 @@ async def sse_events(
                 plps = delta.prompt_logprobs or None
             chunks = fmt.text_chunk(delta.text, delta.finish_reason, i, delta.logprobs, echo, plps)
             for chunk in chunks:
+                if job.continuous_usage:
+                    chunk["usage"] = usage(*choices.usage_so_far())
                 yield sse(chunk)
             if delta.finish_reason is not None:
                 finals[i] = delta

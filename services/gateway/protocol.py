@@ -19,7 +19,7 @@ class _Body(BaseModel):
 
 class StreamOptions(_Body):
     include_usage: bool | None = False
-    continuous_usage_stats: bool | None = False  # vLLM's; accepted, not implemented
+    continuous_usage_stats: bool | None = False  # vLLM's: usage so far on every chunk
 
 
 class TextPart(_Body):
@@ -127,6 +127,10 @@ class SamplingBody(_Body):
 
     def include_usage(self) -> bool:
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
+
+    def continuous_usage(self) -> bool:
+        so = self.stream_options
+        return bool(self.stream and so and so.include_usage and so.continuous_usage_stats)
 
 
 class ChatCompletionRequest(SamplingBody):

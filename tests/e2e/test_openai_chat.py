@@ -75,6 +75,22 @@ def test_max_tokens_and_max_completion_tokens(client) -> None:
     assert e.value.body["param"] == "max_completion_tokens"
 
 
+def test_stream_usage_only_at_the_end_or_on_every_chunk(client) -> None:
+    kw = {"model": MODEL, "messages": ASK, "max_tokens": 5, "temperature": 0, "stream": True}
+    kw["extra_body"] = {"ignore_eos": True}
+    chunks = list(client.chat.completions.create(stream_options={"include_usage": True}, **kw))
+    assert all(c.usage is None for c in chunks[:-1]) and chunks[-1].usage.completion_tokens == 5
+    every = list(
+        client.chat.completions.create(
+            stream_options={"include_usage": True, "continuous_usage_stats": True}, **kw
+        )
+    )
+    counts = [c.usage.completion_tokens for c in every if c.choices and c.choices[0].delta.content]
+    assert counts == sorted(counts) and counts[-1] == 5 and len(counts) >= 4
+    assert every[-1].usage.completion_tokens == 5 and every[-1].choices == []
+    assert not any(c.usage for c in client.chat.completions.create(**kw))
+
+
 def test_chat_logprobs_non_streamed_shape(client) -> None:
     out = client.chat.completions.create(
         model=MODEL, messages=ASK, max_tokens=5, temperature=0, logprobs=True, top_logprobs=3
