@@ -49,6 +49,12 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--decode-workers", type=int, default=0, help="workers of role 'decode' (disaggregated)"
     )
+    serve.add_argument(
+        "--schedulers",
+        type=int,
+        default=1,
+        help="schedulers; with 2 or more, one leads and the others stand by (lease in Redis)",
+    )
 
     run = sub.add_parser("run", help="run one service")
     run.add_argument("service", choices=SERVICES)
@@ -90,6 +96,7 @@ def main(argv: list[str] | None = None) -> int:
         workers=both,
         prefill_workers=args.prefill_workers,
         decode_workers=args.decode_workers,
+        schedulers=args.schedulers,
     )
 
 

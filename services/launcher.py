@@ -21,6 +21,7 @@ from shared.infra import Server, port_is_free, start_nats, start_redis
 from shared.model_source import ModelNotFoundError, resolve_model
 
 STARTUP_TIMEOUT_S = 300.0
+MAX_RESTARTS_PER_MINUTE = 3
 
 
 class _Stop(Exception):
@@ -32,15 +33,39 @@ def _fail(msg: str) -> int:
     return 2
 
 
-def _spawn(
-    service: str, settings: Settings, worker_id: str = "", role: str = ""
-) -> subprocess.Popen:
+def _spawn(service: str, settings: Settings, **overrides: str) -> subprocess.Popen:
+    """``kvflow run SERVICE`` with the settings as KVFLOW_* variables; ``overrides`` set more
+    (``worker_id="w1"`` -> KVFLOW_WORKER_ID=w1)."""
     env = {**os.environ, **settings.to_env(), "PYTHONUNBUFFERED": "1"}
-    if worker_id:
-        env["KVFLOW_WORKER_ID"] = worker_id
-    if role:
-        env["KVFLOW_ROLE"] = role
+    env.update({"KVFLOW_" + k.upper(): v for k, v in overrides.items()})
     return subprocess.Popen([sys.executable, "-m", "services.cli", "run", service], env=env)
+
+
+def _stop(procs: list[tuple[str, subprocess.Popen]], graceful: bool, drain_s: float) -> None:
+    """Stop children in order. Graceful (SIGTERM to `kvflow serve`): the gateway first, with
+    SIGTERM, so it takes no new request and finishes the open ones while the rest of the
+    pipeline still runs; then the others. Quick (Ctrl-C): everyone at once."""
+    rest = list(procs)
+    if graceful:
+        for name, p in procs:
+            if name == "gateway" and p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+                try:
+                    p.wait(drain_s + 5)
+                except subprocess.TimeoutExpired:
+                    p.kill()
+                    p.wait()
+        rest = [(n, p) for n, p in procs if n != "gateway"]
+    for _name, p in reversed(rest):
+        if p.poll() is None:
+            p.send_signal(signal.SIGINT)
+    deadline = time.monotonic() + 10
+    for _name, p in reversed(rest):
+        try:
+            p.wait(max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
 
 
 def worker_plan(both: int, prefill: int, decode: int) -> list[tuple[str, str]]:
@@ -72,13 +97,19 @@ def _healthy(url: str, num_workers: int = 1) -> bool:
 
 
 def serve(
-    settings: Settings, workers: int = 1, prefill_workers: int = 0, decode_workers: int = 0
+    settings: Settings,
+    workers: int = 1,
+    prefill_workers: int = 0,
+    decode_workers: int = 0,
+    schedulers: int = 1,
 ) -> int:
     try:
         resolve_model(settings.model, settings.served_model_name)
         plan = worker_plan(workers, prefill_workers, decode_workers)
     except (ModelNotFoundError, ValueError) as e:
         return _fail(str(e))
+    if schedulers < 1:
+        return _fail("--schedulers must be at least 1")
     if settings.threads == 0 and len(plan) > 1:
         # the workers share this machine's cores instead of each taking all of them
         share = max(1, (os.cpu_count() or 1) // len(plan))
@@ -94,6 +125,7 @@ def serve(
     signal.signal(signal.SIGTERM, on_term)
     infra: list[Server] = []
     procs: list[tuple[str, subprocess.Popen]] = []
+    graceful = False
     try:
         print("kvflow: starting nats-server and redis-server ...", flush=True)
         nats = start_nats()
@@ -102,10 +134,16 @@ def serve(
         infra.append(redis)
         settings = dataclasses.replace(settings, nats_url=nats.url, redis_url=redis.url)
         print(f"kvflow: nats {nats.url}, redis {redis.url}", flush=True)
+        specs: dict[str, tuple[str, dict[str, str]]] = {}  # name -> (service, overrides)
         for wid, role in plan:
-            procs.append((wid, _spawn("worker", settings, wid, role)))
-        for name in ("scheduler", "tokenizer", "detokenizer", "gateway"):
-            procs.append((name, _spawn(name, settings)))
+            specs[wid] = ("worker", {"worker_id": wid, "role": role})
+        for i in range(schedulers):
+            ha = {"scheduler_ha": "true"} if schedulers > 1 else {}
+            specs[f"scheduler-{i}"] = ("scheduler", {**ha, "scheduler_id": f"scheduler-{i}"})
+        for name in ("tokenizer", "detokenizer", "gateway"):
+            specs[name] = (name, {})
+        for name, (service, overrides) in specs.items():
+            procs.append((name, _spawn(service, settings, **overrides)))
         print(
             "kvflow: loading the model in every service (first start converts the tokenizer) ...",
             flush=True,
@@ -130,26 +168,38 @@ def serve(
             f"http://{settings.host}:{settings.port}/v1 (Ctrl-C stops)",
             flush=True,
         )
+        restarts: dict[str, list[float]] = {}
         while True:
-            for name, p in procs:
-                if p.poll() is not None:
-                    raise RuntimeError(f"{name} exited with code {p.returncode}")
+            for i, (name, p) in enumerate(procs):
+                if p.poll() is None:
+                    continue
+                # supervise: a service that dies after start-up is started again (the others
+                # carry on: workers' sequences move elsewhere, a standby scheduler takes over)
+                recent = [t for t in restarts.get(name, []) if time.monotonic() - t < 60]
+                if len(recent) >= MAX_RESTARTS_PER_MINUTE:
+                    raise RuntimeError(
+                        f"{name} exited with code {p.returncode} "
+                        f"{len(recent) + 1} times within a minute; giving up"
+                    )
+                restarts[name] = [*recent, time.monotonic()]
+                print(
+                    f"kvflow: {name} exited with code {p.returncode}; starting it again", flush=True
+                )
+                service, overrides = specs[name]
+                procs[i] = (name, _spawn(service, settings, **overrides))
             time.sleep(1.0)
-    except (KeyboardInterrupt, _Stop):
+    except KeyboardInterrupt:
         print("\nkvflow: stopping ...", flush=True)
+        return 0
+    except _Stop:
+        print(
+            "kvflow: SIGTERM: the gateway finishes its open requests, then all stop ...", flush=True
+        )
+        graceful = True
         return 0
     except RuntimeError as e:
         return _fail(str(e))
     finally:
-        for _name, p in reversed(procs):
-            if p.poll() is None:
-                p.send_signal(signal.SIGINT)
-        deadline = time.monotonic() + 10
-        for _name, p in reversed(procs):
-            try:
-                p.wait(max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
+        _stop(procs, graceful, settings.drain_timeout)
         for s in reversed(infra):
             s.stop()

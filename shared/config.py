@@ -52,6 +52,18 @@ class Settings:
     role: str = field(default="both", metadata={"help": "worker role: both | prefill | decode"})
     dtype: str = field(default="float32", metadata={"help": "model dtype on CPU"})
     threads: int = field(default=0, metadata={"help": "torch threads in the worker (0: all cores)"})
+    worker_timeout: float = field(
+        default=3.0, metadata={"help": "seconds without a heartbeat before a worker is given up"}
+    )
+    step_timeout: float = field(
+        default=30.0,
+        metadata={"help": "seconds without a step's result before its sequences are recomputed"},
+    )
+    scheduler_ha: bool = field(
+        default=False,
+        metadata={"help": "compete for the leader lease in Redis (run two or more schedulers)"},
+    )
+    scheduler_id: str = field(default="", metadata={"help": "scheduler id (default: random)"})
     drain_timeout: float = field(
         default=30.0,
         metadata={"help": "seconds a draining service (SIGTERM) may take to finish its work"},
@@ -72,6 +84,10 @@ class Settings:
         },
     )
     max_n: int = field(default=16, metadata={"help": "largest n / best_of per request"})
+    max_open_requests: int = field(
+        default=2048,
+        metadata={"help": "requests one gateway holds open at once; past it new ones get 429"},
+    )
     max_request_sequences: int = field(
         default=256, metadata={"help": "most sequences per request (prompts x best_of)"}
     )
@@ -93,12 +109,16 @@ class Settings:
     def add_arguments(cls, parser: argparse.ArgumentParser) -> None:
         """Add one flag per field; defaults stay None so only given flags override."""
         for f in fields(cls):
+            extra: dict[str, Any] = {}
+            if str(f.type) == "bool":  # `--flag` alone means true; `--flag false` works too
+                extra = {"nargs": "?", "const": True}
             parser.add_argument(
                 "--" + f.name.replace("_", "-"),
                 dest=f.name,
                 type=_type_of(f),
                 default=None,
                 help=f.metadata.get("help", ""),
+                **extra,
             )
 
     @classmethod
@@ -116,8 +136,17 @@ class Settings:
         return {"KVFLOW_" + f.name.upper(): str(getattr(self, f.name)) for f in fields(self)}
 
 
-def _type_of(f: dataclasses.Field) -> type:
-    return {"int": int, "float": float, "str": str}.get(str(f.type), str)
+def _parse_bool(raw: str) -> bool:
+    value = raw.strip().lower()
+    if value in ("1", "true", "yes", "on"):
+        return True
+    if value in ("0", "false", "no", "off", ""):
+        return False
+    raise ValueError(f"{raw!r} is not a boolean (true/false)")
+
+
+def _type_of(f: dataclasses.Field) -> Any:
+    return {"int": int, "float": float, "str": str, "bool": _parse_bool}.get(str(f.type), str)
 
 
 def _convert(f: dataclasses.Field, raw: str) -> Any:

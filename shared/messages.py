@@ -168,6 +168,9 @@ class StepPlan(_Msg, tag=4):
     seqs: list[ScheduledSeq]
     new_requests: list[NewRequest] = []
     finished_request_ids: list[str] = []  # the worker drops what it kept for these
+    # the scheduler leader's term: a worker drops what it kept when a new term starts and
+    # ignores plans of older terms (a deposed leader that does not know it yet)
+    epoch: int = 0
 
 
 class StepResult(_Msg, tag=5):
@@ -184,6 +187,14 @@ class StepResult(_Msg, tag=5):
     error: str | None = None
     logprobs: list[SampleLogprobs | None] = []  # per entry, only when some request asked
     prompt_logprobs: list[PromptLogprobs] = []  # prompt positions computed in this step, if asked
+    # per entry: the request's output tokens counting this one, so a token that a re-run step
+    # produces again (after a failure) is recognised and dropped downstream
+    num_output_tokens: list[int] = []
+    epoch: int = 0  # the plan's
+
+
+# StepResult.error of a plan from an older scheduler term (the deposed leader stops on it)
+STALE_EPOCH_ERROR = "stale scheduler term"
 
 
 class PromptLogprobs(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
@@ -212,6 +223,7 @@ class WorkerHeartbeat(_Msg, tag=6):
     kv_subject: str = ""  # where this worker serves KvChunkRequest (its blocks, to other workers)
     kv_layout: str = ""  # dtype and shape of one block; KV moves only between equal layouts
     draining: bool = False  # leaving: finish what runs here, take nothing new
+    instance: str = ""  # random per process: the same worker id from a new process is a restart
 
 
 # ---------------------------------------------------------------------------------------------
@@ -289,6 +301,8 @@ class SchedulerStats(_Msg, tag=10):
     kv_transfer_failures: int = 0
     kv_transfer_bytes: int = 0
     kv_transfer_seconds: float = 0.0  # summed over transfers (each from order to done)
+    scheduler_id: str = ""  # the leader that answered
+    epoch: int = 0  # its term
 
 
 # ---------------------------------------------------------------------------------------------
@@ -309,6 +323,7 @@ class KvPull(_Msg, tag=11):
     src_subject: str  # the source's kv subject
     src_blocks: list[int]
     dst_blocks: list[int]
+    epoch: int = 0
 
 
 class KvChunkRequest(_Msg, tag=12):
@@ -348,6 +363,13 @@ class WorkerRelease(_Msg, tag=15):
     """scheduler -> a draining worker: nothing of yours is running or needed any more; exit."""
 
     worker_id: str
+
+
+class Accepted(_Msg, tag=16):
+    """scheduler -> gateway inbox: the request is queued (or was already). Until it comes, the
+    gateway resubmits with the same id; the scheduler runs each id once."""
+
+    request_id: str
 
 
 class WorkerStats(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
@@ -408,6 +430,7 @@ Message = (
     | KvChunk
     | KvTransferDone
     | WorkerRelease
+    | Accepted
     | TokenizeRequest
     | TokenizeResult
     | DetokenizeRequest

@@ -41,6 +41,7 @@ class DetokenizerService:
         self.bus = Bus("detokenizer")
         self.states: dict[str, DetokState] = {}
         self.done: OrderedDict[str, None] = OrderedDict()  # recently ended, to ignore late results
+        self.duplicates_dropped = 0
         self.early: dict[str, tuple[float, list[tuple[int, int, SampleLogprobs | None]]]] = {}
         self.early_prompt: dict[str, tuple[float, list[PromptLogprobs]]] = {}
 
@@ -64,6 +65,8 @@ class DetokenizerService:
                 log.warning("detokenizer: unexpected %s on %s", type(msg).__name__, raw.subject)
 
     async def _register(self, req: TokenizedRequest) -> None:
+        if req.request_id in self.states or req.request_id in self.done:
+            return  # a resubmission (the gateway retries until acknowledged): already known
         st = DetokState(req.request_id, req.reply_to, req.params, len(req.prompt_token_ids))
         if req.params.prompt_logprobs is not None and req.prompt_token_ids:
             st.first_prompt_token = req.prompt_token_ids[0]
@@ -85,6 +88,12 @@ class DetokenizerService:
                 )
         lps = res.logprobs or [None] * len(res.request_ids)
         entries = list(zip(res.request_ids, res.token_ids, res.finish_reasons, lps, strict=True))
+        if res.num_output_tokens:  # drop tokens of positions already sent (a re-run step)
+            entries = [
+                e
+                for e, count in zip(entries, res.num_output_tokens, strict=True)
+                if not self._already_sent(e[0], count)
+            ]
         await self._apply(entries)
         self._expire_early()
 
@@ -110,6 +119,16 @@ class DetokenizerService:
             await self.bus.publish(reply_to, DeltaBatch(deltas))
         for rid in stopped:
             await self.bus.publish(subjects.ABORT, Abort(rid, FinishReason.STOP))
+
+    def _already_sent(self, rid: str, count: int) -> bool:
+        """A token whose position (``count``, counting it) this request has already had: a
+        step re-run after a failure produced it again."""
+        st = self.states.get(rid)
+        if st is None or count <= 0 or count > st.completion_tokens:
+            return False
+        self.duplicates_dropped += 1
+        log.info("detokenizer: dropped a repeated token %d of %s", count, rid)
+        return True
 
     def _mark_done(self, rid: str) -> None:
         self.done[rid] = None

@@ -16,9 +16,6 @@ from services.gateway.app import create_app
 from shared.config import Settings
 from shared.logs import setup_logging
 
-# Seconds open requests get to finish after SIGTERM/Ctrl-C before their connections are cut.
-GRACEFUL_SHUTDOWN_S = 10
-
 
 def server(settings: Settings) -> uvicorn.Server:
     config = uvicorn.Config(
@@ -28,7 +25,8 @@ def server(settings: Settings) -> uvicorn.Server:
         log_level=settings.log_level,
         log_config=None,  # keep the service's own logging set-up (shared.logs)
         access_log=False,
-        timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
+        # after SIGTERM: no new connections, open requests get this long to finish
+        timeout_graceful_shutdown=max(1, round(settings.drain_timeout)),
     )
     return uvicorn.Server(config)
 

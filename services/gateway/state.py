@@ -9,6 +9,8 @@ import logging
 import uuid
 from typing import Any
 
+from tenacity import AsyncRetrying, retry_if_result, stop_before_delay, wait_exponential
+
 from services.gateway.auth import Auth
 from services.gateway.convert import served_model_name
 from services.gateway.errors import APIError
@@ -28,6 +30,10 @@ from shared.messages import (
 
 log = logging.getLogger("kvflow.gateway")
 
+# seconds to wait for the scheduler's acknowledgement before publishing a request again
+# (doubling each time, up to 8x)
+ACK_TIMEOUT_S = 2.0
+
 
 def bus_connected(bus: Any) -> bool:
     nc = getattr(bus, "nc", None)
@@ -43,6 +49,7 @@ class GatewayState:
         self.max_model_len = 0  # learnt from the scheduler's stats
         self.streams = RequestStreams()
         self.num_aborts = 0
+        self.num_resubmissions = 0  # requests published again for want of an acknowledgement
         self.metrics = GatewayMetrics(self.model_name)
         self.auth = Auth(settings)
         self._own_bus = bus is None
@@ -71,9 +78,19 @@ class GatewayState:
 
     async def submit(self, req: GenerateRequest) -> RequestHandle:
         """Register the request's queue, then publish it to the tokenizers; 503 if NATS is not
-        there, rather than a request that waits for its timeout."""
+        there, rather than a request that waits for its timeout; 429 when this gateway already
+        holds ``--max-open-requests``. Until the scheduler acknowledges the request (Accepted,
+        or any reply), it is published again with the same id (the scheduler runs an id once):
+        a submission lost to a NATS outage or a scheduler failover is not lost."""
         if not bus_connected(self.bus):
             raise APIError(503, "the gateway is not connected to NATS", "ServiceUnavailableError")
+        if len(self.streams) >= self.settings.max_open_requests:
+            raise APIError(
+                429,
+                f"this gateway has {len(self.streams)} requests open "
+                f"(--max-open-requests {self.settings.max_open_requests}); retry later",
+                "RateLimitError",
+            )
         queue = self.streams.open(req.request_id)  # before publishing: replies can be fast
         try:
             await self.bus.publish(subjects.TOKENIZE, req)
@@ -85,7 +102,48 @@ class GatewayState:
             ) from e
         loop = asyncio.get_running_loop()
         timeout = self.settings.request_timeout
-        return RequestHandle(req.request_id, queue, loop.time() + timeout, timeout, self._closed)
+        deadline = loop.time() + timeout
+        task = loop.create_task(self._until_accepted(req, deadline))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return RequestHandle(req.request_id, queue, deadline, timeout, self._closed)
+
+    async def _until_accepted(self, req: GenerateRequest, deadline: float) -> None:
+        """Publish ``req`` again while no acknowledgement came and the request is open."""
+        loop = asyncio.get_running_loop()
+        retrying = AsyncRetrying(
+            wait=wait_exponential(multiplier=ACK_TIMEOUT_S, max=8 * ACK_TIMEOUT_S),
+            stop=stop_before_delay(max(0.0, deadline - loop.time())),
+            retry=retry_if_result(lambda acknowledged: not acknowledged),
+            retry_error_callback=lambda _state: False,  # the deadline ends the request
+        )
+        async for attempt in retrying:
+            with attempt:
+                if attempt.retry_state.attempt_number > 1:
+                    await self._resubmit(req)
+                acknowledged = await self._acknowledged(req.request_id, ACK_TIMEOUT_S)
+            if attempt.retry_state.outcome is not None and not attempt.retry_state.outcome.failed:
+                attempt.retry_state.set_result(acknowledged)
+
+    async def _acknowledged(self, request_id: str, timeout: float) -> bool:
+        """Whether the scheduler acknowledged ``request_id`` within ``timeout`` (a request no
+        longer open counts as settled)."""
+        ev = self.streams.accepted(request_id)
+        if ev is None:
+            return True
+        try:
+            await asyncio.wait_for(ev.wait(), timeout)
+        except TimeoutError:
+            return self.streams.accepted(request_id) is None
+        return True
+
+    async def _resubmit(self, req: GenerateRequest) -> None:
+        self.num_resubmissions += 1
+        log.warning("request %s not acknowledged yet; resubmitting it", req.request_id)
+        try:
+            await self.bus.publish(subjects.TOKENIZE, req)
+        except Exception as e:  # noqa: BLE001 - NATS away: the next attempt may get through
+            log.warning("resubmission of %s failed: %s", req.request_id, e)
 
     def _closed(self, request_id: str, finished: bool) -> None:
         self.streams.close(request_id)

@@ -14,7 +14,7 @@ from collections.abc import Callable
 from typing import Any
 
 from services.gateway.errors import APIError
-from shared.messages import Delta, DeltaBatch, Message, RequestError
+from shared.messages import Accepted, Delta, DeltaBatch, Message, RequestError
 
 log = logging.getLogger("kvflow.gateway")
 
@@ -26,15 +26,27 @@ class RequestStreams:
 
     def __init__(self) -> None:
         self._queues: dict[str, asyncio.Queue[Item]] = {}
+        self._accepted: dict[str, asyncio.Event] = {}  # set by Accepted, or any reply at all
         self.unknown_deltas = 0  # deltas for requests no longer here (finished or aborted)
 
     def open(self, request_id: str) -> asyncio.Queue[Item]:
         q: asyncio.Queue[Item] = asyncio.Queue()
         self._queues[request_id] = q
+        self._accepted[request_id] = asyncio.Event()
         return q
 
     def close(self, request_id: str) -> None:
         self._queues.pop(request_id, None)
+        self._accepted.pop(request_id, None)
+
+    def accepted(self, request_id: str) -> asyncio.Event | None:
+        """Set once the scheduler acknowledged the request (None: no longer open)."""
+        return self._accepted.get(request_id)
+
+    def _ack(self, request_id: str) -> None:
+        ev = self._accepted.get(request_id)
+        if ev is not None:
+            ev.set()
 
     def __len__(self) -> int:
         return len(self._queues)
@@ -51,11 +63,15 @@ class RequestStreams:
                 if q is None:
                     self.unknown_deltas += 1
                 else:
+                    self._ack(delta.request_id)
                     q.put_nowait(delta)
         elif isinstance(msg, RequestError):
             q = self._queues.get(msg.request_id)
             if q is not None:
+                self._ack(msg.request_id)
                 q.put_nowait(msg)
+        elif isinstance(msg, Accepted):
+            self._ack(msg.request_id)
         else:
             log.debug("gateway inbox: ignored %s", type(msg).__name__)
 

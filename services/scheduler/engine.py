@@ -123,14 +123,18 @@ class SchedulerCore:
 
     # -- requests ---------------------------------------------------------------------------
 
-    def add_request(self, req: TokenizedRequest, priority: int = 0) -> Sequence:
-        if len(self.waiting) >= self.max_waiting:
-            raise QueueFullError(f"the waiting queue is full ({self.max_waiting} requests)")
+    def add_request(
+        self, req: TokenizedRequest, priority: int = 0, output_ids: list[int] | None = None
+    ) -> Sequence:
+        """Queue a request; ``output_ids`` are tokens it generated before (a takeover resumes
+        requests from their prompt plus those, by recompute)."""
         if req.request_id in self.requests:
             return self.requests[req.request_id]  # a resubmission of the same request: run once
+        if len(self.waiting) >= self.max_waiting:
+            raise QueueFullError(f"the waiting queue is full ({self.max_waiting} requests)")
         seq = Sequence(
             request_id=req.request_id,
-            token_ids=list(req.prompt_token_ids),
+            token_ids=list(req.prompt_token_ids) + list(output_ids or []),
             prompt_len=len(req.prompt_token_ids),
             params=req.params,
             eos_token_ids=list(req.eos_token_ids),

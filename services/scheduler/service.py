@@ -1,24 +1,43 @@
-"""The scheduler service: a thin NATS shell around SchedulerCore. It receives tokenized requests,
-aborts, worker heartbeats, step results and KV-transfer reports; for each worker it runs a loop
-that plans a step, sends it, and waits for that step's result before planning the next. Prefill
-hand-offs become KvPull orders to the decode worker; a draining worker is released (and
-forgotten) once nothing of it is needed."""
+"""The scheduler service: a thin NATS shell around SchedulerCore.
+
+It receives tokenized requests, aborts, worker heartbeats, step results and KV-transfer reports;
+for each worker it runs a loop that plans a step, sends it, and waits for that step's result
+before planning the next. Prefill hand-offs become KvPull orders to the decode worker; a
+draining worker is released (and forgotten) once nothing of it is needed. Each accepted request
+is acknowledged to its gateway (Accepted); the gateway resubmits until then, and an id runs once.
+
+High availability (``--redis-url`` set and more than one scheduler): schedulers compete for a
+lease in Redis (lease.py). The leader plans; a standby keeps a shadow of every live request and
+its tokens from the bus (shadow.py) and, when the leader's lease lapses, takes over: a new epoch
+(workers drop the old leader's state and ignore its plans), every live request re-queued from
+its prompt plus the tokens it already has. With no Redis the scheduler simply leads.
+
+Worker failure: a worker silent for ``--worker-timeout`` seconds is removed and its sequences
+are recomputed elsewhere; a step with no result within ``--step-timeout`` is given up (its
+sequences recomputed) but the worker stays.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import signal
 import time
+import uuid
 
 from nats.aio.msg import Msg
 
 from services.scheduler.engine import QueueFullError, SchedulerCore
+from services.scheduler.lease import Lease, LeaseLost
 from services.scheduler.policy import ROLES, SchedulerLimits, WorkerScheduler
+from services.scheduler.shadow import ShadowState
 from shared import subjects
 from shared.bus import Bus
 from shared.config import Settings
 from shared.messages import (
+    STALE_EPOCH_ERROR,
     Abort,
+    Accepted,
     KvTransferDone,
     Message,
     RequestError,
@@ -31,74 +50,174 @@ from shared.messages import (
 
 log = logging.getLogger("kvflow.scheduler")
 
-HEARTBEAT_TIMEOUT_S = 10.0  # a worker silent this long is considered gone
-STEP_TIMEOUT_S = 120.0  # a step that takes longer is considered lost
 TRANSFER_TIMEOUT_S = 120.0  # a KV transfer not reported done by then is given up
 
 
 class SchedulerService:
-    def __init__(self, settings: Settings, model_name: str, max_model_len: int) -> None:
-        limits = SchedulerLimits(
+    def __init__(
+        self,
+        settings: Settings,
+        model_name: str,
+        max_model_len: int,
+        lease: Lease | None = None,
+        scheduler_id: str = "",
+    ) -> None:
+        self.limits = SchedulerLimits(
             max_num_seqs=settings.max_num_seqs,
             max_num_batched_tokens=settings.max_num_batched_tokens,
             max_model_len=max_model_len,
         )
         self.settings = settings
-        self.core = SchedulerCore(limits, settings.max_waiting, model_name)
-        self.bus = Bus("scheduler")
+        self.model_name = model_name
+        self.scheduler_id = scheduler_id or f"scheduler-{uuid.uuid4().hex[:8]}"
+        self.lease = lease
+        self.core = SchedulerCore(self.limits, settings.max_waiting, model_name)
+        self.shadow = ShadowState()
+        self.leading = False
+        self.epoch = 0
+        self.draining = False
+        self.stopped = asyncio.Event()
+        self.bus = Bus(self.scheduler_id)
         self.wake: dict[str, asyncio.Event] = {}
-        self.pending: dict[tuple[str, int], asyncio.Future[StepResult]] = {}
+        self.pending: dict[tuple[str, int, int], asyncio.Future[StepResult]] = {}
         self.step_subject: dict[str, str] = {}
         self.last_seen: dict[str, float] = {}
+        self.heartbeats: dict[str, WorkerHeartbeat] = {}
+        self.heartbeats_known: dict[str, str] = {}  # worker id -> instance the core knows
+        self.took_over_at: float | None = None
 
     async def start(self) -> None:
         await self.bus.connect(self.settings.nats_url)
-        await self.bus.subscribe(subjects.REQUESTS, self._on_message)
-        await self.bus.subscribe(subjects.ABORT, self._on_message)
-        await self.bus.subscribe(subjects.RESULTS, self._on_message)
-        await self.bus.subscribe(subjects.HEARTBEAT, self._on_message)
-        await self.bus.subscribe(subjects.SCHEDULER_STATS, self._on_message)
-        await self.bus.subscribe(subjects.KV_DONE, self._on_message)
+        for subject in (
+            subjects.REQUESTS,
+            subjects.ABORT,
+            subjects.RESULTS,
+            subjects.HEARTBEAT,
+            subjects.KV_DONE,
+        ):
+            await self.bus.subscribe(subject, self._on_message)
         self.bus.spawn(self._watch_workers())
+        if self.lease is None:
+            await self._lead(epoch=1)
+        else:
+            self.bus.spawn(self._campaign())
         log.info(
-            "scheduler ready (model %s, max_model_len %d)",
-            self.core.model,
-            self.core.limits.max_model_len,
+            "%s up (model %s, max_model_len %d, %s)",
+            self.scheduler_id,
+            self.model_name,
+            self.limits.max_model_len,
+            "leading" if self.leading else "standby until it holds the lease",
         )
+
+    # -- leadership -----------------------------------------------------------------------------
+
+    async def _campaign(self) -> None:
+        """Standby: try for the lease; leader: keep it, or stop if another scheduler has it."""
+        assert self.lease is not None
+        while not self.stopped.is_set():
+            if not self.leading:
+                if not self.draining and await self.lease.try_acquire():
+                    await self._lead(self.lease.epoch)
+            else:
+                try:
+                    await self.lease.renew()
+                except LeaseLost as e:
+                    log.error("%s lost the lease (%s); stopping", self.scheduler_id, e)
+                    self.stopped.set()
+                    return
+            await asyncio.sleep(self.lease.ttl_s / 6 if self.leading else 0.25)
+
+    def _may_plan(self) -> bool:
+        return self.leading and (self.lease is None or self.lease.valid())
+
+    async def _lead(self, epoch: int) -> None:
+        """Become the leader of a new epoch: resume every live request the shadow knows of."""
+        self.epoch = epoch
+        self.core = SchedulerCore(self.limits, self.settings.max_waiting, self.model_name)
+        self.heartbeats_known.clear()
+        self.wake.clear()
+        resumed = 0
+        for rid, live in list(self.shadow.live.items()):
+            try:
+                self.core.add_request(live.request, live.request.priority, live.output_ids)
+                resumed += 1
+            except QueueFullError:
+                self.shadow.end(rid)
+                await self._reject(live.request, "the scheduler changed and its queue is full")
+        self.leading = True
+        self.took_over_at = time.monotonic()
+        await self.bus.subscribe(subjects.SCHEDULER_STATS, self._on_message)
+        for hb in list(self.heartbeats.values()):
+            if (
+                time.monotonic() - self.last_seen.get(hb.worker_id, 0)
+                < self.settings.worker_timeout
+            ):
+                await self._on_heartbeat(hb)
+        for live in self.shadow.live.values():
+            await self.bus.publish(live.request.reply_to, Accepted(live.request.request_id))
+        log.info("%s leads epoch %d; resumed %d live requests", self.scheduler_id, epoch, resumed)
+
+    # -- messages -------------------------------------------------------------------------------
 
     async def _on_message(self, msg: Message, raw: Msg) -> None:
         match msg:
             case TokenizedRequest():
                 await self._on_request(msg)
             case Abort():
-                if self.core.abort(msg.request_id):
+                self.shadow.end(msg.request_id)
+                if self.leading and self.core.abort(msg.request_id):
                     self._wake_all()
             case StepResult():
-                fut = self.pending.pop((msg.worker_id, msg.step_id), None)
+                self.shadow.apply(msg)
+                fut = self.pending.pop((msg.worker_id, msg.epoch, msg.step_id), None)
                 if fut is not None and not fut.done():
                     fut.set_result(msg)
             case WorkerHeartbeat():
                 await self._on_heartbeat(msg)
             case KvTransferDone():
-                self.core.on_transfer_done(msg)
-                self._wake_all()
+                if self.leading:
+                    self.core.on_transfer_done(msg)
+                    self._wake_all()
             case StatsRequest():
-                await self.bus.reply(raw, self.core.stats())
+                if self.leading:
+                    stats = self.core.stats()
+                    stats.scheduler_id, stats.epoch = self.scheduler_id, self.epoch
+                    await self.bus.reply(raw, stats)
             case _:
                 log.warning("scheduler: unexpected %s on %s", type(msg).__name__, raw.subject)
 
+    async def _reject(self, req: TokenizedRequest, why: str, code: int = 429) -> None:
+        kind = "RateLimitError" if code == 429 else "ServiceUnavailableError"
+        await self.bus.publish(req.reply_to, RequestError(req.request_id, why, kind, None, code))
+
     async def _on_request(self, req: TokenizedRequest) -> None:
+        if self.shadow.is_finished(req.request_id):
+            return  # a resubmission of a request that already ran: it runs once
+        if not self.leading:
+            self.shadow.add(req)  # the leader answers; a standby only remembers
+            return
+        if self.draining:
+            await self._reject(req, "the scheduler is shutting down; retry", 503)
+            return
         try:
             self.core.add_request(req, req.priority)
         except QueueFullError as e:
-            err = RequestError(req.request_id, f"{e}; retry later", "RateLimitError", None, 429)
-            await self.bus.publish(req.reply_to, err)
+            await self._reject(req, f"{e}; retry later")
             return
+        self.shadow.add(req)
+        await self.bus.publish(req.reply_to, Accepted(req.request_id))
         self._wake_all()
 
     async def _on_heartbeat(self, hb: WorkerHeartbeat) -> None:
         self.last_seen[hb.worker_id] = time.monotonic()
+        self.heartbeats[hb.worker_id] = hb
+        if not self.leading:
+            return
         known = hb.worker_id in self.core.workers
+        if known and hb.instance != self.heartbeats_known.get(hb.worker_id, hb.instance):
+            # the same id from a new process: the old one died (its steps will never return)
+            self._remove_worker(hb.worker_id, "restarted (a new process has its id)")
+            known = False
         if known:
             if hb.draining and not self.core.workers[hb.worker_id].draining:
                 log.info("worker %s is draining: no new work goes there", hb.worker_id)
@@ -112,6 +231,7 @@ class SchedulerService:
         if hb.role not in ROLES:
             log.warning("worker %s has unknown role %r; ignored", hb.worker_id, hb.role)
             return
+        self.heartbeats_known[hb.worker_id] = hb.instance
         ws = self.core.add_worker(
             hb.worker_id,
             hb.num_blocks,
@@ -146,61 +266,129 @@ class SchedulerService:
         for ev in self.wake.values():
             ev.set()
 
+    def _remove_worker(self, wid: str, why: str) -> None:
+        log.error("worker %s: %s; re-queueing its sequences", wid, why)
+        self.core.remove_worker(wid)
+        self.wake.pop(wid, None)
+        for key, fut in list(self.pending.items()):
+            if key[0] == wid and not fut.done():
+                fut.cancel()
+        self._wake_all()
+
+    # -- planning -------------------------------------------------------------------------------
+
     async def _worker_loop(self, ws: WorkerScheduler) -> None:
         wid = ws.worker_id
         loop = asyncio.get_running_loop()
-        while wid in self.core.workers:
-            ev = self.wake[wid]
-            await ev.wait()
-            if wid not in self.core.workers:
+        core = self.core
+        while self.core is core and wid in core.workers and not self.stopped.is_set():
+            ev = self.wake.get(wid)
+            if ev is None:
                 return
-            plan = ws.schedule(self.core.waiting)
+            await ev.wait()
+            if self.core is not core or wid not in core.workers:
+                return
+            if not self._may_plan():
+                await asyncio.sleep(0.05)  # lease unconfirmed: no plan until it is
+                continue
+            plan = ws.schedule(core.waiting)
             if plan is None:
                 ev.clear()
                 continue
+            plan.epoch = self.epoch
             fut: asyncio.Future[StepResult] = loop.create_future()
-            self.pending[(wid, plan.step_id)] = fut
+            key = (wid, self.epoch, plan.step_id)
+            self.pending[key] = fut
             try:
                 await self.bus.publish(self.step_subject[wid], plan)
-                result = await asyncio.wait_for(fut, STEP_TIMEOUT_S)
-            except (TimeoutError, Exception) as e:  # noqa: BLE001 - a lost step is recovered below
-                self.pending.pop((wid, plan.step_id), None)
+                result = await asyncio.wait_for(fut, self.settings.step_timeout)
+            except asyncio.CancelledError:
+                if self.stopped.is_set():
+                    raise
+                return  # the worker was removed meanwhile
+            except Exception as e:  # noqa: BLE001 - a lost step is recovered below
+                self.pending.pop(key, None)
+                if wid not in core.workers:
+                    return
                 log.error(
-                    "worker %s: step %d lost (%s); re-queueing its sequences", wid, plan.step_id, e
+                    "worker %s: step %d got no result in %.0fs (%s); recomputing its sequences",
+                    wid,
+                    plan.step_id,
+                    self.settings.step_timeout,
+                    type(e).__name__,
                 )
-                self.core.remove_worker(wid)
+                ws.on_failed_step(core.waiting)
                 self._wake_all()
+                continue
+            if result.error and result.error.startswith(STALE_EPOCH_ERROR):
+                log.error("%s: deposed (%s); stopping", self.scheduler_id, result.error)
+                self.leading = False
+                self.stopped.set()
                 return
             if result.error:
                 log.error("worker %s: step %d failed: %s", wid, plan.step_id, result.error)
-            outcome = self.core.on_result(result)
+            outcome = core.on_result(result)
+            for rid_seq, _reason in outcome.finished:
+                self.shadow.end(rid_seq.request_id)
             for dst, pull in outcome.pulls:
                 if dst in self.step_subject:
+                    pull.epoch = self.epoch
                     await self.bus.publish(self.step_subject[dst], pull)
-            if outcome.finished or outcome.prefilled:
+            if outcome.finished or outcome.prefilled or result.error:
                 self._wake_all()  # freed blocks or slots: waiting requests may fit somewhere
                 if ws.draining:
                     await self._release_drained()
-            if not ws.running and not len(self.core.waiting) and not ws.to_forget:
+            if not ws.running and not len(core.waiting) and not ws.to_forget:
                 ev.clear()
 
     async def _watch_workers(self) -> None:
-        while True:
-            await asyncio.sleep(1.0)
+        while not self.stopped.is_set():
+            await asyncio.sleep(min(1.0, self.settings.worker_timeout / 3))
+            if not self.leading:
+                continue
             if self.core.expire_transfers(TRANSFER_TIMEOUT_S):
                 self._wake_all()
             await self._release_drained()
             now = time.monotonic()
             for wid in list(self.core.workers):
-                if now - self.last_seen.get(wid, now) > HEARTBEAT_TIMEOUT_S:
-                    log.error(
-                        "worker %s: no heartbeat for %.0fs; re-queueing its sequences",
-                        wid,
-                        HEARTBEAT_TIMEOUT_S,
-                    )
-                    self.core.remove_worker(wid)
-                    self.wake.pop(wid, None)
-                    self._wake_all()
+                silent = now - self.last_seen.get(wid, now)
+                if silent > self.settings.worker_timeout:
+                    self._remove_worker(wid, f"no heartbeat for {silent:.1f}s")
+            if self.draining and not self.core.requests:
+                self.stopped.set()
+
+    # -- shutdown -------------------------------------------------------------------------------
+
+    def begin_drain(self) -> None:
+        """SIGTERM. With a standby (a lease): hand over at once (release the lease; the standby
+        resumes every live request from the shadow it keeps) and stop. Alone: accept nothing
+        new, finish what is queued and running, then stop (or after --drain-timeout)."""
+        if self.draining:
+            return
+        self.draining = True
+        log.info("%s draining", self.scheduler_id)
+        if self.lease is not None:
+            self.leading = False
+            self.stopped.set()
+        else:
+            self.bus.spawn(self._drain_deadline())
+
+    async def _drain_deadline(self) -> None:
+        await asyncio.sleep(self.settings.drain_timeout)
+        if not self.stopped.is_set():
+            log.warning(
+                "%s: %d requests still running after %.0fs of draining; stopping",
+                self.scheduler_id,
+                len(self.core.requests),
+                self.settings.drain_timeout,
+            )
+            self.stopped.set()
+
+    async def close(self) -> None:
+        if self.lease is not None:
+            await self.lease.release()
+            await self.lease.close()
+        await self.bus.close()
 
 
 async def run(settings: Settings) -> None:
@@ -212,7 +400,16 @@ async def run(settings: Settings) -> None:
     src = resolve_model(settings.model, settings.served_model_name)
     cfg = load_config(src)
     max_len = min(settings.max_model_len, cfg.max_position_embeddings)
-    service = SchedulerService(settings, src.name, max_len)
+    lease = None
+    if settings.scheduler_ha:
+        if not settings.redis_url:
+            raise SystemExit("--scheduler-ha needs --redis-url (the lease lives in Redis)")
+        lease = Lease(settings.redis_url, src.name)
+    service = SchedulerService(settings, src.name, max_len, lease, settings.scheduler_id)
     await service.start()
-    ops.set_ready(lambda: service.bus.client.is_connected, service.bus)
-    await asyncio.Event().wait()
+    ops.set_ready(lambda: service.bus.client.is_connected and service.leading, service.bus)
+    asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, service.begin_drain)
+    try:
+        await service.stopped.wait()
+    finally:
+        await service.close()

@@ -35,9 +35,7 @@ class KvBlockIO:
 
     def layout(self) -> str:
         dtype = str(self.dtype).removeprefix("torch.")
-        return (
-            f"{dtype}:{self.num_layers}x{self.block_size}x{self.num_kv_heads}x{self.head_dim}"
-        )
+        return f"{dtype}:{self.num_layers}x{self.block_size}x{self.num_kv_heads}x{self.head_dim}"
 
     @property
     def block_bytes(self) -> int:

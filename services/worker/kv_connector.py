@@ -146,9 +146,7 @@ class NatsKvConnector:
             for l0, l1 in ranges
         ]
         async with self._transfers:
-            tasks = [
-                asyncio.ensure_future(self._fetch(order, window, *job)) for job in jobs
-            ]
+            tasks = [asyncio.ensure_future(self._fetch(order, window, *job)) for job in jobs]
             try:
                 sizes = await asyncio.gather(*tasks)
             except Exception as e:  # noqa: BLE001 - a failed transfer is reported, not raised

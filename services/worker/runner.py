@@ -178,6 +178,7 @@ class ModelRunner:
             log.exception("step %d failed", plan.step_id)
             ids, tokens, reasons, n, lps, plps = [], [], [], 0, [], []
             err = f"{type(e).__name__}: {e}"
+        counts = [self.requests[r].num_output_tokens if r in self.requests else 0 for r in ids]
         return StepResult(
             worker_id=self.worker_id,
             step_id=plan.step_id,
@@ -189,7 +190,14 @@ class ModelRunner:
             error=err,
             logprobs=lps,
             prompt_logprobs=plps,
+            num_output_tokens=counts,
+            epoch=plan.epoch,
         )
+
+    def reset(self) -> None:
+        """Forget every request (a new scheduler leader starts over; the KV cache's contents
+        are just stale data to it)."""
+        self.requests.clear()
 
     def _add_request(self, r: NewRequest) -> None:
         p = r.params

@@ -26,6 +26,7 @@ from shared import subjects
 from shared.bus import Bus
 from shared.config import Settings
 from shared.messages import (
+    STALE_EPOCH_ERROR,
     KvPull,
     KvTransferDone,
     Message,
@@ -37,7 +38,7 @@ from shared.messages import (
 
 log = logging.getLogger("kvflow.worker")
 
-HEARTBEAT_INTERVAL_S = 1.0
+HEARTBEAT_INTERVAL_S = 0.5
 T = TypeVar("T")
 
 
@@ -70,6 +71,8 @@ class WorkerService:
         self.kv_io = KvBlockIO(runner.kv_caches)
         self.kv = NatsKvConnector(self.bus, self.kv_io, self.worker_id)
         self.draining = False
+        self.epoch = 0  # the newest scheduler term seen in a plan
+        self.instance = uuid.uuid4().hex
         self.stopped = asyncio.Event()  # set when released (or the drain timed out)
         self._beat = asyncio.Event()  # wakes the heartbeat loop early
 
@@ -93,6 +96,9 @@ class WorkerService:
             case StepPlan():
                 self.plans.put_nowait(msg)
             case KvPull():
+                if msg.epoch and msg.epoch < self.epoch:
+                    log.warning("worker: KvPull of an old scheduler term %d ignored", msg.epoch)
+                    return
                 self.bus.spawn(self._pull(msg))
             case WorkerRelease() if msg.worker_id == self.worker_id:
                 log.info("worker %s released by the scheduler", self.worker_id)
@@ -126,11 +132,32 @@ class WorkerService:
     async def _run_steps(self) -> None:
         while True:
             plan = await self.plans.get()
+            if plan.epoch < self.epoch:
+                # a deposed scheduler leader: tell it, so it stops; do not run its plan
+                log.warning("worker: plan of old scheduler term %d ignored", plan.epoch)
+                stale = StepResult(
+                    self.worker_id,
+                    plan.step_id,
+                    [],
+                    [],
+                    [],
+                    error=f"{STALE_EPOCH_ERROR} {plan.epoch} (now {self.epoch})",
+                    epoch=plan.epoch,
+                )
+                await self.bus.publish(subjects.RESULTS, stale)
+                continue
+            if plan.epoch > self.epoch:
+                if self.epoch:
+                    log.info("worker: scheduler term %d starts; dropping old state", plan.epoch)
+                    await self.model_thread.run(self.runner.reset)
+                self.epoch = plan.epoch
             try:
                 result = await self.model_thread.run(self.runner.execute, plan)
             except Exception as e:  # noqa: BLE001 - execute reports its own errors; belt and braces
                 log.exception("worker: step %d crashed", plan.step_id)
-                result = StepResult(self.worker_id, plan.step_id, [], [], [], error=str(e))
+                result = StepResult(
+                    self.worker_id, plan.step_id, [], [], [], error=str(e), epoch=plan.epoch
+                )
             result.worker_id = self.worker_id
             await self.bus.publish(subjects.RESULTS, result)
 
@@ -146,6 +173,7 @@ class WorkerService:
             kv_subject=self.kv.subject,
             kv_layout=self.kv_io.layout(),
             draining=self.draining,
+            instance=self.instance,
         )
 
     async def _heartbeat(self) -> None:

@@ -1,0 +1,79 @@
+"""The scheduler leader's lease in Redis, so that one scheduler of a cell plans and a standby
+takes over when it dies.
+
+redis-py's ``Lock`` does the hard parts (a random token, atomic check-and-extend in Lua). The
+leader extends the lease every ``ttl/3`` and treats it as valid only until its last successful
+extension plus ``ttl`` minus a margin (``valid()``): a leader that stalls past that stops planning
+before a standby can have taken over. Each new leader increments an epoch counter; plans carry
+the epoch and workers ignore plans of older epochs (fencing a deposed leader that does not know
+it yet).
+
+Redis unreachable: the leader keeps leading (nobody else can take the lease either, so there is
+no split brain) and tries again; a standby cannot take over until Redis is back.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import redis.asyncio as aioredis
+from redis.exceptions import LockError, LockNotOwnedError, RedisError
+
+log = logging.getLogger("kvflow.scheduler.lease")
+
+
+class LeaseLost(Exception):
+    """Another scheduler holds the lease now."""
+
+
+class Lease:
+    def __init__(self, redis_url: str, cell: str, ttl_s: float = 3.0) -> None:
+        self.redis = aioredis.from_url(redis_url, socket_timeout=1.0, socket_connect_timeout=1.0)
+        self.key = f"kvflow:scheduler:{cell}:lease"
+        self.epoch_key = f"kvflow:scheduler:{cell}:epoch"
+        self.ttl_s = ttl_s
+        self.lock = self.redis.lock(self.key, timeout=ttl_s, blocking=False)
+        self.held_until = 0.0  # monotonic deadline of the lease as last confirmed
+        self.epoch = 0
+
+    async def try_acquire(self) -> bool:
+        """Take the lease if it is free; on success the epoch is incremented and kept."""
+        try:
+            if not await self.lock.acquire(blocking=False):
+                return False
+            self.held_until = time.monotonic() + self.ttl_s * 0.8
+            self.epoch = int(await self.redis.incr(self.epoch_key))
+            return True
+        except (RedisError, OSError) as e:
+            log.warning("lease: Redis unreachable (%s); cannot take the lease", e)
+            return False
+
+    async def renew(self) -> None:
+        """Extend the lease; raises LeaseLost if another scheduler holds it."""
+        try:
+            await self.lock.reacquire()
+            self.held_until = time.monotonic() + self.ttl_s * 0.8
+        except LockNotOwnedError as e:
+            raise LeaseLost(str(e)) from e
+        except LockError:
+            # the key expired while Redis was away: take it again if nobody else did
+            if not await self.lock.acquire(blocking=False):
+                raise LeaseLost("the lease expired and another scheduler took it") from None
+            self.held_until = time.monotonic() + self.ttl_s * 0.8
+        except (RedisError, OSError) as e:
+            # nobody can take the lease while Redis is away: keep leading
+            log.warning("lease: Redis unreachable (%s); still leading", e)
+            self.held_until = time.monotonic() + self.ttl_s * 0.8
+
+    def valid(self) -> bool:
+        return time.monotonic() < self.held_until
+
+    async def release(self) -> None:
+        try:
+            await self.lock.release()
+        except (LockError, RedisError, OSError):
+            pass
+
+    async def close(self) -> None:
+        await self.redis.aclose()

@@ -1,0 +1,60 @@
+"""What a scheduler can rebuild from the bus alone: every live request with all the tokens it has
+so far, and the ids of recently finished ones.
+
+Every scheduler keeps one, leader and standby alike, from the same messages the detokenizer sees
+(TokenizedRequest, StepResult, Abort). When a standby takes over, the live requests resume from
+their prompt plus the tokens already generated (recompute), so a client's stream goes on with no
+token repeated or missing. The recently finished ids make a resubmitted request (the gateway
+retries until the scheduler acknowledges) run once, not twice.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+from shared.messages import FinishReason, StepResult, TokenizedRequest
+
+
+@dataclass
+class LiveRequest:
+    request: TokenizedRequest
+    output_ids: list[int] = field(default_factory=list)
+
+
+class ShadowState:
+    def __init__(self, remember_finished: int = 100_000) -> None:
+        self.live: dict[str, LiveRequest] = {}
+        self.finished: OrderedDict[str, None] = OrderedDict()
+        self.remember_finished = remember_finished
+
+    def is_finished(self, request_id: str) -> bool:
+        return request_id in self.finished
+
+    def add(self, req: TokenizedRequest) -> bool:
+        """Track a new request; False for a duplicate or one that already finished."""
+        if req.request_id in self.live or req.request_id in self.finished:
+            return False
+        self.live[req.request_id] = LiveRequest(req)
+        return True
+
+    def end(self, request_id: str) -> None:
+        if self.live.pop(request_id, None) is not None or request_id not in self.finished:
+            self.finished[request_id] = None
+            while len(self.finished) > self.remember_finished:
+                self.finished.popitem(last=False)
+
+    def apply(self, result: StepResult) -> None:
+        """Record the tokens of a step (in the order the worker published them)."""
+        counts = result.num_output_tokens or [0] * len(result.request_ids)
+        for rid, tok, reason, count in zip(
+            result.request_ids, result.token_ids, result.finish_reasons, counts, strict=True
+        ):
+            live = self.live.get(rid)
+            if live is None:
+                continue
+            if count and count <= len(live.output_ids):
+                continue  # a token this request already has (a step re-run after a failure)
+            live.output_ids.append(tok)
+            if reason != FinishReason.NONE:
+                self.end(rid)

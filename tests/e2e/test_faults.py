@@ -1,0 +1,258 @@
+"""Fault injection on one real stack: `kvflow serve --schedulers 2 --prefill-workers 1
+--decode-workers 2` (real processes, real NATS and Redis). Garbage on every subject, a decode
+worker killed with SIGKILL mid-stream, the leading scheduler killed, NATS stopped and started
+again, a flood above capacity, and SIGTERM with a request open. Users see none of it: streams go
+on with the same text, requests complete or fail clearly, and the stack keeps serving. The tests
+run in this order on the same stack; the last one shuts it down."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+
+from shared.infra import start_nats
+from tests.e2e.conftest import ROOT, wait_all_blocks_free
+from tests.e2e.faults import MODEL, Stream, rss_mib, service_pids, stack_urls
+
+pytestmark = pytest.mark.e2e
+NAME = "faults"
+
+
+@pytest.fixture(scope="module")
+def faults_stack():
+    """Its own launcher (not running_stack) so the last test can SIGTERM it mid-request."""
+    from shared.infra import free_port
+
+    port = free_port()
+    log_path = ROOT / ".pytest_cache" / f"kvflow-serve-{NAME}.log"
+    log_path.parent.mkdir(exist_ok=True)
+    log = open(log_path, "wb")  # noqa: SIM115 - closed below
+    args = ["--schedulers", "2", "--prefill-workers", "1", "--decode-workers", "2"]
+    args += ["--max-waiting", "16", "--kv-cache-memory", "0.3", "--max-model-len", "1024"]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "services.cli", "serve", "--port", str(port), *args],
+        cwd=ROOT,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+    base = f"http://127.0.0.1:{port}"
+    extra: list = []  # servers the tests start (a restarted nats-server)
+    try:
+        deadline = time.monotonic() + 300
+        while "kvflow: ready" not in log_path.read_text():
+            assert proc.poll() is None, log_path.read_text()[-3000:]
+            assert time.monotonic() < deadline, log_path.read_text()[-3000:]
+            time.sleep(0.5)
+        yield base, proc, extra
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(60)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+        for server in extra:
+            server.stop()
+        log.close()
+
+
+def prompts(n: int) -> list[str]:
+    topics = ["rivers", "bridges", "winter", "markets", "lamps", "gardens", "letters", "clouds"]
+    return [f"Tell a short story about {topics[i % 8]} number {i}." for i in range(n)]
+
+
+def run_streams(base: str, ps: list[str], max_tokens: int) -> list[Stream]:
+    return [Stream(base, p, max_tokens).start() for p in ps]
+
+
+def complete(base: str, prompt: str, max_tokens: int = 8, timeout: float = 120) -> str:
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0}
+    r = httpx.post(f"{base}/v1/completions", json=body, timeout=timeout)
+    r.raise_for_status()
+    return r.json()["choices"][0]["text"]
+
+
+def wait_healthy(base: str, timeout: float = 120) -> float:
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout:
+        try:
+            if httpx.get(f"{base}/health", timeout=2).status_code == 200:
+                return time.monotonic() - t0
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    raise AssertionError("the stack did not become healthy again")
+
+
+def test_malformed_messages_are_dropped_and_nothing_dies(faults_stack) -> None:
+    import asyncio
+
+    import nats
+
+    base, proc, _ = faults_stack
+    nats_url, _ = stack_urls(NAME)
+    before = service_pids(nats_url)
+    subjects = [
+        "kvflow.tokenize",
+        "kvflow.requests",
+        "kvflow.abort",
+        "kvflow.results",
+        "kvflow.workers.heartbeat",
+        "kvflow.kv.done",
+        "kvflow.scheduler.stats",
+        "kvflow.worker.decode-0.step",
+        "kvflow.worker.prefill-0.kv",
+        "kvflow.tokenizer.rpc",
+    ]
+
+    async def spray() -> None:
+        nc = await nats.connect(nats_url)
+        for subject in subjects:
+            for payload in (b"", b"\x00\xff garbage", b"\x93\x01\x02\x03", b"\x92\x05\xc0"):
+                await nc.publish(subject, payload)
+        await nc.flush()
+        await nc.close()
+
+    asyncio.run(spray())
+    time.sleep(1.0)
+    assert service_pids(nats_url) == before  # every service alive, none restarted
+    assert proc.poll() is None
+    assert complete(base, "The capital of France is")
+
+
+def test_killed_decode_worker_mid_stream_loses_nothing(faults_stack) -> None:
+    base, _, _ = faults_stack
+    nats_url, _ = stack_urls(NAME)
+    ps = prompts(16)
+    reference = [s.join() for s in run_streams(base, ps, 40)]
+    assert all(s.error is None and s.finish_reason == "length" for s in reference)
+    wait_all_blocks_free(base)
+
+    streams = run_streams(base, ps, 40)
+    deadline = time.monotonic() + 120
+    while min(len(s.pieces) for s in streams) < 4:  # every stream is under way
+        assert time.monotonic() < deadline, "streams did not start"
+        time.sleep(0.05)
+    workers = httpx.get(f"{base}/stats", timeout=5).json()["workers"]
+    busiest = max((w for w in workers if w["role"] == "decode"), key=lambda w: w["num_running"])
+    assert busiest["num_running"] > 0
+    os.kill(service_pids(nats_url)[f"worker:{busiest['worker_id']}"], signal.SIGKILL)
+    for s in streams:
+        s.join()
+    assert [s.error for s in streams] == [None] * 16
+    assert [s.text for s in streams] == [r.text for r in reference]
+    wait_all_blocks_free(base, timeout=30)
+
+
+def test_killed_leader_scheduler_the_standby_takes_over(faults_stack) -> None:
+    base, _, _ = faults_stack
+    nats_url, _ = stack_urls(NAME)
+    ps = prompts(4)
+    reference = [s.join().text for s in run_streams(base, ps, 32)]
+    assert all(reference)
+    before = httpx.get(f"{base}/stats", timeout=5).json()
+    streams = run_streams(base, ps, 32)
+    while min(len(s.pieces) for s in streams) < 3:
+        time.sleep(0.05)
+    os.kill(service_pids(nats_url)[f"scheduler:{before['scheduler_id']}"], signal.SIGKILL)
+    t_kill = time.monotonic()
+    # new requests are served again within a bounded time
+    while True:
+        try:
+            complete(base, "Hello", 2, timeout=30)
+            break
+        except httpx.HTTPError:
+            assert time.monotonic() - t_kill < 60, "no scheduler took over within 60 s"
+            time.sleep(0.2)
+    takeover_s = time.monotonic() - t_kill
+    print(f"\nscheduler takeover: a new request was served {takeover_s:.1f} s after SIGKILL")
+    after = httpx.get(f"{base}/stats", timeout=5).json()
+    assert after["scheduler_id"] != before["scheduler_id"] and after["epoch"] > before["epoch"]
+    for s in streams:
+        s.join()
+    assert [s.error for s in streams] == [None] * 4
+    assert [s.text for s in streams] == reference
+    wait_all_blocks_free(base, timeout=30)
+
+
+def test_nats_outage_requests_complete_or_fail_clearly_then_serving_resumes(faults_stack) -> None:
+    base, _, extra = faults_stack
+    nats_url, _ = stack_urls(NAME)
+    port = int(nats_url.rsplit(":", 1)[1])
+    nats_pid = next(
+        int(p)
+        for p in os.listdir("/proc")
+        if p.isdigit()
+        and re.search(rb"nats-server\x00.*-p\x00" + str(port).encode(), _cmdline(int(p)))
+    )
+    streams = run_streams(base, prompts(6), 48)
+    while min(len(s.pieces) for s in streams) < 2:
+        time.sleep(0.05)
+    os.kill(nats_pid, signal.SIGKILL)
+    time.sleep(5)
+    extra.append(start_nats(port=port))
+    for s in streams:
+        s.join(timeout=200)
+        assert not s.thread.is_alive(), "a request hung past its deadline"
+        # complete, or an error that says what happened: never a silent truncation
+        assert (s.error is None and s.finish_reason == "length") or s.error, s.text
+    wait_healthy(base)
+    assert complete(base, "The capital of France is")
+
+
+def _cmdline(pid: int) -> bytes:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read()
+    except OSError:
+        return b""
+
+
+def test_a_flood_gets_429_and_memory_stays_bounded(faults_stack) -> None:
+    base, _, _ = faults_stack
+    nats_url, _ = stack_urls(NAME)
+    pids = service_pids(nats_url)
+    rss_before = {name: rss_mib(pid) for name, pid in pids.items()}
+
+    def one(i: int) -> tuple[int, str | None]:
+        body = {"model": MODEL, "prompt": f"Count to {i}:", "max_tokens": 4, "temperature": 0}
+        r = httpx.post(f"{base}/v1/completions", json=body, timeout=300)
+        return r.status_code, r.headers.get("retry-after")
+
+    with ThreadPoolExecutor(64) as pool:
+        results = list(pool.map(one, range(400)))
+    codes = [c for c, _ in results]
+    assert set(codes) <= {200, 429}, sorted(set(codes))
+    assert codes.count(429) > 0 and codes.count(200) > 0
+    assert all(ra is not None for c, ra in results if c == 429)
+    grown = {
+        name: rss_mib(pid) - rss_before[name]
+        for name, pid in service_pids(nats_url).items()
+        if name in rss_before
+    }
+    print(f"\nflood: {codes.count(200)} served, {codes.count(429)} got 429; RSS growth MiB {grown}")
+    assert max(grown.values()) < 300, grown
+    wait_all_blocks_free(base, timeout=30)
+
+
+def test_sigterm_finishes_the_open_request_then_stops_everything(faults_stack) -> None:
+    base, proc, _ = faults_stack
+    nats_url, _ = stack_urls(NAME)
+    stream = Stream(base, "Write a long story about the sea.", 48).start()
+    while len(stream.pieces) < 2:
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    stream.join()
+    assert stream.error is None and stream.finish_reason == "length"
+    assert proc.wait(90) == 0
+    assert service_pids(nats_url) == {}
