@@ -155,6 +155,10 @@ def sampling_params(
     unsupported = req.unsupported()
     if unsupported is not None:
         raise bad(unsupported, "is not supported by kvflow")
+    constraint = structured_output(req)
+    if constraint is not None and req.allowed_token_ids:
+        # the grammar and the list may leave no token at all
+        raise bad("allowed_token_ids", f"cannot be combined with {constraint.param}")
     try:
         validate_sampling(**values, max_n=settings.max_n if settings else None)
     except SamplingParamError as e:
@@ -181,7 +185,7 @@ def sampling_params(
         logprobs=logprobs,
         logit_bias=dict(req.logit_bias) if req.logit_bias else None,
         prompt_logprobs=prompt_logprobs,
-        structured_output=structured_output(req),
+        structured_output=constraint,
         allowed_token_ids=list(req.allowed_token_ids) if req.allowed_token_ids else None,
     )
 

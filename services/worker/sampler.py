@@ -73,10 +73,15 @@ def allow_only_tokens(logits: torch.Tensor, row: int, token_ids: Sequence[int]) 
 
 def suppress_tokens(logits: torch.Tensor, row: int, token_ids: Sequence[int]) -> None:
     """Forbid ``token_ids`` in ``row`` (in place); used to hold back EOS/stop ids before
-    ``min_tokens`` outputs."""
+    ``min_tokens`` outputs. Never forbids the last tokens a row has left (when
+    ``allowed_token_ids`` holds only stop tokens, a stop token is the only answer)."""
     ids = [t for t in token_ids if 0 <= t < logits.shape[-1]]
-    if ids:
-        logits[row, ids] = float("-inf")
+    if not ids:
+        return
+    kept = logits[row, ids].clone()
+    logits[row, ids] = float("-inf")
+    if not torch.isfinite(logits[row]).any():
+        logits[row, ids] = kept
 
 
 def apply_penalties(

@@ -77,12 +77,16 @@ def narrowed(doc: dict[str, Any]) -> dict[str, Any]:
         "top_logprobs": num(0, 5, "integer"),
         "stop_token_ids": {"type": "array", "items": token, "maxItems": 3},
         "stop": {"type": "array", "items": {"type": "string", "minLength": 1}, "maxItems": 2},
+        "allowed_token_ids": {"type": "array", "items": token, "minItems": 1, "maxItems": 5},
+        "truncate_prompt_tokens": num(1, 50, "integer"),
     }
     for name in ("CompletionRequest", "ChatCompletionRequest"):
         props = schemas[name]["properties"]
         props.update(ranges)
-        for unchecked in ("logit_bias", "suffix", "model", "guided_grammar", "guided_regex"):
-            props.pop(unchecked, None)
+        refused = ("suffix", "use_beam_search", "length_penalty", "bad_words", "tools")
+        unchecked = ("logit_bias", "model", "guided_grammar", "guided_regex")
+        for name in (*refused, "return_tokens_as_token_ids", *unchecked):
+            props.pop(name, None)
     schemas["CompletionRequest"]["properties"].update(
         {
             "logprobs": num(0, 5, "integer"),

@@ -248,6 +248,8 @@ def test_vllm_extras_mapped_or_refused_by_name() -> None:
     ):
         assert refused(cjob, **{field: value}).param == field
     cjob(use_beam_search=False, length_penalty=1.0, bad_words=[])  # defaults are fine
+    both = refused(cjob, allowed_token_ids=[1], guided_regex="a")
+    assert both.param == "allowed_token_ids" and "guided_regex" in both.message
     tools = [{"type": "function", "function": {"name": "f", "parameters": {}}}]
     assert refused(chjob, tools=tools).param == "tool_choice"
     assert refused(chjob, tools=tools, tool_choice="required").param == "tool_choice"

@@ -109,3 +109,14 @@ def test_penalties_and_suppression() -> None:
         logits[0, 0] == -math.inf
         and sampler.sample(logits, batch([SamplingParams(temperature=0)])) == 3
     )
+
+
+def test_allowed_tokens_and_suppression_never_empty_a_row() -> None:
+    logits = torch.randn(2, 50, generator=torch.Generator().manual_seed(3))
+    sampler.allow_only_tokens(logits, 0, [4, 9])
+    assert torch.isfinite(logits[0]).nonzero().flatten().tolist() == [4, 9]
+    sampler.suppress_tokens(logits, 0, [9])  # min_tokens holds a stop token back
+    assert torch.isfinite(logits[0]).nonzero().flatten().tolist() == [4]
+    sampler.suppress_tokens(logits, 0, [4])  # the last token left stays
+    assert torch.isfinite(logits[0]).nonzero().flatten().tolist() == [4]
+    assert torch.isfinite(logits[1]).all()
