@@ -50,6 +50,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--decode-workers", type=int, default=0, help="workers of role 'decode' (disaggregated)"
     )
     serve.add_argument(
+        "--tokenizers", type=int, default=1, help="tokenizers (a queue group shares requests)"
+    )
+    serve.add_argument(
+        "--detokenizers", type=int, default=1, help="detokenizers (a queue group shares requests)"
+    )
+    serve.add_argument(
         "--schedulers",
         type=int,
         default=1,
@@ -97,6 +103,8 @@ def main(argv: list[str] | None = None) -> int:
         prefill_workers=args.prefill_workers,
         decode_workers=args.decode_workers,
         schedulers=args.schedulers,
+        tokenizers=args.tokenizers,
+        detokenizers=args.detokenizers,
     )
 
 

@@ -102,14 +102,16 @@ def serve(
     prefill_workers: int = 0,
     decode_workers: int = 0,
     schedulers: int = 1,
+    tokenizers: int = 1,
+    detokenizers: int = 1,
 ) -> int:
     try:
         resolve_model(settings.model, settings.served_model_name)
         plan = worker_plan(workers, prefill_workers, decode_workers)
     except (ModelNotFoundError, ValueError) as e:
         return _fail(str(e))
-    if schedulers < 1:
-        return _fail("--schedulers must be at least 1")
+    if min(schedulers, tokenizers, detokenizers) < 1:
+        return _fail("--schedulers, --tokenizers and --detokenizers must be at least 1")
     if settings.threads == 0 and len(plan) > 1:
         # the workers share this machine's cores instead of each taking all of them
         share = max(1, (os.cpu_count() or 1) // len(plan))
@@ -140,8 +142,11 @@ def serve(
         for i in range(schedulers):
             ha = {"scheduler_ha": "true"} if schedulers > 1 else {}
             specs[f"scheduler-{i}"] = ("scheduler", {**ha, "scheduler_id": f"scheduler-{i}"})
-        for name in ("tokenizer", "detokenizer", "gateway"):
-            specs[name] = (name, {})
+        for i in range(tokenizers):
+            specs["tokenizer" if i == 0 else f"tokenizer-{i}"] = ("tokenizer", {})
+        for i in range(detokenizers):
+            specs["detokenizer" if i == 0 else f"detokenizer-{i}"] = ("detokenizer", {})
+        specs["gateway"] = ("gateway", {})
         for name, (service, overrides) in specs.items():
             procs.append((name, _spawn(service, settings, **overrides)))
         print(

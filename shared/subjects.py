@@ -5,7 +5,8 @@ PREFIX = "kvflow"
 
 TOKENIZE = f"{PREFIX}.tokenize"  # GenerateRequest, queue group "tokenizer"
 TOKENIZER_QUEUE = "tokenizer"
-REQUESTS = f"{PREFIX}.requests"  # TokenizedRequest -> scheduler and detokenizer
+REQUESTS = f"{PREFIX}.requests"  # TokenizedRequest -> scheduler(s), and one detokenizer:
+DETOKENIZER_QUEUE = "detokenizer"  # the queue group that shares requests among detokenizers
 ABORT = f"{PREFIX}.abort"  # Abort -> scheduler and detokenizer
 RESULTS = f"{PREFIX}.results"  # StepResult -> scheduler and detokenizer
 HEARTBEAT = f"{PREFIX}.workers.heartbeat"  # WorkerHeartbeat -> scheduler

@@ -1,11 +1,18 @@
 """The detokenizer service: receives every worker's StepResult (one message per step), turns each
 sequence's new token into text with its DetokState, and sends one DeltaBatch per gateway inbox.
-When a stop string ends a sequence it tells the scheduler (Abort with reason STOP)."""
+When a stop string ends a sequence it tells the scheduler (Abort with reason STOP).
+
+Any number of detokenizers share the work: each new request goes to one of them (a NATS queue
+group on the requests subject), which then handles that request's tokens; step results go to
+all, and each keeps only its own. On SIGTERM a detokenizer leaves the queue group (no new
+requests) and finishes the ones it has, then exits. Should a request ever reach two (a
+resubmission landing elsewhere), both send the same deltas and the gateway keeps one."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import signal
 import time
 from collections import OrderedDict, defaultdict
 from typing import Any
@@ -44,10 +51,16 @@ class DetokenizerService:
         self.duplicates_dropped = 0
         self.early: dict[str, tuple[float, list[tuple[int, int, SampleLogprobs | None]]]] = {}
         self.early_prompt: dict[str, tuple[float, list[PromptLogprobs]]] = {}
+        self._requests_sub: Any = None
+        self.draining = False
+        self.stopped = asyncio.Event()
+        self._emptied = asyncio.Event()  # set when the last request here ends
 
     async def start(self) -> None:
         await self.bus.connect(self.settings.nats_url)
-        await self.bus.subscribe(subjects.REQUESTS, self._on_message)
+        self._requests_sub = await self.bus.subscribe(
+            subjects.REQUESTS, self._on_message, queue=subjects.DETOKENIZER_QUEUE
+        )
         await self.bus.subscribe(subjects.RESULTS, self._on_message)
         await self.bus.subscribe(subjects.ABORT, self._on_message)
         log.info("detokenizer ready")
@@ -130,7 +143,30 @@ class DetokenizerService:
         log.info("detokenizer: dropped a repeated token %d of %s", count, rid)
         return True
 
+    async def begin_drain(self) -> None:
+        """SIGTERM: take no new requests, finish the ones here, then stop (or after
+        --drain-timeout)."""
+        if self.draining:
+            return
+        self.draining = True
+        log.info("detokenizer draining: %d requests to finish", len(self.states))
+        if self._requests_sub is not None:
+            await self._requests_sub.unsubscribe()
+        if self.states:
+            self._emptied.clear()
+            try:
+                await asyncio.wait_for(self._emptied.wait(), self.settings.drain_timeout)
+            except TimeoutError:
+                pass
+        if self.states:
+            log.warning(
+                "detokenizer: %d requests unfinished at the drain timeout", len(self.states)
+            )
+        self.stopped.set()
+
     def _mark_done(self, rid: str) -> None:
+        if not self.states:
+            self._emptied.set()
         self.done[rid] = None
         while len(self.done) > 100_000:
             self.done.popitem(last=False)
@@ -151,5 +187,9 @@ async def run(settings: Settings) -> None:
     tok = load_tokenizer(resolve_model(settings.model, settings.served_model_name))
     service = DetokenizerService(settings, tok)
     await service.start()
-    ops.set_ready(lambda: service.bus.client.is_connected, service.bus)
-    await asyncio.Event().wait()
+    ops.set_ready(lambda: service.bus.client.is_connected and not service.draining, service.bus)
+    asyncio.get_running_loop().add_signal_handler(
+        signal.SIGTERM, lambda: service.bus.spawn(service.begin_drain())
+    )
+    await service.stopped.wait()
+    await service.bus.close()

@@ -27,6 +27,8 @@ class RequestStreams:
     def __init__(self) -> None:
         self._queues: dict[str, asyncio.Queue[Item]] = {}
         self._accepted: dict[str, asyncio.Event] = {}  # set by Accepted, or any reply at all
+        self._tokens: dict[str, int] = {}  # completion tokens delivered so far
+        self.duplicate_deltas = 0  # deltas dropped as repeats (two detokenizers had a request)
         self.unknown_deltas = 0  # deltas for requests no longer here (finished or aborted)
 
     def open(self, request_id: str) -> asyncio.Queue[Item]:
@@ -38,6 +40,7 @@ class RequestStreams:
     def close(self, request_id: str) -> None:
         self._queues.pop(request_id, None)
         self._accepted.pop(request_id, None)
+        self._tokens.pop(request_id, None)
 
     def accepted(self, request_id: str) -> asyncio.Event | None:
         """Set once the scheduler acknowledged the request (None: no longer open)."""
@@ -62,9 +65,14 @@ class RequestStreams:
                 q = self._queues.get(delta.request_id)
                 if q is None:
                     self.unknown_deltas += 1
-                else:
-                    self._ack(delta.request_id)
-                    q.put_nowait(delta)
+                    continue
+                self._ack(delta.request_id)
+                seen = self._tokens.get(delta.request_id, 0)
+                if delta.completion_tokens and delta.completion_tokens <= seen:
+                    self.duplicate_deltas += 1  # each delta counts one more token than the last
+                    continue
+                self._tokens[delta.request_id] = delta.completion_tokens
+                q.put_nowait(delta)
         elif isinstance(msg, RequestError):
             q = self._queues.get(msg.request_id)
             if q is not None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import signal
 from typing import Any
 
 from nats.aio.msg import Msg
@@ -136,4 +137,9 @@ async def run(settings: Settings) -> None:
     service = TokenizerService(settings, tok, max_len, list(cfg.eos_token_ids), cfg.vocab_size)
     await service.start()
     ops.set_ready(lambda: service.bus.client.is_connected, service.bus)
-    await asyncio.Event().wait()
+    stop = asyncio.Event()
+    asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)
+    await stop.wait()
+    # SIGTERM: NATS drain stops new deliveries and lets the requests in hand finish
+    log.info("tokenizer draining")
+    await service.bus.close()

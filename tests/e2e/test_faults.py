@@ -185,6 +185,48 @@ def test_killed_leader_scheduler_the_standby_takes_over(faults_stack) -> None:
     wait_all_blocks_free(base, timeout=30)
 
 
+def test_a_second_detokenizer_shares_requests_and_drains_cleanly(faults_stack) -> None:
+    base, _, _ = faults_stack
+    nats_url, _ = stack_urls(NAME)
+    ps = prompts(12)  # spread at random by the queue group: both get some (1 - 2^-11)
+    reference = [s.join().text for s in run_streams(base, ps, 24)]
+    env = {**os.environ, "KVFLOW_NATS_URL": nats_url, "KVFLOW_MAX_MODEL_LEN": "1024"}
+    log = open(ROOT / ".pytest_cache" / "kvflow-faults-detok2.log", "wb")  # noqa: SIM115
+    extra = subprocess.Popen(
+        [sys.executable, "-m", "services.cli", "run", "detokenizer"],
+        cwd=ROOT,
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while (
+            "detokenizer ready"
+            not in (ROOT / ".pytest_cache" / "kvflow-faults-detok2.log").read_text()
+        ):
+            assert extra.poll() is None and time.monotonic() < deadline
+            time.sleep(0.2)
+        streams = run_streams(base, ps, 24)
+        while min(len(s.pieces) for s in streams) < 2:
+            time.sleep(0.05)
+        extra.send_signal(signal.SIGTERM)  # drain: it finishes its share, takes no more
+        for s in streams:
+            s.join()
+        assert [s.error for s in streams] == [None] * 12
+        assert [s.text for s in streams] == reference  # no delta lost or repeated
+        assert extra.wait(60) == 0
+        text = (ROOT / ".pytest_cache" / "kvflow-faults-detok2.log").read_text()
+        share = int(re.search(r"detokenizer draining: (\d+) requests", text).group(1))
+        assert share >= 1  # it had requests of its own when it was asked to stop
+        assert complete(base, "The capital of France is")  # the first one carries on alone
+    finally:
+        if extra.poll() is None:
+            extra.kill()
+            extra.wait()
+        log.close()
+
+
 def test_nats_outage_requests_complete_or_fail_clearly_then_serving_resumes(faults_stack) -> None:
     base, _, extra = faults_stack
     nats_url, _ = stack_urls(NAME)
