@@ -38,6 +38,20 @@ class Settings:
     num_kv_blocks: int = field(
         default=0, metadata={"help": "KV blocks per worker (0: from --kv-cache-memory)"}
     )
+    kv_host_memory: float = field(
+        default=0.0,
+        metadata={"help": "GiB of host memory per worker for evicted KV blocks (0: no host tier)"},
+    )
+    kv_redis_tier: bool = field(
+        default=False,
+        metadata={
+            "help": "store computed KV blocks in Redis (--redis-url) and load them instead of "
+            "recomputing, across workers and restarts"
+        },
+    )
+    kv_tier_ttl: int = field(
+        default=3600, metadata={"help": "seconds a KV block stays in the Redis tier"}
+    )
     max_num_seqs: int = field(default=64, metadata={"help": "most sequences in one step"})
     max_num_batched_tokens: int = field(
         default=2048, metadata={"help": "most tokens in one step (chunked prefill budget)"}

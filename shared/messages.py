@@ -171,6 +171,17 @@ class StepPlan(_Msg, tag=4):
     # the scheduler leader's term: a worker drops what it kept when a new term starts and
     # ignores plans of older terms (a deposed leader that does not know it yet)
     epoch: int = 0
+    # KV tiers: blocks the block manager evicts with this plan (copy them to the host tier
+    # before the step overwrites them), and full blocks this step computes (store them in Redis)
+    offload: list[BlockRef] = []
+    store: list[BlockRef] = []
+
+
+class BlockRef(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """A worker's KV block and the prefix hash that identifies its content."""
+
+    block: int
+    hash: bytes
 
 
 class StepResult(_Msg, tag=5):
@@ -191,6 +202,7 @@ class StepResult(_Msg, tag=5):
     # produces again (after a failure) is recognised and dropped downstream
     num_output_tokens: list[int] = []
     epoch: int = 0  # the plan's
+    host_tier_evicted: list[bytes] = []  # block hashes the host tier dropped (LRU) this step
 
 
 # StepResult.error of a plan from an older scheduler term (the deposed leader stops on it)
@@ -224,6 +236,11 @@ class WorkerHeartbeat(_Msg, tag=6):
     kv_layout: str = ""  # dtype and shape of one block; KV moves only between equal layouts
     draining: bool = False  # leaving: finish what runs here, take nothing new
     instance: str = ""  # random per process: the same worker id from a new process is a restart
+    redis_tier: str = ""  # "on", "off" (Redis unreachable: blocks are recomputed) or "" (none)
+    redis_tier_errors: int = 0  # Redis operations that failed (each may switch the tier off)
+    redis_stored_blocks: int = 0  # blocks written to Redis so far
+    host_tier_blocks: int = 0  # blocks the host tier holds now
+    host_tier_bytes: int = 0  # the host tier's capacity (0: none)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -303,6 +320,13 @@ class SchedulerStats(_Msg, tag=10):
     kv_transfer_seconds: float = 0.0  # summed over transfers (each from order to done)
     scheduler_id: str = ""  # the leader that answered
     epoch: int = 0  # its term
+    tier_loads: int = 0  # KvLoad orders completed
+    tier_host_hits: int = 0  # blocks loaded from a worker's host tier instead of recomputed
+    tier_redis_hits: int = 0  # blocks loaded from Redis instead of recomputed
+    tier_misses: int = 0  # blocks ordered but found in no tier (then recomputed)
+    tier_bytes: int = 0
+    tier_load_seconds: float = 0.0
+    tier_offloaded_blocks: int = 0  # evicted blocks sent to host tiers
 
 
 # ---------------------------------------------------------------------------------------------
@@ -365,6 +389,27 @@ class WorkerRelease(_Msg, tag=15):
     worker_id: str
 
 
+class KvLoad(_Msg, tag=17):
+    """scheduler -> worker: fill ``blocks`` (in order) from the KV tiers, from the host tier or
+    Redis, by their hashes; stop at the first block found in neither; report KvLoadDone."""
+
+    load_id: str
+    request_id: str
+    blocks: list[BlockRef]
+    epoch: int = 0
+
+
+class KvLoadDone(_Msg, tag=18):
+    load_id: str
+    request_id: str
+    worker_id: str
+    num_loaded: int  # leading blocks of the order now holding their content
+    host_hits: int = 0
+    redis_hits: int = 0
+    num_bytes: int = 0
+    seconds: float = 0.0
+
+
 class Accepted(_Msg, tag=16):
     """scheduler -> gateway inbox: the request is queued (or was already). Until it comes, the
     gateway resubmits with the same id; the scheduler runs each id once."""
@@ -383,6 +428,10 @@ class WorkerStats(msgspec.Struct, array_like=True, omit_defaults=True, gc=False)
     num_prefills: int = 0  # requests routed here for their prefill
     num_decodes: int = 0  # requests routed here for their decode
     draining: bool = False
+    redis_tier: str = ""
+    redis_tier_errors: int = 0
+    redis_stored_blocks: int = 0
+    host_tier_blocks: int = 0
 
 
 # ---------------------------------------------------------------------------------------------
@@ -431,6 +480,8 @@ Message = (
     | KvTransferDone
     | WorkerRelease
     | Accepted
+    | KvLoad
+    | KvLoadDone
     | TokenizeRequest
     | TokenizeResult
     | DetokenizeRequest

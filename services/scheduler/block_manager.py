@@ -46,6 +46,9 @@ class BlockManager:
         self.free: OrderedDict[int, None] = OrderedDict((b, None) for b in range(num_blocks))
         self.prefix_queries = 0  # blocks looked up
         self.prefix_hits = 0  # blocks found
+        # (block, hash) of cached blocks reallocated since the last take_evicted(): their
+        # content is about to be overwritten (the KV tiers keep a copy)
+        self.evicted: list[tuple[int, BlockHash]] = []
 
     # -- queries ------------------------------------------------------------------------------
 
@@ -120,9 +123,14 @@ class BlockManager:
             if old is not None:
                 if self.cached.get(old) == b:
                     del self.cached[old]
+                    self.evicted.append((b, old))
                 self.block_hash[b] = None
             self.ref_counts[b] = 1
             out.append(b)
+        return out
+
+    def take_evicted(self) -> list[tuple[int, BlockHash]]:
+        out, self.evicted = self.evicted, []
         return out
 
     def fork(self, blocks: Sequence[int]) -> list[int]:

@@ -15,13 +15,18 @@ import itertools
 import time
 from dataclasses import dataclass, field
 
-from services.scheduler.block_manager import BlockManager
+from services.scheduler.block_manager import BlockHash, BlockManager
 from services.scheduler.policy import Route, SchedulerLimits, StepOutcome, WorkerScheduler
 from services.scheduler.sequence import Reservation, SeqStatus, Sequence, Transfer, WaitingQueue
+from shared.kv_tier import tier_key
 from shared.messages import (
+    BlockRef,
+    KvLoad,
+    KvLoadDone,
     KvPull,
     KvTransferDone,
     SchedulerStats,
+    StepPlan,
     StepResult,
     TokenizedRequest,
     WorkerStats,
@@ -47,6 +52,17 @@ class TransferTotals:
     seconds: float = 0.0
 
 
+@dataclass
+class TierTotals:
+    loads: int = 0
+    host_hits: int = 0
+    redis_hits: int = 0
+    misses: int = 0
+    num_bytes: int = 0
+    seconds: float = 0.0
+    offloaded: int = 0
+
+
 class SchedulerCore:
     def __init__(self, limits: SchedulerLimits, max_waiting: int = 1024, model: str = "") -> None:
         self.limits = limits
@@ -59,6 +75,9 @@ class SchedulerCore:
         self.kv_layout: dict[str, str] = {}  # worker id -> KV block layout
         self.transfers: dict[str, Sequence] = {}  # transfer id -> sequence (aborted ones too)
         self.transfer_totals = TransferTotals()
+        self.loads: dict[str, Sequence] = {}  # tier load id -> sequence (aborted ones too)
+        self.tier_totals = TierTotals()
+        self.host_hashes: dict[str, set[bytes]] = {}  # worker -> blocks in its host tier
         self.num_finished = 0
         self.num_computed_tokens = 0  # as reported by the workers' StepResults
         self._transfer_ids = itertools.count(1)
@@ -73,6 +92,8 @@ class SchedulerCore:
         role: str = "both",
         kv_subject: str = "",
         kv_layout: str = "",
+        host_tier: bool = False,
+        redis_tier: bool = False,
     ) -> WorkerScheduler:
         salt = f"{self.model}|{block_size}".encode()
         ws = WorkerScheduler(
@@ -80,6 +101,10 @@ class SchedulerCore:
         )
         ws.router = self._route
         ws.release_elsewhere = self._release_elsewhere
+        ws.tier_lookup = self._tier_lookup
+        ws.offload_enabled = host_tier
+        ws.store_enabled = redis_tier
+        self.host_hashes[worker_id] = set()
         self.workers[worker_id] = ws
         self.kv_subject[worker_id] = kv_subject
         self.kv_layout[worker_id] = kv_layout
@@ -91,6 +116,7 @@ class SchedulerCore:
         ws = self.workers.pop(worker_id, None)
         self.kv_subject.pop(worker_id, None)
         self.kv_layout.pop(worker_id, None)
+        self.host_hashes.pop(worker_id, None)
         if ws is None:
             return []
         moved = ws.on_failed_step(self.waiting, removing=True)
@@ -225,10 +251,85 @@ class SchedulerCore:
             if t.src_worker in self.workers:
                 self.workers[t.src_worker].bm.free_blocks(t.held_blocks)
 
+    # -- KV tiers ---------------------------------------------------------------------------
+
+    def _tier_lookup(self, seq: Sequence, ws: WorkerScheduler, first: int) -> list[BlockHash]:
+        """Hashes of the prompt's full blocks from ``first`` on that ``ws``'s host tier holds,
+        or that Redis held when the request arrived (leaving one token to compute)."""
+        host = self.host_hashes.get(ws.worker_id, set())
+        if not (host or seq.redis_prefix_blocks > first and ws.store_enabled):
+            return []
+        limit = (seq.num_tokens - 1) // ws.bm.block_size
+        if first >= limit:
+            return []
+        hashes = ws.bm.block_hashes(seq.token_ids[: limit * ws.bm.block_size])
+        out: list[BlockHash] = []
+        for j in range(first, limit):
+            in_redis = ws.store_enabled and j < seq.redis_prefix_blocks
+            if hashes[j] not in host and not in_redis:
+                break
+            out.append(hashes[j])
+        return out
+
+    def redis_keys_for(self, token_ids: list[int]) -> list[str]:
+        """Redis keys of the full blocks of a prompt (leaving one token to compute), in the
+        layout of a worker that stores blocks there (a cell's workers share one layout; with
+        none, no keys)."""
+        for wid, ws in self.workers.items():
+            if ws.store_enabled:
+                bs = ws.bm.block_size
+                hashes = ws.bm.block_hashes(token_ids[: (len(token_ids) - 1) // bs * bs])
+                return [tier_key(self.kv_layout.get(wid, ""), h) for h in hashes]
+        return []
+
+    def schedule(self, ws: WorkerScheduler) -> tuple[StepPlan | None, list[KvLoad]]:
+        """``ws``'s next plan, and the tier loads it ordered (to send to the same worker)."""
+        plan = ws.schedule(self.waiting)
+        host = self.host_hashes.setdefault(ws.worker_id, set())
+        if plan is not None:
+            host.update(ref.hash for ref in plan.offload)
+            self.tier_totals.offloaded += len(plan.offload)
+        loads = []
+        for load in ws.loads:
+            load.load_id = f"load-{next(self._transfer_ids)}"
+            load.started = time.monotonic()
+            seq = next(s for s in ws.running if s.load is load)
+            self.loads[load.load_id] = seq
+            refs = [BlockRef(b, h) for b, h in load.blocks]
+            loads.append(KvLoad(load.load_id, seq.request_id, refs))
+        ws.loads = []
+        return plan, loads
+
+    def on_load_done(self, msg: KvLoadDone) -> str | None:
+        """A worker filled (some of) a sequence's blocks from the tiers; returns the worker
+        that may now have work."""
+        seq = self.loads.pop(msg.load_id, None)
+        if seq is None or seq.load is None or seq.load.load_id != msg.load_id:
+            return None
+        t = self.tier_totals
+        t.loads += 1
+        t.host_hits += msg.host_hits
+        t.redis_hits += msg.redis_hits
+        t.misses += len(seq.load.blocks) - msg.num_loaded
+        t.num_bytes += msg.num_bytes
+        t.seconds += msg.seconds
+        ws = self.workers.get(msg.worker_id)
+        if ws is None or seq not in ws.running:
+            return None
+        if seq.aborted:
+            seq.load = None
+            ws.finish(seq)
+        else:
+            ws.loaded(seq, msg.num_loaded)
+        return ws.worker_id
+
     # -- results ----------------------------------------------------------------------------
 
     def on_result(self, result: StepResult) -> CoreOutcome:
         self.num_computed_tokens += result.num_computed_tokens
+        host = self.host_hashes.get(result.worker_id)
+        if host is not None:
+            host.difference_update(result.host_tier_evicted)
         ws = self.workers.get(result.worker_id)
         if ws is None:
             return CoreOutcome()
@@ -317,9 +418,15 @@ class SchedulerCore:
         return dst.worker_id
 
     def expire_transfers(self, timeout_s: float, now: float | None = None) -> list[str]:
-        """Give up on transfers older than ``timeout_s`` (their KvTransferDone was lost)."""
+        """Give up on transfers and tier loads older than ``timeout_s`` (their report was
+        lost): the blocks are computed instead."""
         now = time.monotonic() if now is None else now
         woken = []
+        for load_id, seq in list(self.loads.items()):
+            if seq.load is not None and now - seq.load.started > timeout_s and seq.worker_id:
+                wid = self.on_load_done(KvLoadDone(load_id, seq.request_id, seq.worker_id, 0))
+                if wid:
+                    woken.append(wid)
         for tid, seq in list(self.transfers.items()):
             t = seq.transfer
             if t is not None and now - t.started > timeout_s:
@@ -367,4 +474,11 @@ class SchedulerCore:
             kv_transfer_failures=t.failed,
             kv_transfer_bytes=t.num_bytes,
             kv_transfer_seconds=t.seconds,
+            tier_loads=self.tier_totals.loads,
+            tier_host_hits=self.tier_totals.host_hits,
+            tier_redis_hits=self.tier_totals.redis_hits,
+            tier_misses=self.tier_totals.misses,
+            tier_bytes=self.tier_totals.num_bytes,
+            tier_load_seconds=self.tier_totals.seconds,
+            tier_offloaded_blocks=self.tier_totals.offloaded,
         )

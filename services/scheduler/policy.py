@@ -19,9 +19,16 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from services.scheduler.block_manager import BlockManager
-from services.scheduler.sequence import Reservation, SeqStatus, Sequence, WaitingQueue
-from shared.messages import FinishReason, NewRequest, ScheduledSeq, StepPlan, StepResult
+from services.scheduler.block_manager import BlockHash, BlockManager
+from services.scheduler.sequence import Reservation, SeqStatus, Sequence, TierLoad, WaitingQueue
+from shared.messages import (
+    BlockRef,
+    FinishReason,
+    NewRequest,
+    ScheduledSeq,
+    StepPlan,
+    StepResult,
+)
 
 ROLES = ("both", "prefill", "decode")
 
@@ -54,6 +61,9 @@ class Route:
 Router = Callable[[Sequence, "WorkerScheduler"], Route | None]
 # called when a sequence stops running here but holds blocks on another worker
 Releaser = Callable[[Sequence], None]
+# tier_lookup(seq, worker, first block) -> hashes of the blocks from there on that a KV tier
+# (this worker's host tier, Redis) probably holds
+TierLookup = Callable[[Sequence, "WorkerScheduler", int], list[BlockHash]]
 
 
 def _admit_all(seq: Sequence, ws: WorkerScheduler) -> Route | None:
@@ -80,6 +90,10 @@ class WorkerScheduler:
         self.draining = False  # take nothing new; finish what runs
         self.router: Router = _admit_all
         self.release_elsewhere: Releaser = lambda seq: None
+        self.tier_lookup: TierLookup = lambda seq, ws, first: []
+        self.offload_enabled = False  # the worker has a host tier: send evicted blocks there
+        self.store_enabled = False  # the worker has a Redis tier: store completed blocks
+        self.loads: list[TierLoad] = []  # tier loads ordered by the last schedule()
         self.running: list[Sequence] = []  # admission order: the last is the newest
         self.to_forget: list[str] = []  # request ids the worker should drop at the next step
         self.in_flight: dict[str, int] | None = None  # request_id -> tokens scheduled
@@ -149,6 +163,15 @@ class WorkerScheduler:
             cached = (
                 self.bm.lookup_prefix(seq.token_ids) if seq.params.prompt_logprobs is None else []
             )
+            tier = (
+                self.tier_lookup(seq, self, len(cached))
+                if seq.params.prompt_logprobs is None
+                else []
+            )
+            if tier:
+                if not self._admit_loading(seq, cached, tier, waiting):
+                    break
+                continue
             num_computed = len(cached) * self.bm.block_size
             num_new = min(seq.num_tokens - num_computed, budget)
             need = self.bm.blocks_needed(num_computed + num_new) - len(cached)
@@ -180,6 +203,20 @@ class WorkerScheduler:
         if not chosen and not self.to_forget:
             return None
         self.step_id += 1
+        # Evicted blocks go to the host tier only when this plan's step is what overwrites
+        # them: the worker copies them first. Blocks taken for a tier load or a reservation
+        # are written by other paths, which might get there before the copy: not offloaded.
+        written = {b for s, _ in chosen for b in s.blocks}
+        offload = [
+            BlockRef(b, h)
+            for b, h in self.bm.take_evicted()
+            if self.offload_enabled and b in written
+        ]
+        store = (
+            [BlockRef(b, h) for b in self.in_flight_cached if (h := self.bm.block_hash[b])]
+            if self.store_enabled
+            else []
+        )
         new_requests = []
         for s, _ in chosen:
             if not s.announced:
@@ -207,10 +244,55 @@ class WorkerScheduler:
             ],
             new_requests=new_requests,
             finished_request_ids=self.to_forget,
+            offload=offload,
+            store=store,
         )
         self.to_forget = []
         self.in_flight = {s.request_id: n for s, n in chosen}
         return plan
+
+    def _admit_loading(
+        self, seq: Sequence, cached: list[int], tier: list[BlockHash], waiting: WaitingQueue
+    ) -> bool:
+        """Admit ``seq`` with fresh blocks for the prefix blocks a KV tier holds; it waits
+        (TRANSFERRING) while this worker loads them, then computes only the rest."""
+        if not self.bm.can_allocate(len(tier), cached):
+            return False
+        route = self.router(seq, self)
+        if route is None:
+            return False
+        waiting.pop()
+        self.bm.prefix_queries += (seq.num_tokens - 1) // self.bm.block_size
+        self.bm.prefix_hits += len(cached)
+        self.bm.take_cached(cached)
+        mark = len(self.bm.evicted)
+        fresh = self.bm.allocate(len(tier))
+        del self.bm.evicted[mark:]  # written by the load, not by a step: nothing to offload
+        seq.blocks = list(cached) + fresh
+        seq.num_computed = len(cached) * self.bm.block_size
+        seq.hashes = self.bm.block_hashes(seq.token_ids[: seq.num_computed])
+        seq.status = SeqStatus.TRANSFERRING
+        seq.worker_id = self.worker_id
+        seq.reservation = route.reservation
+        seq.announced = False
+        seq.load = TierLoad("", len(cached), list(zip(fresh, tier, strict=True)))
+        self.running.append(seq)
+        self.num_prefills += 1
+        if route.reservation is None:
+            self.num_decodes += 1
+        self.loads.append(seq.load)
+        return True
+
+    def loaded(self, seq: Sequence, num_loaded: int) -> None:
+        """The tier load of ``seq`` ended with its first ``num_loaded`` blocks filled: register
+        them and compute from there (the other blocks are filled by computing)."""
+        load, seq.load = seq.load, None
+        assert load is not None
+        start = load.first_block
+        seq.hashes = seq.hashes[:start] + [h for _, h in load.blocks[:num_loaded]]
+        self.bm.cache_blocks(seq.blocks[start : start + num_loaded], seq.hashes[start:])
+        seq.num_computed = (start + num_loaded) * self.bm.block_size
+        seq.status = SeqStatus.RUNNING
 
     def _register(self, seq: Sequence, num_new: int) -> None:
         """Register the full blocks this step fills as cached now, not when the result comes
@@ -234,6 +316,7 @@ class WorkerScheduler:
         self.bm.free_blocks(seq.blocks)
         self.release_elsewhere(seq)
         seq.blocks, seq.hashes, seq.num_computed = [], [], 0
+        seq.load = None
         seq.status = SeqStatus.WAITING
         seq.worker_id = None
         seq.announced = False

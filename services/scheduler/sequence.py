@@ -35,6 +35,17 @@ class Reservation:
 
 
 @dataclass
+class TierLoad:
+    """Blocks of a sequence being filled from the KV tiers: ``blocks`` pairs each fresh block
+    with the hash of the content to load, starting at the sequence's block ``first_block``."""
+
+    load_id: str
+    first_block: int
+    blocks: list[tuple[int, bytes]]
+    started: float = 0.0
+
+
+@dataclass
 class Transfer:
     """A sequence's K/V on its way from the prefill worker's ``src_blocks`` to the decode
     worker's ``dst_blocks`` (pairwise; blocks the decode worker had cached are not sent)."""
@@ -64,7 +75,9 @@ class Sequence:
     hashes: list[BlockHash] = field(default_factory=list)
     worker_id: str | None = None
     reservation: Reservation | None = None  # decode-worker blocks while prefilled elsewhere
-    transfer: Transfer | None = None  # while TRANSFERRING
+    transfer: Transfer | None = None  # while TRANSFERRING from another worker
+    load: TierLoad | None = None  # while TRANSFERRING from the KV tiers
+    redis_prefix_blocks: int = 0  # leading full blocks Redis held when the request arrived
     announced: bool = False  # the current worker has had this sequence's NewRequest
     aborted: bool = False  # aborted while its K/V was in flight: freed when the transfer ends
     num_preemptions: int = 0

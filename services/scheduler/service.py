@@ -25,6 +25,7 @@ import signal
 import time
 import uuid
 
+import redis.asyncio as aioredis
 from nats.aio.msg import Msg
 
 from services.scheduler.engine import QueueFullError, SchedulerCore
@@ -34,10 +35,12 @@ from services.scheduler.shadow import ShadowState
 from shared import subjects
 from shared.bus import Bus
 from shared.config import Settings
+from shared.kv_tier import leading_present
 from shared.messages import (
     STALE_EPOCH_ERROR,
     Abort,
     Accepted,
+    KvLoadDone,
     KvTransferDone,
     Message,
     RequestError,
@@ -85,6 +88,11 @@ class SchedulerService:
         self.heartbeats: dict[str, WorkerHeartbeat] = {}
         self.heartbeats_known: dict[str, str] = {}  # worker id -> instance the core knows
         self.took_over_at: float | None = None
+        self.tier_redis = (
+            aioredis.from_url(settings.redis_url, socket_timeout=0.5, socket_connect_timeout=0.5)
+            if settings.kv_redis_tier and settings.redis_url
+            else None
+        )
 
     async def start(self) -> None:
         await self.bus.connect(self.settings.nats_url)
@@ -178,10 +186,19 @@ class SchedulerService:
                 if self.leading:
                     self.core.on_transfer_done(msg)
                     self._wake_all()
+            case KvLoadDone():
+                if self.leading and self.core.on_load_done(msg):
+                    self._wake_all()
             case StatsRequest():
                 if self.leading:
                     stats = self.core.stats()
                     stats.scheduler_id, stats.epoch = self.scheduler_id, self.epoch
+                    for w in stats.workers:
+                        hb = self.heartbeats.get(w.worker_id)
+                        if hb is not None:
+                            w.redis_tier, w.redis_tier_errors = hb.redis_tier, hb.redis_tier_errors
+                            w.redis_stored_blocks = hb.redis_stored_blocks
+                            w.host_tier_blocks = hb.host_tier_blocks
                     await self.bus.reply(raw, stats)
             case _:
                 log.warning("scheduler: unexpected %s on %s", type(msg).__name__, raw.subject)
@@ -199,14 +216,25 @@ class SchedulerService:
         if self.draining:
             await self._reject(req, "the scheduler is shutting down; retry", 503)
             return
+        redis_blocks = await self._redis_prefix(req)
         try:
-            self.core.add_request(req, req.priority)
+            seq = self.core.add_request(req, req.priority)
         except QueueFullError as e:
             await self._reject(req, f"{e}; retry later")
             return
+        seq.redis_prefix_blocks = max(seq.redis_prefix_blocks, redis_blocks)
         self.shadow.add(req)
         await self.bus.publish(req.reply_to, Accepted(req.request_id))
         self._wake_all()
+
+    async def _redis_prefix(self, req: TokenizedRequest) -> int:
+        """How many of the prompt's leading full blocks the Redis KV tier holds (asked before
+        admission, so that a prefix stored by any worker, before any restart, is loaded rather
+        than recomputed; bounded by a short timeout, and 0 without a tier)."""
+        if self.tier_redis is None or req.params.prompt_logprobs is not None:
+            return 0
+        keys = self.core.redis_keys_for(req.prompt_token_ids)
+        return await leading_present(self.tier_redis, keys) if keys else 0
 
     async def _on_heartbeat(self, hb: WorkerHeartbeat) -> None:
         self.last_seen[hb.worker_id] = time.monotonic()
@@ -239,6 +267,8 @@ class SchedulerService:
             role=hb.role,
             kv_subject=hb.kv_subject,
             kv_layout=hb.kv_layout,
+            host_tier=hb.host_tier_bytes > 0,
+            redis_tier=bool(hb.redis_tier),
         )
         self.step_subject[hb.worker_id] = hb.step_subject
         self.wake[hb.worker_id] = asyncio.Event()
@@ -291,9 +321,13 @@ class SchedulerService:
             if not self._may_plan():
                 await asyncio.sleep(0.05)  # lease unconfirmed: no plan until it is
                 continue
-            plan = ws.schedule(core.waiting)
+            plan, loads = core.schedule(ws)
+            for load in loads:
+                load.epoch = self.epoch
+                await self.bus.publish(self.step_subject[wid], load)
             if plan is None:
-                ev.clear()
+                if not loads:
+                    ev.clear()
                 continue
             plan.epoch = self.epoch
             fut: asyncio.Future[StepResult] = loop.create_future()

@@ -13,6 +13,7 @@ import concurrent.futures
 import dataclasses
 import logging
 import signal
+import time
 import uuid
 from collections.abc import Callable
 from typing import TypeVar
@@ -21,12 +22,15 @@ from nats.aio.msg import Msg
 
 from services.worker.kv_blocks import KvBlockIO
 from services.worker.kv_connector import NatsKvConnector
+from services.worker.kv_tiers import HostTier, RedisTier
 from services.worker.runner import ModelRunner
 from shared import subjects
 from shared.bus import Bus
 from shared.config import Settings
 from shared.messages import (
     STALE_EPOCH_ERROR,
+    KvLoad,
+    KvLoadDone,
     KvPull,
     KvTransferDone,
     Message,
@@ -70,6 +74,17 @@ class WorkerService:
         self.plans: asyncio.Queue[StepPlan] = asyncio.Queue()
         self.kv_io = KvBlockIO(runner.kv_caches)
         self.kv = NatsKvConnector(self.bus, self.kv_io, self.worker_id)
+        self.host_tier = HostTier(int(settings.kv_host_memory * 2**30))
+        self.redis_tier = (
+            RedisTier(
+                settings.redis_url,
+                self.kv_io.layout(),
+                self.kv_io.block_bytes,
+                ttl_s=settings.kv_tier_ttl,
+            )
+            if settings.kv_redis_tier and settings.redis_url
+            else None
+        )
         self.draining = False
         self.epoch = 0  # the newest scheduler term seen in a plan
         self.instance = uuid.uuid4().hex
@@ -100,6 +115,8 @@ class WorkerService:
                     log.warning("worker: KvPull of an old scheduler term %d ignored", msg.epoch)
                     return
                 self.bus.spawn(self._pull(msg))
+            case KvLoad():
+                self.bus.spawn(self._load(msg))
             case WorkerRelease() if msg.worker_id == self.worker_id:
                 log.info("worker %s released by the scheduler", self.worker_id)
                 self.stopped.set()
@@ -151,15 +168,61 @@ class WorkerService:
                     log.info("worker: scheduler term %d starts; dropping old state", plan.epoch)
                     await self.model_thread.run(self.runner.reset)
                 self.epoch = plan.epoch
+            stored: list[tuple[bytes, bytes]] = []
             try:
-                result = await self.model_thread.run(self.runner.execute, plan)
+                result, stored = await self.model_thread.run(self._step, plan)
             except Exception as e:  # noqa: BLE001 - execute reports its own errors; belt and braces
                 log.exception("worker: step %d crashed", plan.step_id)
                 result = StepResult(
                     self.worker_id, plan.step_id, [], [], [], error=str(e), epoch=plan.epoch
                 )
             result.worker_id = self.worker_id
+            result.host_tier_evicted = self.host_tier.take_evicted()
             await self.bus.publish(subjects.RESULTS, result)
+            if stored and self.redis_tier is not None:
+                self.bus.spawn(self.redis_tier.store(stored))
+
+    def _step(self, plan: StepPlan) -> tuple[StepResult, list[tuple[bytes, bytes]]]:
+        """On the model thread: copy the blocks this step will overwrite to the host tier, run
+        the step, and copy the full blocks it completed (for Redis, written off this thread)."""
+        for ref in plan.offload:
+            self.host_tier.put(ref.hash, self.kv_io.read(ref.block))
+        result = self.runner.execute(plan)
+        stored = []
+        if self.redis_tier is not None and not result.error:
+            stored = [(ref.hash, self.kv_io.read(ref.block)) for ref in plan.store]
+        return result, stored
+
+    async def _load(self, order: KvLoad) -> None:
+        """Fill blocks from the tiers (host first, then Redis), in order, up to the first block
+        found in neither; report how many (the scheduler computes the rest)."""
+        t0 = time.monotonic()
+        data: list[bytes] = []
+        for ref in order.blocks:
+            d = self.host_tier.get(ref.hash)
+            if d is None:
+                break
+            data.append(d)
+        host_hits = len(data)
+        rest = order.blocks[host_hits:]
+        if rest and self.redis_tier is not None:
+            for d in await self.redis_tier.load([r.hash for r in rest]):
+                if d is None:
+                    break
+                data.append(d)
+        for ref, d in zip(order.blocks, data, strict=False):
+            self.kv_io.write(ref.block, d)
+        done = KvLoadDone(
+            load_id=order.load_id,
+            request_id=order.request_id,
+            worker_id=self.worker_id,
+            num_loaded=len(data),
+            host_hits=host_hits,
+            redis_hits=len(data) - host_hits,
+            num_bytes=sum(len(d) for d in data),
+            seconds=time.monotonic() - t0,
+        )
+        await self.bus.publish(subjects.KV_DONE, done)
 
     def heartbeat(self) -> WorkerHeartbeat:
         return WorkerHeartbeat(
@@ -174,10 +237,17 @@ class WorkerService:
             kv_layout=self.kv_io.layout(),
             draining=self.draining,
             instance=self.instance,
+            redis_tier=self.redis_tier.state if self.redis_tier is not None else "",
+            redis_tier_errors=self.redis_tier.errors if self.redis_tier is not None else 0,
+            redis_stored_blocks=self.redis_tier.stored_blocks if self.redis_tier else 0,
+            host_tier_blocks=len(self.host_tier),
+            host_tier_bytes=self.host_tier.capacity,
         )
 
     async def _heartbeat(self) -> None:
         while True:
+            if self.redis_tier is not None and not self.redis_tier.enabled:
+                await self.redis_tier.available()  # probe: on again when Redis answers
             try:
                 await self.bus.publish(subjects.HEARTBEAT, self.heartbeat())
             except Exception as e:  # noqa: BLE001 - NATS down: try again next beat

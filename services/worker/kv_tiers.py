@@ -1,0 +1,180 @@
+"""KV cache tiers below a worker's paged cache: a bounded host-memory LRU of evicted blocks, and
+Redis, shared by every worker and surviving restarts.
+
+Values are a block's bytes (``KvBlockIO.read``: every layer's K and V) behind a 4-byte CRC-32,
+so a damaged value reads as a miss. Redis keys come from shared.kv_tier.tier_key (layout and
+salted prefix hash), so two configurations never share a key. Values expire
+after ``ttl_s`` and Redis evicts by its own memory policy: a tier may lose a block at any time,
+and a lost block is simply recomputed.
+
+Redis unreachable or slow (every call has a short timeout): the tier switches off with a
+warning and counts the error; requests are served by recompute; a probe every few seconds
+switches it on again when Redis answers.
+"""
+
+from __future__ import annotations
+
+import logging
+import struct
+import threading
+import time
+import zlib
+from collections import OrderedDict
+
+import redis.asyncio as aioredis
+from redis.exceptions import RedisError
+
+from shared.kv_tier import tier_key
+
+log = logging.getLogger("kvflow.worker.tiers")
+
+_CRC = struct.Struct("<I")
+
+
+def pack(data: bytes) -> bytes:
+    return _CRC.pack(zlib.crc32(data)) + data
+
+
+def unpack(value: bytes | None, size: int) -> bytes | None:
+    """The block's bytes, or None when missing, of another size, or damaged."""
+    if value is None or len(value) != _CRC.size + size:
+        return None
+    data = value[_CRC.size :]
+    return data if _CRC.unpack_from(value)[0] == zlib.crc32(data) else None
+
+
+class HostTier:
+    """Evicted blocks in host memory, least recently used dropped first. The model thread puts,
+    the event loop gets: a lock keeps the LRU consistent."""
+
+    def __init__(self, capacity_bytes: int) -> None:
+        self._lock = threading.Lock()
+        self.capacity = max(0, capacity_bytes)
+        self.used = 0
+        self.blocks: OrderedDict[bytes, bytes] = OrderedDict()
+        self.evicted: list[bytes] = []  # hashes dropped since the last take_evicted()
+        self.hits = 0
+        self.misses = 0
+
+    def __len__(self) -> int:
+        return len(self.blocks)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self.blocks
+
+    def put(self, key: bytes, data: bytes) -> None:
+        if len(data) > self.capacity:
+            return
+        with self._lock:
+            old = self.blocks.pop(key, None)
+            if old is not None:
+                self.used -= len(old)
+            self.blocks[key] = data
+            self.used += len(data)
+            while self.used > self.capacity:
+                k, v = self.blocks.popitem(last=False)
+                self.used -= len(v)
+                self.evicted.append(k)
+
+    def get(self, key: bytes) -> bytes | None:
+        with self._lock:
+            data = self.blocks.get(key)
+            if data is None:
+                self.misses += 1
+                return None
+            self.blocks.move_to_end(key)
+            self.hits += 1
+            return data
+
+    def take_evicted(self) -> list[bytes]:
+        with self._lock:
+            out, self.evicted = self.evicted, []
+        return out
+
+
+class RedisTier:
+    def __init__(
+        self,
+        url: str,
+        layout: str,
+        block_bytes: int,
+        ttl_s: int = 3600,
+        timeout_s: float = 0.5,
+        probe_every_s: float = 2.0,
+    ) -> None:
+        self.redis = aioredis.from_url(
+            url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s
+        )
+        self.layout = layout
+        self.block_bytes = block_bytes
+        self.ttl_s = ttl_s
+        self.probe_every_s = probe_every_s
+        self.enabled = True
+        self.errors = 0
+        self.stored_blocks = 0
+        self._next_probe = 0.0
+
+    def key(self, block_hash: bytes) -> str:
+        return tier_key(self.layout, block_hash)
+
+    @property
+    def state(self) -> str:
+        return "on" if self.enabled else "off"
+
+    def _failed(self, what: str, e: Exception) -> None:
+        self.errors += 1
+        if self.enabled:
+            log.warning(
+                "Redis KV tier off (%s failed: %s); blocks are recomputed until Redis answers",
+                what,
+                e,
+            )
+        self.enabled = False
+        self._next_probe = time.monotonic() + self.probe_every_s
+
+    async def available(self) -> bool:
+        """On, or back on after a successful probe (at most every ``probe_every_s``)."""
+        if self.enabled:
+            return True
+        if time.monotonic() < self._next_probe:
+            return False
+        try:
+            await self.redis.ping()
+        except (RedisError, OSError) as e:
+            self._failed("probe", e)
+            return False
+        log.info("Redis KV tier on again")
+        self.enabled = True
+        return True
+
+    async def store(self, items: list[tuple[bytes, bytes]]) -> int:
+        """SET each (hash, bytes) with the expiry, unless present; returns blocks written."""
+        if not items or not await self.available():
+            return 0
+        try:
+            async with self.redis.pipeline(transaction=False) as pipe:
+                for h, data in items:
+                    pipe.set(self.key(h), pack(data), ex=self.ttl_s, nx=True)
+                written = sum(1 for ok in await pipe.execute() if ok)
+        except (RedisError, OSError) as e:
+            self._failed("store", e)
+            return 0
+        self.stored_blocks += written
+        return written
+
+    async def load(self, hashes: list[bytes]) -> list[bytes | None]:
+        """Each block's bytes, or None (missing, damaged, or the tier is off)."""
+        if not hashes or not await self.available():
+            return [None] * len(hashes)
+        try:
+            values = await self.redis.mget([self.key(h) for h in hashes])
+        except (RedisError, OSError) as e:
+            self._failed("load", e)
+            return [None] * len(hashes)
+        return [unpack(v, self.block_bytes) for v in values]
+
+    async def close(self) -> None:
+        try:
+            await self.redis.aclose()
+        except (RedisError, OSError):
+            pass
