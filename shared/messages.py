@@ -141,6 +141,9 @@ class NewRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     prompt_len: int
     num_output_tokens: int = 0  # >0 when resumed after a preemption
     eos_token_ids: list[int] = []
+    # W3C traceparent of the request's scheduler span: the worker's spans for this request
+    # (prefill, decode) are its children ("" when the request is not traced)
+    traceparent: str = ""
 
 
 class ScheduledSeq(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
@@ -463,6 +466,23 @@ class DetokenizeResult(_Msg, tag=23):
     prompt: str
 
 
+# ---------------------------------------------------------------------------------------------
+# metrics, scatter-gather (the gateway's /metrics serves the whole stack). Tags from 30 on.
+
+
+class MetricsRequest(_Msg, tag=30):
+    """Sent on ``kvflow.metrics`` with a reply subject: every service instance answers with a
+    MetricsReport."""
+
+
+class MetricsReport(_Msg, tag=31):
+    """One service instance's Prometheus text exposition (what its /metrics serves)."""
+
+    service: str  # gateway | tokenizer | scheduler | worker | detokenizer
+    instance: str  # unique per process
+    text: bytes
+
+
 Message = (
     GenerateRequest
     | TokenizedRequest
@@ -486,6 +506,8 @@ Message = (
     | TokenizeResult
     | DetokenizeRequest
     | DetokenizeResult
+    | MetricsRequest
+    | MetricsReport
 )
 
 _encoder = msgspec.msgpack.Encoder()

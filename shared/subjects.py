@@ -14,6 +14,8 @@ SCHEDULER_STATS = f"{PREFIX}.scheduler.stats"  # request/reply StatsRequest -> S
 # request/reply TokenizeRequest | DetokenizeRequest -> TokenizeResult | DetokenizeResult
 TOKENIZER_RPC = f"{PREFIX}.tokenizer.rpc"  # queue group TOKENIZER_QUEUE
 KV_DONE = f"{PREFIX}.kv.done"  # KvTransferDone: decode worker -> scheduler
+# MetricsRequest (with a reply subject) -> every service instance answers a MetricsReport
+METRICS = f"{PREFIX}.metrics"
 
 
 def worker_step(worker_id: str) -> str:
@@ -29,3 +31,15 @@ def worker_kv(worker_id: str) -> str:
 def gateway_inbox(gateway_id: str) -> str:
     """Where a gateway receives DeltaBatch / RequestError for the requests it submitted."""
     return f"{PREFIX}.gateway.{gateway_id}"
+
+
+def subject_label(subject: str) -> str:
+    """A subject with its per-instance parts replaced by ``*``, for metric labels (bounded
+    cardinality): ``kvflow.gateway.<id>`` -> ``kvflow.gateway.*``, ``kvflow.worker.<id>.step``
+    -> ``kvflow.worker.*.step``, reply inboxes -> ``_INBOX``."""
+    if subject.startswith("_INBOX."):
+        return "_INBOX"
+    parts = subject.split(".")
+    if len(parts) >= 3 and parts[0] == PREFIX and parts[1] in ("gateway", "worker"):
+        parts[2] = "*"
+    return ".".join(parts)
