@@ -441,7 +441,8 @@ async def run(settings: Settings) -> None:
         lease = Lease(settings.redis_url, src.name)
     service = SchedulerService(settings, src.name, max_len, lease, settings.scheduler_id)
     await service.start()
-    ops.set_ready(lambda: service.bus.client.is_connected and service.leading, service.bus)
+    # a standby is ready too (healthy, just not planning); whether it leads is in its logs/stats
+    ops.set_ready(lambda: service.bus.client.is_connected, service.bus)
     asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, service.begin_drain)
     try:
         await service.stopped.wait()
