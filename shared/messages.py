@@ -256,6 +256,8 @@ class TokenLogprob(msgspec.Struct, array_like=True, omit_defaults=True, gc=False
     token: str
     logprob: float
     top: list[tuple[str, float]] = []
+    token_id: int = -1
+    top_ids: list[int] = []  # the ids of ``top``, same order
 
 
 class Delta(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
@@ -268,6 +270,9 @@ class Delta(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     logprobs: list[TokenLogprob] = []  # for the tokens this delta covers, when asked
     # every prompt token (entry 0 has no logprob), on a request's first delta, when asked
     prompt_logprobs: list[PromptTokenLogprob] = []
+    # the ids of the tokens generated since the previous delta (one with text held back or
+    # without text of its own comes with the next delta sent)
+    token_ids: list[int] = []
 
 
 class PromptTokenLogprob(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):

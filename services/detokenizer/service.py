@@ -123,6 +123,7 @@ class DetokenizerService:
             delta, by_stop = st.add_token(self.backend, tok, FinishReason(reason), lp)
             if delta.text or delta.finish_reason or delta.logprobs or delta.prompt_logprobs:
                 out[st.reply_to].append(delta)
+                st.sent_delta()
             if st.finished:
                 del self.states[rid]
                 self._mark_done(rid)

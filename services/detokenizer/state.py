@@ -38,6 +38,7 @@ class DetokState:
     # prompt logprobs by position, sent with the request's first delta
     prompt_lps: dict[int, PromptTokenLogprob] = field(default_factory=dict)
     prompt_lps_sent: bool = False
+    pending_ids: list[int] = field(default_factory=list)  # generated, not yet in a delta
 
     def __post_init__(self) -> None:
         self.stream = DecodeStream(skip_special_tokens=self.params.skip_special_tokens)
@@ -88,6 +89,7 @@ class DetokState:
         whether this detokenizer ended the request by a stop string (the scheduler must be
         told)."""
         self.completion_tokens += 1
+        self.pending_ids.append(token_id)
         lps = [token_logprob(tokenizer, token_id, logprobs)] if logprobs is not None else []
         piece = self.stream.step(tokenizer, token_id)
         if piece:
@@ -148,7 +150,12 @@ class DetokState:
             finish_reason=finish.openai(),
             prompt_tokens=self.prompt_tokens,
             completion_tokens=self.completion_tokens,
+            token_ids=self.pending_ids,
         )
+
+    def sent_delta(self) -> None:
+        """The last delta went out: its token ids are delivered."""
+        self.pending_ids = []
 
 
 def token_logprob(tokenizer: Any, token_id: int, lp: SampleLogprobs) -> TokenLogprob:
@@ -156,7 +163,9 @@ def token_logprob(tokenizer: Any, token_id: int, lp: SampleLogprobs) -> TokenLog
     log-probability and the top alternatives."""
 
     top = [(token_text(tokenizer, t), v) for t, v in zip(lp.top_ids, lp.top_logprobs, strict=True)]
-    return TokenLogprob(token_text(tokenizer, token_id), lp.logprob, top)
+    return TokenLogprob(
+        token_text(tokenizer, token_id), lp.logprob, top, token_id, list(lp.top_ids)
+    )
 
 
 def token_text(tokenizer: Any, token_id: int) -> str:

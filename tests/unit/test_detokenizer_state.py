@@ -61,3 +61,19 @@ def test_special_tokens_are_skipped(tokenizer) -> None:
     d1, _ = st.add_token(tokenizer.backend_tokenizer, tokenizer("Hi")["input_ids"][0], N)
     d2, _ = st.add_token(tokenizer.backend_tokenizer, eos, FinishReason.STOP)
     assert d1.text == "Hi" and d2.text == "" and d2.finish_reason == "stop"
+
+
+def test_every_token_id_reaches_exactly_one_sent_delta(tokenizer) -> None:
+    """Tokens whose text is held back (a possible stop string) or empty (a partial UTF-8
+    character) have no delta of their own; their ids ride on the next delta sent."""
+    text = "caf\u00e9 \U0001f642 END? no, ENDING here"
+    ids = tokenizer(text)["input_ids"]
+    st = DetokState("r", "inbox", SamplingParams(stop=["END!"]), prompt_tokens=1)
+    sent: list[int] = []
+    for i, t in enumerate(ids):
+        last = FinishReason.LENGTH if i == len(ids) - 1 else N
+        d, _ = st.add_token(tokenizer.backend_tokenizer, t, last)
+        if d.text or d.finish_reason:  # what the service sends
+            sent += d.token_ids
+            st.sent_delta()
+    assert sent == ids
