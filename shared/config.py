@@ -64,7 +64,21 @@ class Settings:
     )
     worker_id: str = field(default="", metadata={"help": "worker id (default: random)"})
     role: str = field(default="both", metadata={"help": "worker role: both | prefill | decode"})
-    dtype: str = field(default="float32", metadata={"help": "model dtype on CPU"})
+    dtype: str = field(
+        default="auto",
+        metadata={
+            "help": "model dtype: auto (bfloat16 on CUDA, float32 on CPU) | float32 | bfloat16 "
+            "| float16"
+        },
+    )
+    device: str = field(
+        default="auto",
+        metadata={"help": "worker device: auto (cuda when a GPU is visible) | cpu | cuda | cuda:N"},
+    )
+    enforce_eager: bool = field(
+        default=False,
+        metadata={"help": "on CUDA, run decode steps eagerly instead of as CUDA graphs"},
+    )
     threads: int = field(default=0, metadata={"help": "torch threads in the worker (0: all cores)"})
     worker_timeout: float = field(
         default=3.0, metadata={"help": "seconds without a heartbeat before a worker is given up"}

@@ -1,7 +1,13 @@
-"""Llama forward pass over a flat, varlen batch of tokens with a paged KV cache (CPU, fp32).
+"""Llama forward pass over a flat, varlen batch of tokens with a paged KV cache.
 
 The step's tokens are one flat [T] batch (no padding between sequences). Q/K/V and gate/up are
 fused into one GEMM each, as in vLLM. Logits are computed only for the rows that sample.
+
+Two forward passes over the same weights: ``forward`` is the CPU path (kernels/reference.py,
+batch-invariant GEMM rows, native decode attention, oneDNN-packed weights); ``forward_device``
+takes a kernel backend (kernels/ops.py, the Triton kernels on CUDA) and a ``DeviceBatch`` of
+device tensors, and has no host synchronisation, so a decode step can be captured as a CUDA
+graph (services/worker/cuda_graphs.py).
 """
 
 from __future__ import annotations
@@ -9,9 +15,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from kernels import reference as K
 from kernels.cpu_gemm import PackedWeight
+from kernels.ops import KernelBackend
+from services.worker.step_inputs import DeviceBatch
 from shared.model_loader import ModelConfig
 
 
@@ -57,11 +66,15 @@ class LlamaModel(torch.nn.Module):
             )
         self.cos_sin = K.build_cos_sin_cache(
             cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, self.embed.dtype
-        )
+        ).to(self.embed.device)
 
     @property
     def dtype(self) -> torch.dtype:
         return self.embed.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed.device
 
     def pack_weights(self) -> None:
         """Hold every linear weight in oneDNN's layout (kernels/cpu_gemm.py); the embedding
@@ -87,8 +100,9 @@ class LlamaModel(torch.nn.Module):
         """One (k, v) pair per layer, each [num_blocks, block_size, Hkv, D], zero filled (so
         padded gathers never meet NaNs)."""
         shape = (num_blocks, block_size, self.cfg.num_kv_heads, self.cfg.head_dim)
+        dt, dev = self.dtype, self.device
         return [
-            (torch.zeros(shape, dtype=self.dtype), torch.zeros(shape, dtype=self.dtype))
+            (torch.zeros(shape, dtype=dt, device=dev), torch.zeros(shape, dtype=dt, device=dev))
             for _ in range(self.cfg.num_layers)
         ]
 
@@ -126,6 +140,61 @@ class LlamaModel(torch.nn.Module):
         x, _ = K.rms_norm(h[s], self.norm, cfg.rms_norm_eps, residual[s])
         head_rows = None if rows is None else K.RowLayout(s.numel(), (), rows.tile, rows.pad)
         return K.linear(x, self.lm_head, head_rows).float()
+
+    @torch.inference_mode()
+    def forward_device(
+        self,
+        ops: KernelBackend,
+        batch: DeviceBatch,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+    ) -> torch.Tensor:
+        """One step through ``ops`` with dense weights and ``F.linear`` (cuBLAS on CUDA);
+        returns fp32 logits [S, vocab] for ``batch.sample_rows`` (every row when None). No
+        host synchronisation: safe to capture in a CUDA graph when ``batch`` holds static
+        tensors and, for decode, a fixed ``num_splits``."""
+        cfg = self.cfg
+        t, d = batch.input_ids.shape[0], cfg.head_dim
+        h = F.embedding(batch.input_ids, self.embed)
+        residual: torch.Tensor | None = None
+        for layer, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):
+            x, residual = ops.rms_norm(h, layer["in_norm"], cfg.rms_norm_eps, residual)
+            qkv = F.linear(x, layer["qkv"])
+            # strided views into qkv: the kernels take row/head strides, so no copies here
+            q = qkv[:, : self.q_size].view(t, cfg.num_heads, d)
+            k = qkv[:, self.q_size : self.q_size + self.kv_size].view(t, cfg.num_kv_heads, d)
+            v = qkv[:, self.q_size + self.kv_size :].view(t, cfg.num_kv_heads, d)
+            q, k = ops.rotary_embedding(batch.positions, q, k, self.cos_sin)
+            ops.write_kv_cache(k, v, k_cache, v_cache, batch.slot_mapping)
+            if batch.query_start_loc is None:
+                o = ops.decode_attention(
+                    q,
+                    k_cache,
+                    v_cache,
+                    batch.block_tables,
+                    batch.seq_lens,
+                    self.scale,
+                    batch.num_splits,
+                )
+            else:
+                o = ops.extend_attention(
+                    q,
+                    k_cache,
+                    v_cache,
+                    batch.block_tables,
+                    batch.seq_lens,
+                    batch.query_start_loc,
+                    batch.max_query_len,
+                    self.scale,
+                )
+            h = F.linear(o.reshape(t, self.q_size), layer["o"])
+            x, residual = ops.rms_norm(h, layer["post_norm"], cfg.rms_norm_eps, residual)
+            h = F.linear(ops.silu_and_mul(F.linear(x, layer["gate_up"])), layer["down"])
+        assert residual is not None
+        if batch.sample_rows is not None:
+            h = h.index_select(0, batch.sample_rows)
+            residual = residual.index_select(0, batch.sample_rows)
+        x, _ = ops.rms_norm(h, self.norm, cfg.rms_norm_eps, residual)
+        return F.linear(x, self.lm_head).float()
 
 
 _LAYER_NAMES = (

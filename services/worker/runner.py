@@ -6,6 +6,14 @@ calibration showed to be batch invariant on this machine, each longer chunk runs
 (see kernels/reference.py and kernels/batch_invariance.py), and decode attention runs in the
 native CPU kernel (kernels/cpu_native.py) where a C compiler is available: a sequence's logits
 are bit-identical whatever else is in the step, so batching never changes greedy output.
+
+On a GPU (``device="cuda"``) the same StepPlans run through the Triton kernels
+(``LlamaModel.forward_device``): the step's metadata is built here on the host and copied to the
+device once (services/worker/step_inputs.py), decode-only steps replay CUDA graphs
+(services/worker/cuda_graphs.py) and prefill / mixed steps run eagerly. Greedy rows are sampled
+on the device; anything else (temperature, penalties, bias, grammars, logprobs) moves the
+step's logits rows to the host and samples them exactly as on the CPU path. There is no batch
+invariance on the GPU (cuBLAS picks kernels by row count).
 """
 
 from __future__ import annotations
@@ -19,9 +27,13 @@ import torch
 from kernels import batch_invariance, cpu_gemm, cpu_native
 from kernels import reference as K
 from kernels.batch_invariance import GemmRows
+from kernels.ops import KernelBackend, get_backend
 from services.worker import sampler, structured
+from services.worker.cuda_graphs import DecodeGraphs, capture_sizes
+from services.worker.device import kernel_backend as default_backend
 from services.worker.model import ForwardBatch, LlamaModel
 from services.worker.prompt_logprobs import PromptRows
+from services.worker.step_inputs import HostStep, pack
 from shared.messages import (
     FinishReason,
     NewRequest,
@@ -80,25 +92,46 @@ class ModelRunner:
         gemm_rows: GemmRows | None = None,
         native_kernels: bool | None = None,
         packed_gemm: bool | None = None,
+        device: torch.device | str = "cpu",
+        backend: str | None = None,
+        cuda_graphs: bool | None = None,
+        max_num_seqs: int = 64,
     ) -> None:
         """``batch_invariant``: run GEMMs in a row layout that keeps each sequence's logits
         independent of the batch (``gemm_rows``, or calibrated here when None). ``native_kernels``:
         the C decode-attention kernel; ``packed_gemm``: oneDNN-packed linear weights (None for
-        either: when available and the model is fp32)."""
+        either: when available and the model is fp32). These three are the CPU path's.
+
+        ``device``: where weights and KV cache live. ``backend``: ``"reference"`` (the CPU
+        path) or ``"triton"`` (the device path; on a CPU only under TRITON_INTERPRET=1, for
+        tests); None: from the device (services/worker/device.py). ``cuda_graphs``: decode
+        steps of up to ``max_num_seqs`` sequences through padded static buffers, captured as
+        CUDA graphs on CUDA (None: on for CUDA; True elsewhere runs the same padded path
+        eagerly, for tests)."""
         t0 = time.perf_counter()
+        self.device = torch.device(device)
+        backend = backend or default_backend(self.device)
+        if backend == "reference" and self.device.type != "cpu":
+            raise ValueError(f"the reference (CPU) path cannot run on {self.device}")
+        self.ops: KernelBackend | None = get_backend(backend) if backend != "reference" else None
+        if self.device.type == "cuda" and self.device.index is not None:
+            torch.cuda.set_device(self.device)  # this (model) thread's current device
         if config is None or weights is None:
             if src is None:
                 raise ValueError("ModelRunner needs a ModelSource or config + weights")
             log.info("loading model %s from %s", src.name, src.path)
             config = load_config(src)
             weights = load_weights(src, config, dtype)
+        if self.ops is not None:
+            weights = {n: w.to(self.device) for n, w in weights.items()}
         self.model = LlamaModel(config, weights)
-        fp32 = self.model.dtype == torch.float32
+        fp32 = self.model.dtype == torch.float32 and self.ops is None
         if packed_gemm is None:
             packed_gemm = fp32 and cpu_gemm.onednn_available()
         if packed_gemm:
             self.model.pack_weights()
         self.worker_id = worker_id
+        batch_invariant = batch_invariant and self.ops is None  # a CPU-path property
         if batch_invariant and gemm_rows is None:
             gemm_rows = self._calibrate_gemm_rows()
         self.gemm_rows = gemm_rows if batch_invariant else None
@@ -116,18 +149,74 @@ class ModelRunner:
         self._max_model_len = min(max_model_len, limit) if max_model_len else limit
         self.requests: dict[str, RequestState] = {}
         self.total_computed_tokens = 0
-        log.info(
-            "model ready in %.1fs: %d layers, %d KV blocks x %d tokens, max_model_len %d, "
-            "decode attention %s, GEMMs %s in rows %s",
-            time.perf_counter() - t0,
-            cfg.num_layers,
-            self._num_blocks,
-            block_size,
-            self._max_model_len,
-            "native" if self.decode_fn else "torch",
-            "oneDNN" if packed_gemm else "torch",
-            self.gemm_rows,
+        self.graphs: DecodeGraphs | None = None
+        if self.ops is not None and (cuda_graphs or cuda_graphs is None and self.on_cuda):
+            self.graphs = self._make_decode_graphs(max_num_seqs)
+        if self.ops is None:
+            log.info(
+                "model ready in %.1fs: %d layers, %d KV blocks x %d tokens, max_model_len %d, "
+                "decode attention %s, GEMMs %s in rows %s",
+                time.perf_counter() - t0,
+                cfg.num_layers,
+                self._num_blocks,
+                block_size,
+                self._max_model_len,
+                "native" if self.decode_fn else "torch",
+                "oneDNN" if packed_gemm else "torch",
+                self.gemm_rows,
+            )
+        else:
+            log.info(
+                "model ready in %.1fs on %s (%s, %s kernels): %d layers, %d KV blocks x %d "
+                "tokens, max_model_len %d, decode %s",
+                time.perf_counter() - t0,
+                self.device,
+                str(self.model.dtype).removeprefix("torch."),
+                self.ops.name,
+                cfg.num_layers,
+                self._num_blocks,
+                block_size,
+                self._max_model_len,
+                "eager"
+                if self.graphs is None
+                else f"through static buffers for batch sizes {self.graphs.sizes}"
+                + (" (CUDA graphs)" if self.graphs.capture_enabled else " (run eagerly)"),
+            )
+
+    @property
+    def on_cuda(self) -> bool:
+        return self.device.type == "cuda"
+
+    def _make_decode_graphs(self, max_num_seqs: int) -> DecodeGraphs:
+        """Decode graphs for a ladder of batch sizes up to ``max_num_seqs``, captured now on
+        CUDA (before any step: the warm-up runs write no KV)."""
+        assert self.ops is not None
+        ops, cfg = self.ops, self.config
+        max_blocks = -(-self._max_model_len // self._block_size)
+
+        def forward(batch):  # noqa: ANN001, ANN202 - a DecodeGraphs ForwardFn
+            return self.model.forward_device(ops, batch, self.kv_caches)
+
+        def splits(size: int) -> int | None:
+            if ops.name != "triton":
+                return None
+            from kernels.triton_decode_attention import default_num_splits
+
+            group = cfg.num_heads // cfg.num_kv_heads
+            ctx = max_blocks * self._block_size
+            return default_num_splits(size, cfg.num_kv_heads, group, ctx, self.device)
+
+        graphs = DecodeGraphs(
+            forward,
+            capture_sizes(max_num_seqs),
+            max_blocks,
+            cfg.vocab_size,
+            self.device,
+            splits,
+            capture=self.on_cuda,
         )
+        graphs.capture()
+        return graphs
 
     def _calibrate_gemm_rows(self) -> GemmRows:
         """Test this machine's GEMM on the model's own weights, one of each shape (about a
@@ -276,23 +365,31 @@ class ModelRunner:
                 if st.guide is not None:  # tokens generated before a preemption
                     st.guide.replay(s, st.prompt_len)
                 prompt_rows.add(s, st, start_row)
-        max_blocks = max(len(s.block_table) for s in seqs)
-        tables = torch.tensor(
-            [s.block_table + [0] * (max_blocks - len(s.block_table)) for s in seqs]
-        )
-        qlens = torch.tensor([len(s.token_ids) for s in seqs])
-        seq_lens = torch.tensor([s.start_pos + len(s.token_ids) for s in seqs])
-        num_single = len(seqs) - len(segments)
-        batch = ForwardBatch(
-            slot_mapping=torch.tensor(slots),
-            attn=K.plan_attention(tables, seq_lens, qlens, bs, decode_fn=self.decode_fn),
-            rows=K.RowLayout(num_single, tuple(segments), self.gemm_rows.tile, self.gemm_rows.pad)
-            if self.gemm_rows
-            else None,
-            sample_rows=torch.tensor(sample_rows + prompt_rows.rows, dtype=torch.long),
-        )
         n_tokens = len(ids)
-        logits = self.model(torch.tensor(ids), torch.tensor(pos), batch, self.kv_caches)
+        if self.ops is not None:
+            logits = self._forward_device(seqs, ids, pos, slots, sample_rows + prompt_rows.rows)
+            states = [self.requests[s.request_id] for s in seqs if s.sample]
+            if logits.device.type != "cpu" and (prompt_rows.rows or needs_host_sampling(states)):
+                logits = logits.cpu()
+        else:
+            max_blocks = max(len(s.block_table) for s in seqs)
+            tables = torch.tensor(
+                [s.block_table + [0] * (max_blocks - len(s.block_table)) for s in seqs]
+            )
+            qlens = torch.tensor([len(s.token_ids) for s in seqs])
+            seq_lens = torch.tensor([s.start_pos + len(s.token_ids) for s in seqs])
+            num_single = len(seqs) - len(segments)
+            batch = ForwardBatch(
+                slot_mapping=torch.tensor(slots),
+                attn=K.plan_attention(tables, seq_lens, qlens, bs, decode_fn=self.decode_fn),
+                rows=K.RowLayout(
+                    num_single, tuple(segments), self.gemm_rows.tile, self.gemm_rows.pad
+                )
+                if self.gemm_rows
+                else None,
+                sample_rows=torch.tensor(sample_rows + prompt_rows.rows, dtype=torch.long),
+            )
+            logits = self.model(torch.tensor(ids), torch.tensor(pos), batch, self.kv_caches)
         self.total_computed_tokens += n_tokens
         prompt_lps = prompt_rows.collect(logits[len(sample_rows) :]) if prompt_rows.rows else []
         logits = logits[: len(sample_rows)]
@@ -316,6 +413,34 @@ class ModelRunner:
                 reasons.append(int(self._finish(self.requests[s.request_id], tok)))
                 out_lps.append(lp_by_id.get(s.request_id))
         return out_ids, out_tokens, reasons, n_tokens, out_lps if lp_by_id else [], prompt_lps
+
+    def _forward_device(
+        self,
+        seqs: list[ScheduledSeq],
+        ids: list[int],
+        pos: list[int],
+        slots: list[int],
+        rows: list[int],
+    ) -> torch.Tensor:
+        """The step through the device path: logits [len(rows), vocab] (on the device) of the
+        flat token rows ``rows``. Decode-only steps that fit go through the decode graphs."""
+        assert self.ops is not None
+        bs = self._block_size
+        ends = [s.start_pos + len(s.token_ids) for s in seqs]
+        tables = [s.block_table[: -(-e // bs)] for s, e in zip(seqs, ends, strict=True)]
+        g = self.graphs
+        if (
+            g is not None
+            and len(ids) == len(seqs)
+            and g.fits(len(seqs), max(len(t) for t in tables))
+        ):
+            logits = g.run(ids, pos, slots, ends, tables)
+            if rows == list(range(len(seqs))):
+                return logits
+            return logits.index_select(0, torch.tensor(rows, device=self.device))
+        qlens = [len(s.token_ids) for s in seqs]
+        batch = pack(HostStep(ids, pos, slots, tables, ends, qlens, rows), self.device)
+        return self.model.forward_device(self.ops, batch, self.kv_caches)
 
     def _sample(self, logits: torch.Tensor, sampled: list[ScheduledSeq]) -> torch.Tensor:
         """Penalties and min_tokens masks per row, then one batched draw."""
@@ -351,6 +476,26 @@ class ModelRunner:
         if n >= p.max_tokens or st.prompt_len + n >= self._max_model_len:
             return FinishReason.LENGTH
         return FinishReason.NONE
+
+
+def needs_host_sampling(states: list[RequestState]) -> bool:
+    """Whether sampling these rows needs more than a greedy argmax (which runs on the device):
+    temperature, bias, allowed ids, penalties, a min_tokens mask, a grammar or logprobs. The
+    rows then go to the host and through the CPU sampler, exactly as on the CPU path."""
+    for st in states:
+        p = st.params
+        if (
+            p.temperature >= sampler._GREEDY_EPS
+            or p.logit_bias
+            or p.allowed_token_ids
+            or st.penalized
+            or st.num_output_tokens < p.min_tokens
+            or st.guide is not None
+            or st.guide_failed
+            or p.logprobs is not None
+        ):
+            return True
+    return False
 
 
 def _logprobs(

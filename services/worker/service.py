@@ -271,15 +271,22 @@ async def run(settings: Settings) -> None:
         settings = dataclasses.replace(settings, worker_id=f"worker-{uuid.uuid4().hex[:8]}")
 
     def load() -> ModelRunner:
+        from services.worker.device import resolve_device, resolve_dtype
+
         if settings.threads > 0:
             torch.set_num_threads(settings.threads)
+        device = resolve_device(settings.device)
         return ModelRunner(
             src,
             block_size=settings.block_size,
             num_blocks=settings.num_kv_blocks or None,
             kv_cache_gib=settings.kv_cache_memory,
+            dtype=resolve_dtype(settings.dtype, device),
             worker_id=settings.worker_id,
             max_model_len=settings.max_model_len,
+            device=device,
+            cuda_graphs=False if settings.enforce_eager else None,
+            max_num_seqs=settings.max_num_seqs,
         )
 
     model_thread = ModelThread()

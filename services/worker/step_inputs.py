@@ -1,0 +1,95 @@
+"""A step's metadata for the device path (the Triton backend): built on the host from the
+StepPlan, packed into one int32 buffer (pinned on CUDA) and copied to the device once per step
+with ``non_blocking``, then read through views.
+
+``DeviceBatch`` is what ``LlamaModel.forward_device`` takes; the CUDA-graph decode path
+(services/worker/cuda_graphs.py) fills the same fields from static buffers instead.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+
+@dataclass
+class DeviceBatch:
+    """Inputs of one forward pass on the device: T token rows of B sequences.
+
+    ``query_start_loc`` None means a decode step (one token per sequence, T == B; attention
+    through ``decode_attention``); otherwise a varlen step through ``extend_attention``.
+    ``sample_rows`` None means logits for every row (the CUDA-graph path picks rows after)."""
+
+    input_ids: torch.Tensor  # [T] int32
+    positions: torch.Tensor  # [T] int32
+    slot_mapping: torch.Tensor  # [T] int32, -1: do not write (padded rows)
+    block_tables: torch.Tensor  # [B, W] int32 (entries past a sequence's blocks: never read)
+    seq_lens: torch.Tensor  # [B] int32, 0 for padded rows
+    query_start_loc: torch.Tensor | None  # [B + 1] int32, or None for a decode step
+    max_query_len: int
+    sample_rows: torch.Tensor | None  # [S] int32 rows whose logits are wanted; None: all
+    num_splits: int | None = None  # decode: flash-decoding splits (None: from the shapes)
+
+
+@dataclass
+class HostStep:
+    """A step as the runner lays it out (rows in the runner's order)."""
+
+    token_ids: Sequence[int]
+    positions: Sequence[int]
+    slots: Sequence[int]
+    block_tables: Sequence[Sequence[int]]  # each sequence's used blocks
+    seq_lens: Sequence[int]
+    query_lens: Sequence[int]
+    sample_rows: Sequence[int]
+
+    @property
+    def is_decode(self) -> bool:
+        return all(n == 1 for n in self.query_lens)
+
+
+def fill_tables(out: np.ndarray, tables: Sequence[Sequence[int]]) -> None:
+    """Write each block table into a row of ``out`` [>= B, W]; everything else in ``out``
+    (the rest of each row, rows past B) becomes 0."""
+    out[:] = 0
+    for i, t in enumerate(tables):
+        out[i, : len(t)] = t
+
+
+def pack(step: HostStep, device: torch.device) -> DeviceBatch:
+    """Every int of ``step`` in one host buffer (pinned on CUDA), one copy to ``device``, and
+    views of it. A decode step has no ``query_start_loc``."""
+    t, b, s = len(step.token_ids), len(step.seq_lens), len(step.sample_rows)
+    w = max((len(x) for x in step.block_tables), default=0)
+    decode = step.is_decode
+    sizes = [t, t, t, b, 0 if decode else b + 1, s, b * w]
+    offs = np.cumsum([0, *sizes]).tolist()
+    host = torch.empty(offs[-1], dtype=torch.int32, pin_memory=device.type == "cuda")
+    a = host.numpy()
+    a[offs[0] : offs[1]] = step.token_ids
+    a[offs[1] : offs[2]] = step.positions
+    a[offs[2] : offs[3]] = step.slots
+    a[offs[3] : offs[4]] = step.seq_lens
+    if not decode:
+        a[offs[4]] = 0
+        np.cumsum(step.query_lens, out=a[offs[4] + 1 : offs[5]])
+    a[offs[5] : offs[6]] = step.sample_rows
+    fill_tables(a[offs[6] :].reshape(b, w), step.block_tables)
+    buf = host.to(device, non_blocking=True) if device.type != "cpu" else host
+
+    def seg(i: int) -> torch.Tensor:
+        return buf[offs[i] : offs[i + 1]]
+
+    return DeviceBatch(
+        input_ids=seg(0),
+        positions=seg(1),
+        slot_mapping=seg(2),
+        block_tables=seg(6).view(b, w),
+        seq_lens=seg(3),
+        query_start_loc=None if decode else seg(4),
+        max_query_len=max(step.query_lens, default=0),
+        sample_rows=seg(5),
+    )

@@ -1,0 +1,277 @@
+"""The worker's device path (ModelRunner with the Triton backend) against its CPU path, through
+the real ``ModelRunner.execute`` on real StepPlans: prefill, chunked prefill, a prefix-cache hit,
+decode, one-token prefill chunks that do not sample inside decode steps, and decode batches
+padded to a captured size as the CUDA-graph path pads them.
+
+Without a GPU the Triton kernels run on CPU tensors in Triton's interpreter (TRITON_INTERPRET=1,
+set by tests/conftest.py) and ``cuda_graphs=True`` runs the padded static-buffer decode step
+eagerly (everything but the capture). With a GPU, the last test captures real CUDA graphs.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+HAS_CUDA = torch.cuda.is_available()
+if not HAS_CUDA:
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # as tests/conftest.py does
+
+from services.worker.runner import ModelRunner  # noqa: E402
+from shared.messages import NewRequest, SamplingParams, ScheduledSeq, StepPlan  # noqa: E402
+from shared.model_loader import ModelConfig  # noqa: E402
+
+BLOCK = 4
+NUM_BLOCKS = 48
+VOCAB = 128
+GREEDY = SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True)
+
+requires_interpreter = pytest.mark.skipif(
+    HAS_CUDA, reason="with a GPU the Triton kernels are compiled for CUDA in this process"
+)
+
+
+def tiny_llama(seed: int = 0) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    """A 2-layer random Llama under HF weight names (GQA 2, head_dim 16), weights large
+    enough that logits are far from ties."""
+    cfg = ModelConfig(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+        intermediate_size=96,
+        rms_norm_eps=1e-5,
+        rope_theta=10000.0,
+        max_position_embeddings=128,
+        tie_word_embeddings=False,
+        bos_token_id=None,
+        eos_token_ids=(VOCAB - 1,),
+    )
+    g = torch.Generator().manual_seed(seed)
+
+    def mat(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=g) * 0.2
+
+    def norm(n: int) -> torch.Tensor:
+        return 1 + 0.1 * torch.randn(n, generator=g)
+
+    d, kv, i = cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, cfg.intermediate_size
+    w = {
+        "model.embed_tokens.weight": mat(VOCAB, d),
+        "model.norm.weight": norm(d),
+        "lm_head.weight": mat(VOCAB, d),
+    }
+    for n in range(cfg.num_layers):
+        p = f"model.layers.{n}."
+        w |= {
+            p + "input_layernorm.weight": norm(d),
+            p + "post_attention_layernorm.weight": norm(d),
+            p + "self_attn.q_proj.weight": mat(d, d),
+            p + "self_attn.k_proj.weight": mat(kv, d),
+            p + "self_attn.v_proj.weight": mat(kv, d),
+            p + "self_attn.o_proj.weight": mat(d, d),
+            p + "mlp.gate_proj.weight": mat(i, d),
+            p + "mlp.up_proj.weight": mat(i, d),
+            p + "mlp.down_proj.weight": mat(d, i),
+        }
+    return cfg, w
+
+
+def make(model, **kw) -> ModelRunner:
+    cfg, weights = model
+    weights = {k: v.clone() for k, v in weights.items()}
+    return ModelRunner.from_weights(cfg, weights, BLOCK, NUM_BLOCKS, **kw)
+
+
+def spy_logits(runner: ModelRunner) -> list[torch.Tensor]:
+    """Every step's sampled logits rows, as ``_sample`` gets them (moved to the CPU)."""
+    rows: list[torch.Tensor] = []
+    sample = runner._sample
+
+    def spy(logits, sampled):
+        rows.append(logits.detach().float().cpu().clone())
+        return sample(logits, sampled)
+
+    runner._sample = spy
+    return rows
+
+
+# prompts; D's first 8 tokens are A's (a prefix-cache hit on A's first two blocks)
+A = [5, 17, 99, 3, 42, 8, 64, 21, 77, 1, 33]
+B = [11, 22, 33, 44, 55, 66, 77, 88, 99, 100, 101, 102, 103, 104, 105, 106, 107, 108, 109]
+C = [7]
+D = A[:8] + [50, 60, 70]
+E = [3, 4, 5]  # prefilled one token per step inside decode steps
+TABLES = {
+    "a": [20, 3, 31, 8, 14, 40],
+    "b": [1, 29, 17, 44, 9, 36, 22, 11],
+    "c": [38, 6, 26],
+    "d": [20, 3, 12, 47, 5],  # A's first two blocks, then its own
+    "e": [30, 2, 41],
+}
+PROMPTS = {"a": A, "b": B, "c": C, "d": D, "e": E}
+
+
+def scenario() -> list[list[tuple[str, int, int, bool]]]:
+    """Steps as (request, chunk start, chunk length, samples); decode rows have length 1 and
+    start at the sequence's current length (filled in while running)."""
+    return [
+        [("a", 0, 11, True), ("b", 0, 10, False), ("c", 0, 1, True)],  # mixed: prefills
+        [("b", 10, 9, True), ("a", -1, 1, True), ("c", -1, 1, True)],  # chunk 2 + decodes
+        [("d", 8, 3, True), ("a", -1, 1, True), ("b", -1, 1, True), ("c", -1, 1, True)],
+        # decode only, 5 sequences: above a 4-sequence ladder, so eager decode
+        [(r, -1, 1, True) for r in "ab"] + [("e", 0, 1, False)] + [(r, -1, 1, True) for r in "cd"],
+        # decode only, 4 rows of which one (e's prompt chunk, not the last row) does not sample
+        [("a", -1, 1, True), ("e", 1, 1, False), ("b", -1, 1, True), ("c", -1, 1, True)],
+        # 3 rows padded to 4; e's last prompt token samples
+        [("a", -1, 1, True), ("b", -1, 1, True), ("e", 2, 1, True)],
+        [("a", -1, 1, True), ("e", -1, 1, True)],  # 2 rows
+        [("e", -1, 1, True)],  # 1 row
+    ]
+
+
+def drive(runner: ModelRunner) -> tuple[dict[str, list[int]], list[list[int]]]:
+    """Run the scenario; returns every request's tokens and each step's written cache slots."""
+    tokens = {r: list(p) for r, p in PROMPTS.items()}
+    computed = dict.fromkeys(PROMPTS, 0)
+    computed["d"] = 8  # the prefix-cache hit
+    new = [NewRequest(r, GREEDY, len(p)) for r, p in PROMPTS.items()]
+    written = []
+    for step_id, step in enumerate(scenario()):
+        seqs, slots = [], []
+        for r, start, n, sample in step:
+            start = computed[r] if start < 0 else start
+            assert start == computed[r], (r, start, computed[r])
+            chunk = tokens[r][start : start + n]
+            seqs.append(ScheduledSeq(r, chunk, start, TABLES[r], sample))
+            slots += [TABLES[r][p // BLOCK] * BLOCK + p % BLOCK for p in range(start, start + n)]
+            computed[r] = start + n
+        res = runner.execute(StepPlan(step_id, seqs, new))
+        assert res.error is None, res.error
+        new = []
+        for r, tok in zip(res.request_ids, res.token_ids, strict=True):
+            tokens[r].append(tok)
+        written.append(slots)
+    return tokens, written
+
+
+@pytest.fixture(scope="module")
+def model() -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    return tiny_llama()
+
+
+@pytest.fixture(scope="module")
+def reference(model) -> tuple[dict[str, list[int]], list[torch.Tensor]]:
+    runner = make(model)
+    assert runner.ops is None and runner.decode_fn is not None  # the CPU fast path
+    logits = spy_logits(runner)
+    tokens, _ = drive(runner)
+    return tokens, logits
+
+
+@requires_interpreter
+@pytest.mark.parametrize("graphs", [False, True], ids=["eager", "padded-static-buffers"])
+def test_triton_worker_path_matches_the_cpu_path(model, reference, graphs: bool) -> None:
+    runner = make(model, backend="triton", cuda_graphs=graphs, max_num_seqs=4)
+    assert runner.ops is not None and runner.ops.name == "triton"
+    assert runner.gemm_rows is None and runner.decode_fn is None  # CPU-path features off
+    assert (runner.graphs is not None) == graphs
+    logits = spy_logits(runner)
+    caches: dict[str, list[torch.Tensor]] = {}
+
+    # the padded 3-row step (index 5): the padding row must write no KV anywhere
+    execute = runner.execute
+
+    def snapshot(plan: StepPlan):
+        if plan.step_id == 5:
+            caches["before"] = [torch.stack([k, v]).clone() for k, v in runner.kv_caches]
+        res = execute(plan)
+        if plan.step_id == 5:
+            caches["after"] = [torch.stack([k, v]).clone() for k, v in runner.kv_caches]
+        return res
+
+    runner.execute = snapshot
+    tokens, written = drive(runner)
+    want_tokens, want_logits = reference
+    assert tokens == want_tokens
+    assert len(logits) == len(want_logits) == len(scenario())
+    for got, want in zip(logits, want_logits, strict=True):
+        torch.testing.assert_close(got, want, atol=2e-4, rtol=1e-4)
+    if graphs:
+        assert runner.graphs.sizes == [1, 2, 4]
+        assert runner.graphs.replays == 4  # steps 4-7; step 3 (5 rows) ran eagerly
+    for before, now in zip(caches["before"], caches["after"], strict=True):
+        changed = (before != now).flatten(3).any(-1).any(0).flatten()  # per cache slot
+        assert changed.nonzero().flatten().tolist() == sorted(written[5])
+
+
+@requires_interpreter
+def test_triton_worker_prompt_logprobs_and_sampling_params(model) -> None:
+    """Rows that need the host sampler (logprobs, temperature with a seed, penalties, prompt
+    logprobs) give what the CPU path gives."""
+    params = [
+        SamplingParams(max_tokens=3, temperature=0.0, logprobs=2, prompt_logprobs=1),
+        SamplingParams(max_tokens=3, temperature=0.9, seed=5, repetition_penalty=1.3),
+    ]
+    results = []
+    for kw in ({}, {"backend": "triton", "cuda_graphs": True, "max_num_seqs": 2}):
+        runner = make(model, **kw)
+        new = [NewRequest("p", params[0], len(A)), NewRequest("q", params[1], len(B))]
+        seqs = [ScheduledSeq("p", A, 0, TABLES["a"]), ScheduledSeq("q", B, 0, TABLES["b"])]
+        out = [runner.execute(StepPlan(0, seqs, new))]
+        for step in (1, 2):
+            toks = dict(zip(out[-1].request_ids, out[-1].token_ids, strict=True))
+            n = len(A) + step - 1, len(B) + step - 1
+            seqs = [
+                ScheduledSeq("p", [toks["p"]], n[0], TABLES["a"]),
+                ScheduledSeq("q", [toks["q"]], n[1], TABLES["b"]),
+            ]
+            out.append(runner.execute(StepPlan(step, seqs)))
+        results.append(out)
+    for ref, tri in zip(*results, strict=True):
+        assert ref.error is None and tri.error is None
+        assert tri.token_ids == ref.token_ids
+        assert [lp is None for lp in tri.logprobs] == [lp is None for lp in ref.logprobs]
+        for a, b in zip(ref.logprobs, tri.logprobs, strict=True):
+            if a is None:
+                continue
+            assert b.top_ids == a.top_ids
+            assert b.logprob == pytest.approx(a.logprob, abs=1e-4)
+        for a, b in zip(ref.prompt_logprobs, tri.prompt_logprobs, strict=True):
+            assert (b.start, b.token_ids, b.ranks) == (a.start, a.token_ids, a.ranks)
+            assert b.logprobs == pytest.approx(a.logprobs, abs=1e-4)
+    assert results[0][0].prompt_logprobs  # the prompt logprobs really were asked for
+
+
+@pytest.mark.skipif(not HAS_CUDA, reason="CUDA-graph capture needs a CUDA GPU")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_cuda_graphs_on_the_gpu(model, reference, dtype) -> None:
+    """On a GPU: the scenario with decode steps replayed from captured graphs equals the eager
+    device path, and in fp32 the CPU path's tokens too."""
+    cfg, weights = model
+    cast = (cfg, {k: v.to(dtype) for k, v in weights.items()})
+    eager = make(cast, device="cuda", cuda_graphs=False)
+    graphs = make(cast, device="cuda", cuda_graphs=True, max_num_seqs=4)
+    assert eager.graphs is None and graphs.graphs is not None
+    assert sorted(graphs.graphs.graphs) == [1, 2, 4]  # every size captured
+    assert eager.kv_caches[0][0].is_cuda and eager.kv_caches[0][0].dtype == dtype
+    got_eager, got_graphs = spy_logits(eager), spy_logits(graphs)
+    tokens_eager, _ = drive(eager)
+    tokens_graphs, _ = drive(graphs)
+    assert graphs.graphs.replays == 4
+    if dtype == torch.float32:
+        want_tokens, want_logits = reference
+        assert tokens_graphs == tokens_eager == want_tokens
+        for a, b in zip(got_graphs, want_logits, strict=True):
+            torch.testing.assert_close(a, b, atol=2e-3, rtol=1e-3)
+    else:
+        # bf16: graph and eager steps differ in GEMM row counts and split counts, so compare
+        # logits step by step while both have sampled the same tokens so far
+        for a, b in zip(got_graphs, got_eager, strict=True):
+            assert (a - b).abs().max() <= 0.03 * b.abs().max()
+            if not torch.equal(a.argmax(-1), b.argmax(-1)):
+                break
