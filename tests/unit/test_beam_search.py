@@ -61,17 +61,28 @@ def test_same_beams_as_hugging_face(hf_model, width: int, prompt_index: int) -> 
         assert b.score == pytest.approx(score(b.cum_logprob, len(b.tokens), 1.0))
 
 
-def test_eos_hypotheses_and_length_penalty_like_hugging_face(hf_model) -> None:  # noqa: F811
-    """A token the model likes made the EOS: beams end early and compete by length-normalised
-    score, with a length penalty that favours shorter ones."""
-    prompt = PROMPTS[1]
-    with torch.no_grad():
-        likely = int(hf_model(torch.tensor([prompt])).logits[0, -1].topk(3).indices[2])
-    ours = asyncio.run(beam_search(prompt, hf_expand(hf_model), 3, 8, [likely], length_penalty=0.5))
-    theirs = hf_beams(hf_model, prompt, 3, 8, eos=likely, length_penalty=0.5)
-    theirs = [r[: r.index(likely) + 1] if likely in r else r for r in theirs]
-    assert [b.tokens for b in ours] == theirs
-    assert any(b.tokens[-1] == likely for b in ours)
+@pytest.mark.parametrize("eos_rank", [0, 1, 2, 5])
+@pytest.mark.parametrize("length_penalty", [0.5, 2.0])
+@pytest.mark.parametrize("width", [2, 3])
+def test_eos_hypotheses_length_penalty_and_early_stop_like_hugging_face(
+    hf_model,  # noqa: F811
+    eos_rank: int,
+    length_penalty: float,
+    width: int,
+) -> None:
+    """A token the model likes (ranked ``eos_rank`` after the prompt) made the EOS: beams end
+    early, EOS candidates outside the best ``width`` must not finish, hypotheses compete by
+    length-normalised score, and the search may stop early -- all as HF does."""
+    for prompt in PROMPTS:
+        with torch.no_grad():
+            logits = hf_model(torch.tensor([prompt])).logits[0, -1]
+            eos = int(logits.topk(eos_rank + 1).indices[eos_rank])
+        ours = asyncio.run(
+            beam_search(prompt, hf_expand(hf_model), width, 10, [eos], length_penalty)
+        )
+        theirs = hf_beams(hf_model, prompt, width, 10, eos=eos, length_penalty=length_penalty)
+        theirs = [r[: r.index(eos) + 1] if eos in r else r for r in theirs]
+        assert [b.tokens for b in ours] == theirs, (prompt, eos)
 
 
 def test_rejects_bad_arguments() -> None:
