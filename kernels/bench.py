@@ -10,6 +10,14 @@ Prints two markdown tables for the GPU it runs on:
 2. end to end: greedy decode of a random-weight 1B-class Llama (kernels/llama_step.py: hidden
    2048, 16 layers, 32 heads, 8 KV heads, intermediate 8192) over a paged cache at a given
    context, eager and as one CUDA graph per step, in tokens per second.
+
+Table 2 is the kernels' own ceiling: a device-only loop (the next token and the slot mapping
+computed on the GPU, no host work between steps). The worker's real decode path (ModelRunner
+on StepPlans: host-built metadata copied once per step, CUDA graphs over a batch-size ladder,
+sampling, results back to the host) is timed by ``python -m services.worker.bench_decode
+--device cuda --random-llama`` on the same model shape; it lives under services/ because
+kernels/ imports nothing from services/ or shared/. The gap between the two is the worker's
+per-step overhead.
 """
 
 from __future__ import annotations

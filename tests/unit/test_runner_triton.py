@@ -167,7 +167,7 @@ def model() -> tuple[ModelConfig, dict[str, torch.Tensor]]:
 @pytest.fixture(scope="module")
 def reference(model) -> tuple[dict[str, list[int]], list[torch.Tensor]]:
     runner = make(model)
-    assert runner.ops is None and runner.decode_fn is not None  # the CPU fast path
+    assert runner.ops is None and runner.gemm_rows is not None  # the CPU path
     logits = spy_logits(runner)
     tokens, _ = drive(runner)
     return tokens, logits
@@ -245,6 +245,25 @@ def test_triton_worker_prompt_logprobs_and_sampling_params(model) -> None:
             assert (b.start, b.token_ids, b.ranks) == (a.start, a.token_ids, a.ranks)
             assert b.logprobs == pytest.approx(a.logprobs, abs=1e-4)
     assert results[0][0].prompt_logprobs  # the prompt logprobs really were asked for
+
+
+@requires_interpreter
+def test_gpu_decode_bench_code_path(monkeypatch) -> None:
+    """What ``python -m services.worker.bench_decode --device cuda --random-llama`` runs (a
+    random Llama drawn on the device, decode steps through the decode graphs), on a tiny
+    shape in the interpreter, so the GPU bench does not first fail on a GPU."""
+    from kernels.llama_step import LlamaShape
+    from services.worker import bench_decode
+
+    shape = LlamaShape(vocab=64, hidden=32, layers=1, heads=2, kv_heads=1, intermediate=48)
+    cfg, weights = bench_decode.random_llama(torch.float32, torch.device("cpu"), shape=shape)
+    assert cfg.head_dim == 16 and weights["lm_head.weight"].shape == (64, 32)
+    runner = ModelRunner.from_weights(
+        cfg, weights, 4, 16, backend="triton", cuda_graphs=True, max_num_seqs=4
+    )
+    wall, cpu = bench_decode.decode_steps(runner, 3, 9, steps=2, warmup=1, first_block=2)
+    assert len(wall) == len(cpu) == 2 and runner.graphs.replays == 3
+    assert runner.requests == {}  # the bench forgets its requests afterwards
 
 
 @pytest.mark.skipif(not HAS_CUDA, reason="CUDA-graph capture needs a CUDA GPU")

@@ -1,0 +1,189 @@
+"""Decode steps of the worker itself: ``python -m services.worker.bench_decode``.
+
+Times ``ModelRunner.execute`` on real StepPlans: ``--batch`` sequences that already hold
+``--context`` tokens each decode one greedy token per step (the cache's K/V values do not change
+the work a decode step does, so no prefill is run first). Prints, per batch size, the step's
+wall time (min and median over ``--steps`` steps after warm-up), the process CPU time of the
+cheapest step (with ``--threads 1`` the most robust figure on a machine shared with other work),
+and tokens per second.
+
+- CPU (``--device cpu``): the worker's CPU path (native decode attention, oneDNN-packed GEMMs,
+  calibrated batch invariance) on ``--model`` (default: SmolLM2-135M-Instruct).
+- GPU (``--device cuda``): the Triton kernels with decode steps replayed as CUDA graphs
+  (``--enforce-eager``: eager), on ``--model`` or, with ``--random-llama``, a random-weight
+  1B-class Llama (kernels/llama_step.py's ``LlamaShape``: hidden 2048, 16 layers, 32 heads, 8 KV
+  heads, intermediate 8192, vocab 32000).
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import sys
+import time
+
+import torch
+
+from kernels.llama_step import LlamaShape
+from services.worker.runner import ModelRunner
+from shared.messages import NewRequest, SamplingParams, ScheduledSeq, StepPlan
+from shared.model_loader import ModelConfig
+
+
+def random_llama(
+    dtype: torch.dtype, device: torch.device, seed: int = 0, shape: LlamaShape | None = None
+) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    """A random-weight Llama under HF weight names, drawn on ``device`` (N(0, 0.02), norms
+    N(1, 0.1)); by default of kernels/llama_step.py's 1B-class shape."""
+    s = shape or LlamaShape()
+    cfg = ModelConfig(
+        vocab_size=s.vocab,
+        hidden_size=s.hidden,
+        num_layers=s.layers,
+        num_heads=s.heads,
+        num_kv_heads=s.kv_heads,
+        head_dim=s.head_dim,
+        intermediate_size=s.intermediate,
+        rms_norm_eps=s.eps,
+        rope_theta=s.rope_theta,
+        max_position_embeddings=s.max_position,
+        tie_word_embeddings=False,
+        bos_token_id=None,
+        eos_token_ids=(s.vocab - 1,),
+    )
+    g = torch.Generator(device=device).manual_seed(seed)
+
+    def w(*dims: int, mean: float = 0.0, std: float = 0.02) -> torch.Tensor:
+        x = torch.randn(*dims, generator=g, device=device, dtype=torch.float32)
+        return (x * std + mean).to(dtype)
+
+    d, kv, i = s.hidden, s.kv_heads * s.head_dim, s.intermediate
+    weights = {
+        "model.embed_tokens.weight": w(s.vocab, d),
+        "model.norm.weight": w(d, mean=1.0, std=0.1),
+        "lm_head.weight": w(s.vocab, d),
+    }
+    for n in range(s.layers):
+        p = f"model.layers.{n}."
+        weights |= {
+            p + "input_layernorm.weight": w(d, mean=1.0, std=0.1),
+            p + "post_attention_layernorm.weight": w(d, mean=1.0, std=0.1),
+            p + "self_attn.q_proj.weight": w(d, d),
+            p + "self_attn.k_proj.weight": w(kv, d),
+            p + "self_attn.v_proj.weight": w(kv, d),
+            p + "self_attn.o_proj.weight": w(d, d),
+            p + "mlp.gate_proj.weight": w(i, d),
+            p + "mlp.up_proj.weight": w(i, d),
+            p + "mlp.down_proj.weight": w(d, i),
+        }
+    return cfg, weights
+
+
+def decode_steps(
+    runner: ModelRunner, batch: int, context: int, steps: int, warmup: int, first_block: int
+) -> tuple[list[float], list[float]]:
+    """Run ``warmup + steps`` greedy decode steps of ``batch`` sequences from ``context``
+    tokens on; returns the timed steps' wall and process CPU seconds."""
+    bs = runner.block_size
+    nblk = -(-(context + warmup + steps + 1) // bs)
+    blocks = list(range(first_block, first_block + batch * nblk))
+    random.Random(batch).shuffle(blocks)
+    tables = [blocks[i * nblk : (i + 1) * nblk] for i in range(batch)]
+    rids = [f"b{batch}-{i}" for i in range(batch)]
+    params = SamplingParams(max_tokens=10**6, temperature=0.0, ignore_eos=True)
+    new = [NewRequest(r, params, context) for r in rids]
+    tokens = [(7 * i + 1) % runner.config.vocab_size for i in range(batch)]
+    wall, cpu = [], []
+    for k in range(warmup + steps):
+        seqs = [
+            ScheduledSeq(r, [t], context + k, table)
+            for r, t, table in zip(rids, tokens, tables, strict=True)
+        ]
+        plan = StepPlan(k, seqs, new)
+        t0, c0 = time.perf_counter(), time.process_time()
+        res = runner.execute(plan)
+        t1, c1 = time.perf_counter(), time.process_time()
+        if res.error:
+            raise RuntimeError(res.error)
+        new = []
+        tokens = res.token_ids
+        if k >= warmup:
+            wall.append(t1 - t0)
+            cpu.append(c1 - c0)
+    runner.execute(StepPlan(warmup + steps, [], [], rids))  # forget the requests
+    return wall, cpu
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description="Decode-step timing of ModelRunner (CPU or CUDA).")
+    ap.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
+    ap.add_argument("--dtype", default="auto", help="auto (bf16 on CUDA, fp32 on CPU) | ...")
+    ap.add_argument("--model", default="", help="GGUF file or HF directory (default SmolLM2)")
+    ap.add_argument("--random-llama", action="store_true", help="a random 1B-class Llama")
+    ap.add_argument("--batch", type=int, nargs="+", default=[32])
+    ap.add_argument("--context", type=int, default=300)
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--enforce-eager", action="store_true", help="CUDA: no CUDA graphs")
+    args = ap.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+
+    from services.worker.device import resolve_device, resolve_dtype
+
+    device = resolve_device(args.device)
+    dtype = resolve_dtype(args.dtype, device)
+    bs, max_batch = args.block_size, max(args.batch)
+    per_seq = -(-(args.context + args.warmup + args.steps + 1) // bs)
+    num_blocks = sum(b * per_seq for b in args.batch) + 1
+    max_len = per_seq * bs
+    kw: dict = {}
+    if device.type != "cpu":  # (CPU: only arguments every ModelRunner version takes)
+        kw = {
+            "device": device,
+            "cuda_graphs": False if args.enforce_eager else None,
+            "max_num_seqs": max_batch,
+        }
+    t0 = time.perf_counter()
+    if args.random_llama:
+        cfg, weights = random_llama(dtype, device)
+        runner = ModelRunner.from_weights(cfg, weights, bs, num_blocks, max_model_len=max_len, **kw)
+        name = "random 1B-class Llama"
+    else:
+        from shared.model_source import resolve_model
+
+        src = resolve_model(args.model)
+        runner = ModelRunner(src, bs, num_blocks, dtype=dtype, max_model_len=max_len, **kw)
+        name = src.name
+    load_s = time.perf_counter() - t0
+    graphs = getattr(runner, "graphs", None)
+    path = "cpu" if getattr(runner, "ops", None) is None else "triton"
+    if path == "triton":
+        path += f", CUDA graphs {graphs.sizes}" if graphs is not None else ", eager"
+    what = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
+    print(
+        f"## ModelRunner decode steps: {name}, {str(dtype).removeprefix('torch.')} on {what} "
+        f"({path}); torch {torch.__version__}, {torch.get_num_threads()} threads; "
+        f"loaded in {load_s:.1f}s; {args.steps} timed steps after {args.warmup} warm-up"
+    )
+    print()
+    print("| batch | context | step ms (min) | step ms (median) | CPU ms (min step) | tokens/s |")
+    print("|---:|---:|---:|---:|---:|---:|")
+    first = 0
+    for b in args.batch:
+        wall, cpu = decode_steps(runner, b, args.context, args.steps, args.warmup, first)
+        first += b * per_seq
+        med = statistics.median(wall)
+        print(
+            f"| {b} | {args.context} | {min(wall) * 1e3:.1f} | {med * 1e3:.1f} | "
+            f"{min(cpu) * 1e3:.1f} | {b / med:.0f} |",
+            flush=True,
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
