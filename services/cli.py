@@ -11,12 +11,14 @@ import sys
 
 from shared.config import Settings
 from shared.logs import setup_logging
+from shared.telemetry import setup_tracing
 
 SERVICES = ("gateway", "tokenizer", "scheduler", "worker", "detokenizer")
 
 
 def _run_service(name: str, settings: Settings) -> None:
-    setup_logging(name, settings.log_level)
+    setup_logging(name, settings.log_level, settings.log_format)
+    setup_tracing(name)
     os.environ.update(settings.to_env())  # the effective settings, for code that reads them later
     if name == "gateway":
         from services.gateway.main import main as gateway_main
@@ -66,12 +68,13 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("service", choices=SERVICES)
     Settings.add_arguments(run)
 
-    from services import bench, keys_cli
+    from services import bench, keys_cli, trace_sink
     from services.scheduler import simulator
 
     bench.add_parser(sub)
     simulator.add_parser(sub)
     keys_cli.add_parser(sub)
+    trace_sink.add_parser(sub)
     return parser
 
 
@@ -89,6 +92,10 @@ def main(argv: list[str] | None = None) -> int:
         from services import keys_cli
 
         return keys_cli.main(args)
+    if args.command == "traces":
+        from services import trace_sink
+
+        return trace_sink.main(args)
     settings = Settings.from_args(args)
     if args.command == "run":
         _run_service(args.service, settings)

@@ -68,6 +68,16 @@ def _stop(procs: list[tuple[str, subprocess.Popen]], graceful: bool, drain_s: fl
             p.wait()
 
 
+def _ops_ports(specs: dict[str, tuple[str, dict[str, str]]], settings: Settings) -> str:
+    """Give each child its own ops port: ``--ops-port`` for the first, then the next ones in
+    start order (workers, schedulers, tokenizers, detokenizers); returns them for printing."""
+    shown = []
+    for i, (name, (_service, overrides)) in enumerate(specs.items()):
+        overrides["ops_port"] = str(settings.ops_port + i)
+        shown.append(f"{name} :{settings.ops_port + i}")
+    return ", ".join(shown)
+
+
 def worker_plan(both: int, prefill: int, decode: int) -> list[tuple[str, str]]:
     """(worker id, role) of every worker to start."""
     if min(both, prefill, decode) < 0:
@@ -146,6 +156,8 @@ def serve(
             specs["tokenizer" if i == 0 else f"tokenizer-{i}"] = ("tokenizer", {})
         for i in range(detokenizers):
             specs["detokenizer" if i == 0 else f"detokenizer-{i}"] = ("detokenizer", {})
+        if settings.ops_port:
+            print(f"kvflow: ops endpoints (/health, /metrics): {_ops_ports(specs, settings)}")
         specs["gateway"] = ("gateway", {})
         for name, (service, overrides) in specs.items():
             procs.append((name, _spawn(service, settings, **overrides)))

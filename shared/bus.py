@@ -1,6 +1,7 @@
 """A thin typed layer over nats-py: connect (with reconnect), publish/subscribe kvflow messages,
 queue groups, request/reply, headers. Handlers receive decoded messages; a message that does not
-decode is logged, counted and dropped, so no service dies on bad input."""
+decode is logged, counted and dropped, so no service dies on bad input. Every message in and out
+is counted with its bytes per subject (``traffic``, shown as metrics by shared/metrics.py)."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
 from shared.messages import Message, decode, encode
+from shared.subjects import subject_label
 
 log = logging.getLogger("kvflow.bus")
 
@@ -29,6 +31,10 @@ class Bus:
         self.name = name
         self.nc: Client | None = None
         self.dropped_messages = 0  # undecodable or failing messages (logged, then dropped)
+        # (subject label, "in" | "out") -> [messages, bytes]; plain ints, read at scrape time
+        self.traffic: dict[tuple[str, str], list[int]] = {}
+        self.subscriptions: list[tuple[str, Subscription]] = []  # (subject label, sub)
+        self._labels: dict[str, str] = {}
         self._tasks: set[asyncio.Task] = set()
 
     async def connect(self, url: str, connect_timeout: float = 30.0) -> None:
@@ -72,14 +78,31 @@ class Bus:
             raise RuntimeError("Bus.connect() first")
         return self.nc
 
-    async def publish(self, subject: str, msg: Any, headers: dict[str, str] | None = None) -> None:
-        await self.client.publish(subject, encode(msg), headers=headers)
+    def count(self, subject: str, direction: str, num_bytes: int) -> None:
+        label = self._labels.get(subject)
+        if label is None:
+            label = subject_label(subject)
+            if label != "_INBOX":  # reply inboxes are one per request: not cached
+                self._labels[subject] = label
+        entry = self.traffic.get((label, direction))
+        if entry is None:
+            entry = self.traffic[(label, direction)] = [0, 0]
+        entry[0] += 1
+        entry[1] += num_bytes
+
+    async def publish(
+        self, subject: str, msg: Any, headers: dict[str, str] | None = None, reply: str = ""
+    ) -> None:
+        data = encode(msg)
+        self.count(subject, "out", len(data))
+        await self.client.publish(subject, data, reply=reply, headers=headers or None)
 
     async def subscribe(self, subject: str, handler: Handler, queue: str = "") -> Subscription:
         """Call ``handler(decoded, raw)`` for each message, in arrival order. Failures are
         logged and counted; the subscription goes on."""
 
         async def cb(raw: Msg) -> None:
+            self.count(raw.subject, "in", len(raw.data))
             try:
                 msg = decode(raw.data)
             except (msgspec.DecodeError, msgspec.ValidationError) as e:
@@ -94,21 +117,34 @@ class Bus:
                     "%s: handler failed on %s (%s)", self.name, raw.subject, type(msg).__name__
                 )
 
-        return await self.client.subscribe(
+        sub = await self.client.subscribe(
             subject,
             queue=queue,
             cb=cb,
             pending_msgs_limit=1_000_000,
             pending_bytes_limit=1024 * 1024 * 1024,
         )
+        self.subscriptions.append((subject_label(subject), sub))
+        return sub
 
-    async def request(self, subject: str, msg: Any, timeout: float = 2.0) -> Message:
-        reply = await self.client.request(subject, encode(msg), timeout=timeout)
+    async def request(
+        self,
+        subject: str,
+        msg: Any,
+        timeout: float = 2.0,
+        headers: dict[str, str] | None = None,
+    ) -> Message:
+        data = encode(msg)
+        self.count(subject, "out", len(data))
+        reply = await self.client.request(subject, data, timeout=timeout, headers=headers or None)
+        self.count("_INBOX.", "in", len(reply.data))
         return decode(reply.data)
 
     async def reply(self, raw: Msg, msg: Any) -> None:
         if raw.reply:
-            await self.client.publish(raw.reply, encode(msg))
+            data = encode(msg)
+            self.count(raw.reply, "out", len(data))
+            await self.client.publish(raw.reply, data)
 
     def spawn(self, coro: Awaitable[Any]) -> asyncio.Task:
         """Run a background task whose failure is logged, not lost."""

@@ -100,6 +100,10 @@ class Settings:
         default=600.0, metadata={"help": "seconds a gateway request may take"}
     )
     log_level: str = field(default="info", metadata={"help": "debug | info | warning | error"})
+    log_format: str = field(
+        default="text",
+        metadata={"help": "text | json (one object per line, with request and trace ids)"},
+    )
     api_key: str = field(
         default="",
         metadata={"help": "the API key clients must send (Authorization: Bearer KEY); '' = open"},

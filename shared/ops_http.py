@@ -2,8 +2,10 @@
 scheduler, worker, detokenizer): ``GET /health`` (200 when the service is connected to NATS and
 ready, 503 otherwise), ``GET /live`` (200 while the process runs; for liveness probes, so that a
 NATS outage, which a service rides out by reconnecting, does not get every pod restarted) and
-``GET /metrics`` (Prometheus text: the default registry, i.e. process metrics, plus the bus's
-dropped-message counter).
+``GET /metrics`` (Prometheus text: the default registry, i.e. process metrics, the bus's
+dropped-message counter, its traffic and backlog, and the series the service registers in
+``registry``). Given the service's bus, it also answers the gateway's whole-stack metrics
+requests on ``kvflow.metrics`` with the same text (shared/metrics.py).
 
 It runs uvicorn + starlette in a daemon thread with its own event loop, so it answers while the
 service loads its model or its loop is busy. ``--ops-port 0`` (the default) turns it off.
@@ -12,6 +14,7 @@ has no curl."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import socket
 import sys
@@ -32,6 +35,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from shared.bus import Bus
+from shared.metrics import BusCollector, answer_metrics, instance_id
 
 log = logging.getLogger("kvflow.ops")
 
@@ -81,9 +85,22 @@ class OpsServer:
 
     def set_ready(self, ready: Callable[[], bool], bus: Bus | None = None) -> None:
         """From now on /health answers 200 while ``ready()`` is true; ``bus`` (the service's
-        NATS connection) also feeds the dropped-messages counter."""
+        NATS connection) also feeds the bus series, and, when this is called on the service's
+        event loop, answers the gateway's MetricsRequests with :meth:`render`."""
         self._ready = ready
+        if bus is not None and self.bus is None:
+            self.registry.register(BusCollector(self.service, bus))
+            try:
+                asyncio.get_running_loop()
+            except RuntimeError:
+                pass
+            else:
+                bus.spawn(answer_metrics(bus, self.service, instance_id(bus.name), self.render))
         self.bus = bus
+
+    def render(self) -> bytes:
+        """This service's /metrics text."""
+        return generate_latest(REGISTRY) + generate_latest(self.registry)
 
     def is_ready(self) -> bool:
         if self._ready is None:
@@ -104,8 +121,7 @@ class OpsServer:
             return JSONResponse({"status": "ok", "service": self.service})
 
         async def metrics(request: Request) -> Response:
-            body = generate_latest(REGISTRY) + generate_latest(self.registry)
-            return Response(body, media_type=CONTENT_TYPE_LATEST)
+            return Response(self.render(), media_type=CONTENT_TYPE_LATEST)
 
         return Starlette(
             routes=[

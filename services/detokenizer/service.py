@@ -6,7 +6,10 @@ Any number of detokenizers share the work: each new request goes to one of them 
 group on the requests subject), which then handles that request's tokens; step results go to
 all, and each keeps only its own. On SIGTERM a detokenizer leaves the queue group (no new
 requests) and finishes the ones it has, then exits. Should a request ever reach two (a
-resubmission landing elsewhere), both send the same deltas and the gateway keeps one."""
+resubmission landing elsewhere), both send the same deltas and the gateway keeps one.
+
+Each request has a ``detokenize`` span from its registration to its last token (the child of
+the tokenizer's span, whose context the TokenizedRequest's NATS headers carry)."""
 
 from __future__ import annotations
 
@@ -18,11 +21,14 @@ from collections import OrderedDict, defaultdict
 from typing import Any
 
 from nats.aio.msg import Msg
+from opentelemetry.trace import Span, SpanKind
 
 from services.detokenizer.state import DetokState
+from services.detokenizer.telemetry import DetokenizerMetrics
 from shared import subjects
 from shared.bus import Bus
 from shared.config import Settings
+from shared.logs import request_scope
 from shared.messages import (
     Abort,
     Delta,
@@ -34,8 +40,10 @@ from shared.messages import (
     StepResult,
     TokenizedRequest,
 )
+from shared.telemetry import extract, tracer
 
 log = logging.getLogger("kvflow.detokenizer")
+_tracer = tracer("detokenizer")
 
 EARLY_RESULT_TTL_S = 10.0  # results that arrive before their request's registration wait this long
 
@@ -47,6 +55,8 @@ class DetokenizerService:
         self.backend = getattr(tokenizer, "backend_tokenizer", tokenizer)
         self.bus = Bus("detokenizer")
         self.states: dict[str, DetokState] = {}
+        self.spans: dict[str, Span] = {}  # request id -> its detokenize span, while here
+        self.metrics = DetokenizerMetrics(lambda: len(self.states))
         self.done: OrderedDict[str, None] = OrderedDict()  # recently ended, to ignore late results
         self.duplicates_dropped = 0
         self.early: dict[str, tuple[float, list[tuple[int, int, SampleLogprobs | None]]]] = {}
@@ -68,18 +78,28 @@ class DetokenizerService:
     async def _on_message(self, msg: Message, raw: Msg) -> None:
         match msg:
             case TokenizedRequest():
-                await self._register(msg)
+                with request_scope(msg.request_id):
+                    await self._register(msg, raw.headers)
             case StepResult():
+                t0 = time.perf_counter()
                 await self._on_result(msg)
+                self.metrics.steps.observe(time.perf_counter() - t0)
             case Abort():
                 if self.states.pop(msg.request_id, None) is not None:
+                    self._end_span(msg.request_id, "abort")
                     self._mark_done(msg.request_id)
             case _:
                 log.warning("detokenizer: unexpected %s on %s", type(msg).__name__, raw.subject)
 
-    async def _register(self, req: TokenizedRequest) -> None:
+    async def _register(self, req: TokenizedRequest, headers: dict[str, str] | None = None) -> None:
         if req.request_id in self.states or req.request_id in self.done:
             return  # a resubmission (the gateway retries until acknowledged): already known
+        self.spans[req.request_id] = _tracer.start_span(
+            "detokenize",
+            context=extract(headers),
+            kind=SpanKind.CONSUMER,
+            attributes={"kvflow.request_id": req.request_id},
+        )
         st = DetokState(req.request_id, req.reply_to, req.params, len(req.prompt_token_ids))
         if req.params.prompt_logprobs is not None and req.prompt_token_ids:
             st.first_prompt_token = req.prompt_token_ids[0]
@@ -113,6 +133,7 @@ class DetokenizerService:
     async def _apply(self, entries: list[tuple[str, int, int, SampleLogprobs | None]]) -> None:
         out: dict[str, list[Delta]] = defaultdict(list)
         stopped: list[str] = []
+        mine = 0  # tokens of requests held here (every detokenizer sees every result)
         for rid, tok, reason, lp in entries:
             st = self.states.get(rid)
             if st is None:
@@ -121,18 +142,30 @@ class DetokenizerService:
                     early[1].append((tok, reason, lp))
                 continue
             delta, by_stop = st.add_token(self.backend, tok, FinishReason(reason), lp)
+            mine += 1
+            if st.completion_tokens == 1 and rid in self.spans:
+                self.spans[rid].add_event("first_token")
             if delta.text or delta.finish_reason or delta.logprobs or delta.prompt_logprobs:
                 out[st.reply_to].append(delta)
                 st.sent_delta()
             if st.finished:
                 del self.states[rid]
+                self._end_span(rid, delta.finish_reason, st.completion_tokens)
                 self._mark_done(rid)
                 if by_stop:
                     stopped.append(rid)
+        self.metrics.tokens.inc(mine)
         for reply_to, deltas in out.items():
             await self.bus.publish(reply_to, DeltaBatch(deltas))
         for rid in stopped:
             await self.bus.publish(subjects.ABORT, Abort(rid, FinishReason.STOP))
+
+    def _end_span(self, rid: str, reason: str | None, tokens: int = 0) -> None:
+        span = self.spans.pop(rid, None)
+        if span is not None:
+            span.set_attribute("kvflow.finish_reason", reason or "")
+            span.set_attribute("kvflow.completion_tokens", tokens)
+            span.end()
 
     def _already_sent(self, rid: str, count: int) -> bool:
         """A token whose position (``count``, counting it) this request has already had: a
@@ -188,6 +221,7 @@ async def run(settings: Settings) -> None:
     tok = load_tokenizer(resolve_model(settings.model, settings.served_model_name))
     service = DetokenizerService(settings, tok)
     await service.start()
+    ops.registry.register(service.metrics.registry)
     ops.set_ready(lambda: service.bus.client.is_connected and not service.draining, service.bus)
     asyncio.get_running_loop().add_signal_handler(
         signal.SIGTERM, lambda: service.bus.spawn(service.begin_drain())

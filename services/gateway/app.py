@@ -8,6 +8,7 @@ body models (openapi.py) and the response models (schemas.py)."""
 
 from __future__ import annotations
 
+import inspect
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -52,6 +53,7 @@ from services.gateway.schemas import (
     error_responses,
 )
 from services.gateway.state import GatewayState
+from services.gateway.tracing import RequestTrace
 from shared.bus import Bus
 from shared.config import Settings
 from shared.messages import (
@@ -115,7 +117,13 @@ def create_app(settings: Settings, bus: Bus | None = None) -> FastAPI:
         finally:
             await state.stop()
 
-    app = FastAPI(title="kvflow gateway", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app = FastAPI(
+        title="kvflow gateway",
+        lifespan=lifespan,
+        docs_url=None,
+        redoc_url=None,
+        **_no_fastapi_telemetry(),
+    )
     app.state.gateway = state
     install_error_handlers(app)
     limit = settings.max_body_bytes
@@ -154,17 +162,23 @@ def create_app(settings: Settings, bus: Bus | None = None) -> FastAPI:
         responses={200: {"content": stream_content, "description": STREAM_NOTE}, **gen_errors},
     )
     async def chat_completions(request: Request) -> Response:
-        key = await state.auth.check(request)
-        body = await read_body(request, limit)
-        if body is None:
-            return Response(status_code=CLIENT_CLOSED)
-        req = parse_request(ChatCompletionRequest, body)
-        model = check_model(req.model, state.model_name)
-        rid = new_request_id("chatcmpl")
-        job = chat_job(req, rid, state.inbox, time.time(), settings)
-        fmt = ChatFormat(rid, model, include_usage=job.include_usage)
-        fmt.with_logprobs, fmt.with_prompt_logprobs = job.logprobs, job.prompt_logprobs
-        return await serve(request, state, job, fmt, None, _usage(state, key))
+        trace = RequestTrace("/v1/chat/completions", request.headers, state.model_name)
+        try:
+            key = await state.auth.check(request)
+            body = await read_body(request, limit)
+            if body is None:
+                trace.end(CLIENT_CLOSED, "client closed")
+                return Response(status_code=CLIENT_CLOSED)
+            req = parse_request(ChatCompletionRequest, body)
+            model = check_model(req.model, state.model_name)
+            rid = new_request_id("chatcmpl")
+            job = chat_job(req, rid, state.inbox, time.time(), settings)
+            fmt = ChatFormat(rid, model, include_usage=job.include_usage)
+            fmt.with_logprobs, fmt.with_prompt_logprobs = job.logprobs, job.prompt_logprobs
+            return await serve(request, state, job, fmt, None, _usage(state, key), trace)
+        except BaseException as e:
+            trace.end(getattr(e, "status", 500), getattr(e, "message", type(e).__name__))
+            raise
 
     @app.post(
         "/v1/completions",
@@ -172,18 +186,24 @@ def create_app(settings: Settings, bus: Bus | None = None) -> FastAPI:
         responses={200: {"content": stream_content, "description": STREAM_NOTE}, **gen_errors},
     )
     async def completions(request: Request) -> Response:
-        key = await state.auth.check(request)
-        body = await read_body(request, limit)
-        if body is None:
-            return Response(status_code=CLIENT_CLOSED)
-        req = parse_request(CompletionRequest, body)
-        model = check_model(req.model, state.model_name)
-        rid = new_request_id("cmpl")
-        job = completion_job(req, rid, state.inbox, time.time(), settings)
-        fmt = CompletionFormat(rid, model, include_usage=job.include_usage)
-        fmt.with_logprobs, fmt.with_prompt_logprobs = job.logprobs, job.prompt_logprobs
-        texts = await echo_texts(req, job)
-        return await serve(request, state, job, fmt, texts, _usage(state, key))
+        trace = RequestTrace("/v1/completions", request.headers, state.model_name)
+        try:
+            key = await state.auth.check(request)
+            body = await read_body(request, limit)
+            if body is None:
+                trace.end(CLIENT_CLOSED, "client closed")
+                return Response(status_code=CLIENT_CLOSED)
+            req = parse_request(CompletionRequest, body)
+            model = check_model(req.model, state.model_name)
+            rid = new_request_id("cmpl")
+            job = completion_job(req, rid, state.inbox, time.time(), settings)
+            fmt = CompletionFormat(rid, model, include_usage=job.include_usage)
+            fmt.with_logprobs, fmt.with_prompt_logprobs = job.logprobs, job.prompt_logprobs
+            texts = await echo_texts(req, job)
+            return await serve(request, state, job, fmt, texts, _usage(state, key), trace)
+        except BaseException as e:
+            trace.end(getattr(e, "status", 500), getattr(e, "message", type(e).__name__))
+            raise
 
     @app.get("/v1/models", response_model=ModelList, responses=error_responses(401, 429))
     async def models(request: Request) -> Response:
@@ -309,15 +329,12 @@ def create_app(settings: Settings, bus: Bus | None = None) -> FastAPI:
         )
 
     @app.get("/metrics", response_class=Response)
-    async def metrics() -> Response:
-        """Prometheus text format, vLLM's metric names; engine series from the scheduler."""
-        try:
-            state.metrics.update_engine(
-                await state.scheduler_stats(timeout=0.5), len(state.streams)
-            )
-        except APIError:
-            pass  # request-level series are still worth serving
-        return Response(state.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+    async def metrics(request: Request) -> Response:
+        """Prometheus text format, vLLM's metric names: this gateway's series and, gathered
+        over NATS, every other service's (labelled ``service`` and ``service_instance``);
+        ``?scope=local``: this gateway's alone (for scrapers that reach every service)."""
+        whole = request.query_params.get("scope", "") != "local"
+        return Response(await state.metrics_text(whole), media_type=CONTENT_TYPE_LATEST)
 
     install_openapi(
         app,
@@ -330,6 +347,15 @@ def create_app(settings: Settings, bus: Bus | None = None) -> FastAPI:
         version(),
     )
     return app
+
+
+def _no_fastapi_telemetry() -> dict[str, Any]:
+    """FastAPI >= 0.160 traces every request itself (health checks and scrapes too) when an
+    OpenTelemetry SDK is installed; the gateway's own span (tracing.py) is the request's
+    server span, so FastAPI's are turned off where FastAPI has them."""
+    if "telemetry" not in inspect.signature(FastAPI.__init__).parameters:
+        return {}
+    return {"telemetry": {"tracing": False, "metrics": False, "logs": False}}
 
 
 def _usage(state: GatewayState, key: str | None) -> Any:

@@ -27,6 +27,7 @@ from services.gateway.metrics import GatewayMetrics
 from services.gateway.responses import DONE, Echo, Format, Outcome, outcome_of, sse, usage
 from services.gateway.state import GatewayState
 from services.gateway.streams import RequestHandle
+from services.gateway.tracing import RequestTrace
 from shared.messages import Delta, GenerateRequest
 
 log = logging.getLogger("kvflow.gateway")
@@ -52,12 +53,16 @@ class Choices:
         metrics: GatewayMetrics | None = None,
         on_close: UsageCallback | None = None,
         best_of: int = 1,
+        trace: RequestTrace | None = None,
     ) -> None:
         self.handles = handles
         self._pending: dict[int, asyncio.Task[Delta]] = {}
         self._timers = [metrics.request_timer() for _ in handles] if metrics else None
         self._on_close = on_close
         self._best_of = best_of
+        self._trace = trace
+        self.status = 200  # for the trace: what the client got
+        self.error: str | None = None
         self._prompt_tokens = [0] * len(handles)
         self._completion_tokens = [0] * len(handles)
 
@@ -72,16 +77,26 @@ class Choices:
                 self._pending[i] = asyncio.ensure_future(h.next())
         done, _ = await asyncio.wait(self._pending.values(), return_when=asyncio.FIRST_COMPLETED)
         i = min(i for i, t in self._pending.items() if t in done)
-        delta = self._pending.pop(i).result()
-        _check_delta(delta)
+        try:
+            delta = self._pending.pop(i).result()
+        except APIError as e:
+            self.status, self.error = e.status, e.message
+            raise
+        if self._trace is not None:
+            self._trace.first_delta()
         self._prompt_tokens[i] = max(self._prompt_tokens[i], delta.prompt_tokens)
         self._completion_tokens[i] = max(self._completion_tokens[i], delta.completion_tokens)
         if self._timers is not None:
             self._timers[i].delta(delta.num_new_tokens)
             if delta.finish_reason is not None:
-                self._timers[i].finished(
-                    delta.finish_reason, delta.prompt_tokens, delta.completion_tokens
-                )
+                # a prompt's tokens count once, on its first sequence
+                prompt = delta.prompt_tokens if i % self._best_of == 0 else 0
+                self._timers[i].finished(delta.finish_reason, prompt, delta.completion_tokens)
+        try:
+            _check_delta(delta)
+        except APIError as e:
+            self.status, self.error = e.status, e.message
+            raise
         return i, delta
 
     async def first_of_each(self) -> list[tuple[int, Delta]]:
@@ -108,11 +123,20 @@ class Choices:
         for t in self._pending.values():
             t.cancel()
         self._pending.clear()
-        for h in self.handles:
+        for i, h in enumerate(self.handles):
+            # aborted (client gone, deadline, pipeline error): counted as vLLM does; a request
+            # refused with a 4xx never ran
+            if self._timers is not None and not h.finished and not 400 <= self.status < 500:
+                prompt = self._prompt_tokens[i] if i % self._best_of == 0 else 0
+                self._timers[i].finished("abort", prompt, self._completion_tokens[i])
             h.close()  # aborts the ones whose final delta did not arrive
         if self._on_close is not None:
             cb, self._on_close = self._on_close, None
             cb(*self.usage_so_far())
+        if self._trace is not None:
+            if self.error is None and not all(h.finished for h in self.handles):
+                self.status, self.error = CLIENT_CLOSED, "aborted before the end"
+            self._trace.end(self.status, self.error, *self.usage_so_far())
 
 
 async def collect(choices: Choices) -> list[Outcome]:
@@ -216,17 +240,22 @@ async def serve(
     fmt: Format,
     echo_texts: list[str] | None = None,
     on_usage: UsageCallback | None = None,
+    trace: RequestTrace | None = None,
 ) -> Response:
-    """Submit ``job``'s sequences and answer the HTTP request from what comes back."""
+    """Submit ``job``'s sequences and answer the HTTP request from what comes back; ``trace``
+    (the request's span) is ended when the answer is."""
     handles: list[RequestHandle] = []
+    headers = trace.headers() if trace is not None else None
+    if trace is not None:
+        trace.started(job.prompts[0].request_id, job.stream, job.num_sequences)
     try:
         for child in fan_out(job):
-            handles.append(await state.submit(child))
+            handles.append(await state.submit(child, headers))
     except APIError:
         for h in handles:
             h.close()
         raise
-    choices = Choices(handles, state.metrics, on_usage, job.best_of)
+    choices = Choices(handles, state.metrics, on_usage, job.best_of, trace)
     handed_over = False
     try:
         work = choices.first_of_each() if job.stream else collect(choices)

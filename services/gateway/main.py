@@ -15,6 +15,7 @@ import uvicorn
 from services.gateway.app import create_app
 from shared.config import Settings
 from shared.logs import setup_logging
+from shared.telemetry import setup_tracing
 
 
 def server(settings: Settings) -> uvicorn.Server:
@@ -57,5 +58,6 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(prog="kvflow-gateway", description=__doc__)
     Settings.add_arguments(parser)
     cli_settings = Settings.from_args(parser.parse_args())
-    setup_logging("gateway", cli_settings.log_level)
+    setup_logging("gateway", cli_settings.log_level, cli_settings.log_format)
+    setup_tracing("gateway")
     main(cli_settings)

@@ -1,25 +1,57 @@
-"""Prometheus metrics on the gateway's ``/metrics``, with vLLM's names (``vllm:*``) so existing
-vLLM dashboards work, plus kvflow's own (``kvflow:*``).
+"""Prometheus metrics the gateway observes, with vLLM's names (``vllm:*``) so existing vLLM
+dashboards work, plus kvflow's own (``kvflow:*``).
 
-Request-level series (TTFT, inter-token latency, end-to-end latency, tokens, finished requests
-by reason) are observed here, where the client's view of time is. Engine series (running and
-waiting requests, KV usage, prefix cache, preemptions) come from the scheduler's stats, fetched
-at scrape time."""
+Request-level series (TTFT, inter-token latency, end-to-end latency, prompt and generated
+tokens, finished requests by reason) are observed here, where the client's view of time is:
+token counters add up to the ``usage`` the clients received (a prompt counts once, however many
+sequences it has). Engine series (running and waiting requests, KV usage, prefix cache,
+preemptions, queue / prefill / decode time) are the scheduler's and worker's own
+(services/scheduler/telemetry.py, services/worker/telemetry.py); the gateway's ``/metrics``
+serves them too, gathered over NATS (shared/metrics.py), unless asked for ``?scope=local``."""
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Iterator
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import REGISTRY, CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
 
-from shared.messages import SchedulerStats
+# vLLM's buckets (vllm/v1/metrics/loggers.py), so dashboards' quantiles read the same
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
+                7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)  # fmt: skip
+ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
+               10.0, 20.0, 40.0, 80.0)  # fmt: skip
+REQUEST_LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0,
+                           50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)  # fmt: skip
 
-_LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160)
-_ITL_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1, 2.5)
+
+def buckets_1_2_5(max_value: int) -> list[int]:
+    """1, 2, 5, 10, 20, 50 ... up to ``max_value`` (vLLM's token-count buckets)."""
+    out, scale = [], 1
+    while True:
+        for m in (1, 2, 5):
+            if m * scale > max_value:
+                return out
+            out.append(m * scale)
+        scale *= 10
+
+
+class _OpenRequests(Collector):
+    def __init__(self, model: str, count: Callable[[], int]) -> None:
+        self.model, self.count = model, count
+
+    def collect(self) -> Iterator[Metric]:
+        g = GaugeMetricFamily(
+            "kvflow:gateway_open_requests", "Requests open here", labels=["model_name"]
+        )
+        g.add_metric([self.model], float(self.count()))
+        yield g
 
 
 class GatewayMetrics:
-    def __init__(self, model_name: str) -> None:
+    def __init__(self, model_name: str, max_model_len: int = 8192) -> None:
         self.registry = CollectorRegistry()
         self.model = model_name
         r, m = self.registry, ["model_name"]
@@ -27,21 +59,44 @@ class GatewayMetrics:
             "vllm:time_to_first_token_seconds",
             "Time to first token",
             m,
-            buckets=_LATENCY_BUCKETS,
+            buckets=TTFT_BUCKETS,
             registry=r,
         )
         self.itl = Histogram(
             "vllm:inter_token_latency_seconds",
             "Time between output deltas",
             m,
-            buckets=_ITL_BUCKETS,
+            buckets=ITL_BUCKETS,
+            registry=r,
+        )
+        # the name vLLM used for inter-token latency before 0.11; older dashboards read it
+        self.tpot = Histogram(
+            "vllm:time_per_output_token_seconds",
+            "Time between output deltas (vLLM's older name for inter-token latency)",
+            m,
+            buckets=ITL_BUCKETS,
             registry=r,
         )
         self.e2e = Histogram(
             "vllm:e2e_request_latency_seconds",
             "End-to-end request latency",
             m,
-            buckets=_LATENCY_BUCKETS,
+            buckets=REQUEST_LATENCY_BUCKETS,
+            registry=r,
+        )
+        token_buckets = buckets_1_2_5(max_model_len)
+        self.request_prompt_tokens = Histogram(
+            "vllm:request_prompt_tokens",
+            "Prompt tokens per request",
+            m,
+            buckets=token_buckets,
+            registry=r,
+        )
+        self.request_generation_tokens = Histogram(
+            "vllm:request_generation_tokens",
+            "Generated tokens per request",
+            m,
+            buckets=token_buckets,
             registry=r,
         )
         self.prompt_tokens = Counter("vllm:prompt_tokens", "Prompt tokens processed", m, registry=r)
@@ -54,64 +109,30 @@ class GatewayMetrics:
             [*m, "finished_reason"],
             registry=r,
         )
-        self.running = Gauge(
-            "vllm:num_requests_running", "Requests in the running batch", m, registry=r
-        )
-        self.waiting = Gauge("vllm:num_requests_waiting", "Requests waiting", m, registry=r)
-        self.kv_usage = Gauge("vllm:kv_cache_usage_perc", "KV cache usage (0-1)", m, registry=r)
-        self.prefix_queries = Gauge(
-            "vllm:prefix_cache_queries_total",
-            "Prefix cache blocks looked up (cumulative)",
-            m,
-            registry=r,
-        )
-        self.prefix_hits = Gauge(
-            "vllm:prefix_cache_hits_total", "Prefix cache blocks found (cumulative)", m, registry=r
-        )
-        self.preemptions = Gauge(
-            "vllm:num_preemptions_total", "Preemptions (cumulative)", m, registry=r
-        )
-        self.workers = Gauge("kvflow:workers", "Workers known to the scheduler", m, registry=r)
-        self.computed = Gauge(
-            "kvflow:computed_tokens_total",
-            "Tokens run through the model (cumulative)",
-            m,
-            registry=r,
-        )
-        self.open_requests = Gauge(
-            "kvflow:gateway_open_requests", "Requests open here", m, registry=r
-        )
         self.aborts = Counter(
             "kvflow:gateway_aborts", "Requests aborted by the gateway", m, registry=r
         )
 
+    def track_open_requests(self, count: Callable[[], int]) -> None:
+        """``kvflow:gateway_open_requests`` reads ``count()`` at scrape time."""
+        self.registry.register(_OpenRequests(self.model, count))
+
     def request_timer(self) -> RequestTimer:
         return RequestTimer(self)
 
-    def update_engine(self, s: SchedulerStats, open_requests: int) -> None:
-        m = self.model
-        self.running.labels(m).set(s.num_running)
-        self.waiting.labels(m).set(s.num_waiting)
-        used = s.num_total_blocks - s.num_free_blocks
-        self.kv_usage.labels(m).set(used / s.num_total_blocks if s.num_total_blocks else 0.0)
-        self.prefix_queries.labels(m).set(s.prefix_cache_queries)
-        self.prefix_hits.labels(m).set(s.prefix_cache_hits)
-        self.preemptions.labels(m).set(s.num_preemptions)
-        self.workers.labels(m).set(s.num_workers)
-        self.computed.labels(m).set(s.num_computed_tokens)
-        self.open_requests.labels(m).set(open_requests)
-
     def render(self) -> bytes:
-        return generate_latest(self.registry)
+        """This gateway's own series: process metrics and the registry above."""
+        return generate_latest(REGISTRY) + generate_latest(self.registry)
 
 
 class RequestTimer:
-    """Observes one choice's timings as its deltas arrive."""
+    """Observes one sequence's timings as its deltas arrive."""
 
     def __init__(self, metrics: GatewayMetrics) -> None:
         self.m = metrics
         self.start = time.perf_counter()
         self.last: float | None = None
+        self.done = False
 
     def delta(self, num_new_tokens: int) -> None:
         now = time.perf_counter()
@@ -120,11 +141,20 @@ class RequestTimer:
             self.m.ttft.labels(label).observe(now - self.start)
         elif num_new_tokens:
             self.m.itl.labels(label).observe(now - self.last)
+            self.m.tpot.labels(label).observe(now - self.last)
         self.last = now
 
     def finished(self, reason: str | None, prompt_tokens: int, completion_tokens: int) -> None:
+        """Once per sequence (later calls do nothing). ``prompt_tokens`` is 0 for all but one
+        sequence of a prompt, so a prompt's tokens count once."""
+        if self.done:
+            return
+        self.done = True
         label = self.m.model
         self.m.e2e.labels(label).observe(time.perf_counter() - self.start)
         self.m.prompt_tokens.labels(label).inc(prompt_tokens)
         self.m.generation_tokens.labels(label).inc(completion_tokens)
+        if prompt_tokens:
+            self.m.request_prompt_tokens.labels(label).observe(prompt_tokens)
+        self.m.request_generation_tokens.labels(label).observe(completion_tokens)
         self.m.success.labels(label, reason or "unknown").inc()

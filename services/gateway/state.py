@@ -27,6 +27,7 @@ from shared.messages import (
     SchedulerStats,
     StatsRequest,
 )
+from shared.metrics import BusCollector, answer_metrics, gather, instance_id, whole_stack
 
 log = logging.getLogger("kvflow.gateway")
 
@@ -50,10 +51,13 @@ class GatewayState:
         self.streams = RequestStreams()
         self.num_aborts = 0
         self.num_resubmissions = 0  # requests published again for want of an acknowledgement
-        self.metrics = GatewayMetrics(self.model_name)
+        self.metrics = GatewayMetrics(self.model_name, settings.max_model_len)
+        self.metrics.track_open_requests(lambda: len(self.streams))
         self.auth = Auth(settings)
         self._own_bus = bus is None
         self.bus: Any = bus if bus is not None else Bus(f"gateway-{self.gateway_id}")
+        self.instance = instance_id(f"gateway-{self.gateway_id}")
+        self.metrics.registry.register(BusCollector("gateway", self.bus))
         self._sub: Any = None
         self._tasks: set[asyncio.Task[Any]] = set()
 
@@ -62,6 +66,7 @@ class GatewayState:
         if getattr(self.bus, "nc", None) is None:
             await self.bus.connect(self.settings.nats_url)
         self._sub = await self.bus.subscribe(self.inbox, self.streams.handler)
+        await answer_metrics(self.bus, "gateway", self.instance, self.metrics.render)
         log.info("gateway %s serving %s, inbox %s", self.gateway_id, self.model_name, self.inbox)
 
     async def stop(self) -> None:
@@ -76,8 +81,11 @@ class GatewayState:
         if self._own_bus:
             await self.bus.close()
 
-    async def submit(self, req: GenerateRequest) -> RequestHandle:
-        """Register the request's queue, then publish it to the tokenizers; 503 if NATS is not
+    async def submit(
+        self, req: GenerateRequest, headers: dict[str, str] | None = None
+    ) -> RequestHandle:
+        """Register the request's queue, then publish it to the tokenizers (``headers``: the
+        request's trace context); 503 if NATS is not
         there, rather than a request that waits for its timeout; 429 when this gateway already
         holds ``--max-open-requests``. Until the scheduler acknowledges the request (Accepted,
         or any reply), it is published again with the same id (the scheduler runs an id once):
@@ -93,7 +101,7 @@ class GatewayState:
             )
         queue = self.streams.open(req.request_id)  # before publishing: replies can be fast
         try:
-            await self.bus.publish(subjects.TOKENIZE, req)
+            await self.bus.publish(subjects.TOKENIZE, req, headers)
         except Exception as e:  # noqa: BLE001 - any publish failure means: not served
             self.streams.close(req.request_id)
             log.warning("publish of %s failed: %s", req.request_id, e)
@@ -103,12 +111,14 @@ class GatewayState:
         loop = asyncio.get_running_loop()
         timeout = self.settings.request_timeout
         deadline = loop.time() + timeout
-        task = loop.create_task(self._until_accepted(req, deadline))
+        task = loop.create_task(self._until_accepted(req, deadline, headers))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
         return RequestHandle(req.request_id, queue, deadline, timeout, self._closed)
 
-    async def _until_accepted(self, req: GenerateRequest, deadline: float) -> None:
+    async def _until_accepted(
+        self, req: GenerateRequest, deadline: float, headers: dict[str, str] | None = None
+    ) -> None:
         """Publish ``req`` again while no acknowledgement came and the request is open."""
         loop = asyncio.get_running_loop()
         retrying = AsyncRetrying(
@@ -120,7 +130,7 @@ class GatewayState:
         async for attempt in retrying:
             with attempt:
                 if attempt.retry_state.attempt_number > 1:
-                    await self._resubmit(req)
+                    await self._resubmit(req, headers)
                 acknowledged = await self._acknowledged(req.request_id, ACK_TIMEOUT_S)
             if attempt.retry_state.outcome is not None and not attempt.retry_state.outcome.failed:
                 attempt.retry_state.set_result(acknowledged)
@@ -137,11 +147,11 @@ class GatewayState:
             return self.streams.accepted(request_id) is None
         return True
 
-    async def _resubmit(self, req: GenerateRequest) -> None:
+    async def _resubmit(self, req: GenerateRequest, headers: dict[str, str] | None = None) -> None:
         self.num_resubmissions += 1
         log.warning("request %s not acknowledged yet; resubmitting it", req.request_id)
         try:
-            await self.bus.publish(subjects.TOKENIZE, req)
+            await self.bus.publish(subjects.TOKENIZE, req, headers)
         except Exception as e:  # noqa: BLE001 - NATS away: the next attempt may get through
             log.warning("resubmission of %s failed: %s", req.request_id, e)
 
@@ -183,6 +193,19 @@ class GatewayState:
                 503, f"unexpected reply {type(reply).__name__}", "ServiceUnavailableError"
             )
         return reply
+
+    async def metrics_text(self, whole_stack_view: bool = True) -> bytes:
+        """This gateway's series, and with ``whole_stack_view`` every other service's,
+        gathered over NATS (shared/metrics.py); its own alone when NATS is away."""
+        own = self.metrics.render()
+        if not whole_stack_view or not bus_connected(self.bus):
+            return own
+        try:
+            reports = await gather(self.bus)
+        except Exception as e:  # noqa: BLE001 - the gateway's own series are still worth serving
+            log.warning("metrics of the other services not gathered: %s", e)
+            return own
+        return whole_stack(own, "gateway", self.instance, reports)
 
     async def scheduler_stats(self, timeout: float = 1.0) -> SchedulerStats:
         """The scheduler's counters, or 503 saying what is missing."""

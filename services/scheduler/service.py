@@ -32,6 +32,7 @@ from services.scheduler.engine import QueueFullError, SchedulerCore
 from services.scheduler.lease import Lease, LeaseLost
 from services.scheduler.policy import ROLES, SchedulerLimits, WorkerScheduler
 from services.scheduler.shadow import ShadowState
+from services.scheduler.telemetry import SchedulerTelemetry
 from shared import subjects
 from shared.bus import Bus
 from shared.config import Settings
@@ -81,6 +82,7 @@ class SchedulerService:
         self.draining = False
         self.stopped = asyncio.Event()
         self.bus = Bus(self.scheduler_id)
+        self.telemetry = SchedulerTelemetry(self, model_name)  # metrics and spans
         self.wake: dict[str, asyncio.Event] = {}
         self.pending: dict[tuple[str, int, int], asyncio.Future[StepResult]] = {}
         self.step_subject: dict[str, str] = {}
@@ -171,8 +173,10 @@ class SchedulerService:
         match msg:
             case TokenizedRequest():
                 await self._on_request(msg)
+                self.telemetry.on_request(msg, raw.headers)
             case Abort():
                 self.shadow.end(msg.request_id)
+                self.telemetry.on_abort(msg.request_id, msg.reason)
                 if self.leading and self.core.abort(msg.request_id):
                     self._wake_all()
             case StepResult():
@@ -330,6 +334,7 @@ class SchedulerService:
                     ev.clear()
                 continue
             plan.epoch = self.epoch
+            self.telemetry.on_plan(wid, plan)
             fut: asyncio.Future[StepResult] = loop.create_future()
             key = (wid, self.epoch, plan.step_id)
             self.pending[key] = fut
@@ -362,12 +367,14 @@ class SchedulerService:
             if result.error:
                 log.error("worker %s: step %d failed: %s", wid, plan.step_id, result.error)
             outcome = core.on_result(result)
+            self.telemetry.on_result(plan, result, outcome.finished)
             for rid_seq, _reason in outcome.finished:
                 self.shadow.end(rid_seq.request_id)
             for dst, pull in outcome.pulls:
                 if dst in self.step_subject:
                     pull.epoch = self.epoch
-                    await self.bus.publish(self.step_subject[dst], pull)
+                    headers = self.telemetry.headers(pull.request_id)
+                    await self.bus.publish(self.step_subject[dst], pull, headers)
             if outcome.finished or outcome.prefilled or result.error:
                 self._wake_all()  # freed blocks or slots: waiting requests may fit somewhere
                 if ws.draining:
@@ -442,6 +449,7 @@ async def run(settings: Settings) -> None:
     service = SchedulerService(settings, src.name, max_len, lease, settings.scheduler_id)
     await service.start()
     # a standby is ready too (healthy, just not planning); whether it leads is in its logs/stats
+    ops.registry.register(service.telemetry.registry)
     ops.set_ready(lambda: service.bus.client.is_connected, service.bus)
     asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, service.begin_drain)
     try:

@@ -2,16 +2,22 @@
 load. GenerateRequest in; TokenizedRequest out to the scheduler and detokenizer, or RequestError
 straight back to the gateway's inbox. A request with structured output has its constraint
 compiled here first (cached per constraint), so a bad schema is a 400, not a failure in a worker.
-On a second subject it answers TokenizeRequest / DetokenizeRequest (request/reply)."""
+On a second subject it answers TokenizeRequest / DetokenizeRequest (request/reply).
+
+Each GenerateRequest gets a ``tokenize`` span, the child of the gateway's (its context comes in
+the NATS headers and goes on in the TokenizedRequest's headers)."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
 import signal
+import time
 from typing import Any
 
 from nats.aio.msg import Msg
+from opentelemetry.trace import Span, SpanKind, Status, StatusCode
+from prometheus_client import CollectorRegistry, Counter, Histogram
 
 from services.tokenizer.prompts import (
     PromptError,
@@ -24,6 +30,7 @@ from services.tokenizer.rpc import detokenize, tokenize
 from shared import subjects
 from shared.bus import Bus
 from shared.config import Settings
+from shared.logs import request_scope
 from shared.messages import (
     DetokenizeRequest,
     GenerateRequest,
@@ -34,8 +41,27 @@ from shared.messages import (
     TokenizeRequest,
 )
 from shared.structured_output import GrammarCompiler, GrammarError, tokenizer_info
+from shared.telemetry import extract, inject, tracer
 
 log = logging.getLogger("kvflow.tokenizer")
+_tracer = tracer("tokenizer")
+
+
+class TokenizerMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        self.requests = Counter(
+            "kvflow:tokenizer_requests",
+            "Generation requests tokenized, by outcome (ok, rejected: a 4xx, error)",
+            ["outcome"],
+            registry=self.registry,
+        )
+        self.seconds = Histogram(
+            "kvflow:tokenizer_seconds",
+            "Time to tokenize and check one request",
+            buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0, 5.0),
+            registry=self.registry,
+        )
 
 
 class TokenizerService:
@@ -53,6 +79,7 @@ class TokenizerService:
         self.eos_ids = eos_ids
         self.vocab_size = vocab_size or len(tokenizer)
         self.bus = Bus("tokenizer")
+        self.metrics = TokenizerMetrics()
         self._grammar: GrammarCompiler | None = None
 
     async def start(self) -> None:
@@ -95,6 +122,22 @@ class TokenizerService:
         if not isinstance(msg, GenerateRequest):
             log.warning("tokenizer: unexpected %s", type(msg).__name__)
             return
+        t0 = time.perf_counter()
+        with (
+            _tracer.start_as_current_span(
+                "tokenize",
+                context=extract(raw.headers),
+                kind=SpanKind.CONSUMER,
+                attributes={"kvflow.request_id": msg.request_id},
+            ) as span,
+            request_scope(msg.request_id),
+        ):
+            outcome = await self._tokenize(msg, span)
+        self.metrics.requests.labels(outcome).inc()
+        self.metrics.seconds.observe(time.perf_counter() - t0)
+
+    async def _tokenize(self, msg: GenerateRequest, span: Span) -> str:
+        """Tokenize and check ``msg``; publish the result or the error. Returns the outcome."""
         try:
             ids = prompt_token_ids(self.tokenizer, msg)
             ids = truncate(ids, msg.truncate_prompt_tokens, self.max_model_len)
@@ -103,15 +146,18 @@ class TokenizerService:
             if params.structured_output is not None:
                 await asyncio.to_thread(self.check_structured_output, params.structured_output)
         except PromptError as e:
+            span.set_status(Status(StatusCode.ERROR, str(e)))
             await self.bus.publish(msg.reply_to, e.to_message(msg.request_id))
-            return
+            return "rejected"
         except Exception as e:  # noqa: BLE001 - the request fails, the service goes on
             log.exception("tokenizer: request %s failed", msg.request_id)
+            span.set_status(Status(StatusCode.ERROR, str(e)))
             err = RequestError(
                 msg.request_id, f"tokenization failed: {e}", "InternalServerError", None, 500
             )
             await self.bus.publish(msg.reply_to, err)
-            return
+            return "error"
+        span.set_attribute("kvflow.prompt_tokens", len(ids))
         out = TokenizedRequest(
             request_id=msg.request_id,
             reply_to=msg.reply_to,
@@ -121,7 +167,8 @@ class TokenizerService:
             eos_token_ids=self.eos_ids,
             priority=msg.priority,
         )
-        await self.bus.publish(subjects.REQUESTS, out)
+        await self.bus.publish(subjects.REQUESTS, out, inject())
+        return "ok"
 
 
 async def run(settings: Settings) -> None:
@@ -136,6 +183,7 @@ async def run(settings: Settings) -> None:
     max_len = min(settings.max_model_len, cfg.max_position_embeddings)
     service = TokenizerService(settings, tok, max_len, list(cfg.eos_token_ids), cfg.vocab_size)
     await service.start()
+    ops.registry.register(service.metrics.registry)
     ops.set_ready(lambda: service.bus.client.is_connected, service.bus)
     stop = asyncio.Event()
     asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)

@@ -24,6 +24,7 @@ from services.worker.kv_blocks import KvBlockIO
 from services.worker.kv_connector import NatsKvConnector
 from services.worker.kv_tiers import HostTier, RedisTier
 from services.worker.runner import ModelRunner
+from services.worker.telemetry import WorkerTelemetry
 from shared import subjects
 from shared.bus import Bus
 from shared.config import Settings
@@ -72,6 +73,7 @@ class WorkerService:
         self.step_subject = subjects.worker_step(self.worker_id)
         self.bus = Bus(self.worker_id)
         self.plans: asyncio.Queue[StepPlan] = asyncio.Queue()
+        self.telemetry = WorkerTelemetry(self.worker_id, self.plans.qsize)  # metrics and spans
         self.kv_io = KvBlockIO(runner.kv_caches)
         self.kv = NatsKvConnector(self.bus, self.kv_io, self.worker_id)
         self.host_tier = HostTier(int(settings.kv_host_memory * 2**30))
@@ -114,7 +116,7 @@ class WorkerService:
                 if msg.epoch and msg.epoch < self.epoch:
                     log.warning("worker: KvPull of an old scheduler term %d ignored", msg.epoch)
                     return
-                self.bus.spawn(self._pull(msg))
+                self.bus.spawn(self._pull(msg, raw.headers))
             case KvLoad():
                 self.bus.spawn(self._load(msg))
             case WorkerRelease() if msg.worker_id == self.worker_id:
@@ -123,10 +125,12 @@ class WorkerService:
             case _:
                 log.warning("worker: unexpected %s", type(msg).__name__)
 
-    async def _pull(self, order: KvPull) -> None:
+    async def _pull(self, order: KvPull, headers: dict[str, str] | None = None) -> None:
         """Copy a sequence's K/V from its prefill worker into our blocks, then tell the
         scheduler (which frees the source's blocks and schedules the sequence here)."""
+        span = self.telemetry.pull_started(order, headers)
         result = await self.kv.pull(order)
+        self.telemetry.pull_done(span, result.ok, result.num_bytes, result.seconds, result.error)
         done = KvTransferDone(
             transfer_id=order.transfer_id,
             request_id=order.request_id,
@@ -169,6 +173,7 @@ class WorkerService:
                     await self.model_thread.run(self.runner.reset)
                 self.epoch = plan.epoch
             stored: list[tuple[bytes, bytes]] = []
+            t0 = self.telemetry.step_started(plan)
             try:
                 result, stored = await self.model_thread.run(self._step, plan)
             except Exception as e:  # noqa: BLE001 - execute reports its own errors; belt and braces
@@ -179,6 +184,7 @@ class WorkerService:
             result.worker_id = self.worker_id
             result.host_tier_evicted = self.host_tier.take_evicted()
             await self.bus.publish(subjects.RESULTS, result)
+            self.telemetry.step_done(plan, result, t0)
             if stored and self.redis_tier is not None:
                 self.bus.spawn(self.redis_tier.store(stored))
 
@@ -293,6 +299,7 @@ async def run(settings: Settings) -> None:
     runner = await model_thread.run(load)
     service = WorkerService(settings, runner, src.name, model_thread)
     await service.start()
+    ops.registry.register(service.telemetry.registry)
     ops.set_ready(lambda: service.bus.client.is_connected and not service.draining, service.bus)
     loop = asyncio.get_running_loop()
     loop.add_signal_handler(signal.SIGTERM, service.begin_drain)

@@ -16,6 +16,7 @@ import shutil
 import stat
 import subprocess
 import tarfile
+import types
 import zipfile
 from pathlib import Path
 from typing import Any
@@ -24,9 +25,17 @@ import yaml
 from prometheus_client import REGISTRY
 
 from services.cli import build_parser
+from services.detokenizer.telemetry import DetokenizerMetrics
 from services.gateway.metrics import GatewayMetrics
+from services.scheduler.engine import SchedulerCore
+from services.scheduler.policy import SchedulerLimits
+from services.scheduler.telemetry import SchedulerTelemetry
+from services.tokenizer.service import TokenizerMetrics
+from services.worker.telemetry import WorkerTelemetry
+from shared.bus import Bus
 from shared.config import Settings
-from shared.messages import SchedulerStats
+from shared.messages import KvPull, ScheduledSeq, StepPlan, StepResult
+from shared.metrics import BusCollector
 from shared.ops_http import OpsServer
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -158,18 +167,49 @@ _PROMQL_WORDS = {
 }  # fmt: skip
 
 
+class _Scheduler:
+    """What the scheduler's telemetry reads: a core with one worker."""
+
+    def __init__(self) -> None:
+        self.core = SchedulerCore(SchedulerLimits(), model="m")
+        self.core.add_worker("w0", 8, 16)
+        self.leading = True
+        self.scheduler_id = "s0"
+
+
 def exported_metric_names() -> set[str]:
-    """Every series name kvflow's services expose: the gateway's registry (vLLM names) with
-    each series observed once, and the ops endpoint's (process metrics, readiness, bus)."""
+    """Every series name kvflow's services expose, each series observed once: the gateway's
+    (vLLM's request series), the scheduler's (vLLM's engine series, KV moves), the worker's,
+    tokenizer's and detokenizer's, and every ops endpoint's (process metrics, readiness,
+    bus traffic and backlog)."""
     gm = GatewayMetrics("m")
+    gm.track_open_requests(lambda: 1)
     timer = gm.request_timer()
     timer.delta(1)
     timer.delta(1)
     timer.finished("stop", 3, 2)
     gm.aborts.labels("m").inc()
-    gm.update_engine(SchedulerStats(1, 10, 5, 1, 1), 1)
+    sched = SchedulerTelemetry(_Scheduler(), "m")
+    for hist in (sched.queue_time, sched.prefill_time, sched.decode_time, sched.inference_time):
+        hist.labels("m").observe(1)
+    sched.iteration_tokens.labels("m").observe(8)
+    worker = WorkerTelemetry("w0")
+    plan = StepPlan(1, [ScheduledSeq("r", [1], 0, [0])])
+    worker.step_done(plan, StepResult("w0", 1, [], [], []), worker.step_started(plan))
+    worker.pull_done(
+        worker.pull_started(KvPull("t", "r", "w1", "s", [0], [0]), None), True, 1, 0.1, None
+    )
+    tok = TokenizerMetrics()
+    tok.requests.labels("ok").inc()
+    detok = DetokenizerMetrics(lambda: 0)
+    bus = Bus("x")
+    bus.count("kvflow.results", "in", 10)
+    bus.subscriptions.append(("kvflow.results", types.SimpleNamespace(pending_msgs=0)))  # type: ignore[arg-type]
+    ops = OpsServer("x")
+    ops.registry.register(BusCollector("x", bus))
     names = {"up"}  # Prometheus's own per-target series
-    for registry in (gm.registry, REGISTRY, OpsServer("x").registry):
+    registries = (gm.registry, sched.registry, worker.registry, tok.registry, detok.registry)
+    for registry in (*registries, REGISTRY, ops.registry):
         for family in registry.collect():
             names.update(sample.name for sample in family.samples)
     return names

@@ -1,0 +1,243 @@
+"""The worker's metrics and spans, fed by three hooks around each step and one around each
+KV pull. Cheap when nothing is traced: a request is followed only when the scheduler sent a
+sampled ``NewRequest.traceparent`` (which it does only while tracing records), so an untraced
+step costs two dict look-ups and three histogram observations.
+
+Spans, for a traced request on this worker: ``prefill`` (first chunk to first sampled token,
+an event per chunk with the batch it shared) and ``decode`` (first decode step to the end or
+to the request leaving this worker, an event per step with the batch size, up to the SDK's
+event limit, and the step count), both children of the scheduler's ``schedule`` span;
+``kv_transfer`` around a KvPull (disaggregated serving). Each step that runs a traced request
+also gets one ``step`` span of its own trace with a link to each traced request's span there:
+per-step detail without a span per request per step."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from opentelemetry.context import Context
+from opentelemetry.trace import Link, Span, SpanKind, Status, StatusCode
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from shared.messages import KvPull, StepPlan, StepResult
+from shared.telemetry import context_of, extract, is_sampled, tracer
+
+_tracer = tracer("worker")
+
+STEP_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1, 2.5, 5, 10)
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+MAX_TRACKED = 10_000  # traced requests held at once; past it the oldest are let go
+
+
+@dataclass
+class _Req:
+    ctx: Context
+    outputs: int  # output tokens known (sampled here or before it came here)
+    prefill: Span | None = None
+    decode: Span | None = None
+    decode_steps: int = 0
+
+
+class _Queued(Collector):
+    def __init__(self, worker_id: str, queued: Callable[[], int]) -> None:
+        self.worker_id, self.queued = worker_id, queued
+
+    def collect(self) -> Iterator[Metric]:
+        g = GaugeMetricFamily(
+            "kvflow:worker_plans_queued", "Plans received, not yet run", labels=["worker"]
+        )
+        g.add_metric([self.worker_id], float(self.queued()))
+        yield g
+
+
+class WorkerTelemetry:
+    def __init__(self, worker_id: str, queued: Callable[[], int] = lambda: 0) -> None:
+        self.worker_id = worker_id
+        self.registry = CollectorRegistry()
+        r, w = self.registry, ["worker"]
+        self.step_seconds = Histogram(
+            "kvflow:worker_step_seconds", "Time of one step", w, buckets=STEP_BUCKETS, registry=r
+        )
+        self.batch_seqs = Histogram(
+            "kvflow:worker_batch_seqs", "Sequences per step", w, buckets=BATCH_BUCKETS, registry=r
+        )
+        self.step_tokens = Histogram(
+            "kvflow:worker_step_tokens", "Tokens per step", w, buckets=TOKEN_BUCKETS, registry=r
+        )
+        self.kv_bytes = Counter(
+            "kvflow:worker_kv_pulled_bytes", "KV bytes pulled from other workers", w, registry=r
+        )
+        self.kv_pulls = Counter(
+            "kvflow:worker_kv_pulls", "KV pulls from other workers, by outcome", [*w, "outcome"],
+            registry=r,
+        )  # fmt: skip
+        self.kv_seconds = Histogram(
+            "kvflow:worker_kv_pull_seconds",
+            "Time of one KV pull (all its blocks)",
+            w,
+            buckets=STEP_BUCKETS,
+            registry=r,
+        )
+        r.register(_Queued(worker_id, queued))
+        self.reqs: dict[str, _Req] = {}
+        self.epoch = 0
+        self._step: Span | None = None
+        self._traced: list[tuple[Any, _Req]] = []
+
+    # -- steps ------------------------------------------------------------------------------
+
+    def step_started(self, plan: StepPlan) -> float:
+        """Before ``plan`` runs; returns the start time to give :meth:`step_done`."""
+        t0 = time.monotonic()
+        if plan.epoch != self.epoch:  # a new scheduler term: the worker dropped every request
+            self.epoch = plan.epoch
+            for rid in list(self.reqs):
+                self._drop(rid, "scheduler changed")
+        for nr in plan.new_requests:
+            if nr.request_id in self.reqs:
+                self._drop(nr.request_id, "rescheduled")
+            if is_sampled(nr.traceparent):
+                if len(self.reqs) >= MAX_TRACKED:
+                    self._drop(next(iter(self.reqs)), "untracked")
+                self.reqs[nr.request_id] = _Req(context_of(nr.traceparent), nr.num_output_tokens)
+        for rid in plan.finished_request_ids:
+            if rid in self.reqs:
+                self._drop(rid, "left this worker")
+        self._traced = []
+        if self.reqs:
+            self._trace_step(plan)
+        return t0
+
+    def _trace_step(self, plan: StepPlan) -> None:
+        batch_tokens = sum(len(s.token_ids) for s in plan.seqs)
+        for s in plan.seqs:
+            req = self.reqs.get(s.request_id)
+            if req is None:
+                continue
+            self._traced.append((s, req))
+            if not s.sample or len(s.token_ids) > 1 or req.outputs == 0:
+                if req.prefill is None:
+                    req.prefill = _tracer.start_span(
+                        "prefill",
+                        context=req.ctx,
+                        attributes={"kvflow.worker": self.worker_id, "kvflow.recompute": req.outputs > 0},
+                    )  # fmt: skip
+                req.prefill.add_event(
+                    "chunk",
+                    {
+                        "kvflow.step_id": plan.step_id,
+                        "kvflow.chunk_tokens": len(s.token_ids),
+                        "kvflow.start_pos": s.start_pos,
+                        "kvflow.batch_seqs": len(plan.seqs),
+                        "kvflow.batch_tokens": batch_tokens,
+                    },
+                )
+            else:
+                if req.decode is None:
+                    req.decode = _tracer.start_span(
+                        "decode", context=req.ctx, attributes={"kvflow.worker": self.worker_id}
+                    )
+                req.decode_steps += 1
+                req.decode.add_event(
+                    "step", {"kvflow.step_id": plan.step_id, "kvflow.batch_seqs": len(plan.seqs)}
+                )
+        if not self._traced:
+            return
+        links = [
+            Link(span.get_span_context())
+            for _, req in self._traced
+            for span in (req.prefill or req.decode,)
+            if span is not None
+        ]
+        self._step = _tracer.start_span(
+            "step",
+            context=Context(),  # a trace of its own: a step serves many requests
+            links=links,
+            attributes={
+                "kvflow.worker": self.worker_id,
+                "kvflow.step_id": plan.step_id,
+                "kvflow.batch_seqs": len(plan.seqs),
+                "kvflow.batch_tokens": batch_tokens,
+                "kvflow.new_requests": len(plan.new_requests),
+            },
+        )
+
+    def step_done(self, plan: StepPlan, result: StepResult, t0: float) -> None:
+        """After ``plan`` ran and its ``result`` was sent (the step's time is the worker's own
+        measure in ``result.step_time_s``, else the time since ``t0``)."""
+        w = self.worker_id
+        self.step_seconds.labels(w).observe(result.step_time_s or time.monotonic() - t0)
+        self.batch_seqs.labels(w).observe(len(plan.seqs))
+        self.step_tokens.labels(w).observe(result.num_computed_tokens)
+        if not self._traced:
+            return
+        step, self._step = self._step, None
+        if result.error:
+            if step is not None:
+                step.set_status(Status(StatusCode.ERROR, result.error))
+                step.end()
+            for s, _ in self._traced:
+                self._drop(s.request_id, "step failed")
+            self._traced = []
+            return
+        sampled = dict(zip(result.request_ids, result.finish_reasons, strict=True))
+        for s, req in self._traced:
+            if s.request_id not in sampled:
+                continue
+            req.outputs += 1
+            if req.prefill is not None:
+                req.prefill.add_event("first_token")
+                req.prefill.end()
+                req.prefill = None
+            if sampled[s.request_id]:  # a finish reason
+                self._drop(s.request_id, "finished")
+        self._traced = []
+        if step is not None:
+            step.set_attribute("kvflow.sampled", len(result.request_ids))
+            step.end()
+
+    def _drop(self, rid: str, why: str) -> None:
+        req = self.reqs.pop(rid, None)
+        if req is None:
+            return
+        if req.prefill is not None:
+            req.prefill.set_attribute("kvflow.end", why)
+            req.prefill.end()
+        if req.decode is not None:
+            req.decode.set_attribute("kvflow.decode_steps", req.decode_steps)
+            req.decode.set_attribute("kvflow.end", why)
+            req.decode.end()
+
+    # -- KV pulls ---------------------------------------------------------------------------
+
+    def pull_started(self, order: KvPull, headers: dict[str, str] | None) -> Span:
+        return _tracer.start_span(
+            "kv_transfer",
+            context=extract(headers),
+            kind=SpanKind.CONSUMER,
+            attributes={
+                "kvflow.request_id": order.request_id,
+                "kvflow.worker": self.worker_id,
+                "kvflow.src_worker": order.src_worker,
+                "kvflow.blocks": len(order.dst_blocks),
+            },
+        )
+
+    def pull_done(
+        self, span: Span, ok: bool, num_bytes: int, seconds: float, error: str | None
+    ) -> None:
+        w = self.worker_id
+        self.kv_pulls.labels(w, "ok" if ok else "failed").inc()
+        if ok:
+            self.kv_bytes.labels(w).inc(num_bytes)
+            self.kv_seconds.labels(w).observe(seconds)
+        span.set_attribute("kvflow.bytes", num_bytes)
+        if not ok:
+            span.set_status(Status(StatusCode.ERROR, error or "failed"))
+        span.end()
