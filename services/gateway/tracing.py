@@ -10,9 +10,11 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
+from opentelemetry import context as otel_context
 from opentelemetry import trace
 from opentelemetry.trace import Span, SpanKind, Status, StatusCode
 
+from shared.logs import request_id_var
 from shared.telemetry import extract, inject, tracer
 
 _tracer = tracer("gateway")
@@ -40,6 +42,11 @@ class RequestTrace:
         return inject(self.span)
 
     def started(self, request_id: str, stream: bool, sequences: int) -> None:
+        """The request has its id: name it on the span, and make this task's log records
+        carry it and the span's trace id (the task serves this request alone, streaming
+        included, so nothing is reset)."""
+        request_id_var.set(request_id)
+        otel_context.attach(trace.set_span_in_context(self.span))
         self.span.set_attribute("kvflow.request_id", request_id)
         self.span.set_attribute("kvflow.stream", stream)
         self.span.set_attribute("kvflow.sequences", sequences)

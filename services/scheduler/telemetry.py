@@ -11,7 +11,9 @@ Spans: each request has a ``schedule`` span from its arrival here to its end (th
 tokenizer's span; its context goes to the worker in ``NewRequest.traceparent`` and with KvPull
 orders in NATS headers), with a ``queued`` child (arrival to first plan) and a ``chunk`` child
 per prefill chunk (plan sent to result applied), which names the worker, the step and the
-batch it shared. Decode steps add nothing per step here (the worker's spans show them)."""
+batch it shared, and an ``assigned`` event each time a worker is sent the request (first
+placement, hand-off to a decode worker, re-placement after a preemption). Decode steps add
+nothing per step here (the worker's spans show them)."""
 
 from __future__ import annotations
 
@@ -109,8 +111,11 @@ class SchedulerTelemetry:
             live = self.live.get(nr.request_id)
             if live is not None and live.span.is_recording():
                 nr.traceparent = traceparent(live.span)
-                if nr.num_output_tokens:
-                    live.span.add_event("resumed", {"kvflow.worker": worker_id})
+                # on a worker for the first time, or again (hand-off to decode, preemption)
+                live.span.add_event(
+                    "assigned",
+                    {"kvflow.worker": worker_id, "kvflow.output_tokens": nr.num_output_tokens},
+                )
         for s in plan.seqs:
             live = self.live.get(s.request_id)
             if live is None:

@@ -1,0 +1,357 @@
+"""Tracing and metrics pieces offline: trace context in headers and in NewRequest, the worker's
+and the scheduler's spans and histograms for one request driven through a real SchedulerCore
+(spans caught by an in-memory exporter), JSON logs with request and trace ids, bus series, and
+the merge of several services' expositions into one."""
+
+from __future__ import annotations
+
+import json
+import logging
+import types
+
+import pytest
+from opentelemetry import trace
+from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from prometheus_client import CollectorRegistry, Counter, generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+
+from services.gateway.metrics import GatewayMetrics, buckets_1_2_5
+from services.gateway.tracing import RequestTrace
+from services.scheduler.engine import SchedulerCore
+from services.scheduler.policy import SchedulerLimits
+from services.scheduler.telemetry import SchedulerTelemetry
+from services.worker.telemetry import WorkerTelemetry
+from shared.bus import Bus
+from shared.logs import ContextFilter, JsonFormatter, request_scope
+from shared.messages import (
+    FinishReason,
+    NewRequest,
+    SamplingParams,
+    ScheduledSeq,
+    StepPlan,
+    StepResult,
+    TokenizedRequest,
+)
+from shared.metrics import BusCollector, merge, parse_families
+from shared.subjects import subject_label
+from shared.telemetry import context_of, extract, inject, is_sampled, traceparent
+
+_EXPORTER = InMemorySpanExporter()
+
+
+@pytest.fixture
+def spans():
+    """Spans ended during the test, from the process's tracer provider (installed once: the
+    global provider cannot be replaced)."""
+    provider = trace.get_tracer_provider()
+    if not isinstance(provider, TracerProvider):
+        provider = TracerProvider()
+        trace.set_tracer_provider(provider)
+    if not getattr(provider, "_kvflow_test_exporter", False):
+        provider.add_span_processor(SimpleSpanProcessor(_EXPORTER))
+        provider._kvflow_test_exporter = True  # type: ignore[attr-defined]
+    _EXPORTER.clear()
+    yield _EXPORTER
+    _EXPORTER.clear()
+
+
+def _by_name(finished: tuple[ReadableSpan, ...]) -> dict[str, list[ReadableSpan]]:
+    out: dict[str, list[ReadableSpan]] = {}
+    for s in finished:
+        out.setdefault(s.name, []).append(s)
+    return out
+
+
+def _sample(registry: CollectorRegistry, name: str, **labels: str) -> float:
+    for fam in registry.collect():
+        for s in fam.samples:
+            if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()):
+                return s.value
+    raise AssertionError(f"{name} {labels} not exported")
+
+
+# -- context ------------------------------------------------------------------------------------
+
+
+def test_context_travels_in_headers_and_in_a_traceparent_string(spans) -> None:
+    tracer = trace.get_tracer("t")
+    parent = tracer.start_span("parent")
+    headers = inject(parent)
+    assert headers["traceparent"].startswith("00-")
+    assert headers["traceparent"] == traceparent(parent)
+    assert is_sampled(headers["traceparent"])
+    child = tracer.start_span("child", context=extract(headers))
+    again = tracer.start_span("again", context=context_of(traceparent(parent)))
+    pid = parent.get_span_context().span_id
+    for s in (child, again):
+        assert s.get_span_context().trace_id == parent.get_span_context().trace_id
+        assert s.parent is not None and s.parent.span_id == pid
+    # nothing to carry: no header, and a new trace from an empty context
+    assert inject(trace.INVALID_SPAN) == {}
+    assert not trace.get_current_span(extract(None)).get_span_context().is_valid
+    assert not is_sampled("") and not is_sampled("00-" + "1" * 32 + "-" + "2" * 16 + "-00")
+
+
+def test_gateway_span_honours_the_client_traceparent_and_ends_once(spans) -> None:
+    client_tp = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
+    t = RequestTrace("/v1/completions", {"traceparent": client_tp}, "m")
+    assert t.headers()["traceparent"].split("-")[1] == "0af7651916cd43dd8448eb211c80319c"
+    t.first_delta()
+    t.end(200, None, 5, 3)
+    t.end(500, "again")  # ignored
+    got = _by_name(spans.get_finished_spans())
+    server = got["POST /v1/completions"][0]
+    assert server.parent.span_id == 0xB7AD6B7169203331
+    assert server.kind is trace.SpanKind.SERVER
+    assert server.attributes["http.response.status_code"] == 200
+    assert server.attributes["gen_ai.usage.output_tokens"] == 3
+    assert [e.name for e in server.events] == ["first_token"]
+    assert got["respond"][0].parent.span_id == server.context.span_id
+
+
+# -- worker -------------------------------------------------------------------------------------
+
+
+def _plan(step: int, seqs: list[ScheduledSeq], new: list[NewRequest] = ()) -> StepPlan:
+    return StepPlan(step, seqs, list(new), epoch=1)
+
+
+def test_worker_spans_prefill_chunks_decode_steps_and_links_each_step(spans) -> None:
+    sched = trace.get_tracer("t").start_span("schedule")
+    w = WorkerTelemetry("w0")
+    nr = NewRequest("r1", SamplingParams(), 20, traceparent=traceparent(sched))
+    untraced = NewRequest("r2", SamplingParams(), 4)  # the scheduler sent no context
+    steps = [
+        (_plan(1, [ScheduledSeq("r1", [1] * 16, 0, [0], sample=False)], [nr]), [], []),
+        (
+            _plan(2, [ScheduledSeq("r1", [1] * 4, 16, [0, 1]), ScheduledSeq("r2", [2] * 4, 0, [2])], [untraced]),
+            ["r1", "r2"],
+            [0, 0],
+        ),
+        (_plan(3, [ScheduledSeq("r1", [7], 20, [0, 1]), ScheduledSeq("r2", [8], 4, [2])]), ["r1", "r2"], [0, 0]),
+        (_plan(4, [ScheduledSeq("r1", [7], 21, [0, 1]), ScheduledSeq("r2", [8], 5, [2])]), ["r1", "r2"], [2, 0]),
+    ]  # fmt: skip
+    for plan, rids, reasons in steps:
+        t0 = w.step_started(plan)
+        tokens = sum(len(s.token_ids) for s in plan.seqs)
+        w.step_done(
+            plan, StepResult("w0", plan.step_id, rids, [9] * len(rids), reasons, tokens), t0
+        )
+    sched.end()
+    got = _by_name(spans.get_finished_spans())
+    (prefill,) = got["prefill"]
+    (decode,) = got["decode"]
+    for s in (prefill, decode):
+        assert s.parent.span_id == sched.get_span_context().span_id
+        assert s.context.trace_id == sched.get_span_context().trace_id
+    chunks = [e.attributes["kvflow.chunk_tokens"] for e in prefill.events if e.name == "chunk"]
+    assert chunks == [16, 4]
+    assert prefill.events[-1].name == "first_token"
+    assert [e.attributes["kvflow.batch_seqs"] for e in prefill.events if e.name == "chunk"] == [
+        1,
+        2,
+    ]
+    assert decode.attributes["kvflow.decode_steps"] == 2
+    assert decode.attributes["kvflow.end"] == "finished"
+    # one step span per step that ran r1, each in a trace of its own, linked to r1's span there
+    step_spans = sorted(got["step"], key=lambda s: s.attributes["kvflow.step_id"])
+    assert [s.attributes["kvflow.step_id"] for s in step_spans] == [1, 2, 3, 4]
+    assert all(s.parent is None for s in step_spans)
+    assert [s.links[0].context.span_id for s in step_spans] == [prefill.context.span_id] * 2 + [
+        decode.context.span_id
+    ] * 2
+    assert all(len(s.links) == 1 for s in step_spans)  # r2 is not traced: no link, no span
+    assert w.reqs == {}  # r1 finished: nothing held
+    assert _sample(w.registry, "kvflow:worker_step_seconds_count", worker="w0") == 4
+    assert _sample(w.registry, "kvflow:worker_batch_seqs_sum", worker="w0") == 7
+
+
+def test_worker_without_traced_requests_makes_no_spans(spans) -> None:
+    w = WorkerTelemetry("w0")
+    plan = _plan(1, [ScheduledSeq("r", [1, 2], 0, [0])], [NewRequest("r", SamplingParams(), 2)])
+    w.step_done(plan, StepResult("w0", 1, ["r"], [3], [1], 2), w.step_started(plan))
+    assert spans.get_finished_spans() == ()
+    assert _sample(w.registry, "kvflow:worker_step_tokens_sum", worker="w0") == 2
+
+
+# -- scheduler ----------------------------------------------------------------------------------
+
+
+class _Service:
+    def __init__(self) -> None:
+        self.core = SchedulerCore(SchedulerLimits(max_num_batched_tokens=32), model="m")
+        self.core.add_worker("w0", 16, 16)
+        self.leading = True
+        self.scheduler_id = "s0"
+
+
+def test_scheduler_times_each_phase_and_hands_its_context_to_the_worker(spans) -> None:
+    tokenize = trace.get_tracer("t").start_span("tokenize")
+    svc = _Service()
+    tel = SchedulerTelemetry(svc, "m")
+    req = TokenizedRequest("r1", "inbox", list(range(40)), SamplingParams(max_tokens=2))
+    svc.core.add_request(req)
+    tel.on_request(req, inject(tokenize))
+    ws = svc.core.workers["w0"]
+    sent: list[StepPlan] = []
+
+    def step(tokens: list[int], reasons: list[int]) -> None:
+        plan, _ = svc.core.schedule(ws)
+        assert plan is not None
+        tel.on_plan("w0", plan)
+        sent.append(plan)
+        rids = [s.request_id for s in plan.seqs if s.sample]
+        result = StepResult("w0", plan.step_id, rids, tokens[: len(rids)], reasons[: len(rids)])
+        outcome = svc.core.on_result(result)
+        tel.on_result(plan, result, outcome.finished)
+
+    step([5], [0])  # chunk 1: 32 of 40 prompt tokens, no sample
+    step([5], [0])  # chunk 2: the last 8, first token
+    step([6], [int(FinishReason.LENGTH)])  # decode: max_tokens reached
+    tokenize.end()
+    got = _by_name(spans.get_finished_spans())
+    (schedule,) = got["schedule"]
+    assert schedule.parent.span_id == tokenize.get_span_context().span_id
+    assert schedule.attributes["kvflow.finish_reason"] == "length"
+    assert [e.name for e in schedule.events] == ["assigned", "first_token"]
+    assert schedule.events[0].attributes["kvflow.worker"] == "w0"
+    assert got["queued"][0].parent.span_id == schedule.context.span_id
+    chunks = sorted(got["chunk"], key=lambda s: s.attributes["kvflow.step_id"])
+    assert [c.attributes["kvflow.chunk_tokens"] for c in chunks] == [32, 8]  # decode: none
+    # the worker gets the schedule span's context in the request's NewRequest
+    (nr,) = sent[0].new_requests
+    assert context_of(nr.traceparent) is not None
+    assert nr.traceparent == traceparent(trace.NonRecordingSpan(schedule.context))
+    r = tel.registry
+    for name in ("queue", "prefill", "decode", "inference"):
+        assert _sample(r, f"vllm:request_{name}_time_seconds_count", model_name="m") == 1
+    assert _sample(r, "vllm:iteration_tokens_total_sum", model_name="m") == 32 + 8 + 1
+    assert tel.live == {}
+    # engine series read from the core: all blocks free again, prefix queries in tokens
+    assert _sample(r, "vllm:kv_cache_usage_perc", model_name="m") == 0.0
+    assert _sample(r, "vllm:num_requests_running", model_name="m") == 0.0
+    queries = _sample(r, "vllm:prefix_cache_queries_total", model_name="m")
+    assert queries == ws.bm.prefix_queries * 16 and queries > 0
+    assert _sample(r, "kvflow:scheduler_leader", scheduler="s0") == 1.0
+
+
+def test_scheduler_counts_a_stop_string_as_a_finish_and_an_abort_as_none(spans) -> None:
+    svc = _Service()
+    tel = SchedulerTelemetry(svc, "m")
+    for rid in ("a", "b"):
+        req = TokenizedRequest(rid, "inbox", [1, 2, 3], SamplingParams(max_tokens=5))
+        svc.core.add_request(req)
+        tel.on_request(req, None)
+    plan, _ = svc.core.schedule(svc.core.workers["w0"])
+    tel.on_plan("w0", plan)
+    result = StepResult("w0", plan.step_id, ["a", "b"], [4, 4], [0, 0])
+    tel.on_result(plan, result, svc.core.on_result(result).finished)
+    tel.on_abort("a", FinishReason.STOP)  # the detokenizer saw a stop string
+    tel.on_abort("b", FinishReason.ABORT)  # the client left
+    assert _sample(tel.registry, "vllm:request_decode_time_seconds_count", model_name="m") == 1
+    assert tel.live == {}
+    ends = {
+        s.attributes["kvflow.request_id"]: s.attributes["kvflow.finish_reason"]
+        for s in spans.get_finished_spans()
+        if s.name == "schedule"
+    }
+    assert ends == {"a": "stop", "b": "abort"}
+
+
+# -- logs ---------------------------------------------------------------------------------------
+
+
+def test_json_logs_carry_request_and_trace_ids(spans) -> None:
+    record_holder: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            record_holder.append(self.format(record))
+
+    handler = Keep()
+    handler.addFilter(ContextFilter())
+    handler.setFormatter(JsonFormatter("tokenizer"))
+    log = logging.getLogger("kvflow.test.json")
+    log.addHandler(handler)
+    log.setLevel(logging.INFO)
+    try:
+        span = trace.get_tracer("t").start_span("work")
+        with trace.use_span(span, end_on_exit=True), request_scope("cmpl-1"):
+            log.info("tokenized %d tokens", 7)
+        log.warning("outside")
+    finally:
+        log.removeHandler(handler)
+    inside, outside = (json.loads(line) for line in record_holder)
+    ctx = span.get_span_context()
+    assert inside["message"] == "tokenized 7 tokens" and inside["service"] == "tokenizer"
+    assert inside["request_id"] == "cmpl-1"
+    assert inside["trace_id"] == format(ctx.trace_id, "032x")
+    assert inside["span_id"] == format(ctx.span_id, "016x")
+    assert inside["level"] == "info" and inside["time"].endswith("Z")
+    assert "request_id" not in outside and "trace_id" not in outside
+
+
+# -- metrics ------------------------------------------------------------------------------------
+
+
+def test_subject_labels_have_bounded_cardinality() -> None:
+    assert subject_label("kvflow.gateway.ab12") == "kvflow.gateway.*"
+    assert subject_label("kvflow.worker.prefill-0.step") == "kvflow.worker.*.step"
+    assert subject_label("kvflow.worker.decode-3.kv") == "kvflow.worker.*.kv"
+    assert subject_label("_INBOX.x.y") == "_INBOX"
+    assert subject_label("kvflow.results") == "kvflow.results"
+
+
+def test_bus_series_count_messages_bytes_and_backlog() -> None:
+    bus = Bus("w")
+    bus.count("kvflow.worker.w0.step", "in", 100)
+    bus.count("kvflow.worker.w0.step", "in", 50)
+    bus.count("kvflow.results", "out", 7)
+    bus.subscriptions.append(("kvflow.results", types.SimpleNamespace(pending_msgs=3)))  # type: ignore[arg-type]
+    r = CollectorRegistry()
+    r.register(BusCollector("worker", bus))
+    step = {"service": "worker", "subject": "kvflow.worker.*.step", "direction": "in"}
+    assert _sample(r, "kvflow:bus_messages_total", **step) == 2
+    assert _sample(r, "kvflow:bus_bytes_total", **step) == 150
+    assert _sample(r, "kvflow:bus_bytes_total", subject="kvflow.results", direction="out") == 7
+    assert _sample(r, "kvflow:bus_pending_messages", subject="kvflow.results") == 3
+
+
+def test_expositions_merge_into_one_with_service_labels() -> None:
+    def exposition(value: float) -> bytes:
+        r = CollectorRegistry()
+        Counter("kvflow:thing", "things", ["model_name"], registry=r).labels("m").inc(value)
+        return generate_latest(r)
+
+    text = merge(
+        [
+            parse_families(exposition(2), {"service": "worker", "service_instance": "w0"}),
+            parse_families(exposition(3), {"service": "worker", "service_instance": "w1"}),
+            parse_families(exposition(3), {"service": "worker", "service_instance": "w1"}),
+        ]
+    ).decode()
+    assert text.count("# TYPE kvflow:thing_total counter") == 1
+    (fam,) = [f for f in text_string_to_metric_families(text) if f.name == "kvflow:thing"]
+    totals = {
+        s.labels["service_instance"]: s.value for s in fam.samples if s.name.endswith("_total")
+    }
+    assert totals == {"w0": 2.0, "w1": 3.0}  # the repeated report kept once
+
+
+def test_gateway_counts_a_prompt_once_and_uses_vllm_buckets() -> None:
+    gm = GatewayMetrics("m", max_model_len=1000)
+    for prompt in (10, 0):  # the second sequence of the same prompt (n=2) passes 0
+        t = gm.request_timer()
+        t.delta(1)
+        t.delta(1)
+        t.finished("length", prompt, 2)
+        t.finished("length", prompt, 2)  # once per sequence
+    r = gm.registry
+    assert _sample(r, "vllm:prompt_tokens_total", model_name="m") == 10
+    assert _sample(r, "vllm:generation_tokens_total", model_name="m") == 4
+    assert _sample(r, "vllm:request_success_total", finished_reason="length") == 2
+    assert _sample(r, "vllm:request_prompt_tokens_count", model_name="m") == 1
+    assert _sample(r, "vllm:time_per_output_token_seconds_count", model_name="m") == 2
+    assert buckets_1_2_5(100) == [1, 2, 5, 10, 20, 50, 100]
