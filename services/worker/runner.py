@@ -33,7 +33,7 @@ from services.worker.cuda_graphs import DecodeGraphs, capture_sizes
 from services.worker.device import kernel_backend as default_backend
 from services.worker.model import ForwardBatch, LlamaModel
 from services.worker.prompt_logprobs import PromptRows
-from services.worker.step_inputs import HostStep, pack
+from services.worker.step_inputs import DeviceBatch, HostStep, pack
 from shared.messages import (
     FinishReason,
     NewRequest,
@@ -194,7 +194,7 @@ class ModelRunner:
         ops, cfg = self.ops, self.config
         max_blocks = -(-self._max_model_len // self._block_size)
 
-        def forward(batch):  # noqa: ANN001, ANN202 - a DecodeGraphs ForwardFn
+        def forward(batch: DeviceBatch) -> torch.Tensor:
             return self.model.forward_device(ops, batch, self.kv_caches)
 
         def splits(size: int) -> int | None:
