@@ -5,11 +5,14 @@ step costs two dict look-ups and three histogram observations.
 
 Spans, for a traced request on this worker: ``prefill`` (first chunk to first sampled token,
 an event per chunk with the batch it shared) and ``decode`` (first decode step to the end or
-to the request leaving this worker, an event per step with the batch size, up to the SDK's
-event limit, and the step count), both children of the scheduler's ``schedule`` span;
-``kv_transfer`` around a KvPull (disaggregated serving). Each step that runs a traced request
-also gets one ``step`` span of its own trace with a link to each traced request's span there:
-per-step detail without a span per request per step."""
+to the request leaving this worker, events for some steps with the batch size, the step count
+and batch sizes), both children of the scheduler's ``schedule`` span;
+``kv_transfer`` around a KvPull (disaggregated serving). A step that has detail for a traced
+request also gets one ``step`` span of its own trace with a link to each such request's span:
+per-step detail without a span per request per step. Decode detail (an event and a link) is
+kept for a request's first DETAILED_DECODE_STEPS steps and every DETAIL_EVERY-th step; every
+step counts into the decode span's ``decode_steps`` and batch-size attributes (measured cost:
+docs/benchmarks.md)."""
 
 from __future__ import annotations
 
@@ -33,6 +36,11 @@ STEP_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75,
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 MAX_TRACKED = 10_000  # traced requests held at once; past it the oldest are let go
+# per-step detail of a traced request's decode (an event on its span, a link from the step's
+# span) costs ~8 µs per request: given for its first steps and every DETAIL_EVERY-th step only;
+# the others count into the decode span's step count and batch-size attributes
+DETAILED_DECODE_STEPS = 4
+DETAIL_EVERY = 16
 
 
 @dataclass
@@ -42,6 +50,8 @@ class _Req:
     prefill: Span | None = None
     decode: Span | None = None
     decode_steps: int = 0
+    batch_seqs_sum: int = 0  # over its decode steps, for the mean batch size
+    batch_seqs_max: int = 0
 
 
 class _Queued(Collector):
@@ -116,6 +126,8 @@ class WorkerTelemetry:
 
     def _trace_step(self, plan: StepPlan) -> None:
         batch_tokens = sum(len(s.token_ids) for s in plan.seqs)
+        periodic = plan.step_id % DETAIL_EVERY == 0
+        linked: list[Link] = []
         for s in plan.seqs:
             req = self.reqs.get(s.request_id)
             if req is None:
@@ -138,27 +150,26 @@ class WorkerTelemetry:
                         "kvflow.batch_tokens": batch_tokens,
                     },
                 )
-            else:
-                if req.decode is None:
-                    req.decode = _tracer.start_span(
-                        "decode", context=req.ctx, attributes={"kvflow.worker": self.worker_id}
-                    )
-                req.decode_steps += 1
+                linked.append(Link(req.prefill.get_span_context()))
+                continue
+            if req.decode is None:
+                req.decode = _tracer.start_span(
+                    "decode", context=req.ctx, attributes={"kvflow.worker": self.worker_id}
+                )
+            req.decode_steps += 1
+            req.batch_seqs_sum += len(plan.seqs)
+            req.batch_seqs_max = max(req.batch_seqs_max, len(plan.seqs))
+            if req.decode_steps <= DETAILED_DECODE_STEPS or periodic:
                 req.decode.add_event(
                     "step", {"kvflow.step_id": plan.step_id, "kvflow.batch_seqs": len(plan.seqs)}
                 )
-        if not self._traced:
+                linked.append(Link(req.decode.get_span_context()))
+        if not linked:
             return
-        links = [
-            Link(span.get_span_context())
-            for _, req in self._traced
-            for span in (req.prefill or req.decode,)
-            if span is not None
-        ]
         self._step = _tracer.start_span(
             "step",
             context=Context(),  # a trace of its own: a step serves many requests
-            links=links,
+            links=linked,
             attributes={
                 "kvflow.worker": self.worker_id,
                 "kvflow.step_id": plan.step_id,
@@ -211,6 +222,9 @@ class WorkerTelemetry:
             req.prefill.end()
         if req.decode is not None:
             req.decode.set_attribute("kvflow.decode_steps", req.decode_steps)
+            req.decode.set_attribute("kvflow.batch_seqs_max", req.batch_seqs_max)
+            mean = req.batch_seqs_sum / max(1, req.decode_steps)
+            req.decode.set_attribute("kvflow.batch_seqs_mean", round(mean, 2))
             req.decode.set_attribute("kvflow.end", why)
             req.decode.end()
 

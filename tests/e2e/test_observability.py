@@ -123,9 +123,8 @@ def test_one_trace_holds_every_service_with_parent_links(observed) -> None:
         assert span.attributes["kvflow.worker"] == worker, name
     assert one("kv_transfer").attributes["kvflow.bytes"] > 0
     decode = one("decode")
-    assert decode.attributes["kvflow.decode_steps"] == len(
-        [e for e in decode.events if e[0] == "step"]
-    )
+    assert decode.attributes["kvflow.decode_steps"] == 7  # 8 tokens, the first from the prefill
+    assert len([e for e in decode.events if e[0] == "step"]) >= 4  # the first steps in detail
     assert one("detokenize").attributes["kvflow.completion_tokens"] == 8
     # each worker step is a span of its own trace, linked to the request's span on that worker
     linked = {

@@ -168,6 +168,30 @@ def test_worker_spans_prefill_chunks_decode_steps_and_links_each_step(spans) -> 
     assert _sample(w.registry, "kvflow:worker_batch_seqs_sum", worker="w0") == 7
 
 
+def test_worker_decode_detail_is_kept_for_the_first_steps_and_every_16th(spans) -> None:
+    sched = trace.get_tracer("t").start_span("schedule")
+    w = WorkerTelemetry("w0")
+    nr = NewRequest("r", SamplingParams(), 4, num_output_tokens=1, traceparent=traceparent(sched))
+    for step in range(1, 41):  # a decode worker: the first token came from the prefill worker
+        others = [ScheduledSeq(f"o{i}", [1], 9, [1]) for i in range(step % 3)]
+        plan = _plan(
+            step, [ScheduledSeq("r", [5], 3 + step, [0]), *others], [nr] if step == 1 else []
+        )
+        finish = [int(FinishReason.LENGTH) if step == 40 else 0]
+        w.step_done(plan, StepResult("w0", step, ["r"], [6], finish), w.step_started(plan))
+    got = _by_name(spans.get_finished_spans())
+    (decode,) = got["decode"]
+    assert "prefill" not in got
+    detailed = [e.attributes["kvflow.step_id"] for e in decode.events]
+    assert detailed == [1, 2, 3, 4, 16, 32]
+    assert decode.attributes["kvflow.decode_steps"] == 40
+    assert decode.attributes["kvflow.batch_seqs_max"] == 3
+    assert decode.attributes["kvflow.batch_seqs_mean"] == round(
+        sum(1 + s % 3 for s in range(1, 41)) / 40, 2
+    )
+    assert sorted(s.attributes["kvflow.step_id"] for s in got["step"]) == detailed
+
+
 def test_worker_without_traced_requests_makes_no_spans(spans) -> None:
     w = WorkerTelemetry("w0")
     plan = _plan(1, [ScheduledSeq("r", [1, 2], 0, [0])], [NewRequest("r", SamplingParams(), 2)])
