@@ -19,6 +19,7 @@ import urllib.request
 from shared.config import Settings
 from shared.infra import Server, port_is_free, start_nats, start_redis
 from shared.model_source import ModelNotFoundError, resolve_model
+from shared.processes import spawn_service, stop_processes
 
 STARTUP_TIMEOUT_S = 300.0
 MAX_RESTARTS_PER_MINUTE = 3
@@ -31,14 +32,6 @@ class _Stop(Exception):
 def _fail(msg: str) -> int:
     print(f"kvflow: error: {msg}", file=sys.stderr)
     return 2
-
-
-def _spawn(service: str, settings: Settings, **overrides: str) -> subprocess.Popen:
-    """``kvflow run SERVICE`` with the settings as KVFLOW_* variables; ``overrides`` set more
-    (``worker_id="w1"`` -> KVFLOW_WORKER_ID=w1)."""
-    env = {**os.environ, **settings.to_env(), "PYTHONUNBUFFERED": "1"}
-    env.update({"KVFLOW_" + k.upper(): v for k, v in overrides.items()})
-    return subprocess.Popen([sys.executable, "-m", "services.cli", "run", service], env=env)
 
 
 def _stop(procs: list[tuple[str, subprocess.Popen]], graceful: bool, drain_s: float) -> None:
@@ -56,16 +49,7 @@ def _stop(procs: list[tuple[str, subprocess.Popen]], graceful: bool, drain_s: fl
                     p.kill()
                     p.wait()
         rest = [(n, p) for n, p in procs if n != "gateway"]
-    for _name, p in reversed(rest):
-        if p.poll() is None:
-            p.send_signal(signal.SIGINT)
-    deadline = time.monotonic() + 10
-    for _name, p in reversed(rest):
-        try:
-            p.wait(max(0.1, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            p.kill()
-            p.wait()
+    stop_processes([p for _name, p in rest])
 
 
 def _ops_ports(specs: dict[str, tuple[str, dict[str, str]]], settings: Settings) -> str:
@@ -160,7 +144,7 @@ def serve(
             print(f"kvflow: ops endpoints (/health, /metrics): {_ops_ports(specs, settings)}")
         specs["gateway"] = ("gateway", {})
         for name, (service, overrides) in specs.items():
-            procs.append((name, _spawn(service, settings, **overrides)))
+            procs.append((name, spawn_service(service, settings, **overrides)))
         print(
             "kvflow: loading the model in every service (first start converts the tokenizer) ...",
             flush=True,
@@ -203,7 +187,7 @@ def serve(
                     f"kvflow: {name} exited with code {p.returncode}; starting it again", flush=True
                 )
                 service, overrides = specs[name]
-                procs[i] = (name, _spawn(service, settings, **overrides))
+                procs[i] = (name, spawn_service(service, settings, **overrides))
             time.sleep(1.0)
     except KeyboardInterrupt:
         print("\nkvflow: stopping ...", flush=True)

@@ -36,6 +36,7 @@ class Bus:
         self.subscriptions: list[tuple[str, Subscription]] = []  # (subject label, sub)
         self._labels: dict[str, str] = {}
         self._tasks: set[asyncio.Task] = set()
+        self._closing = False
 
     async def connect(self, url: str, connect_timeout: float = 30.0) -> None:
         """Connect, retrying until ``connect_timeout``; afterwards nats-py reconnects on its own
@@ -45,6 +46,8 @@ class Bus:
             log.warning("%s: nats error: %s", self.name, e)
 
         async def on_disconnect() -> None:
+            if self._closing:
+                return  # our own close(), not an outage
             log.warning("%s: disconnected from NATS", self.name)
 
         async def on_reconnect() -> None:
@@ -160,6 +163,7 @@ class Bus:
         return task
 
     async def close(self) -> None:
+        self._closing = True
         for t in list(self._tasks):
             t.cancel()
         if self.nc is not None and not self.nc.is_closed:

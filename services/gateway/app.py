@@ -32,6 +32,7 @@ from services.gateway.convert import (
 )
 from services.gateway.errors import APIError, error_response, install_error_handlers
 from services.gateway.generation import CLIENT_CLOSED, serve
+from services.gateway.legacy import legacy_generate
 from services.gateway.openapi import install_openapi
 from services.gateway.protocol import (
     ChatCompletionRequest,
@@ -204,6 +205,16 @@ def create_app(settings: Settings, bus: Bus | None = None) -> FastAPI:
         except BaseException as e:
             trace.end(getattr(e, "status", 500), getattr(e, "message", type(e).__name__))
             raise
+
+    @app.post("/generate", responses=gen_errors)
+    async def generate_legacy(request: Request) -> Response:
+        """vLLM's legacy API server endpoint: ``{"prompt", "n", "use_beam_search", ...}`` ->
+        ``{"text": [...]}`` (services/gateway/legacy.py)."""
+        await state.auth.check(request)
+        body = await read_body(request, limit)
+        if body is None:
+            return Response(status_code=CLIENT_CLOSED)
+        return await legacy_generate(request, state, body)
 
     @app.get("/v1/models", response_model=ModelList, responses=error_responses(401, 429))
     async def models(request: Request) -> Response:

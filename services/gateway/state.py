@@ -9,8 +9,6 @@ import logging
 import uuid
 from typing import Any
 
-from tenacity import AsyncRetrying, retry_if_result, stop_before_delay, wait_exponential
-
 from services.gateway.auth import Auth
 from services.gateway.convert import served_model_name
 from services.gateway.errors import APIError
@@ -28,12 +26,9 @@ from shared.messages import (
     StatsRequest,
 )
 from shared.metrics import BusCollector, answer_metrics, gather, instance_id, whole_stack
+from shared.submission import until_acknowledged
 
 log = logging.getLogger("kvflow.gateway")
-
-# seconds to wait for the scheduler's acknowledgement before publishing a request again
-# (doubling each time, up to 8x)
-ACK_TIMEOUT_S = 2.0
 
 
 def bus_connected(bus: Any) -> bool:
@@ -120,20 +115,11 @@ class GatewayState:
         self, req: GenerateRequest, deadline: float, headers: dict[str, str] | None = None
     ) -> None:
         """Publish ``req`` again while no acknowledgement came and the request is open."""
-        loop = asyncio.get_running_loop()
-        retrying = AsyncRetrying(
-            wait=wait_exponential(multiplier=ACK_TIMEOUT_S, max=8 * ACK_TIMEOUT_S),
-            stop=stop_before_delay(max(0.0, deadline - loop.time())),
-            retry=retry_if_result(lambda acknowledged: not acknowledged),
-            retry_error_callback=lambda _state: False,  # the deadline ends the request
+        await until_acknowledged(
+            lambda wait: self._acknowledged(req.request_id, wait),
+            lambda: self._resubmit(req, headers),
+            deadline,
         )
-        async for attempt in retrying:
-            with attempt:
-                if attempt.retry_state.attempt_number > 1:
-                    await self._resubmit(req, headers)
-                acknowledged = await self._acknowledged(req.request_id, ACK_TIMEOUT_S)
-            if attempt.retry_state.outcome is not None and not attempt.retry_state.outcome.failed:
-                attempt.retry_state.set_result(acknowledged)
 
     async def _acknowledged(self, request_id: str, timeout: float) -> bool:
         """Whether the scheduler acknowledged ``request_id`` within ``timeout`` (a request no

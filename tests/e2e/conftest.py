@@ -114,3 +114,17 @@ def guarded_stack():
         # `kvflow serve` prints the URLs of the nats-server and redis-server it started
         redis_url = log.split(", redis ", 1)[1].split()[0]
         yield base, redis_url
+
+
+@pytest.fixture(scope="session")
+def hf_model(model_src):
+    """SmolLM2 in Hugging Face transformers, from the same GGUF file (dequantized to fp32)."""
+    import torch
+
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(
+        str(model_src.directory), gguf_file=model_src.path.name, dtype=torch.float32
+    )
+    return model.eval()

@@ -4,7 +4,6 @@ with 8 requests sharing batches."""
 
 from __future__ import annotations
 
-import os
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -26,14 +25,8 @@ PROMPTS = [
 
 
 @pytest.fixture(scope="module")
-def hf_greedy(model_src, tokenizer):
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(
-        str(model_src.directory), gguf_file=model_src.path.name, dtype=torch.float32
-    )
-    model.eval()
+def hf_greedy(hf_model, tokenizer):
+    model = hf_model
     out = {}
     for p in PROMPTS:
         ids = tokenizer(p, return_tensors="pt")["input_ids"]

