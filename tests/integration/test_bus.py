@@ -18,6 +18,7 @@ async def test_publish_subscribe_and_malformed_messages_are_dropped(nats_url) ->
         await got.put(msg)
 
     await b.subscribe("t.x", handler)
+    await b.client.flush()  # the subscription reaches the server before a publishes
     await a.client.publish("t.x", b"\xff\x00garbage")
     await a.publish("t.x", Abort("r1"))
     assert await asyncio.wait_for(got.get(), 5) == Abort("r1")

@@ -146,8 +146,11 @@ def test_scaling_disruption_budgets_services_and_monitoring(overlay: str) -> Non
         for p in _of_kind(docs, "PodDisruptionBudget").values()
     }
     assert {"gateway", "tokenizer", *workers} <= pdb_targets
-    assert deployments["scheduler"]["spec"]["replicas"] == 1
-    assert deployments["scheduler"]["spec"]["strategy"]["type"] == "Recreate"
+    # a leader and a standby on the Redis lease, never scaled by an autoscaler
+    assert deployments["scheduler"]["spec"]["replicas"] == 2
+    assert "scheduler" not in {h["spec"]["scaleTargetRef"]["name"] for h in hpas.values()}
+    # a rolling update replaces one at a time: the other holds or takes the lease meanwhile
+    assert deployments["scheduler"]["spec"]["strategy"]["type"] == "RollingUpdate"
 
     services = _of_kind(docs, "Service")
     assert set(deployments) <= set(services), "every Deployment has a Service (API or metrics)"
