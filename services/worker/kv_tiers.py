@@ -92,6 +92,10 @@ class HostTier:
         return out
 
 
+# bytes of KV per Redis round trip (a pipeline of SETs, one MGET)
+BATCH_BYTES = 4 * 1024 * 1024
+
+
 class RedisTier:
     def __init__(
         self,
@@ -147,27 +151,38 @@ class RedisTier:
         self.enabled = True
         return True
 
+    def _batch(self) -> int:
+        """Blocks per round trip: each call's timeout then covers a few MiB, not a whole
+        1,000-token prefix (~44 MiB of fp32 KV) on a busy machine."""
+        return max(1, BATCH_BYTES // max(1, self.block_bytes))
+
     async def store(self, items: list[tuple[bytes, bytes]]) -> int:
         """SET each (hash, bytes) with the expiry, unless present; returns blocks written."""
         if not items or not await self.available():
             return 0
+        written = 0
+        n = self._batch()
         try:
-            async with self.redis.pipeline(transaction=False) as pipe:
-                for h, data in items:
-                    pipe.set(self.key(h), pack(data), ex=self.ttl_s, nx=True)
-                written = sum(1 for ok in await pipe.execute() if ok)
+            for i in range(0, len(items), n):
+                async with self.redis.pipeline(transaction=False) as pipe:
+                    for h, data in items[i : i + n]:
+                        pipe.set(self.key(h), pack(data), ex=self.ttl_s, nx=True)
+                    done = sum(1 for ok in await pipe.execute() if ok)
+                written += done
+                self.stored_blocks += done
         except (RedisError, OSError) as e:
             self._failed("store", e)
-            return 0
-        self.stored_blocks += written
         return written
 
     async def load(self, hashes: list[bytes]) -> list[bytes | None]:
         """Each block's bytes, or None (missing, damaged, or the tier is off)."""
         if not hashes or not await self.available():
             return [None] * len(hashes)
+        values: list[bytes | None] = []
+        n = self._batch()
         try:
-            values = await self.redis.mget([self.key(h) for h in hashes])
+            for i in range(0, len(hashes), n):
+                values += await self.redis.mget([self.key(h) for h in hashes[i : i + n]])
         except (RedisError, OSError) as e:
             self._failed("load", e)
             return [None] * len(hashes)

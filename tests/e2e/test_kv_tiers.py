@@ -59,10 +59,12 @@ def long_prompt(tokenizer, n: int, seed: int) -> list[int]:
     ]
 
 
-def wait_for(cond, timeout: float = 120, what: str = "condition") -> None:
+def wait_for(cond, timeout: float = 120, what="condition") -> None:
+    """``what``: a text, or a function giving one (the state when the wait ran out)."""
     deadline = time.monotonic() + timeout
     while not cond():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        if time.monotonic() >= deadline:
+            raise AssertionError(f"timed out waiting for {what() if callable(what) else what}")
         time.sleep(0.3)
 
 
@@ -74,7 +76,13 @@ def test_a_restarted_worker_loads_the_prefix_from_redis(tier_stack, tokenizer) -
     first, ttft_cold = timed(base, prompt)
     cold = stats(base)["num_computed_tokens"] - before["num_computed_tokens"]
     assert cold >= 1000
-    wait_for(lambda: stats(base)["workers"][0]["redis_stored_blocks"] >= 62, 30, "blocks stored")
+    t0 = time.monotonic()
+    wait_for(
+        lambda: stats(base)["workers"][0]["redis_stored_blocks"] >= 62,
+        120,
+        lambda: f"62 blocks stored in Redis; worker stats: {stats(base)['workers'][0]}",
+    )
+    print(f"\n62 blocks written through to Redis {time.monotonic() - t0:.1f} s after the request")
 
     old = service_pids(nats_url)["worker:worker-0"]
     os.kill(old, signal.SIGKILL)

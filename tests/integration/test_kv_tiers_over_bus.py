@@ -8,6 +8,7 @@ import pytest
 import redis.asyncio as aioredis
 import torch
 
+from services.worker import kv_tiers
 from services.worker.kv_blocks import KvBlockIO
 from services.worker.kv_tiers import HostTier, RedisTier
 from shared.infra import start_redis
@@ -56,6 +57,30 @@ async def test_blocks_round_trip_and_damage_reads_as_a_miss(redis_url) -> None:
         assert await leading_present(r, keys) == 4
         assert await leading_present(r, [keys[0], missing, keys[1]]) == 1  # up to the first gap
         await r.aclose()
+    finally:
+        await tier.close()
+
+
+async def test_many_blocks_go_in_bounded_round_trips(redis_url, monkeypatch) -> None:
+    """A long prefix is stored and loaded in batches of about BATCH_BYTES (each round trip
+    within the short socket timeout), all blocks in order."""
+    io = cache(16, seed=3)
+    monkeypatch.setattr(kv_tiers, "BATCH_BYTES", 3 * io.block_bytes)  # 3 blocks per trip
+    tier = RedisTier(redis_url, io.layout(), io.block_bytes)
+    calls: list[int] = []
+    real_mget = tier.redis.mget
+
+    async def mget(keys):  # noqa: ANN001, ANN202 - counts round trips
+        calls.append(len(keys))
+        return await real_mget(keys)
+
+    monkeypatch.setattr(tier.redis, "mget", mget)
+    try:
+        blocks = {bytes([i]) * 16: io.read(i % 8) for i in range(10)}
+        assert await tier.store(list(blocks.items())) == 10
+        assert tier.stored_blocks == 10
+        assert await tier.load(list(blocks)) == list(blocks.values())
+        assert calls == [3, 3, 3, 1]
     finally:
         await tier.close()
 
