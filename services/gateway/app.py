@@ -148,6 +148,27 @@ def create_app(settings: Settings, bus: Bus | None = None) -> FastAPI:
                 out.append(res.prompt)
         return out
 
+    async def generate(request: Request, route: str, model_cls, prefix: str, make_job, fmt_cls):  # noqa: ANN001, ANN202
+        """One generation route: auth, body, parse, job, response format, serve; traced."""
+        trace = RequestTrace(route, request.headers, state.model_name)
+        try:
+            key = await state.auth.check(request)
+            body = await read_body(request, limit)
+            if body is None:
+                trace.end(CLIENT_CLOSED, "client closed")
+                return Response(status_code=CLIENT_CLOSED)
+            req = parse_request(model_cls, body)
+            model = check_model(req.model, state.model_name)
+            rid = new_request_id(prefix)
+            job = make_job(req, rid, state.inbox, time.time(), settings)
+            fmt = fmt_cls(rid, model, include_usage=job.include_usage)
+            fmt.with_logprobs, fmt.with_prompt_logprobs = job.logprobs, job.prompt_logprobs
+            texts = await echo_texts(req, job) if model_cls is CompletionRequest else None
+            return await serve(request, state, job, fmt, texts, _usage(state, key), trace)
+        except BaseException as e:
+            trace.end(getattr(e, "status", 500), getattr(e, "message", type(e).__name__))
+            raise
+
     gen_errors = error_responses(400, 401, 404, 413, 429, 500, 503, 504)
     # one SSE event: ``data`` is a chunk as JSON text, an error object, or ``[DONE]``
     sse_event = {
@@ -163,23 +184,9 @@ def create_app(settings: Settings, bus: Bus | None = None) -> FastAPI:
         responses={200: {"content": stream_content, "description": STREAM_NOTE}, **gen_errors},
     )
     async def chat_completions(request: Request) -> Response:
-        trace = RequestTrace("/v1/chat/completions", request.headers, state.model_name)
-        try:
-            key = await state.auth.check(request)
-            body = await read_body(request, limit)
-            if body is None:
-                trace.end(CLIENT_CLOSED, "client closed")
-                return Response(status_code=CLIENT_CLOSED)
-            req = parse_request(ChatCompletionRequest, body)
-            model = check_model(req.model, state.model_name)
-            rid = new_request_id("chatcmpl")
-            job = chat_job(req, rid, state.inbox, time.time(), settings)
-            fmt = ChatFormat(rid, model, include_usage=job.include_usage)
-            fmt.with_logprobs, fmt.with_prompt_logprobs = job.logprobs, job.prompt_logprobs
-            return await serve(request, state, job, fmt, None, _usage(state, key), trace)
-        except BaseException as e:
-            trace.end(getattr(e, "status", 500), getattr(e, "message", type(e).__name__))
-            raise
+        return await generate(
+            request, "/v1/chat/completions", ChatCompletionRequest, "chatcmpl", chat_job, ChatFormat
+        )
 
     @app.post(
         "/v1/completions",
@@ -187,24 +194,9 @@ def create_app(settings: Settings, bus: Bus | None = None) -> FastAPI:
         responses={200: {"content": stream_content, "description": STREAM_NOTE}, **gen_errors},
     )
     async def completions(request: Request) -> Response:
-        trace = RequestTrace("/v1/completions", request.headers, state.model_name)
-        try:
-            key = await state.auth.check(request)
-            body = await read_body(request, limit)
-            if body is None:
-                trace.end(CLIENT_CLOSED, "client closed")
-                return Response(status_code=CLIENT_CLOSED)
-            req = parse_request(CompletionRequest, body)
-            model = check_model(req.model, state.model_name)
-            rid = new_request_id("cmpl")
-            job = completion_job(req, rid, state.inbox, time.time(), settings)
-            fmt = CompletionFormat(rid, model, include_usage=job.include_usage)
-            fmt.with_logprobs, fmt.with_prompt_logprobs = job.logprobs, job.prompt_logprobs
-            texts = await echo_texts(req, job)
-            return await serve(request, state, job, fmt, texts, _usage(state, key), trace)
-        except BaseException as e:
-            trace.end(getattr(e, "status", 500), getattr(e, "message", type(e).__name__))
-            raise
+        return await generate(
+            request, "/v1/completions", CompletionRequest, "cmpl", completion_job, CompletionFormat
+        )
 
     @app.post("/generate", responses=gen_errors)
     async def generate_legacy(request: Request) -> Response:
