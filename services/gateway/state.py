@@ -13,7 +13,7 @@ from services.gateway.auth import Auth
 from services.gateway.convert import served_model_name
 from services.gateway.errors import APIError
 from services.gateway.metrics import GatewayMetrics
-from services.gateway.streams import RequestHandle, RequestStreams
+from services.gateway.streams import RequestHandle
 from shared import subjects
 from shared.bus import Bus
 from shared.config import Settings
@@ -26,6 +26,7 @@ from shared.messages import (
     StatsRequest,
 )
 from shared.metrics import BusCollector, answer_metrics, gather, instance_id, whole_stack
+from shared.request_streams import RequestStreams
 from shared.submission import until_acknowledged
 
 log = logging.getLogger("kvflow.gateway")
@@ -116,22 +117,10 @@ class GatewayState:
     ) -> None:
         """Publish ``req`` again while no acknowledgement came and the request is open."""
         await until_acknowledged(
-            lambda wait: self._acknowledged(req.request_id, wait),
+            lambda wait: self.streams.wait_accepted(req.request_id, wait),
             lambda: self._resubmit(req, headers),
             deadline,
         )
-
-    async def _acknowledged(self, request_id: str, timeout: float) -> bool:
-        """Whether the scheduler acknowledged ``request_id`` within ``timeout`` (a request no
-        longer open counts as settled)."""
-        ev = self.streams.accepted(request_id)
-        if ev is None:
-            return True
-        try:
-            await asyncio.wait_for(ev.wait(), timeout)
-        except TimeoutError:
-            return self.streams.accepted(request_id) is None
-        return True
 
     async def _resubmit(self, req: GenerateRequest, headers: dict[str, str] | None = None) -> None:
         self.num_resubmissions += 1

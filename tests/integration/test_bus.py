@@ -10,7 +10,6 @@ from shared.messages import Abort, SchedulerStats, StatsRequest
 
 async def test_publish_subscribe_and_malformed_messages_are_dropped(nats_url) -> None:
     a, b = Bus("a"), Bus("b")
-    await a.connect(nats_url)
     await b.connect(nats_url)
     got: asyncio.Queue = asyncio.Queue()
 
@@ -19,6 +18,11 @@ async def test_publish_subscribe_and_malformed_messages_are_dropped(nats_url) ->
 
     await b.subscribe("t.x", handler)
     await b.client.flush()  # the subscription reaches the server before a publishes
+    # a connects after it: on a just-started nats-server (2.15.1), a connection made before
+    # another's SUB lost its first publishes to it in ~4% of runs (measured: 4/100 this way,
+    # 0/150 connecting after); later publishes arrive. Submissions are acknowledged and
+    # resubmitted for that reason (shared/submission.py); this test is about dropping garbage.
+    await a.connect(nats_url)
     await a.client.publish("t.x", b"\xff\x00garbage")
     await a.publish("t.x", Abort("r1"))
     assert await asyncio.wait_for(got.get(), 5) == Abort("r1")

@@ -1,0 +1,102 @@
+"""Per-request queues fed by one inbox subscription, for every client of the pipeline (the
+gateway, the Python API).
+
+The detokenizer sends one ``DeltaBatch`` per step for all of a client's requests (per-token
+traffic stays batched on NATS); here it is fanned out to each request's queue, the only place
+where messages become per-request. A delta that repeats tokens already delivered (two
+detokenizers held the request) is dropped; any reply, or an ``Accepted``, marks the request
+acknowledged."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+from shared.messages import Accepted, Delta, DeltaBatch, Message, RequestError
+
+log = logging.getLogger("kvflow.streams")
+
+Item = Delta | RequestError
+
+
+class RequestStreams:
+    """request id -> queue of what the pipeline sent back for it."""
+
+    def __init__(self) -> None:
+        self._queues: dict[str, asyncio.Queue[Item]] = {}
+        self._accepted: dict[str, asyncio.Event] = {}  # set by Accepted, or any reply at all
+        self._tokens: dict[str, int] = {}  # completion tokens delivered so far
+        self.duplicate_deltas = 0  # deltas dropped as repeats (two detokenizers had a request)
+        self.unknown_deltas = 0  # deltas for requests no longer here (finished or aborted)
+
+    def open(self, request_id: str) -> asyncio.Queue[Item]:
+        q: asyncio.Queue[Item] = asyncio.Queue()
+        self._queues[request_id] = q
+        self._accepted[request_id] = asyncio.Event()
+        return q
+
+    def close(self, request_id: str) -> None:
+        self._queues.pop(request_id, None)
+        self._accepted.pop(request_id, None)
+        self._tokens.pop(request_id, None)
+
+    def accepted(self, request_id: str) -> asyncio.Event | None:
+        """Set once the scheduler acknowledged the request (None: no longer open)."""
+        return self._accepted.get(request_id)
+
+    async def wait_accepted(self, request_id: str, timeout: float) -> bool:
+        """Whether ``request_id`` was acknowledged within ``timeout`` (a request no longer open
+        counts as settled): the ``acknowledged`` of shared.submission.until_acknowledged."""
+        ev = self._accepted.get(request_id)
+        if ev is None:
+            return True
+        try:
+            await asyncio.wait_for(ev.wait(), timeout)
+        except TimeoutError:
+            return request_id not in self._accepted
+        return True
+
+    def ids(self) -> list[str]:
+        return list(self._queues)
+
+    def _ack(self, request_id: str) -> None:
+        ev = self._accepted.get(request_id)
+        if ev is not None:
+            ev.set()
+
+    def __len__(self) -> int:
+        return len(self._queues)
+
+    def __contains__(self, request_id: object) -> bool:
+        return request_id in self._queues
+
+    def dispatch(self, msg: Message) -> None:
+        """Route one inbox message; ids that are not (or no longer) here are dropped, since a
+        request that was aborted may still have deltas in flight."""
+        if isinstance(msg, DeltaBatch):
+            for delta in msg.deltas:
+                q = self._queues.get(delta.request_id)
+                if q is None:
+                    self.unknown_deltas += 1
+                    continue
+                self._ack(delta.request_id)
+                seen = self._tokens.get(delta.request_id, 0)
+                if delta.completion_tokens and delta.completion_tokens <= seen:
+                    self.duplicate_deltas += 1  # each delta counts one more token than the last
+                    continue
+                self._tokens[delta.request_id] = delta.completion_tokens
+                q.put_nowait(delta)
+        elif isinstance(msg, RequestError):
+            q = self._queues.get(msg.request_id)
+            if q is not None:
+                self._ack(msg.request_id)
+                q.put_nowait(msg)
+        elif isinstance(msg, Accepted):
+            self._ack(msg.request_id)
+        else:
+            log.debug("inbox: ignored %s", type(msg).__name__)
+
+    async def handler(self, msg: Message, _raw: Any) -> None:
+        """The Bus subscription callback."""
+        self.dispatch(msg)
