@@ -6,6 +6,7 @@ is counted with its bytes per subject (``traffic``, shown as metrics by shared/m
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -127,8 +128,33 @@ class Bus:
             pending_msgs_limit=1_000_000,
             pending_bytes_limit=1024 * 1024 * 1024,
         )
+        await self.confirm_subscriptions()
         self.subscriptions.append((subject_label(subject), sub))
         return sub
+
+    async def confirm_subscriptions(self, timeout: float = 5.0) -> None:
+        """Return once the server has every SUB this connection has sent so far, so whatever
+        the caller announces next (a worker's registration, a request) cannot be answered into
+        a subscription the server does not know yet. nats-py buffers SUB, and its ``flush()``
+        writes PING ahead of that buffer (nats-py 2.16.0: a flushed subscriber still lost a
+        pre-connected publisher's first message in ~5 % of runs), so the round trip here is a
+        message to our own inbox: the server handles one connection's commands in order."""
+        done = asyncio.get_running_loop().create_future()
+
+        async def on_probe(_raw: Msg) -> None:
+            if not done.done():
+                done.set_result(None)
+
+        inbox = self.client.new_inbox()
+        probe = await self.client.subscribe(inbox, cb=on_probe, max_msgs=1)
+        try:
+            await self.client.publish(inbox, b"")
+            await asyncio.wait_for(done, timeout)
+        except (TimeoutError, nats.errors.Error) as e:
+            # Reconnecting: nats-py re-sends every SUB on reconnect, so the subscription stands.
+            log.warning("%s: subscriptions not confirmed by the server yet: %r", self.name, e)
+            with contextlib.suppress(nats.errors.Error):
+                await probe.unsubscribe()
 
     async def request(
         self,
