@@ -190,17 +190,27 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
         add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
     ) -> list[RequestOutput]:
-        """Conversations (lists of {"role", "content"}) through the model's chat template."""
+        """Conversations (lists of {"role", "content"}) through the model's chat template;
+        ``continue_final_message`` leaves the final (assistant) message open to be carried on."""
         if not messages:
             raise ValueError("messages must not be empty")
+        if add_generation_prompt and continue_final_message:
+            raise ValueError(
+                "continue_final_message needs add_generation_prompt=False (a new assistant turn "
+                "cannot also continue the final message)"
+            )
         convos = [messages] if isinstance(messages[0], dict) else list(messages)
         params = as_list(sampling_params, len(convos))
         jobs = []
         for convo, sp in zip(convos, params, strict=True):
             convo = [{"role": m["role"], "content": _text(m["content"])} for m in convo]
             ids = self.tokenizer.apply_chat_template(
-                convo, add_generation_prompt=add_generation_prompt, tokenize=True
+                convo,
+                add_generation_prompt=add_generation_prompt,
+                continue_final_message=continue_final_message,
+                tokenize=True,
             )
             ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
             text = self.tokenizer.decode(ids, skip_special_tokens=False)

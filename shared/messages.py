@@ -100,6 +100,8 @@ class GenerateRequest(_Msg, tag=1):
     arrival_time: float = 0.0
     priority: int = 0  # lower runs first (vLLM's convention); FCFS within a priority
     truncate_prompt_tokens: int | None = None  # vLLM's: keep only the prompt's last N tokens
+    # vLLM's: the chat template leaves the final (assistant) message open, to be continued
+    continue_final_message: bool = False
 
 
 # ---------------------------------------------------------------------------------------------
@@ -455,6 +457,7 @@ class TokenizeRequest(_Msg, tag=20):
     add_generation_prompt: bool = True
     add_special_tokens: bool = True
     return_token_strs: bool = False
+    continue_final_message: bool = False
 
 
 class TokenizeResult(_Msg, tag=21):

@@ -23,6 +23,8 @@ from starlette.requests import ClientDisconnect
 
 from services.gateway.convert import (
     chat_job,
+    chat_messages,
+    chat_template_flags,
     check_model,
     completion_job,
     new_request_id,
@@ -58,7 +60,6 @@ from services.gateway.tracing import RequestTrace
 from shared.bus import Bus
 from shared.config import Settings
 from shared.messages import (
-    ChatMessage,
     DetokenizeRequest,
     DetokenizeResult,
     SchedulerStats,
@@ -129,13 +130,16 @@ def create_app(settings: Settings, bus: Bus | None = None) -> FastAPI:
     install_error_handlers(app)
     limit = settings.max_body_bytes
 
-    async def echo_texts(req: CompletionRequest, job: Any) -> list[str] | None:
-        """The text each prompt echoes: as given, or decoded from its token ids."""
+    async def echo_texts(job: Any) -> list[str] | None:
+        """The text each prompt echoes: as given, decoded from its token ids, or (chat) the
+        final message's content."""
         if not job.echo:
             return None
         out = []
         for gen in job.prompts:
-            if gen.prompt is not None:
+            if gen.messages:
+                out.append(gen.messages[-1].content)
+            elif gen.prompt is not None:
                 out.append(gen.prompt)
             else:
                 msg = DetokenizeRequest(list(gen.prompt_token_ids or []))
@@ -163,7 +167,8 @@ def create_app(settings: Settings, bus: Bus | None = None) -> FastAPI:
             job = make_job(req, rid, state.inbox, time.time(), settings)
             fmt = fmt_cls(rid, model, include_usage=job.include_usage)
             fmt.with_logprobs, fmt.with_prompt_logprobs = job.logprobs, job.prompt_logprobs
-            texts = await echo_texts(req, job) if model_cls is CompletionRequest else None
+            fmt.role, fmt.tokens_as_ids = job.role, job.tokens_as_ids
+            texts = await echo_texts(job)
             return await serve(request, state, job, fmt, texts, _usage(state, key), trace)
         except BaseException as e:
             trace.end(getattr(e, "status", 500), getattr(e, "message", type(e).__name__))
@@ -246,14 +251,13 @@ def create_app(settings: Settings, bus: Bus | None = None) -> FastAPI:
         )
         check_model(req.model, state.model_name)
         if is_chat:
+            add_generation_prompt, continue_final = chat_template_flags(req)
             msg = TokenizeRequest(
-                messages=[
-                    ChatMessage("system" if m.role == "developer" else m.role, m.text())
-                    for m in req.messages
-                ],
-                add_generation_prompt=req.add_generation_prompt is not False,
+                messages=chat_messages(req.messages),
+                add_generation_prompt=add_generation_prompt,
                 add_special_tokens=bool(req.add_special_tokens),
                 return_token_strs=bool(req.return_token_strs),
+                continue_final_message=continue_final,
             )
         else:
             msg = TokenizeRequest(

@@ -14,7 +14,13 @@ from pydantic import BaseModel, ValidationError
 
 from services.gateway.errors import APIError, validation_error
 from services.gateway.guided import structured_output
-from services.gateway.protocol import ChatCompletionRequest, CompletionRequest, SamplingBody
+from services.gateway.protocol import (
+    ChatCompletionRequest,
+    ChatMessageIn,
+    CompletionRequest,
+    SamplingBody,
+    TokenizeChatRequest,
+)
 from shared.config import Settings
 from shared.messages import ChatMessage, GenerateRequest, SamplingParams
 from shared.model_source import DEFAULT_NAME, ModelNotFoundError, gguf_model_name, resolve_model
@@ -107,7 +113,11 @@ class Job:
     include_usage: bool = False
     continuous_usage: bool = False  # vLLM's continuous_usage_stats: usage on every chunk
     logprobs: bool = False  # the client asked for sampled tokens' logprobs
-    echo: bool = False  # completions: prompt text (and, with logprobs, its logprobs) first
+    echo: bool = False  # completions: prompt text (and, with logprobs, its logprobs) first;
+    # chat: the final message's content first (it has the answer's role)
+    role: str = "assistant"  # chat: the answer's role (vLLM: the final message's without
+    # add_generation_prompt)
+    tokens_as_ids: bool = False  # vLLM's return_tokens_as_token_ids
     prompt_logprobs: bool = False  # vLLM's extra: choices carry ``prompt_logprobs``
 
     @property
@@ -228,18 +238,21 @@ def chat_job(
     params = sampling_params(
         req, chat_max_tokens(req), logprobs, req.prompt_logprobs, n, None, settings, names
     )
-    messages = [
-        ChatMessage("system" if m.role == "developer" else m.role, m.text()) for m in req.messages
-    ]
+    add_generation_prompt, continue_final = chat_template_flags(req)
+    messages = chat_messages(req.messages)
+    # vLLM's rule: the answer's role is the assistant's when a generation prompt opens one,
+    # otherwise the final message's (which the answer continues)
+    role = "assistant" if add_generation_prompt else messages[-1].role
     gen = GenerateRequest(
         request_id=request_id,
         reply_to=reply_to,
         params=params,
         messages=messages,
-        add_generation_prompt=req.add_generation_prompt is not False,
+        add_generation_prompt=add_generation_prompt,
         arrival_time=arrival_time,
         priority=req.priority or 0,
         truncate_prompt_tokens=req.truncate_prompt_tokens,
+        continue_final_message=continue_final,
     )
     return Job(
         [gen],
@@ -249,8 +262,30 @@ def chat_job(
         include_usage=req.include_usage(),
         continuous_usage=req.continuous_usage(),
         logprobs=logprobs is not None,
+        echo=bool(req.echo) and messages[-1].role == role,
+        role=role,
         prompt_logprobs=req.prompt_logprobs is not None,
+        tokens_as_ids=bool(req.return_tokens_as_token_ids),
     )
+
+
+def chat_messages(messages: list[ChatMessageIn]) -> list[ChatMessage]:
+    """The conversation as the tokenizer's chat template takes it ("developer" is OpenAI's new
+    name for "system")."""
+    return [ChatMessage("system" if m.role == "developer" else m.role, m.text()) for m in messages]
+
+
+def chat_template_flags(req: ChatCompletionRequest | TokenizeChatRequest) -> tuple[bool, bool]:
+    """``(add_generation_prompt, continue_final_message)``, refusing both at once as vLLM does
+    (a new assistant turn cannot also continue the final message)."""
+    add, cont = req.add_generation_prompt is not False, bool(req.continue_final_message)
+    if add and cont:
+        raise bad(
+            "continue_final_message",
+            "cannot be true together with add_generation_prompt: set add_generation_prompt to "
+            "false to continue the final message",
+        )
+    return add, cont
 
 
 def completion_prompts(req: CompletionRequest) -> list[tuple[str | None, list[int] | None]]:
@@ -334,4 +369,5 @@ def completion_job(
         logprobs=req.logprobs is not None,
         echo=echo,
         prompt_logprobs=req.prompt_logprobs is not None,
+        tokens_as_ids=bool(req.return_tokens_as_token_ids),
     )

@@ -102,11 +102,12 @@ class SamplingBody(_Body):
     structured_outputs: StructuredOutputs | None = None
     allowed_token_ids: list[int] | None = None
     truncate_prompt_tokens: int | None = None  # keep the prompt's last N tokens (-1: max length)
+    # vLLM's: logprobs entries name tokens ``token_id:N`` (the text is unchanged)
+    return_tokens_as_token_ids: bool | None = None
     # vLLM extras kvflow does not implement: refused when set (never silently ignored)
     use_beam_search: bool | None = None
     length_penalty: float | None = None
     bad_words: list[str] | None = None
-    return_tokens_as_token_ids: bool | None = None
 
     def unsupported(self) -> str | None:
         """The first field set that kvflow does not implement, if any."""
@@ -116,8 +117,6 @@ class SamplingBody(_Body):
             return "length_penalty"
         if self.bad_words:
             return "bad_words"
-        if self.return_tokens_as_token_ids:
-            return "return_tokens_as_token_ids"
         return None
 
     def stop_list(self) -> list[str]:
@@ -139,6 +138,10 @@ class ChatCompletionRequest(SamplingBody):
     logprobs: bool | None = False
     top_logprobs: int | None = None
     add_generation_prompt: bool | None = True  # vLLM extra
+    # vLLM extras: leave the final message open and continue it; start the answer with the
+    # final message's content when it has the answer's role
+    continue_final_message: bool | None = False
+    echo: bool | None = False
     # accepted only without tool calls (as vLLM without a tool parser): none are generated
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
@@ -171,6 +174,7 @@ class TokenizeChatRequest(_Body):
     model: str | None = None
     messages: list[ChatMessageIn] = Field(min_length=1)
     add_generation_prompt: bool | None = True
+    continue_final_message: bool | None = False
     add_special_tokens: bool | None = False
     return_token_strs: bool | None = False
 

@@ -75,27 +75,43 @@ def _bytes(s: str) -> list[int]:
     return list(s.encode("utf-8"))
 
 
-def chat_logprobs(lps: list[TokenLogprob] | None) -> dict[str, Any] | None:
+def _shown(text: str, token_id: int, as_ids: bool) -> str:
+    """A token as a logprobs entry names it: its text, or (vLLM's
+    ``return_tokens_as_token_ids``, for tokens that are not valid UTF-8 alone) ``token_id:N``."""
+    return f"token_id:{token_id}" if as_ids else text
+
+
+def _tops(lp: TokenLogprob, as_ids: bool) -> list[tuple[str, float]]:
+    if not as_ids:
+        return lp.top
+    return [(_shown(t, i, True), v) for (t, v), i in zip(lp.top, lp.top_ids, strict=True)]
+
+
+def chat_logprobs(lps: list[TokenLogprob] | None, as_ids: bool = False) -> dict[str, Any] | None:
     """OpenAI chat shape: ``{"content": [{token, logprob, bytes, top_logprobs: [...]}]}``."""
     if lps is None:
         return None
-    return {
-        "content": [
+    content = []
+    for lp in lps:
+        token = _shown(lp.token, lp.token_id, as_ids)
+        content.append(
             {
-                "token": lp.token,
+                "token": token,
                 "logprob": lp.logprob,
-                "bytes": _bytes(lp.token),
-                "top_logprobs": [{"token": t, "logprob": v, "bytes": _bytes(t)} for t, v in lp.top],
+                "bytes": _bytes(token),
+                "top_logprobs": [
+                    {"token": t, "logprob": v, "bytes": _bytes(t)} for t, v in _tops(lp, as_ids)
+                ],
             }
-            for lp in lps
-        ]
-    }
+        )
+    return {"content": content}
 
 
 def completion_logprobs(
     lps: list[TokenLogprob] | None,
     offset: int = 0,
     prompt: list[PromptTokenLogprob] | None = None,
+    as_ids: bool = False,
 ) -> dict[str, Any] | None:
     """OpenAI completions shape: parallel lists of tokens, their logprobs, the top alternatives
     as {token: logprob} (with the chosen token, so up to logprobs + 1 entries), and each token's
@@ -107,20 +123,22 @@ def completion_logprobs(
     token_lps: list[float | None] = []
     tops: list[dict[str, float] | None] = []
     for i, p in enumerate(prompt or []):
-        tokens.append(p.token)
+        token = _shown(p.token, p.token_id, as_ids)
+        tokens.append(token)
         if i == 0 or p.logprob is None:
             token_lps.append(None)
             tops.append(None)
             continue
         token_lps.append(p.logprob)
-        top = {text: v for _, text, v in p.top}
-        top.setdefault(p.token, p.logprob)
+        top = {_shown(text, tid, as_ids): v for tid, text, v in p.top}
+        top.setdefault(token, p.logprob)
         tops.append(top)
     for lp in lps or []:
-        tokens.append(lp.token)
+        token = _shown(lp.token, lp.token_id, as_ids)
+        tokens.append(token)
         token_lps.append(lp.logprob)
-        top = dict(lp.top)
-        top.setdefault(lp.token, lp.logprob)
+        top = dict(_tops(lp, as_ids))
+        top.setdefault(token, lp.logprob)
         tops.append(top)
     offsets = []
     for t in tokens:
@@ -163,6 +181,8 @@ class Format:
     object_full: str = ""
     with_logprobs: bool = True  # False: logprobs were computed only to rank best_of choices
     with_prompt_logprobs: bool = False  # vLLM's prompt_logprobs extra
+    role: str = "assistant"  # chat: the answer's role
+    tokens_as_ids: bool = False  # vLLM's return_tokens_as_token_ids: logprobs name ``token_id:N``
 
     def _chunk(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
         out: dict[str, Any] = {
@@ -234,12 +254,12 @@ class ChatFormat(Format):
         return {
             "index": index,
             "delta": delta,
-            "logprobs": chat_logprobs(lps) if self.with_logprobs else None,
+            "logprobs": chat_logprobs(lps, self.tokens_as_ids) if self.with_logprobs else None,
             "finish_reason": finish_reason,
         }
 
     def opening_chunks(self, index: int = 0) -> list[dict[str, Any]]:
-        return [self._chunk([self._choice({"role": "assistant", "content": ""}, None, index)])]
+        return [self._chunk([self._choice({"role": self.role, "content": ""}, None, index)])]
 
     def text_chunk(
         self,
@@ -250,8 +270,12 @@ class ChatFormat(Format):
         echo: Echo | None = None,
         prompt_lps: list[PromptTokenLogprob] | None = None,
     ) -> list[dict[str, Any]]:
-        """Content, then (as OpenAI) the finish reason in its own chunk with an empty delta."""
+        """Content, then (as OpenAI) the finish reason in its own chunk with an empty delta. A
+        choice's ``echo`` (vLLM's chat echo: the final message's content) comes first, in its
+        own chunk."""
         chunks = []
+        if echo is not None and echo.text:
+            chunks.append(self._chunk([self._choice({"content": echo.text}, None, index)]))
         if text or lps:
             chunks.append(self._chunk([self._choice({"content": text}, None, index, lps)]))
         if finish_reason is not None:
@@ -269,8 +293,10 @@ class ChatFormat(Format):
     def _full_choice(self, out: Outcome, index: int, echo: Echo | None) -> dict[str, Any]:
         return {
             "index": index,
-            "message": {"role": "assistant", "content": out.text},
-            "logprobs": chat_logprobs(out.logprobs or []) if self.with_logprobs else None,
+            "message": {"role": self.role, "content": (echo.text if echo else "") + out.text},
+            "logprobs": chat_logprobs(out.logprobs or [], self.tokens_as_ids)
+            if self.with_logprobs
+            else None,
             "finish_reason": out.finish_reason,
         }
 
@@ -288,7 +314,7 @@ class CompletionFormat(Format):
         if not self.with_logprobs:
             return None
         prompt = echo.logprobs if echo is not None else None
-        out = completion_logprobs(lps, self._offsets.get(index, 0), prompt)
+        out = completion_logprobs(lps, self._offsets.get(index, 0), prompt, self.tokens_as_ids)
         if out is not None:
             self._offsets[index] = self._offsets.get(index, 0) + sum(len(t) for t in out["tokens"])
         return out
@@ -321,7 +347,7 @@ class CompletionFormat(Format):
         choice: dict[str, Any] = {
             "index": index,
             "text": (echo.text if echo is not None else "") + out.text,
-            "logprobs": completion_logprobs(out.logprobs or [], 0, prompt)
+            "logprobs": completion_logprobs(out.logprobs or [], 0, prompt, self.tokens_as_ids)
             if self.with_logprobs
             else None,
             "finish_reason": out.finish_reason,

@@ -29,7 +29,10 @@ def prompt_token_ids(tokenizer: Any, req: GenerateRequest) -> list[int]:
         convo = [{"role": m.role, "content": m.content} for m in req.messages]
         try:
             out = tokenizer.apply_chat_template(
-                convo, add_generation_prompt=req.add_generation_prompt, tokenize=True
+                convo,
+                add_generation_prompt=req.add_generation_prompt,
+                continue_final_message=req.continue_final_message,
+                tokenize=True,
             )
         except Exception as e:  # template errors (e.g. role order) are the client's to fix
             raise PromptError(f"chat template failed: {e}", "messages") from e

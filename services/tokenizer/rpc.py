@@ -18,7 +18,10 @@ def tokenize(tokenizer: Any, req: TokenizeRequest, max_model_len: int) -> Tokeni
         convo = [{"role": m.role, "content": m.content} for m in req.messages]
         try:
             text = tokenizer.apply_chat_template(
-                convo, add_generation_prompt=req.add_generation_prompt, tokenize=False
+                convo,
+                add_generation_prompt=req.add_generation_prompt,
+                continue_final_message=req.continue_final_message,
+                tokenize=False,
             )
         except Exception as e:  # template errors (e.g. role order) are the client's to fix
             raise PromptError(f"chat template failed: {e}", "messages") from e

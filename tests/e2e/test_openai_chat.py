@@ -91,6 +91,41 @@ def test_stream_usage_only_at_the_end_or_on_every_chunk(client) -> None:
     assert not any(c.usage for c in client.chat.completions.create(**kw))
 
 
+def test_continue_final_message_with_echo_streamed_and_not(client, stack) -> None:
+    """vLLM's extras: the template leaves the assistant's draft open, the answer carries it on
+    (greedy: token for token what a completion of the same rendered prompt gives), and echo
+    puts the draft first."""
+    draft = [*ASK, {"role": "assistant", "content": '{"name": "Ann", "age":'}]
+    extra = {"add_generation_prompt": False, "continue_final_message": True, "echo": True}
+    kw = {"model": MODEL, "messages": draft, "max_tokens": 6, "temperature": 0}
+    out = client.chat.completions.create(extra_body=extra, **kw)
+    content = out.choices[0].message.content
+    assert out.choices[0].message.role == "assistant"
+    assert content.startswith(draft[-1]["content"])
+    rendered = httpx.post(
+        f"{stack}/tokenize",
+        json={
+            "model": MODEL,
+            "messages": draft,
+            "add_generation_prompt": False,
+            "continue_final_message": True,
+        },
+        timeout=30,
+    ).json()
+    assert rendered["count"] == out.usage.prompt_tokens
+    plain = client.completions.create(
+        model=MODEL, prompt=rendered["tokens"], max_tokens=6, temperature=0
+    )
+    assert content == draft[-1]["content"] + plain.choices[0].text
+    streamed = list(client.chat.completions.create(stream=True, extra_body=extra, **kw))
+    deltas = [c.choices[0].delta.content for c in streamed if c.choices and c.choices[0].delta]
+    assert deltas[:2] == ["", draft[-1]["content"]]  # the role chunk, then the echo
+    assert "".join(d or "" for d in deltas) == content
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(extra_body={"continue_final_message": True}, **kw)
+    assert e.value.body["param"] == "continue_final_message"
+
+
 def test_chat_logprobs_non_streamed_shape(client) -> None:
     out = client.chat.completions.create(
         model=MODEL, messages=ASK, max_tokens=5, temperature=0, logprobs=True, top_logprobs=3

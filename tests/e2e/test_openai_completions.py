@@ -270,3 +270,27 @@ def test_allowed_token_ids_and_truncate_prompt_tokens(client, stack) -> None:
             model=MODEL, prompt="x", max_tokens=2, extra_body={"allowed_token_ids": [10**8]}
         )
     assert e.value.body["param"] == "allowed_token_ids"
+
+
+def test_return_tokens_as_token_ids_streamed_and_not(client, tokenizer) -> None:
+    """vLLM's extra: logprobs entries name tokens ``token_id:N`` (same ids as the text, greedy),
+    echoed prompt tokens included; the text itself is unchanged."""
+    kw = {"model": MODEL, "prompt": PROMPT, "max_tokens": 5, "temperature": 0, "logprobs": 2}
+    plain = client.completions.create(extra_body={"ignore_eos": True}, **kw).choices[0]
+    extra = {"return_tokens_as_token_ids": True, "ignore_eos": True}
+    by_id = client.completions.create(echo=True, extra_body=extra, **kw).choices[0]
+    assert by_id.text == PROMPT + plain.text
+    tokens = by_id.logprobs.tokens
+    assert all(t.startswith("token_id:") for t in tokens)
+    ids = [int(t.removeprefix("token_id:")) for t in tokens]
+    assert tokenizer.decode(ids) == by_id.text
+    assert [tokenizer.decode([i]) for i in ids[-5:]] == plain.logprobs.tokens
+    assert all(k.startswith("token_id:") for top in by_id.logprobs.top_logprobs[1:] for k in top)
+    streamed = client.completions.create(stream=True, extra_body=extra, **kw)
+    seen = [
+        t
+        for c in streamed
+        if c.choices and c.choices[0].logprobs
+        for t in c.choices[0].logprobs.tokens
+    ]
+    assert seen == tokens[-5:]

@@ -85,7 +85,7 @@ def narrowed(doc: dict[str, Any]) -> dict[str, Any]:
         props.update(ranges)
         refused = ("suffix", "use_beam_search", "length_penalty", "bad_words", "tools")
         unchecked = ("logit_bias", "model", "guided_grammar", "guided_regex")
-        for name in (*refused, "return_tokens_as_token_ids", *unchecked):
+        for name in (*refused, *unchecked):
             props.pop(name, None)
     schemas["CompletionRequest"]["properties"].update(
         {

@@ -79,6 +79,13 @@ def test_greedy_chat_n_seeds_and_logprobs_match_the_http_api(llm, stack) -> None
         model=MODEL, messages=convo, max_tokens=12, temperature=0
     )
     assert chat.outputs[0].text == r.choices[0].message.content
+    draft = [*convo, {"role": "assistant", "content": "My favourite colour is"}]
+    flags = {"add_generation_prompt": False, "continue_final_message": True}
+    cont = llm.chat(draft, SamplingParams(temperature=0, max_tokens=8), use_tqdm=False, **flags)
+    r = openai_client(stack).chat.completions.create(
+        model=MODEL, messages=draft, max_tokens=8, temperature=0, extra_body=flags
+    )
+    assert cont[0].outputs[0].text == r.choices[0].message.content
     seeded = SamplingParams(n=3, temperature=1.0, seed=11, max_tokens=12)
     a = llm.generate(prompt, seeded, use_tqdm=False)[0]
     b = llm.generate(prompt, seeded, use_tqdm=False)[0]

@@ -244,7 +244,6 @@ def test_vllm_extras_mapped_or_refused_by_name() -> None:
         ("use_beam_search", True),
         ("length_penalty", 0.5),
         ("bad_words", ["x"]),
-        ("return_tokens_as_token_ids", True),
     ):
         assert refused(cjob, **{field: value}).param == field
     cjob(use_beam_search=False, length_penalty=1.0, bad_words=[])  # defaults are fine
@@ -254,3 +253,45 @@ def test_vllm_extras_mapped_or_refused_by_name() -> None:
     assert refused(chjob, tools=tools).param == "tool_choice"
     assert refused(chjob, tools=tools, tool_choice="required").param == "tool_choice"
     assert chjob(tools=tools, tool_choice="none").prompts[0].messages
+
+
+def test_chat_echo_and_continue_final_message_follow_vllm() -> None:
+    draft = [*HI, {"role": "assistant", "content": "Hello! I"}]
+    # continuing the final assistant message: the answer is that message, echoed, carried on
+    job = chjob(messages=draft, add_generation_prompt=False, continue_final_message=True, echo=True)
+    gen = job.prompts[0]
+    assert gen.continue_final_message and not gen.add_generation_prompt
+    assert job.echo and job.role == "assistant"
+    fmt = ChatFormat("c", "m", created=1)
+    fmt.role = job.role
+    body = full_response(job, [Outcome(" am fine", "stop", 9, 2)], fmt, ["Hello! I"])
+    assert body["choices"][0]["message"] == {"role": "assistant", "content": "Hello! I am fine"}
+    chunks = fmt.text_chunk(" am", None, 0, None, Echo("Hello! I"))
+    assert [c["choices"][0]["delta"] for c in chunks] == [
+        {"content": "Hello! I"},
+        {"content": " am"},
+    ]
+    # a new assistant turn after a user message: nothing of the user's is echoed
+    assert not chjob(echo=True).echo
+    # without a generation prompt the answer takes the final message's role (vLLM's rule)
+    job = chjob(add_generation_prompt=False, echo=True)
+    assert job.role == "user" and job.echo
+    assert "continue_final_message" in refused(chjob, continue_final_message=True).message
+
+
+def test_return_tokens_as_token_ids_names_tokens_by_id() -> None:
+    assert cjob(return_tokens_as_token_ids=True).tokens_as_ids
+    gen = [TokenLogprob("\ufffd", -0.5, [("\ufffd", -0.5), (" a", -1.0)], 239, [239, 253])]
+    fmt = CompletionFormat("cmpl-1", "m", created=1, tokens_as_ids=True)
+    body = fmt.response([Outcome("x", "length", 1, 1, gen)], 1, [Echo("p", PROMPT)])
+    lps = body["choices"][0]["logprobs"]
+    prompt_ids = [f"token_id:{p.token_id}" for p in PROMPT]
+    assert lps["tokens"] == [*prompt_ids, "token_id:239"]
+    assert lps["top_logprobs"][-1] == {"token_id:239": -0.5, "token_id:253": -1.0}
+    assert lps["text_offset"][-1] == sum(len(t) for t in prompt_ids)
+    chat = ChatFormat("c", "m", created=1, tokens_as_ids=True).response(
+        [Outcome("x", "length", 1, 1, gen)], 1
+    )
+    [entry] = chat["choices"][0]["logprobs"]["content"]
+    assert entry["token"] == "token_id:239" and entry["bytes"] == list(b"token_id:239")
+    assert [t["token"] for t in entry["top_logprobs"]] == ["token_id:239", "token_id:253"]

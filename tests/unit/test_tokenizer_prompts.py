@@ -47,3 +47,13 @@ def test_truncate_keeps_the_last_tokens() -> None:
     assert truncate([1, 2, 3, 4], 2, 100) == [3, 4]
     assert truncate([1, 2, 3], 5, 100) == [1, 2, 3] and truncate([1, 2], None, 100) == [1, 2]
     assert truncate(list(range(10)), -1, 4) == [6, 7, 8, 9]  # -1: the model's length
+
+
+def test_continue_final_message_leaves_the_answer_open(tokenizer) -> None:
+    convo = [ChatMessage("user", "Say hi"), ChatMessage("assistant", "Hello! I")]
+    ids = prompt_token_ids(
+        tokenizer, gen(messages=convo, add_generation_prompt=False, continue_final_message=True)
+    )
+    assert tokenizer.decode(ids).endswith("<|im_start|>assistant\nHello! I")
+    closed = prompt_token_ids(tokenizer, gen(messages=convo, add_generation_prompt=False))
+    assert tokenizer.decode(closed).endswith("<|im_start|>assistant\nHello! I<|im_end|>\n")
