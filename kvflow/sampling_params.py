@@ -42,6 +42,7 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     logit_bias: dict[int, float] | None = None
     allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
     truncate_prompt_tokens: int | None = None
     # structured output, as vLLM's guided decoding: at most one of these
     guided_json: str | dict[str, Any] | None = None
@@ -69,6 +70,7 @@ class SamplingParams:
             stop_token_ids=self.stop_token_ids,
             logit_bias=self.logit_bias,
             allowed_token_ids=self.allowed_token_ids,
+            bad_words=self.bad_words,
             truncate_prompt_tokens=self.truncate_prompt_tokens,
             ignore_eos=self.ignore_eos,
             skip_special_tokens=self.skip_special_tokens,
@@ -125,6 +127,7 @@ class SamplingParams:
             prompt_logprobs=self.prompt_logprobs,
             structured_output=self._structured(),
             allowed_token_ids=list(self.allowed_token_ids) if self.allowed_token_ids else None,
+            bad_words=list(self.bad_words or []),
         )
 
 

@@ -76,6 +76,20 @@ class SamplingParams(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
     prompt_logprobs: int | None = None
     structured_output: StructuredOutput | None = None  # response_format / guided decoding
     allowed_token_ids: list[int] | None = None  # vLLM's: sample only among these
+    # vLLM's bad_words: never generate these words; the tokenizer fills in their token ids
+    # (each word with and without a leading space), which the worker bans as sequences
+    bad_words: list[str] = []
+    bad_words_token_ids: list[list[int]] = []
+
+    def needs_token_history(self) -> bool:
+        """Whether sampling looks at the tokens so far (penalties, bad words): the worker is
+        then given the request's prompt and outputs (``NewRequest.token_history``)."""
+        return bool(
+            self.presence_penalty
+            or self.frequency_penalty
+            or self.repetition_penalty != 1.0
+            or self.bad_words_token_ids
+        )
 
 
 class ChatMessage(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
@@ -146,6 +160,10 @@ class NewRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     # W3C traceparent of the request's scheduler span: the worker's spans for this request
     # (prefill, decode) are its children ("" when the request is not traced)
     traceparent: str = ""
+    # every token known so far (prompt, then outputs) when ``params.needs_token_history()``:
+    # a worker computes only part of them (prefix-cache hits, KV moved in from a prefill
+    # worker or a tier), but penalties and bad words depend on all of them
+    token_history: list[int] = []
 
 
 class ScheduledSeq(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):

@@ -104,6 +104,7 @@ def validate_sampling(
     stop_token_ids: Sequence[int] | None = None,
     logit_bias: Mapping[Any, float] | None = None,
     allowed_token_ids: Sequence[int] | None = None,
+    bad_words: Sequence[str] | None = None,
     truncate_prompt_tokens: int | None = None,
     ignore_eos: bool = False,
     skip_special_tokens: bool = True,
@@ -159,6 +160,11 @@ def validate_sampling(
         _token_ids("allowed_token_ids", allowed_token_ids)
         if not allowed_token_ids:
             raise SamplingParamError("allowed_token_ids", "must not be empty")
+    if bad_words is not None:
+        if isinstance(bad_words, str) or not all(isinstance(w, str) for w in bad_words):
+            raise SamplingParamError("bad_words", "must be a list of strings")
+        if any(not w.strip() for w in bad_words):
+            raise SamplingParamError("bad_words", "must not hold empty words")
     if truncate_prompt_tokens is not None:
         _int("truncate_prompt_tokens", truncate_prompt_tokens, -1, MAX_TOKEN_ID)
         if truncate_prompt_tokens == 0:

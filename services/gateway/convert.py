@@ -157,6 +157,7 @@ def sampling_params(
         "stop_token_ids": req.stop_token_ids,
         "logit_bias": req.logit_bias,
         "allowed_token_ids": req.allowed_token_ids,
+        "bad_words": req.bad_words,
         "truncate_prompt_tokens": req.truncate_prompt_tokens,
         "ignore_eos": bool(req.ignore_eos),
         "skip_special_tokens": req.skip_special_tokens is not False,
@@ -197,6 +198,7 @@ def sampling_params(
         prompt_logprobs=prompt_logprobs,
         structured_output=constraint,
         allowed_token_ids=list(req.allowed_token_ids) if req.allowed_token_ids else None,
+        bad_words=list(req.bad_words or []),
     )
 
 

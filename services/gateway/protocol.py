@@ -104,10 +104,10 @@ class SamplingBody(_Body):
     truncate_prompt_tokens: int | None = None  # keep the prompt's last N tokens (-1: max length)
     # vLLM's: logprobs entries name tokens ``token_id:N`` (the text is unchanged)
     return_tokens_as_token_ids: bool | None = None
+    bad_words: list[str] | None = None  # vLLM's: words never generated
     # vLLM extras kvflow does not implement: refused when set (never silently ignored)
     use_beam_search: bool | None = None
     length_penalty: float | None = None
-    bad_words: list[str] | None = None
 
     def unsupported(self) -> str | None:
         """The first field set that kvflow does not implement, if any."""
@@ -115,8 +115,6 @@ class SamplingBody(_Body):
             return "use_beam_search"
         if self.length_penalty not in (None, 1.0):
             return "length_penalty"
-        if self.bad_words:
-            return "bad_words"
         return None
 
     def stop_list(self) -> list[str]:

@@ -228,6 +228,7 @@ class WorkerScheduler:
                         prompt_len=s.prompt_len,
                         num_output_tokens=s.num_output_tokens,
                         eos_token_ids=s.eos_token_ids,
+                        token_history=list(s.token_ids) if s.params.needs_token_history() else [],
                     )
                 )
         plan = StepPlan(

@@ -90,6 +90,22 @@ def check_logit_bias(params: SamplingParams, vocab_size: int) -> None:
             )
 
 
+def bad_words_token_ids(tokenizer: Any, words: list[str]) -> list[list[int]]:
+    """vLLM's tokenization of ``bad_words``: each word as it would start the text and, when the
+    leading space makes a different first token of the same length, as it would follow a
+    space (so the word is banned at the start and in the middle of the text)."""
+    out: list[list[int]] = []
+    for word in words:
+        bare = tokenizer.encode(word.lstrip(), add_special_tokens=False)
+        if not bare:
+            raise PromptError(f"bad word {word!r} has no tokens", "bad_words")
+        out.append(bare)
+        spaced = tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
+        if spaced[0] != bare[0] and len(spaced) == len(bare):
+            out.append(spaced)
+    return out
+
+
 def truncate(ids: list[int], keep: int | None, max_model_len: int) -> list[int]:
     """vLLM's ``truncate_prompt_tokens``: only the prompt's last ``keep`` tokens (-1: as many
     as the model's length)."""

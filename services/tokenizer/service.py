@@ -15,12 +15,14 @@ import signal
 import time
 from typing import Any
 
+import msgspec
 from nats.aio.msg import Msg
 from opentelemetry.trace import Span, SpanKind, Status, StatusCode
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
 from services.tokenizer.prompts import (
     PromptError,
+    bad_words_token_ids,
     check_length,
     check_logit_bias,
     prompt_token_ids,
@@ -143,6 +145,9 @@ class TokenizerService:
             ids = truncate(ids, msg.truncate_prompt_tokens, self.max_model_len)
             params = check_length(ids, msg.params, self.max_model_len)
             check_logit_bias(params, len(self.tokenizer))
+            if params.bad_words:
+                words = bad_words_token_ids(self.tokenizer, params.bad_words)
+                params = msgspec.structs.replace(params, bad_words_token_ids=words)
             if params.structured_output is not None:
                 await asyncio.to_thread(self.check_structured_output, params.structured_output)
         except PromptError as e:

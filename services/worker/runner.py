@@ -61,8 +61,8 @@ class RequestState:
     stop_token_ids: frozenset[int]
     generator: torch.Generator | None
     penalized: bool
-    # token ids this worker computed at positions < prompt_len / >= prompt_len, kept only for
-    # penalties (prompt tokens served from a prefix cache are not seen here)
+    # the request's prompt and output tokens, kept only when sampling depends on them
+    # (penalties, bad words): NewRequest.token_history, then every token sampled here
     prompt_tokens: list[int] = field(default_factory=list)
     output_tokens: list[int] = field(default_factory=list)
     guide: structured.Guide | None = None  # grammar matcher (structured output)
@@ -306,6 +306,8 @@ class ModelRunner:
             ),
             # sent with the first token already when resumed after a preemption
             prompt_logprobs_k=p.prompt_logprobs if r.num_output_tokens == 0 else None,
+            prompt_tokens=list(r.token_history[: r.prompt_len]),
+            output_tokens=list(r.token_history[r.prompt_len :]),
         )
         if p.structured_output is not None:
             stops = set(eos) | set(p.stop_token_ids)
@@ -358,9 +360,6 @@ class ModelRunner:
             if s.sample:
                 sample_rows.append(len(ids) - 1)
             st = self.requests.get(s.request_id)
-            if st is not None and st.penalized:
-                for p, tok in zip(range(s.start_pos, end), s.token_ids, strict=True):
-                    (st.prompt_tokens if p < st.prompt_len else st.output_tokens).append(tok)
             if st is not None:
                 if st.guide is not None:  # tokens generated before a preemption
                     st.guide.replay(s, st.prompt_len)
@@ -452,6 +451,8 @@ class ModelRunner:
                 sampler.allow_only_tokens(logits, row, st.params.allowed_token_ids)
             if st.penalized:
                 sampler.apply_penalties(logits, row, st.params, st.prompt_tokens, st.output_tokens)
+            if st.params.bad_words_token_ids:
+                sampler.ban_bad_words(logits, row, st.params.bad_words_token_ids, st.output_tokens)
             # under a grammar, the grammar decides where the output may end
             if st.num_output_tokens < st.params.min_tokens and st.guide is None:
                 stops = set(st.stop_token_ids)
@@ -466,6 +467,8 @@ class ModelRunner:
         """Count the new token and say whether the request ends with it."""
         st.num_output_tokens += 1
         n, p = st.num_output_tokens, st.params
+        if p.needs_token_history():
+            st.output_tokens.append(token)
         if st.guide_failed or (st.guide is not None and not st.guide.accept(token)):
             return FinishReason.ERROR
         if st.guide is not None and st.guide.terminated:  # the grammar ended with a stop token
@@ -488,6 +491,7 @@ def needs_host_sampling(states: list[RequestState]) -> bool:
             p.temperature >= sampler._GREEDY_EPS
             or p.logit_bias
             or p.allowed_token_ids
+            or p.bad_words_token_ids
             or st.penalized
             or st.num_output_tokens < p.min_tokens
             or st.guide is not None

@@ -71,6 +71,27 @@ def allow_only_tokens(logits: torch.Tensor, row: int, token_ids: Sequence[int]) 
     logits[row, mask] = float("-inf")
 
 
+def ban_bad_words(
+    logits: torch.Tensor, row: int, words: Sequence[Sequence[int]], output: Sequence[int]
+) -> None:
+    """vLLM's ``bad_words``: forbid each word's last token where the output so far ends with
+    the rest of the word (in place), so no banned token sequence is ever completed."""
+    vocab = logits.shape[-1]
+    banned = [
+        w[-1]
+        for w in words
+        if w
+        and len(w) - 1 <= len(output)
+        and (len(w) == 1 or list(output[len(output) - len(w) + 1 :]) == list(w[:-1]))
+        and 0 <= w[-1] < vocab
+    ]
+    if banned:
+        kept = logits[row, banned].clone()
+        logits[row, banned] = float("-inf")
+        if not torch.isfinite(logits[row]).any():  # nothing left (allowed_token_ids): undo
+            logits[row, banned] = kept
+
+
 def suppress_tokens(logits: torch.Tensor, row: int, token_ids: Sequence[int]) -> None:
     """Forbid ``token_ids`` in ``row`` (in place); used to hold back EOS/stop ids before
     ``min_tokens`` outputs. Never forbids the last tokens a row has left (when

@@ -70,6 +70,27 @@ def test_greedy_output_equals_aggregated(stack, disagg_stack, tokenizer) -> None
     wait_all_blocks_free(disagg_stack)
 
 
+def test_penalties_and_bad_words_see_the_prompt_on_the_decode_worker(stack, disagg_stack) -> None:
+    """The decode worker computes none of the prompt (its K/V comes from the prefill worker),
+    yet repetition_penalty and bad_words depend on every token: same output as aggregated."""
+    body = {
+        "model": MODEL,
+        "prompt": "The old fisherman told the same story every night. The story was about",
+        "max_tokens": 20,
+        "temperature": 0,
+        "repetition_penalty": 1.3,
+        "bad_words": ["fish", "sea"],
+        "ignore_eos": True,
+    }
+
+    def text(base: str) -> str:
+        r = httpx.post(f"{base}/v1/completions", json=body, timeout=120)
+        assert r.status_code == 200, r.text
+        return r.json()["choices"][0]["text"]
+
+    assert text(disagg_stack) == text(stack)
+
+
 def test_shared_prefixes_follow_their_blocks_and_others_spread(disagg_stack, tokenizer) -> None:
     prefix = long_prompt(tokenizer, 320, seed=2)  # 20 full blocks
     complete(disagg_stack, prefix + tokenizer(" Summary:")["input_ids"], 2)

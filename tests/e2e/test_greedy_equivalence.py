@@ -56,3 +56,24 @@ def test_in_a_shared_batch_equals_hf(client, hf_greedy, stack) -> None:
         assert results[p] == hf_greedy[p], p
     stats = wait_all_blocks_free(stack)
     assert stats["num_free_blocks"] == stats["num_total_blocks"]
+
+
+def test_repetition_penalty_equals_hf_also_after_a_prefix_hit(client, hf_model, tokenizer) -> None:
+    """repetition_penalty covers every prompt token, also those this worker did not compute
+    (the second request finds the prompt's full blocks in the prefix cache)."""
+    prompt = (
+        "Once upon a time, in a small village by the sea, there lived an old fisherman who "
+        "told the same story every night to anyone who would listen. The story was"
+    )
+    ids = tokenizer(prompt, return_tensors="pt")["input_ids"]
+    with torch.no_grad():
+        gen = hf_model.generate(
+            ids, max_new_tokens=24, do_sample=False, repetition_penalty=1.3, min_new_tokens=24
+        )
+    want = tokenizer.decode(gen[0, ids.shape[1] :].tolist(), skip_special_tokens=True)
+    kw = {"model": MODEL, "prompt": prompt, "max_tokens": 24, "temperature": 0}
+    kw["extra_body"] = {"repetition_penalty": 1.3, "ignore_eos": True}
+    for _ in range(2):  # cold, then with the prefix cached
+        assert client.completions.create(**kw).choices[0].text == want
+    plain = client.completions.create(**{**kw, "extra_body": {"ignore_eos": True}})
+    assert plain.choices[0].text != want  # the penalty matters for this prompt

@@ -294,3 +294,22 @@ def test_return_tokens_as_token_ids_streamed_and_not(client, tokenizer) -> None:
         for t in c.choices[0].logprobs.tokens
     ]
     assert seen == tokens[-5:]
+
+
+def test_bad_words_are_never_generated(client, tokenizer) -> None:
+    """vLLM's bad_words: the word's tokens (with and without a leading space) never appear as
+    a sequence in the output; greedy output otherwise takes the next best token."""
+    kw = {"model": MODEL, "prompt": PROMPT, "max_tokens": 8, "temperature": 0, "logprobs": 0}
+    extra = {"return_tokens_as_token_ids": True, "ignore_eos": True}
+    plain = client.completions.create(extra_body=extra, **kw).choices[0]
+    assert "Paris" in plain.text  # the word the model wants to say
+    banned = client.completions.create(extra_body={**extra, "bad_words": ["Paris"]}, **kw)
+    out = banned.choices[0]
+    assert "Paris" not in out.text
+    ids = [int(t.removeprefix("token_id:")) for t in out.logprobs.tokens]
+    for word in ("Paris", " Paris"):
+        seq = tokenizer.encode(word, add_special_tokens=False)
+        assert not any(ids[i : i + len(seq)] == seq for i in range(len(ids)))
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(extra_body={"bad_words": [""]}, **kw)
+    assert e.value.body["param"] == "bad_words"

@@ -83,7 +83,7 @@ def narrowed(doc: dict[str, Any]) -> dict[str, Any]:
     for name in ("CompletionRequest", "ChatCompletionRequest"):
         props = schemas[name]["properties"]
         props.update(ranges)
-        refused = ("suffix", "use_beam_search", "length_penalty", "bad_words", "tools")
+        refused = ("suffix", "use_beam_search", "length_penalty", "tools")
         unchecked = ("logit_bias", "model", "guided_grammar", "guided_regex")
         for name in (*refused, *unchecked):
             props.pop(name, None)

@@ -243,10 +243,11 @@ def test_vllm_extras_mapped_or_refused_by_name() -> None:
     for field, value in (
         ("use_beam_search", True),
         ("length_penalty", 0.5),
-        ("bad_words", ["x"]),
     ):
         assert refused(cjob, **{field: value}).param == field
-    cjob(use_beam_search=False, length_penalty=1.0, bad_words=[])  # defaults are fine
+    cjob(use_beam_search=False, length_penalty=1.0)  # defaults are fine
+    assert cjob(bad_words=["Paris", " London"]).prompts[0].params.bad_words == ["Paris", " London"]
+    assert refused(cjob, bad_words=[" "]).param == "bad_words"
     both = refused(cjob, allowed_token_ids=[1], guided_regex="a")
     assert both.param == "allowed_token_ids" and "guided_regex" in both.message
     tools = [{"type": "function", "function": {"name": "f", "parameters": {}}}]

@@ -98,7 +98,8 @@ class Driver:
         greedy = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
         params = params or [greedy] * len(self.tokens)
         new = [
-            NewRequest(r, p, len(t)) for (r, t), p in zip(self.tokens.items(), params, strict=True)
+            NewRequest(r, p, len(t), token_history=list(t) if p.needs_token_history() else [])
+            for (r, t), p in zip(self.tokens.items(), params, strict=True)
         ]
         computed = dict.fromkeys(self.tokens, 0)
         while len(self.done) < len(self.tokens):
@@ -285,3 +286,33 @@ def test_logprobs_are_the_raw_distribution_and_logit_bias_applies(hf_model) -> N
     # nobody asked: no logprobs column at all
     runner = make_runner(hf_model)
     assert _prefill(runner, "c", prompt, SamplingParams(max_tokens=4, temperature=0)).logprobs == []
+
+
+def test_penalties_see_the_whole_prompt_when_a_prefix_was_computed_elsewhere(hf_model) -> None:
+    """A prefix-cache hit (or KV from a prefill worker) means this worker computes only the end
+    of the prompt; repetition_penalty still covers every prompt token (NewRequest's
+    token_history), so greedy output equals HF's generate with the same penalty."""
+    prompt = PROMPTS[3]
+    ref = hf_model.generate(
+        torch.tensor([prompt]),
+        max_new_tokens=6,
+        min_new_tokens=6,
+        do_sample=False,
+        repetition_penalty=1.5,
+        pad_token_id=0,
+    )[0, len(prompt) :].tolist()
+    runner = make_runner(hf_model)
+    tables = list(range(8))
+    first = SamplingParams(max_tokens=1, temperature=0)  # another request fills blocks 0-3
+    runner.execute(
+        StepPlan(0, [ScheduledSeq("a", prompt[:16], 0, tables[:4])], [NewRequest("a", first, 16)])
+    )
+    params = SamplingParams(max_tokens=6, temperature=0, repetition_penalty=1.5, ignore_eos=True)
+    new = [NewRequest("b", params, len(prompt), token_history=list(prompt))]
+    out = runner.execute(StepPlan(1, [ScheduledSeq("b", prompt[16:], 16, tables)], new)).token_ids
+    while len(out) < 6:
+        seq = ScheduledSeq("b", [out[-1]], len(prompt) + len(out) - 1, tables)
+        out += runner.execute(StepPlan(len(out) + 1, [seq])).token_ids
+    assert out == ref
+    plain = Driver(make_runner(hf_model), [prompt]).run(6)["r0"]
+    assert plain != ref  # the penalty changed the output: the comparison above has teeth

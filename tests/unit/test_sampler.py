@@ -120,3 +120,17 @@ def test_allowed_tokens_and_suppression_never_empty_a_row() -> None:
     sampler.suppress_tokens(logits, 0, [4])  # the last token left stays
     assert torch.isfinite(logits[0]).nonzero().flatten().tolist() == [4]
     assert torch.isfinite(logits[1]).all()
+
+
+def test_bad_words_ban_only_the_token_that_would_complete_a_word() -> None:
+    words = [[7], [3, 4], [1, 2, 5]]
+    logits = torch.zeros(3, 10)
+    sampler.ban_bad_words(logits, 0, words, [])  # nothing generated: only one-token words
+    sampler.ban_bad_words(logits, 1, words, [9, 3])  # "3" so far: 4 would finish [3, 4]
+    sampler.ban_bad_words(logits, 2, words, [1, 2])  # "1 2": 5 would finish [1, 2, 5]
+    banned = [(logits[r] == -math.inf).nonzero().flatten().tolist() for r in range(3)]
+    assert banned == [[7], [4, 7], [5, 7]]
+    only = torch.full((1, 10), -math.inf)
+    only[0, 7] = 1.0  # allowed_token_ids left nothing but a bad word: it stays possible
+    sampler.ban_bad_words(only, 0, words, [])
+    assert only[0, 7] == 1.0

@@ -19,6 +19,7 @@ class FakeWorker:
         self.slots: dict[int, int] = {}
         self.params: dict[str, tuple[int, int]] = {}  # rid -> (max_tokens, outputs so far)
         self.computed = 0
+        self.history: dict[str, list[int]] = {}  # rid -> NewRequest.token_history + sampled
 
     def _slot(self, table: list[int], pos: int) -> int:
         return table[pos // self.block_size] * self.block_size + pos % self.block_size
@@ -28,6 +29,10 @@ class FakeWorker:
             self.params.pop(rid, None)
         for nr in plan.new_requests:
             self.params[nr.request_id] = (nr.params.max_tokens, nr.num_output_tokens)
+            if nr.params.needs_token_history():  # as the real worker: all tokens so far
+                self.history[nr.request_id] = list(nr.token_history)
+            else:
+                assert nr.token_history == []  # sent only when sampling needs it
         rids, toks, reasons = [], [], []
         for s in plan.seqs:
             assert s.request_id in self.params, "a sequence must be announced before it runs"
@@ -39,6 +44,9 @@ class FakeWorker:
                 n = s.start_pos + len(s.token_ids)
                 hist = [self.slots[self._slot(s.block_table, p)] for p in range(n)]
                 tok = (sum(t * (p + 1) for p, t in enumerate(hist)) * 31 + n) % 97
+                if s.request_id in self.history:
+                    assert self.history[s.request_id] == hist  # what penalties would see
+                    self.history[s.request_id].append(tok)
                 max_t, n_out = self.params[s.request_id]
                 n_out += 1
                 self.params[s.request_id] = (max_t, n_out)
@@ -106,6 +114,19 @@ def test_preemption_by_recompute_keeps_outputs() -> None:
     assert run_all(core, w) == ref
     assert core.stats().num_preemptions > 0
     assert core.stats().num_free_blocks == 24
+
+
+def test_penalized_requests_carry_every_token_to_the_worker() -> None:
+    """Penalties and bad words look at the whole prompt and every output: NewRequest brings
+    them, also after a prefix hit (the worker computes only the rest) and a preemption."""
+    core, w = make_core(num_blocks=24, block_size=4, max_num_batched_tokens=64)
+    penalized = SamplingParams(max_tokens=12, repetition_penalty=1.2)
+    for rid, p in PROMPTS.items():
+        core.add_request(TokenizedRequest(rid, "inbox", p, penalized))
+    core.add_request(TokenizedRequest("hit", "inbox", PROMPTS["r3"] + [1], penalized))
+    out = run_all(core, w)
+    assert core.stats().num_preemptions > 0 and core.stats().prefix_cache_hits > 0
+    assert all(w.history[rid][len(PROMPTS[rid]) :] == out[rid] for rid in PROMPTS)
 
 
 def test_chunked_prefill_runs_alongside_decodes() -> None:

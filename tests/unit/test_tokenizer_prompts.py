@@ -57,3 +57,15 @@ def test_continue_final_message_leaves_the_answer_open(tokenizer) -> None:
     assert tokenizer.decode(ids).endswith("<|im_start|>assistant\nHello! I")
     closed = prompt_token_ids(tokenizer, gen(messages=convo, add_generation_prompt=False))
     assert tokenizer.decode(closed).endswith("<|im_start|>assistant\nHello! I<|im_end|>\n")
+
+
+def test_bad_words_are_banned_at_the_start_and_after_a_space(tokenizer) -> None:
+    from services.tokenizer.prompts import bad_words_token_ids
+
+    words = bad_words_token_ids(tokenizer, ["Paris", " hello world"])
+    enc = lambda s: tokenizer.encode(s, add_special_tokens=False)  # noqa: E731
+    assert enc("Paris") in words and enc(" Paris") in words
+    assert enc("hello world") in words and enc(" hello world") in words
+    with pytest.raises(PromptError) as e:
+        bad_words_token_ids(tokenizer, [""])
+    assert e.value.param == "bad_words"
