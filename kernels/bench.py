@@ -468,7 +468,7 @@ def main(argv: list[str] | None = None) -> int:
         print(
             "kernels/bench.py needs a CUDA GPU (torch.cuda.is_available() is False). "
             "Without one, check the kernels' correctness with "
-            "`pytest tests/unit/test_kernels_triton.py` (Triton's interpreter on the CPU).",
+            "`pytest tests/kernels` (Triton's interpreter on the CPU).",
             file=sys.stderr,
         )
         return 2

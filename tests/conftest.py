@@ -7,7 +7,7 @@ import os
 
 import torch
 
-# Without a GPU, the Triton kernel tests (tests/unit/test_kernels_triton.py) run in Triton's
+# Without a GPU, the Triton kernel tests (tests/kernels/) run in Triton's
 # interpreter. triton.jit picks interpreted or compiled when it decorates a function, Triton's own
 # standard library included, i.e. when triton is first imported; transformers imports triton, so
 # the switch must be set here, before any test module is imported.
