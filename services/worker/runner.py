@@ -61,8 +61,9 @@ class RequestState:
     stop_token_ids: frozenset[int]
     generator: torch.Generator | None
     penalized: bool
-    # the request's prompt and output tokens, kept only when sampling depends on them
-    # (penalties, bad words): NewRequest.token_history, then every token sampled here
+    keeps_history: bool  # sampling depends on the tokens so far (penalties, bad words)
+    # the request's prompt and output tokens, kept only when ``keeps_history``:
+    # NewRequest.token_history, then every token sampled here
     prompt_tokens: list[int] = field(default_factory=list)
     output_tokens: list[int] = field(default_factory=list)
     guide: structured.Guide | None = None  # grammar matcher (structured output)
@@ -304,6 +305,7 @@ class ModelRunner:
             penalized=bool(
                 p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0
             ),
+            keeps_history=p.needs_token_history(),
             # sent with the first token already when resumed after a preemption
             prompt_logprobs_k=p.prompt_logprobs if r.num_output_tokens == 0 else None,
             prompt_tokens=list(r.token_history[: r.prompt_len]),
@@ -467,7 +469,7 @@ class ModelRunner:
         """Count the new token and say whether the request ends with it."""
         st.num_output_tokens += 1
         n, p = st.num_output_tokens, st.params
-        if p.needs_token_history():
+        if st.keeps_history:
             st.output_tokens.append(token)
         if st.guide_failed or (st.guide is not None and not st.guide.accept(token)):
             return FinishReason.ERROR

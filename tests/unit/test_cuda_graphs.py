@@ -145,7 +145,9 @@ def test_device_dtype_and_backend_choice() -> None:
 def _state(**params) -> RequestState:
     p = SamplingParams(**params)
     penalized = bool(p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0)
-    return RequestState(p, 5, 0, frozenset([1]), frozenset(), None, penalized)
+    return RequestState(
+        p, 5, 0, frozenset([1]), frozenset(), None, penalized, p.needs_token_history()
+    )
 
 
 def test_only_plain_greedy_rows_are_sampled_on_the_device() -> None:
@@ -159,5 +161,6 @@ def test_only_plain_greedy_rows_are_sampled_on_the_device() -> None:
         _state(temperature=0.0, allowed_token_ids=[3, 4]),
         _state(temperature=0.0, presence_penalty=0.5),
         _state(temperature=0.0, min_tokens=2),
+        _state(temperature=0.0, bad_words=["x"], bad_words_token_ids=[[3]]),
     ):
         assert needs_host_sampling([greedy, other])
