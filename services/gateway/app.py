@@ -44,13 +44,21 @@ from services.gateway.protocol import (
     TokenizeCompletionRequest,
 )
 from services.gateway.responses import ChatFormat, CompletionFormat
+from services.gateway.responses_api import (
+    ResponsesFormat,
+    ResponsesRequest,
+    renamed,
+    responses_job,
+)
 from services.gateway.schemas import (
+    RESPONSES_STREAM_NOTE,
     STREAM_NOTE,
     ChatCompletionResponse,
     CompletionResponse,
     DetokenizeResponse,
     HealthResponse,
     ModelList,
+    ResponsesResponse,
     TokenizeResponse,
     VersionResponse,
     error_responses,
@@ -168,6 +176,7 @@ def create_app(settings: Settings, bus: Bus | None = None) -> FastAPI:
             fmt = fmt_cls(rid, model, include_usage=job.include_usage)
             fmt.with_logprobs, fmt.with_prompt_logprobs = job.logprobs, job.prompt_logprobs
             fmt.role, fmt.tokens_as_ids = job.role, job.tokens_as_ids
+            fmt.take_request(req)
             texts = await echo_texts(job)
             return await serve(request, state, job, fmt, texts, _usage(state, key), trace)
         except BaseException as e:
@@ -192,6 +201,22 @@ def create_app(settings: Settings, bus: Bus | None = None) -> FastAPI:
         return await generate(
             request, "/v1/chat/completions", ChatCompletionRequest, "chatcmpl", chat_job, ChatFormat
         )
+
+    @app.post(
+        "/v1/responses",
+        response_model=ResponsesResponse,
+        responses={
+            200: {"content": stream_content, "description": RESPONSES_STREAM_NOTE},
+            **gen_errors,
+        },
+    )
+    async def responses(request: Request) -> Response:
+        try:
+            return await generate(
+                request, "/v1/responses", ResponsesRequest, "resp", responses_job, ResponsesFormat
+            )
+        except APIError as e:  # e.g. a prompt too long, found by the tokenizer
+            raise renamed(e) from None
 
     @app.post(
         "/v1/completions",
@@ -348,6 +373,7 @@ def create_app(settings: Settings, bus: Bus | None = None) -> FastAPI:
         {
             "/v1/chat/completions": [ChatCompletionRequest],
             "/v1/completions": [CompletionRequest],
+            "/v1/responses": [ResponsesRequest],
             "/tokenize": [TokenizeCompletionRequest, TokenizeChatRequest],
             "/detokenize": [DetokenizeRequestBody],
         },

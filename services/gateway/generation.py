@@ -24,7 +24,7 @@ from services.gateway.cancel import SSEResponse, run_or_disconnect
 from services.gateway.convert import Job
 from services.gateway.errors import APIError
 from services.gateway.metrics import GatewayMetrics
-from services.gateway.responses import DONE, Echo, Format, Outcome, outcome_of, sse, usage
+from services.gateway.responses import Echo, Format, Outcome, outcome_of, sse, usage
 from services.gateway.state import GatewayState
 from services.gateway.streams import RequestHandle
 from services.gateway.tracing import RequestTrace
@@ -170,7 +170,7 @@ async def sse_events(
     try:
         for i in range(len(choices.handles)):
             for chunk in fmt.opening_chunks(i):
-                yield sse(chunk)
+                yield fmt.encode(chunk)
         finals: dict[int, Delta] = {}
         started: set[int] = set()
         queue = list(first)
@@ -185,19 +185,20 @@ async def sse_events(
             for chunk in chunks:
                 if job.continuous_usage:
                     chunk["usage"] = usage(*choices.usage_so_far())
-                yield sse(chunk)
+                yield fmt.encode(chunk)
             if delta.finish_reason is not None:
                 finals[i] = delta
         if fmt.include_usage:
             prompt = sum(finals[i].prompt_tokens for i in range(0, len(finals), job.best_of))
             completion = sum(d.completion_tokens for d in finals.values())
-            yield sse(fmt.usage_chunk(prompt, completion))
+            yield fmt.encode(fmt.usage_chunk(prompt, completion))
     except APIError as e:
         log.info("request %s failed mid-stream: %s", choices.request_id, e.message)
         yield sse(e.body())
     finally:
         choices.close()  # aborts what did not finish (also on cancellation)
-    yield DONE
+    if fmt.done:
+        yield fmt.done
 
 
 def fan_out(job: Job) -> list[GenerateRequest]:

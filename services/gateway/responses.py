@@ -183,6 +183,14 @@ class Format:
     with_prompt_logprobs: bool = False  # vLLM's prompt_logprobs extra
     role: str = "assistant"  # chat: the answer's role
     tokens_as_ids: bool = False  # vLLM's return_tokens_as_token_ids: logprobs name ``token_id:N``
+    done: bytes = DONE  # what ends a stream
+
+    def take_request(self, req: Any) -> None:
+        """Keep what the shapes need from the validated request body (none here)."""
+
+    def encode(self, chunk: dict[str, Any]) -> bytes:
+        """One stream event on the wire."""
+        return sse(chunk)
 
     def _chunk(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
         out: dict[str, Any] = {

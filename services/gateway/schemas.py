@@ -144,3 +144,60 @@ STREAM_NOTE = (
 def error_responses(*codes: int) -> dict[int | str, dict[str, Any]]:
     """OpenAPI ``responses`` entries for OpenAI-shaped errors."""
     return {c: {"model": ErrorResponse, "description": "OpenAI error object"} for c in codes}
+
+
+RESPONSES_STREAM_NOTE = (
+    "With `stream: true` the body is `text/event-stream`: typed events (`event: <type>` and "
+    "`data: {event}`) from `response.created` through `response.output_text.delta` to "
+    "`response.completed` (or `response.incomplete`), or an `error` object if the request fails "
+    "after the stream started."
+)
+
+
+class ResponseOutputText(BaseModel):
+    type: Literal["output_text"]
+    text: str
+    annotations: list[Any]
+    logprobs: list[Any]
+
+
+class ResponseOutputMessage(BaseModel):
+    type: Literal["message"]
+    id: str
+    status: Literal["in_progress", "completed", "incomplete"]
+    role: Literal["assistant"]
+    content: list[ResponseOutputText]
+
+
+class ResponseUsage(BaseModel):
+    input_tokens: int
+    output_tokens: int
+    total_tokens: int
+
+
+class ResponsesResponse(BaseModel):
+    """OpenAI's Response object (text output only)."""
+
+    id: str
+    object: Literal["response"]
+    created_at: int
+    status: Literal["completed", "incomplete", "in_progress"]
+    error: Any
+    incomplete_details: dict[str, str] | None
+    instructions: str | None
+    max_output_tokens: int | None
+    model: str
+    output: list[ResponseOutputMessage]
+    parallel_tool_calls: bool
+    previous_response_id: str | None
+    reasoning: Any
+    store: bool
+    temperature: float | None
+    text: dict[str, Any]
+    tool_choice: str | dict[str, Any]
+    tools: list[Any]
+    top_p: float | None
+    truncation: str
+    usage: ResponseUsage | None
+    user: str | None
+    metadata: dict[str, str]

@@ -49,6 +49,9 @@ def capped(doc: dict[str, Any]) -> dict[str, Any]:
             props["max_completion_tokens"] = small
         if "best_of" in props:
             props["best_of"] = {"type": "integer", "minimum": 1, "maximum": 2}
+    responses = schemas["ResponsesRequest"]
+    responses["properties"]["max_output_tokens"] = small
+    responses.setdefault("required", []).append("max_output_tokens")
     return doc
 
 

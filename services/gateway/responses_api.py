@@ -1,0 +1,328 @@
+"""OpenAI's Responses API (POST /v1/responses), text in and text out, as vLLM serves it.
+
+A request becomes a chat request (``instructions`` as the system message, then ``input``) and
+runs through the same job, pipeline and serving loop as /v1/chat/completions; only the shapes
+differ: the answer is one ``message`` output item, and a stream is the typed events
+``response.created`` ... ``response.completed`` (named in each SSE ``event:`` line too). What
+kvflow cannot do here is refused by name: stored responses (``previous_response_id``), tools,
+reasoning, background runs, ``truncation: "auto"``, logprobs."""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from pydantic import ConfigDict, Field
+
+from services.gateway.convert import Job, bad, chat_job, validate_body
+from services.gateway.errors import APIError
+from services.gateway.protocol import ChatCompletionRequest, _Body
+from services.gateway.responses import Echo, Format, Outcome, sse
+from shared.config import Settings
+
+# vLLM's sampling extras a Responses request may carry too (validated as in chat)
+EXTRAS = (
+    "top_k",
+    "min_p",
+    "repetition_penalty",
+    "presence_penalty",
+    "frequency_penalty",
+    "seed",
+    "stop",
+    "stop_token_ids",
+    "ignore_eos",
+    "min_tokens",
+    "skip_special_tokens",
+    "include_stop_str_in_output",
+    "priority",
+    "logit_bias",
+    "allowed_token_ids",
+    "bad_words",
+    "truncate_prompt_tokens",
+)
+# a chat field's name as a Responses client knows it, for error messages
+PARAM_NAMES = {
+    "max_completion_tokens": "max_output_tokens",
+    "messages": "input",
+    "response_format": "text.format",
+}
+
+
+class InputText(_Body):
+    type: Literal["input_text", "output_text", "text"] = "input_text"
+    text: str
+
+
+class InputMessage(_Body):
+    type: Literal["message"] = "message"
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[InputText]
+
+    def text(self) -> str:
+        if isinstance(self.content, str):
+            return self.content
+        return "\n".join(p.text for p in self.content)
+
+
+class TextFormat(_Body):
+    type: Literal["text", "json_object", "json_schema"]
+    name: str | None = None
+    description: str | None = None
+    json_schema: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class TextConfig(_Body):
+    format: TextFormat | None = None
+
+
+class ResponsesRequest(_Body):
+    """POST /v1/responses. vLLM's sampling extras (top_k, min_p, repetition_penalty, seed,
+    stop, ...) are accepted beside these fields."""
+
+    model_config = ConfigDict(extra="allow", populate_by_name=True)
+
+    model: str | None = None
+    input: str | list[InputMessage] = Field(min_length=1)
+    instructions: str | None = None
+    max_output_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    stream: bool | None = False
+    text: TextConfig | None = None
+    user: str | None = None
+    metadata: dict[str, str] | None = None
+    store: bool | None = None  # nothing is stored either way (no previous_response_id)
+    parallel_tool_calls: bool | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None
+    # refused when set: kvflow keeps no responses, runs no tools and no reasoning model
+    previous_response_id: str | None = None
+    reasoning: dict[str, Any] | None = None
+    include: list[str] | None = None
+    background: bool | None = None
+    truncation: Literal["auto", "disabled"] | None = None
+    top_logprobs: int | None = None
+
+
+def _refusal(req: ResponsesRequest) -> APIError | None:
+    if req.previous_response_id:
+        return bad(
+            "previous_response_id",
+            "kvflow does not store responses: send the whole conversation in input",
+        )
+    if req.tools and req.tool_choice != "none":
+        return bad("tools", "tool calls are not supported: send no tools (or tool_choice 'none')")
+    if req.reasoning:
+        return bad("reasoning", "the served model is not a reasoning model")
+    if req.include:
+        return bad("include", "no extra output can be included")
+    if req.background:
+        return bad("background", "background responses are not supported")
+    if req.truncation == "auto":
+        return bad("truncation", "only 'disabled' is supported: shorten the input instead")
+    if req.top_logprobs:
+        return bad("top_logprobs", "logprobs are not supported on /v1/responses")
+    return None
+
+
+def _response_format(fmt: TextFormat | None) -> dict[str, Any] | None:
+    if fmt is None or fmt.type == "text":
+        return None
+    if fmt.type == "json_object":
+        return {"type": "json_object"}
+    spec = {"name": fmt.name, "description": fmt.description, "strict": fmt.strict}
+    return {"type": "json_schema", "json_schema": {**spec, "schema": fmt.json_schema}}
+
+
+def renamed(e: APIError) -> APIError:
+    """``e`` naming the Responses field where a chat field was checked."""
+    new = PARAM_NAMES.get(e.param or "")
+    if new is not None:
+        e.message = new + e.message.removeprefix(e.param or "")
+        e.param = new
+    return e
+
+
+def responses_job(
+    req: ResponsesRequest,
+    request_id: str,
+    reply_to: str,
+    arrival_time: float,
+    settings: Settings | None = None,
+) -> Job:
+    """The chat job this request is: ``instructions`` as the system message, then ``input``."""
+    refusal = _refusal(req)
+    if refusal is not None:
+        raise refusal
+    messages: list[dict[str, str]] = []
+    if req.instructions:
+        messages.append({"role": "system", "content": req.instructions})
+    if isinstance(req.input, str):
+        messages.append({"role": "user", "content": req.input})
+    else:
+        messages += [{"role": m.role, "content": m.text()} for m in req.input]
+    chat: dict[str, Any] = {
+        k: v for k, v in (req.model_extra or {}).items() if k in EXTRAS and v is not None
+    }
+    chat |= {
+        "model": req.model,
+        "messages": messages,
+        "max_completion_tokens": req.max_output_tokens,
+        "temperature": req.temperature,
+        "top_p": req.top_p,
+        "stream": req.stream,
+        "user": req.user,
+        "response_format": _response_format(req.text.format if req.text else None),
+    }
+    try:
+        job = chat_job(
+            validate_body(ChatCompletionRequest, chat), request_id, reply_to, arrival_time, settings
+        )
+    except APIError as e:
+        raise renamed(e) from None
+    job.include_usage = True  # the last event, response.completed, carries the usage
+    return job
+
+
+def _usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {
+        "input_tokens": prompt_tokens,
+        "output_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
+
+
+@dataclass
+class ResponsesFormat(Format):
+    """The Response object and its stream events for a one-output chat job."""
+
+    done: bytes = b""  # a Responses stream ends with response.completed, no [DONE]
+    _req: ResponsesRequest | None = None
+    _text: list[str] = field(default_factory=list)
+    _finish: str | None = None
+    _seq: int = 0
+
+    def take_request(self, req: Any) -> None:
+        self._req = req
+
+    def encode(self, chunk: dict[str, Any]) -> bytes:
+        return f"event: {chunk['type']}\n".encode() + sse(chunk)
+
+    @property
+    def _item_id(self) -> str:
+        return "msg_" + uuid.uuid5(uuid.NAMESPACE_URL, self.request_id).hex
+
+    def _event(self, kind: str, **body: Any) -> dict[str, Any]:
+        self._seq += 1
+        return {"type": kind, "sequence_number": self._seq - 1, **body}
+
+    def _item(self, text: str | None, status: str) -> dict[str, Any]:
+        content = [] if text is None else [self._part(text)]
+        return {
+            "type": "message",
+            "id": self._item_id,
+            "status": status,
+            "role": "assistant",
+            "content": content,
+        }
+
+    @staticmethod
+    def _part(text: str) -> dict[str, Any]:
+        return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+
+    def _response(
+        self, status: str, output: list[dict[str, Any]], usage: dict[str, int] | None
+    ) -> dict[str, Any]:
+        req = self._req
+        incomplete = {"reason": "max_output_tokens"} if status == "incomplete" else None
+        fmt = req.text.format if req is not None and req.text else None
+        return {
+            "id": self.request_id,
+            "object": "response",
+            "created_at": self.created,
+            "status": status,
+            "error": None,
+            "incomplete_details": incomplete,
+            "instructions": req.instructions if req else None,
+            "max_output_tokens": req.max_output_tokens if req else None,
+            "model": self.model,
+            "output": output,
+            "parallel_tool_calls": req.parallel_tool_calls is not False if req else True,
+            "previous_response_id": None,
+            "reasoning": None,
+            "store": False,
+            "temperature": req.temperature if req else None,
+            "text": {"format": fmt.model_dump(by_alias=True) if fmt else {"type": "text"}},
+            "tool_choice": (req.tool_choice if req and req.tool_choice else "auto"),
+            "tools": [],
+            "top_p": req.top_p if req else None,
+            "truncation": "disabled",
+            "usage": usage,
+            "user": req.user if req else None,
+            "metadata": (req.metadata or {}) if req else {},
+        }
+
+    @staticmethod
+    def _status(finish_reason: str | None) -> str:
+        return "incomplete" if finish_reason == "length" else "completed"
+
+    def opening_chunks(self, index: int = 0) -> list[dict[str, Any]]:
+        started = self._response("in_progress", [], None)
+        return [
+            self._event("response.created", response=started),
+            self._event("response.in_progress", response=started),
+            self._event(
+                "response.output_item.added", output_index=0, item=self._item(None, "in_progress")
+            ),
+            self._event(
+                "response.content_part.added",
+                item_id=self._item_id,
+                output_index=0,
+                content_index=0,
+                part=self._part(""),
+            ),
+        ]
+
+    def text_chunk(
+        self,
+        text: str,
+        finish_reason: str | None,
+        index: int = 0,
+        lps: Any = None,
+        echo: Echo | None = None,
+        prompt_lps: Any = None,
+    ) -> list[dict[str, Any]]:
+        where = {"item_id": self._item_id, "output_index": 0, "content_index": 0}
+        events = []
+        if text:
+            self._text.append(text)
+            events.append(
+                self._event("response.output_text.delta", **where, delta=text, logprobs=[])
+            )
+        if finish_reason is not None:
+            self._finish = finish_reason
+            full = "".join(self._text)
+            item = self._item(full, self._status(finish_reason))
+            events += [
+                self._event("response.output_text.done", **where, text=full, logprobs=[]),
+                self._event("response.content_part.done", **where, part=self._part(full)),
+                self._event("response.output_item.done", output_index=0, item=item),
+            ]
+        return events
+
+    def usage_chunk(self, prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
+        status = self._status(self._finish)
+        item = self._item("".join(self._text), status)
+        body = self._response(status, [item], _usage(prompt_tokens, completion_tokens))
+        return self._event(f"response.{status}", response=body)
+
+    def response(
+        self, outs: list[Outcome], prompt_tokens: int, echoes: list[Echo | None] | None = None
+    ) -> dict[str, Any]:
+        [out] = outs
+        status = self._status(out.finish_reason)
+        return self._response(
+            status, [self._item(out.text, status)], _usage(prompt_tokens, out.completion_tokens)
+        )
