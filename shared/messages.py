@@ -81,15 +81,16 @@ class SamplingParams(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
     bad_words: list[str] = []
     bad_words_token_ids: list[list[int]] = []
 
+    def has_penalties(self) -> bool:
+        """Whether a presence, frequency or repetition penalty applies."""
+        return bool(
+            self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
+        )
+
     def needs_token_history(self) -> bool:
         """Whether sampling looks at the tokens so far (penalties, bad words): the worker is
         then given the request's prompt and outputs (``NewRequest.token_history``)."""
-        return bool(
-            self.presence_penalty
-            or self.frequency_penalty
-            or self.repetition_penalty != 1.0
-            or self.bad_words_token_ids
-        )
+        return self.has_penalties() or bool(self.bad_words_token_ids)
 
 
 class ChatMessage(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):

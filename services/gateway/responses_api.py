@@ -236,8 +236,9 @@ class ResponsesFormat(Format):
         self, status: str, output: list[dict[str, Any]], usage: dict[str, int] | None
     ) -> dict[str, Any]:
         req = self._req
+        assert req is not None, "take_request() first"
         incomplete = {"reason": "max_output_tokens"} if status == "incomplete" else None
-        fmt = req.text.format if req is not None and req.text else None
+        fmt = req.text.format if req.text else None
         return {
             "id": self.request_id,
             "object": "response",
@@ -245,23 +246,23 @@ class ResponsesFormat(Format):
             "status": status,
             "error": None,
             "incomplete_details": incomplete,
-            "instructions": req.instructions if req else None,
-            "max_output_tokens": req.max_output_tokens if req else None,
+            "instructions": req.instructions,
+            "max_output_tokens": req.max_output_tokens,
             "model": self.model,
             "output": output,
-            "parallel_tool_calls": req.parallel_tool_calls is not False if req else True,
+            "parallel_tool_calls": req.parallel_tool_calls is not False,
             "previous_response_id": None,
             "reasoning": None,
             "store": False,
-            "temperature": req.temperature if req else None,
+            "temperature": req.temperature,
             "text": {"format": fmt.model_dump(by_alias=True) if fmt else {"type": "text"}},
-            "tool_choice": (req.tool_choice if req and req.tool_choice else "auto"),
+            "tool_choice": req.tool_choice or "auto",
             "tools": [],
-            "top_p": req.top_p if req else None,
+            "top_p": req.top_p,
             "truncation": "disabled",
             "usage": usage,
-            "user": req.user if req else None,
-            "metadata": (req.metadata or {}) if req else {},
+            "user": req.user,
+            "metadata": req.metadata or {},
         }
 
     @staticmethod

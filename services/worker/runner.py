@@ -302,9 +302,7 @@ class ModelRunner:
             eos_token_ids=frozenset(eos),
             stop_token_ids=frozenset(p.stop_token_ids),
             generator=gen,
-            penalized=bool(
-                p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0
-            ),
+            penalized=p.has_penalties(),
             keeps_history=p.needs_token_history(),
             # sent with the first token already when resumed after a preemption
             prompt_logprobs_k=p.prompt_logprobs if r.num_output_tokens == 0 else None,

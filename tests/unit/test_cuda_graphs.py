@@ -144,9 +144,8 @@ def test_device_dtype_and_backend_choice() -> None:
 
 def _state(**params) -> RequestState:
     p = SamplingParams(**params)
-    penalized = bool(p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0)
     return RequestState(
-        p, 5, 0, frozenset([1]), frozenset(), None, penalized, p.needs_token_history()
+        p, 5, 0, frozenset([1]), frozenset(), None, p.has_penalties(), p.needs_token_history()
     )
 
 
