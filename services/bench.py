@@ -135,7 +135,19 @@ def print_table(results: list[RunSummary]) -> None:
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("bench", help="kvflow against Hugging Face generate on the same requests")
+    p = sub.add_parser(
+        "bench",
+        help="kvflow against Hugging Face generate on the same requests; "
+        "`kvflow bench pipeline`: the pipeline's own cost with a simulated worker",
+    )
+    p.add_argument(
+        "what",
+        nargs="?",
+        choices=["compare", "pipeline"],
+        default="compare",
+        help="compare (default): kvflow vs Hugging Face; pipeline: the stack with a simulated "
+        "worker at several concurrencies, with CPU per token of each service",
+    )
     p.add_argument("--url", default=None, help="a running kvflow (default: start one)")
     p.add_argument("--model", default="", help="model path (default: SmolLM2 from the wheel)")
     p.add_argument("--systems", default="kvflow,hf-serve,hf-static-8,hf-static-32,hf-sequential")
@@ -149,9 +161,17 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--quick", action="store_true", help="a tiny workload, for a smoke test")
     p.add_argument("--out", default="bench-results")
     p.add_argument("--serve-args", default="", help="extra flags for the kvflow serve it starts")
+    from services.bench_pipeline import add_arguments
+
+    pipeline = p.add_argument_group("pipeline")
+    add_arguments(pipeline)
 
 
 def main(args: argparse.Namespace) -> int:
+    if args.what == "pipeline":
+        from services import bench_pipeline
+
+        return bench_pipeline.main(args)
     src = resolve_model(args.model)
     tok = load_tokenizer(src)
     span = lambda s: tuple(int(x) for x in s.split(":"))  # noqa: E731

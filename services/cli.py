@@ -4,11 +4,11 @@ service against given NATS/Redis URLs, as compose and Kubernetes run it)."""
 from __future__ import annotations
 
 import argparse
-import asyncio
 import importlib
 import os
 import sys
 
+from shared import event_loop
 from shared.config import Settings
 from shared.logs import setup_logging
 from shared.telemetry import setup_tracing
@@ -27,7 +27,7 @@ def _run_service(name: str, settings: Settings) -> None:
         return
     module = importlib.import_module(f"services.{name}.service")
     try:
-        asyncio.run(module.run(settings))
+        event_loop.run(module.run(settings))
     except KeyboardInterrupt:
         pass
 

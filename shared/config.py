@@ -80,6 +80,23 @@ class Settings:
         metadata={"help": "on CUDA, run decode steps eagerly instead of as CUDA graphs"},
     )
     threads: int = field(default=0, metadata={"help": "torch threads in the worker (0: all cores)"})
+    worker_backend: str = field(
+        default="model",
+        metadata={
+            "help": "model: run the model | sim: a simulated worker (no weights: a step-time "
+            "model and deterministic tokens; for pipeline benchmarks and scale tests)"
+        },
+    )
+    sim_step_ms: float = field(
+        default=0.0, metadata={"help": "sim backend: model time of every step, in ms"}
+    )
+    sim_cost_model: str = field(
+        default="",
+        metadata={
+            "help": "sim backend: step time from a cost model instead (a JSON file of "
+            "StepCostModel's coefficients, or 'cpu' for SmolLM2 on a 2-core CPU)"
+        },
+    )
     worker_timeout: float = field(
         default=3.0, metadata={"help": "seconds without a heartbeat before a worker is given up"}
     )

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections import deque
 from typing import Any
 
 from shared.messages import Accepted, Delta, DeltaBatch, Message, RequestError
@@ -20,18 +21,82 @@ log = logging.getLogger("kvflow.streams")
 Item = Delta | RequestError
 
 
+def merge_delta(into: Delta, later: Delta) -> None:
+    """Fold ``later`` (the next delta of the same request) into ``into``, in place."""
+    into.text += later.text
+    into.num_new_tokens += later.num_new_tokens
+    into.finish_reason = later.finish_reason
+    into.prompt_tokens = max(into.prompt_tokens, later.prompt_tokens)
+    into.completion_tokens = max(into.completion_tokens, later.completion_tokens)
+    if later.logprobs:
+        into.logprobs = [*into.logprobs, *later.logprobs]
+    if later.prompt_logprobs and not into.prompt_logprobs:
+        into.prompt_logprobs = later.prompt_logprobs
+    if later.token_ids:
+        into.token_ids = [*into.token_ids, *later.token_ids]
+
+
+class DeltaQueue:
+    """What the pipeline sent back for one request, until its reader takes it. Deltas that
+    arrive while an earlier one still waits are merged into it (as vLLM's
+    RequestOutputCollector does): a reader that falls behind catches up with one read (one SSE
+    event) instead of one per token, and never reads more items than it can keep up with.
+    Errors are never merged."""
+
+    __slots__ = ("_items", "_waiter")
+
+    def __init__(self) -> None:
+        self._items: deque[Item] = deque()
+        self._waiter: asyncio.Future[None] | None = None
+
+    def put_nowait(self, item: Item) -> None:
+        items = self._items
+        if (
+            items
+            and isinstance(item, Delta)
+            and isinstance(items[-1], Delta)
+            and items[-1].finish_reason is None
+        ):
+            merge_delta(items[-1], item)
+        else:
+            items.append(item)
+        w = self._waiter
+        if w is not None and not w.done():
+            w.set_result(None)
+
+    def empty(self) -> bool:
+        return not self._items
+
+    def qsize(self) -> int:
+        return len(self._items)
+
+    def get_nowait(self) -> Item:
+        if not self._items:
+            raise asyncio.QueueEmpty
+        return self._items.popleft()
+
+    async def get(self) -> Item:
+        while not self._items:
+            self._waiter = asyncio.get_running_loop().create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
+        return self._items.popleft()
+
+
 class RequestStreams:
     """request id -> queue of what the pipeline sent back for it."""
 
     def __init__(self) -> None:
-        self._queues: dict[str, asyncio.Queue[Item]] = {}
+        self._queues: dict[str, DeltaQueue] = {}
         self._accepted: dict[str, asyncio.Event] = {}  # set by Accepted, or any reply at all
         self._tokens: dict[str, int] = {}  # completion tokens delivered so far
         self.duplicate_deltas = 0  # deltas dropped as repeats (two detokenizers had a request)
         self.unknown_deltas = 0  # deltas for requests no longer here (finished or aborted)
 
-    def open(self, request_id: str) -> asyncio.Queue[Item]:
-        q: asyncio.Queue[Item] = asyncio.Queue()
+    def open(self, request_id: str) -> DeltaQueue:
+        q = DeltaQueue()
         self._queues[request_id] = q
         self._accepted[request_id] = asyncio.Event()
         return q

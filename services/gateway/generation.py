@@ -72,13 +72,11 @@ class Choices:
 
     async def next(self) -> tuple[int, Delta]:
         """The next delta of any unfinished sequence."""
-        for i, h in enumerate(self.handles):
-            if i not in self._pending and not h.finished:
-                self._pending[i] = asyncio.ensure_future(h.next())
-        done, _ = await asyncio.wait(self._pending.values(), return_when=asyncio.FIRST_COMPLETED)
-        i = min(i for i, t in self._pending.items() if t in done)
         try:
-            delta = self._pending.pop(i).result()
+            if len(self.handles) == 1:  # the common case: no task per delta
+                i, delta = 0, await self.handles[0].next()
+            else:
+                i, delta = await self._next_of_many()
         except APIError as e:
             self.status, self.error = e.status, e.message
             raise
@@ -98,6 +96,14 @@ class Choices:
             self.status, self.error = e.status, e.message
             raise
         return i, delta
+
+    async def _next_of_many(self) -> tuple[int, Delta]:
+        for i, h in enumerate(self.handles):
+            if i not in self._pending and not h.finished:
+                self._pending[i] = asyncio.ensure_future(h.next())
+        done, _ = await asyncio.wait(self._pending.values(), return_when=asyncio.FIRST_COMPLETED)
+        i = min(i for i, t in self._pending.items() if t in done)
+        return i, self._pending.pop(i).result()
 
     async def first_of_each(self) -> list[tuple[int, Delta]]:
         """Deltas in arrival order until every sequence has sent one."""

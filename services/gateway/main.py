@@ -4,7 +4,6 @@ what ``kvflow run gateway`` calls; ``python -m services.gateway.main --port 8000
 from __future__ import annotations
 
 import argparse
-import asyncio
 import signal
 import sys
 import threading
@@ -13,6 +12,7 @@ from types import FrameType
 import uvicorn
 
 from services.gateway.app import create_app
+from shared import event_loop
 from shared.config import Settings
 from shared.logs import setup_logging
 from shared.telemetry import setup_tracing
@@ -49,7 +49,7 @@ def main(settings: Settings | None = None) -> None:
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, _exit_cleanly)
     try:
-        asyncio.run(run(settings))
+        event_loop.run(run(settings))
     except KeyboardInterrupt:  # uvicorn re-raises the captured signal after a clean shutdown
         pass
 

@@ -113,6 +113,11 @@ class GatewayMetrics:
             "kvflow:gateway_aborts", "Requests aborted by the gateway", m, registry=r
         )
 
+        # the per-delta series, labelled once (labels() takes a lock and a dict lookup)
+        self.ttft_of_model = self.ttft.labels(model_name)
+        self.itl_of_model = self.itl.labels(model_name)
+        self.tpot_of_model = self.tpot.labels(model_name)
+
     def track_open_requests(self, count: Callable[[], int]) -> None:
         """``kvflow:gateway_open_requests`` reads ``count()`` at scrape time."""
         self.registry.register(_OpenRequests(self.model, count))
@@ -136,12 +141,12 @@ class RequestTimer:
 
     def delta(self, num_new_tokens: int) -> None:
         now = time.perf_counter()
-        label = self.m.model
         if self.last is None:
-            self.m.ttft.labels(label).observe(now - self.start)
+            self.m.ttft_of_model.observe(now - self.start)
         elif num_new_tokens:
-            self.m.itl.labels(label).observe(now - self.last)
-            self.m.tpot.labels(label).observe(now - self.last)
+            gap = now - self.last
+            self.m.itl_of_model.observe(gap)
+            self.m.tpot_of_model.observe(gap)
         self.last = now
 
     def finished(self, reason: str | None, prompt_tokens: int, completion_tokens: int) -> None:

@@ -11,7 +11,7 @@ from collections.abc import Callable
 
 from services.gateway.errors import APIError
 from shared.messages import Delta, RequestError
-from shared.request_streams import Item
+from shared.request_streams import DeltaQueue
 
 log = logging.getLogger("kvflow.gateway")
 
@@ -22,7 +22,7 @@ class RequestHandle:
     def __init__(
         self,
         request_id: str,
-        queue: asyncio.Queue[Item],
+        queue: DeltaQueue,
         deadline: float,
         timeout_s: float,
         on_close: Callable[[str, bool], None],
@@ -39,8 +39,11 @@ class RequestHandle:
         """The next delta; a RequestError or the deadline raise APIError (the caller closes the
         handle, which aborts the request)."""
         try:
-            async with asyncio.timeout_at(self.deadline):
-                item = await self.queue.get()
+            if self.queue.empty():
+                async with asyncio.timeout_at(self.deadline):
+                    item = await self.queue.get()
+            else:  # ready: no timer to arm
+                item = self.queue.get_nowait()
         except TimeoutError:
             raise APIError(
                 504, f"request timed out after {self.timeout_s:g} s", "TimeoutError"

@@ -473,12 +473,28 @@ class ModelRunner:
             return FinishReason.ERROR
         if st.guide is not None and st.guide.terminated:  # the grammar ended with a stop token
             return FinishReason.STOP
-        is_stop = token in st.stop_token_ids or (not p.ignore_eos and token in st.eos_token_ids)
-        if is_stop and n >= p.min_tokens:
-            return FinishReason.STOP
-        if n >= p.max_tokens or st.prompt_len + n >= self._max_model_len:
-            return FinishReason.LENGTH
-        return FinishReason.NONE
+        return finish_rule(
+            p, token, n, st.prompt_len, st.stop_token_ids, st.eos_token_ids, self._max_model_len
+        )
+
+
+def finish_rule(
+    p: SamplingParams,
+    token: int,
+    num_output_tokens: int,
+    prompt_len: int,
+    stop_token_ids: frozenset[int],
+    eos_token_ids: frozenset[int],
+    max_model_len: int,
+) -> FinishReason:
+    """Whether a request ends with ``token``, its ``num_output_tokens``-th: a stop token or EOS
+    (once min_tokens are out), max_tokens or the model length."""
+    is_stop = token in stop_token_ids or (not p.ignore_eos and token in eos_token_ids)
+    if is_stop and num_output_tokens >= p.min_tokens:
+        return FinishReason.STOP
+    if num_output_tokens >= p.max_tokens or prompt_len + num_output_tokens >= max_model_len:
+        return FinishReason.LENGTH
+    return FinishReason.NONE
 
 
 def needs_host_sampling(states: list[RequestState]) -> bool:

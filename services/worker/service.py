@@ -24,6 +24,7 @@ from services.worker.kv_blocks import KvBlockIO
 from services.worker.kv_connector import NatsKvConnector
 from services.worker.kv_tiers import HostTier, RedisTier
 from services.worker.runner import ModelRunner
+from services.worker.sim_runner import SimRunner, step_time_fn, vocab_for
 from services.worker.telemetry import WorkerTelemetry
 from shared import subjects
 from shared.bus import Bus
@@ -44,6 +45,7 @@ from shared.messages import (
 log = logging.getLogger("kvflow.worker")
 
 HEARTBEAT_INTERVAL_S = 0.5
+SIM_DEFAULT_BLOCKS = 65536  # the simulated worker's KV blocks without --num-kv-blocks (8 MiB)
 T = TypeVar("T")
 
 
@@ -61,7 +63,7 @@ class WorkerService:
     def __init__(
         self,
         settings: Settings,
-        runner: ModelRunner,
+        runner: ModelRunner | SimRunner,
         model_name: str,
         model_thread: ModelThread | None = None,
     ) -> None:
@@ -295,8 +297,26 @@ async def run(settings: Settings) -> None:
             max_num_seqs=settings.max_num_seqs,
         )
 
+    def load_sim() -> SimRunner:
+        vocab, eos = vocab_for(src)
+        bs = settings.block_size
+        num_blocks = settings.num_kv_blocks or SIM_DEFAULT_BLOCKS
+        return SimRunner(
+            vocab,
+            eos,
+            bs,
+            num_blocks,
+            min(settings.max_model_len, num_blocks * bs),
+            worker_id=settings.worker_id,
+            step_time=step_time_fn(settings.sim_step_ms, settings.sim_cost_model),
+        )
+
+    if settings.worker_backend not in ("model", "sim"):
+        raise SystemExit(
+            f"--worker-backend must be 'model' or 'sim', not {settings.worker_backend!r}"
+        )
     model_thread = ModelThread()
-    runner = await model_thread.run(load)
+    runner = await model_thread.run(load_sim if settings.worker_backend == "sim" else load)
     service = WorkerService(settings, runner, src.name, model_thread)
     await service.start()
     ops.registry.register(service.telemetry.registry)

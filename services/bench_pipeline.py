@@ -1,0 +1,312 @@
+"""``kvflow bench pipeline``: what the pipeline itself costs, with the model taken out.
+
+Starts ``kvflow serve --worker-backend sim`` (the simulated worker: real plans, KV accounting and
+messages, no model; services/worker/sim_runner.py), streams completions through the OpenAI API
+at several concurrencies (random-token prompts, ``ignore_eos``, a fixed number of output tokens,
+as vLLM's ``benchmark_serving.py --dataset-name random`` sends them) and prints, per
+concurrency: output tokens/s, TTFT and TPOT percentiles, and the CPU time each process of the
+stack spent per output token (utime + stime from /proc, so the figure is independent of how the
+2 cores were shared). The client's own CPU is shown too: on a small machine it competes with
+the stack for the same cores.
+
+Run: ``kvflow bench pipeline`` (``--sim-step-ms 5`` for a GPU-like step time); figures are
+recorded in docs/benchmarks.md."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import random
+import resource
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from services.bench_client import percentile
+from shared.infra import free_port, wait_for_http
+
+SERVICES = ("gateway", "tokenizer", "scheduler", "worker", "detokenizer")
+CLK_TCK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+
+
+@dataclass
+class StreamStats:
+    ttft_s: float
+    latency_s: float
+    output_tokens: int
+    itls: list[float] = field(default_factory=list)
+
+    @property
+    def tpot_s(self) -> float:
+        return (self.latency_s - self.ttft_s) / max(1, self.output_tokens - 1)
+
+
+@dataclass
+class PipelineRun:
+    concurrency: int
+    requests: int
+    output_tokens: int
+    duration_s: float
+    output_tokens_per_s: float
+    ttft_p50_ms: float
+    ttft_p99_ms: float
+    tpot_p50_ms: float
+    tpot_p99_ms: float
+    itl_p50_ms: float
+    cpu_us_per_token: dict[str, float]  # process name -> CPU us per output token
+    kvflow_us_per_token: float  # the kvflow services together (not NATS, Redis or the client)
+
+
+def _cpu_seconds(pid: int) -> float:
+    """utime + stime of a process, in seconds (0 if it is gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / CLK_TCK
+
+
+def stack_processes(root: int) -> dict[str, int]:
+    """The processes of a ``kvflow serve`` (its children): name -> pid. Services are named by
+    their ``run SERVICE`` argument (numbered when there are several), NATS and Redis by their
+    binaries."""
+    out: dict[str, int] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            if ppid != root:
+                continue
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                argv = f.read().decode(errors="replace").split("\0")
+        except (OSError, ValueError, IndexError):
+            continue
+        if "run" in argv and argv.index("run") + 1 < len(argv):
+            name = argv[argv.index("run") + 1]
+        elif any("nats-server" in a for a in argv):
+            name = "nats-server"
+        elif any("redis-server" in a for a in argv):
+            name = "redis-server"
+        else:
+            continue
+        key, i = name, 1
+        while key in out:
+            i += 1
+            key = f"{name}-{i}"
+        out[key] = int(entry)
+    return out
+
+
+def random_prompts(num: int, length: int, seed: int, vocab: tuple[int, int]) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(*vocab) for _ in range(length)] for _ in range(num)]
+
+
+async def _stream(session, url: str, model: str, prompt: list[int], max_tokens: int) -> StreamStats:  # noqa: ANN001
+    body = {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    start = time.perf_counter()
+    ttft = None
+    last = start
+    itls: list[float] = []
+    tokens = 0
+    async with session.post(url, json=body) as r:
+        if r.status != 200:
+            raise RuntimeError(f"HTTP {r.status}: {await r.text()}")
+        async for line in r.content:
+            if not line.startswith(b"data: ") or line.startswith(b"data: [DONE]"):
+                continue
+            now = time.perf_counter()
+            chunk = json.loads(line[6:])
+            if chunk.get("usage"):
+                tokens = chunk["usage"]["completion_tokens"]
+            if not chunk.get("choices"):
+                continue
+            if ttft is None:
+                ttft = now - start
+            else:
+                itls.append(now - last)
+            last = now
+    end = time.perf_counter() - start
+    return StreamStats(ttft if ttft is not None else end, end, tokens, itls)
+
+
+async def run_streams(
+    base: str, model: str, prompts: list[list[int]], max_tokens: int, concurrency: int
+) -> tuple[list[StreamStats], float]:
+    """Send every prompt with at most ``concurrency`` in flight; (per-request stats, seconds)."""
+    import aiohttp
+
+    url = f"{base}/v1/completions"
+    sem = asyncio.Semaphore(concurrency)
+    conn = aiohttp.TCPConnector(limit=0)
+    timeout = aiohttp.ClientTimeout(total=3600)
+    async with aiohttp.ClientSession(connector=conn, timeout=timeout) as session:
+        await _stream(session, url, model, prompts[0], 4)  # warm-up
+
+        async def one(p: list[int]) -> StreamStats:
+            async with sem:
+                return await _stream(session, url, model, p, max_tokens)
+
+        t0 = time.perf_counter()
+        stats = await asyncio.gather(*(one(p) for p in prompts))
+        return list(stats), time.perf_counter() - t0
+
+
+def measure(
+    base: str,
+    procs: dict[str, int],
+    model: str,
+    concurrency: int,
+    num_requests: int,
+    prompt_len: int,
+    max_tokens: int,
+    seed: int,
+) -> PipelineRun:
+    prompts = random_prompts(num_requests, prompt_len, seed, (1000, 40000))
+    before = {name: _cpu_seconds(pid) for name, pid in procs.items()}
+    me0 = resource.getrusage(resource.RUSAGE_SELF)
+    stats, dur = asyncio.run(run_streams(base, model, prompts, max_tokens, concurrency))
+    me1 = resource.getrusage(resource.RUSAGE_SELF)
+    after = {name: _cpu_seconds(pid) for name, pid in procs.items()}
+    tokens = sum(s.output_tokens for s in stats)
+    per = {n: (after[n] - before[n]) * 1e6 / max(1, tokens) for n in procs}
+    client = (me1.ru_utime + me1.ru_stime - me0.ru_utime - me0.ru_stime) * 1e6 / max(1, tokens)
+    per["client"] = client
+    kvflow = sum(v for n, v in per.items() if n.split("-")[0] in SERVICES)
+    itls = [x for s in stats for x in s.itls]
+    return PipelineRun(
+        concurrency=concurrency,
+        requests=len(stats),
+        output_tokens=tokens,
+        duration_s=dur,
+        output_tokens_per_s=tokens / dur,
+        ttft_p50_ms=percentile([s.ttft_s for s in stats], 50) * 1e3,
+        ttft_p99_ms=percentile([s.ttft_s for s in stats], 99) * 1e3,
+        tpot_p50_ms=percentile([s.tpot_s for s in stats], 50) * 1e3,
+        tpot_p99_ms=percentile([s.tpot_s for s in stats], 99) * 1e3,
+        itl_p50_ms=percentile(itls, 50) * 1e3,
+        cpu_us_per_token=per,
+        kvflow_us_per_token=kvflow,
+    )
+
+
+def start_stack(serve_args: list[str]) -> tuple[subprocess.Popen, str]:
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "services.cli", "serve", "--port", str(port), *serve_args],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    base = f"http://127.0.0.1:{port}"
+    wait_for_http(f"{base}/health", proc, "kvflow serve")
+    return proc, base
+
+
+def print_runs(title: str, runs: list[PipelineRun]) -> None:
+    print(f"\n{title}")
+    print(
+        f"{'streams':>7} {'tok/s':>9} {'TTFT p50':>9} {'TTFT p99':>9} {'TPOT p50':>9} "
+        f"{'TPOT p99':>9} {'ITL p50':>8} {'kvflow us/tok':>13}"
+    )
+    for r in runs:
+        print(
+            f"{r.concurrency:>7} {r.output_tokens_per_s:>9.0f} {r.ttft_p50_ms:>7.1f}ms "
+            f"{r.ttft_p99_ms:>7.1f}ms {r.tpot_p50_ms:>7.2f}ms {r.tpot_p99_ms:>7.2f}ms "
+            f"{r.itl_p50_ms:>6.2f}ms {r.kvflow_us_per_token:>13.0f}"
+        )
+    names = sorted({n for r in runs for n in r.cpu_us_per_token})
+    print("CPU us per output token, by process:")
+    print(f"{'streams':>7} " + " ".join(f"{n:>12}" for n in names))
+    for r in runs:
+        print(f"{r.concurrency:>7} " + " ".join(f"{r.cpu_us_per_token[n]:>12.0f}" for n in names))
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--concurrency", default="1,32,256", help="streams in flight, comma-separated")
+    p.add_argument(
+        "--sim-step-ms",
+        default="0",
+        help="model time per step of the simulated worker; comma-separated for several stacks",
+    )
+    p.add_argument("--input-len", type=int, default=32, help="prompt tokens (random ids)")
+    p.add_argument("--output-len", type=int, default=256, help="output tokens (EOS ignored)")
+    p.add_argument(
+        "--requests-per-stream",
+        type=float,
+        default=2.0,
+        help="requests sent = concurrency x this (at least 8)",
+    )
+
+
+def main(args: argparse.Namespace) -> int:
+    try:
+        import aiohttp  # noqa: F401
+    except ImportError:
+        print("kvflow bench pipeline needs aiohttp: pip install 'kvflow[bench]'", file=sys.stderr)
+        return 2
+    from shared.model_source import resolve_model
+
+    model = resolve_model(args.model).name
+    levels = [int(c) for c in args.concurrency.split(",") if c.strip()]
+    steps = [float(s) for s in args.sim_step_ms.split(",") if s.strip()]
+    extra = args.serve_args.split()
+    results: dict[str, list[dict]] = {}
+    for step_ms in steps:
+        serve_args = [
+            "--worker-backend",
+            "sim",
+            "--sim-step-ms",
+            str(step_ms),
+            "--max-num-seqs",
+            str(max(levels)),
+            *extra,
+        ]
+        print(f"starting kvflow serve {' '.join(serve_args)} ...", flush=True)
+        proc, base = start_stack(serve_args)
+        runs = []
+        try:
+            procs = stack_processes(proc.pid)
+            for c in levels:
+                n = max(8, round(c * args.requests_per_stream))
+                print(f"  {c} streams: {n} requests x {args.output_len} tokens ...", flush=True)
+                runs.append(
+                    measure(
+                        base,
+                        procs,
+                        model,
+                        c,
+                        n,
+                        args.input_len,
+                        args.output_len,
+                        args.seed,
+                    )
+                )
+        finally:
+            os.killpg(proc.pid, signal.SIGTERM)
+            proc.wait(60)
+        print_runs(f"simulated worker, {step_ms:g} ms per step ({platform.machine()})", runs)
+        results[f"sim_step_ms={step_ms:g}"] = [asdict(r) for r in runs]
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"pipeline-{time.strftime('%Y%m%d-%H%M%S')}.json"
+    path.write_text(json.dumps({"cpus": os.cpu_count(), "results": results}, indent=2))
+    print(f"\nwrote {path}")
+    return 0

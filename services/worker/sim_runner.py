@@ -1,0 +1,289 @@
+"""The simulated worker backend (``--worker-backend sim``): the real worker service, plans, KV
+block accounting, transfers and result messages, with the model replaced by a step-time model
+and deterministic tokens. It needs no weights, so it measures what the pipeline itself costs
+(``kvflow bench pipeline``) and serves scale tests of stacks with many workers (as llm-d's
+inference simulator and Dynamo's mocker engine do).
+
+What it keeps real:
+
+- every plan is checked as the model runner checks it (block tables cover the chunk, block ids
+  exist, sampled requests are known), and the chunk's tokens are written into the paged KV
+  cache at the slots the block table gives: the cache holds token ids (K) and positions (V), one
+  int64 each, so moving blocks between workers (disaggregated decode, the host and Redis tiers)
+  moves real bytes;
+- a sampled token depends on what the cache holds: it is a hash of the two tokens before the
+  position (read back from their KV slots), the position, and, when sampling is random, the
+  seed or the request id. Greedy output is therefore a function of the context, like a real
+  greedy model: the same prompt gives the same text, n > 1 greedy siblings agree, and a KV
+  block that arrives damaged or in the wrong place changes the output;
+- stopping: max_tokens, max_model_len, stop_token_ids, min_tokens (the tokens never include the
+  model's special tokens, so EOS never comes unless a stop id is asked for);
+- logprobs come back in the usual shape, as a point-mass distribution (logprob 0.0).
+
+What it does not do: structured output (no logits to mask: such requests end with an error
+finish), prompt logprobs (none are sent), penalties and bias (nothing to apply them to).
+
+The step takes the host work plus the model's time: ``--sim-step-ms`` (fixed) or the cost model
+``--sim-cost-model`` (shared/step_cost.py, a JSON of its coefficients, or ``cpu`` for the one
+fitted to SmolLM2 on this project's CPU)."""
+
+from __future__ import annotations
+
+import logging
+import time
+import zlib
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from services.worker.runner import finish_rule
+from shared.messages import (
+    FinishReason,
+    NewRequest,
+    SampleLogprobs,
+    SamplingParams,
+    StepPlan,
+    StepResult,
+)
+from shared.step_cost import StepCostModel
+
+log = logging.getLogger("kvflow.worker")
+
+GREEDY_EPS = 1e-5
+
+
+@dataclass
+class SimRequest:
+    params: SamplingParams
+    prompt_len: int
+    num_output_tokens: int
+    eos_token_ids: frozenset[int]
+    stop_token_ids: frozenset[int]
+    salt: int  # 0 for greedy; the seed, or a hash of the request id, when sampling is random
+    logprobs: int | None
+    error: bool  # asks for what the simulator cannot do (structured output)
+
+
+def step_time_fn(step_ms: float, cost_model: str) -> Callable[[StepPlan], float]:
+    """Seconds of model time for a plan: a cost model (a JSON file of StepCostModel's
+    coefficients, or ``cpu`` for its defaults) when given, else ``step_ms`` per step."""
+    if cost_model:
+        model = StepCostModel() if cost_model == "cpu" else StepCostModel.from_json(cost_model)
+        return model.step_time
+    fixed = max(0.0, step_ms) / 1000.0
+    return lambda _plan: fixed
+
+
+class SimRunner:
+    """Runs StepPlans like ModelRunner (same interface for WorkerService) without a model."""
+
+    def __init__(
+        self,
+        vocab_ids: Iterable[int],
+        eos_token_ids: Iterable[int],
+        block_size: int,
+        num_blocks: int,
+        max_model_len: int,
+        worker_id: str = "w0",
+        step_time: Callable[[StepPlan], float] | None = None,
+    ) -> None:
+        """``vocab_ids``: the token ids the simulator may generate (the model's ordinary
+        tokens); ``eos_token_ids``: the model's, for requests that do not give their own."""
+        self.vocab = np.asarray(sorted(set(vocab_ids)), dtype=np.int64)
+        if not len(self.vocab):
+            raise ValueError("the simulator needs at least one token id to generate")
+        self._vocab_list = self.vocab.tolist()
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self._block_size = block_size
+        self._num_blocks = num_blocks
+        self._max_model_len = max_model_len
+        self.worker_id = worker_id
+        self.step_time = step_time or (lambda _plan: 0.0)
+        # one layer, one head of one int64: K holds the token id, V the position
+        k = torch.full((num_blocks, block_size, 1, 1), -1, dtype=torch.int64)
+        v = torch.full((num_blocks, block_size, 1, 1), -1, dtype=torch.int64)
+        self.kv_caches = [(k, v)]
+        self._k = k.numpy().reshape(-1)
+        self._v = v.numpy().reshape(-1)
+        self.requests: dict[str, SimRequest] = {}
+        self.total_computed_tokens = 0
+        log.info(
+            "simulated worker: %d KV blocks x %d tokens, max_model_len %d, %d token ids",
+            num_blocks,
+            block_size,
+            max_model_len,
+            len(self.vocab),
+        )
+
+    @property
+    def num_blocks(self) -> int:
+        return self._num_blocks
+
+    @property
+    def block_size(self) -> int:
+        return self._block_size
+
+    @property
+    def max_model_len(self) -> int:
+        return self._max_model_len
+
+    def reset(self) -> None:
+        self.requests.clear()
+
+    def _add_request(self, r: NewRequest) -> None:
+        p = r.params
+        if p.temperature < GREEDY_EPS:
+            salt = 0
+        elif p.seed is not None:
+            salt = int(p.seed) + 1
+        else:
+            salt = zlib.crc32(r.request_id.encode()) + 1
+        self.requests[r.request_id] = SimRequest(
+            params=p,
+            prompt_len=r.prompt_len,
+            num_output_tokens=r.num_output_tokens,
+            eos_token_ids=frozenset(r.eos_token_ids) or self.eos_token_ids,
+            stop_token_ids=frozenset(p.stop_token_ids),
+            salt=salt,
+            logprobs=p.logprobs,
+            error=p.structured_output is not None,
+        )
+
+    def execute(self, plan: StepPlan) -> StepResult:
+        """Run one step; never raises (errors come back in ``StepResult.error``)."""
+        t0 = time.perf_counter()
+        ids: list[str] = []
+        tokens: list[int] = []
+        reasons: list[int] = []
+        counts: list[int] = []
+        lps: list[SampleLogprobs | None] = []
+        n_tokens = 0
+        err = None
+        try:
+            n_tokens = self._execute(plan, ids, tokens, reasons, counts, lps)
+        except Exception as e:  # noqa: BLE001 - the worker loop must survive a bad step
+            log.exception("step %d failed", plan.step_id)
+            ids, tokens, reasons, counts, lps, n_tokens = [], [], [], [], [], 0
+            err = f"{type(e).__name__}: {e}"
+        model_s = self.step_time(plan) if plan.seqs and err is None else 0.0
+        if model_s > 0:
+            time.sleep(model_s)
+        return StepResult(
+            worker_id=self.worker_id,
+            step_id=plan.step_id,
+            request_ids=ids,
+            token_ids=tokens,
+            finish_reasons=reasons,
+            num_computed_tokens=n_tokens,
+            step_time_s=time.perf_counter() - t0,
+            error=err,
+            logprobs=lps if any(lp is not None for lp in lps) else [],
+            num_output_tokens=counts,
+            epoch=plan.epoch,
+        )
+
+    def _execute(
+        self,
+        plan: StepPlan,
+        ids: list[str],
+        tokens: list[int],
+        reasons: list[int],
+        counts: list[int],
+        lps: list[SampleLogprobs | None],
+    ) -> int:
+        for rid in plan.finished_request_ids:
+            self.requests.pop(rid, None)
+        for r in plan.new_requests:
+            self._add_request(r)
+        bs = self._block_size
+        limit = self._num_blocks
+        write_slots: list[int] = []
+        write_tokens: list[int] = []
+        write_pos: list[int] = []
+        sampled = []
+        for s in plan.seqs:
+            n = len(s.token_ids)
+            if n == 0:
+                raise ValueError(f"{s.request_id}: empty chunk")
+            start = s.start_pos
+            end = start + n
+            table = s.block_table
+            if len(table) * bs < end:
+                raise ValueError(f"{s.request_id}: bad block table for {end} tokens: {table}")
+            if s.sample and s.request_id not in self.requests:
+                raise KeyError(f"{s.request_id}: unknown request (no NewRequest)")
+            if n == 1:
+                b = table[start // bs]
+                if not 0 <= b < limit:
+                    raise ValueError(f"{s.request_id}: block {b} outside [0, {limit})")
+                write_slots.append(b * bs + start % bs)
+            else:
+                used = table[: -(-end // bs)]
+                if min(used) < 0 or max(used) >= limit:
+                    raise ValueError(f"{s.request_id}: bad block table for {end} tokens: {used}")
+                pos = np.arange(start, end)
+                write_slots.extend((np.asarray(used)[pos // bs] * bs + pos % bs).tolist())
+            write_tokens.extend(s.token_ids)
+            write_pos.extend(range(start, end))
+            if s.sample:
+                sampled.append(s)
+        if write_slots:
+            slots = np.asarray(write_slots, dtype=np.int64)
+            self._k[slots] = write_tokens
+            self._v[slots] = write_pos
+        k, vocab, nv = self._k, self._vocab_list, len(self._vocab_list)
+        for s in sampled:
+            st = self.requests[s.request_id]
+            end = s.start_pos + len(s.token_ids)
+            table = s.block_table
+            p1 = end - 1
+            a = int(k[table[p1 // bs] * bs + p1 % bs])
+            b = -1
+            if end >= 2:
+                p2 = end - 2
+                blk = table[p2 // bs]
+                if not 0 <= blk < limit:
+                    raise ValueError(f"{s.request_id}: block {blk} outside [0, {limit})")
+                b = int(k[blk * bs + p2 % bs])
+            tok = vocab[hash((a, b, end, st.salt)) % nv]
+            st.num_output_tokens += 1
+            if st.error:
+                reason = FinishReason.ERROR
+            else:
+                reason = finish_rule(
+                    st.params,
+                    tok,
+                    st.num_output_tokens,
+                    st.prompt_len,
+                    st.stop_token_ids,
+                    st.eos_token_ids,
+                    self._max_model_len,
+                )
+            ids.append(s.request_id)
+            tokens.append(tok)
+            reasons.append(int(reason))
+            counts.append(st.num_output_tokens)
+            if st.logprobs is not None:
+                k_top = min(int(st.logprobs), 1)
+                lps.append(SampleLogprobs(0.0, [tok] * k_top, [0.0] * k_top))
+            else:
+                lps.append(None)
+        self.total_computed_tokens += len(write_tokens)
+        return len(write_tokens)
+
+
+def vocab_for(src) -> tuple[list[int], list[int]]:  # noqa: ANN001 - a ModelSource
+    """(ordinary token ids, EOS ids) of a model, from its tokenizer and config: the simulator
+    generates only tokens that are neither special nor added."""
+    from shared.model_loader import load_config
+    from shared.model_source import load_tokenizer
+
+    cfg = load_config(src)
+    tok = load_tokenizer(src)
+    special = set(tok.all_special_ids) | set(tok.added_tokens_decoder) | set(cfg.eos_token_ids)
+    if cfg.bos_token_id is not None:
+        special.add(cfg.bos_token_id)
+    size = min(cfg.vocab_size, len(tok))
+    return [i for i in range(size) if i not in special], list(cfg.eos_token_ids)
