@@ -30,8 +30,13 @@ log = logging.getLogger("kvflow.kernels")
 
 _SRC = Path(__file__).parent / "csrc" / "paged_attention_cpu.c"
 # -ffast-math lets gcc vectorise the max/sum reductions and expf (glibc's vector math); the
-# arithmetic is still fixed for a given build, so results do not vary from call to call.
-_FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-shared"]
+# arithmetic is still fixed for a given build, so results do not vary from call to call. It is
+# a compile flag only: given at link time, gcc links crtfastmath.o into the library, whose
+# constructor turns on flush-to-zero / denormals-are-zero for the whole process that loads it
+# (every float in a worker, and hypothesis refusing to run in a test process that loaded it).
+_COMPILE_FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-c"]
+_LINK_FLAGS = ["-shared", "-fopenmp"]
+_FLAGS = [*_COMPILE_FLAGS, "|", *_LINK_FLAGS]  # what the cached build's name depends on
 
 
 def _cache_dir() -> Path:
@@ -60,11 +65,16 @@ def build(src: Path = _SRC) -> Path | None:
     out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
         tmp_out = Path(tmp) / out.name
+        obj = Path(tmp) / f"{src.stem}.o"
         proc = subprocess.run(
-            [cc, *_FLAGS, str(src), "-o", str(tmp_out), "-lm"],
-            capture_output=True,
-            text=True,
+            [cc, *_COMPILE_FLAGS, str(src), "-o", str(obj)], capture_output=True, text=True
         )
+        if proc.returncode == 0:
+            proc = subprocess.run(
+                [cc, *_LINK_FLAGS, str(obj), "-o", str(tmp_out), "-lm"],
+                capture_output=True,
+                text=True,
+            )
         if proc.returncode != 0:
             log.warning(
                 "building %s failed (%s): using the slower PyTorch attention\n%s",

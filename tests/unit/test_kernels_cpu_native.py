@@ -20,6 +20,22 @@ def test_the_kernel_builds_and_loads() -> None:
     assert cpu_native.available()
 
 
+def test_loading_the_kernel_leaves_subnormal_floats_alone(tmp_path) -> None:  # noqa: ANN001
+    """-ffast-math at link time would make the library switch flush-to-zero on for the whole
+    process that loads it (gcc's crtfastmath.o): a fresh process checks they survive."""
+    import subprocess
+    import sys
+
+    code = (
+        "import struct; from kernels import cpu_native; assert cpu_native.available(); "
+        "x = struct.unpack('d', struct.pack('Q', 1))[0]; "
+        "print('ok' if x * 1.0 > 0.0 and x + 0.0 > 0.0 else 'flushed')"
+    )
+    env = {**__import__("os").environ, "KVFLOW_CACHE_DIR": str(tmp_path)}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+    assert out.stdout.strip() == "ok", out.stderr[-2000:]
+
+
 @pytest.mark.parametrize("ratio", [1, 3, 8])
 @pytest.mark.parametrize("case", list(CASES))
 def test_matches_dense_attention(case: str, ratio: int) -> None:
