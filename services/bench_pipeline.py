@@ -22,29 +22,21 @@ import platform
 import random
 import resource
 import signal
-import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from services.bench_client import percentile
-from shared.infra import free_port, wait_for_http
+from services.bench import start_stack
+from services.bench_client import RequestStats, percentile
 
 SERVICES = ("gateway", "tokenizer", "scheduler", "worker", "detokenizer")
-CLK_TCK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+CLK_TCK = os.sysconf("SC_CLK_TCK")
 
 
 @dataclass
-class StreamStats:
-    ttft_s: float
-    latency_s: float
-    output_tokens: int
-    itls: list[float] = field(default_factory=list)
-
-    @property
-    def tpot_s(self) -> float:
-        return (self.latency_s - self.ttft_s) / max(1, self.output_tokens - 1)
+class StreamStats(RequestStats):
+    itls: list[float] = field(default_factory=list)  # gaps between a request's events
 
 
 @dataclass
@@ -205,19 +197,6 @@ def measure(
         cpu_us_per_token=per,
         kvflow_us_per_token=kvflow,
     )
-
-
-def start_stack(serve_args: list[str]) -> tuple[subprocess.Popen, str]:
-    port = free_port()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "services.cli", "serve", "--port", str(port), *serve_args],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        start_new_session=True,
-    )
-    base = f"http://127.0.0.1:{port}"
-    wait_for_http(f"{base}/health", proc, "kvflow serve")
-    return proc, base
 
 
 def print_runs(title: str, runs: list[PipelineRun]) -> None:

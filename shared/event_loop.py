@@ -11,14 +11,6 @@ from typing import Any, TypeVar
 T = TypeVar("T")
 
 
-def loop_name() -> str:
-    try:
-        import uvloop  # noqa: F401
-    except ImportError:
-        return "asyncio"
-    return "uvloop"
-
-
 def run(coro: Coroutine[Any, Any, T]) -> T:
     """``asyncio.run(coro)`` on uvloop where available."""
     try:

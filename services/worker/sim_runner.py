@@ -39,6 +39,7 @@ import numpy as np
 import torch
 
 from services.worker.runner import finish_rule
+from services.worker.sampler import _GREEDY_EPS
 from shared.messages import (
     FinishReason,
     NewRequest,
@@ -47,11 +48,10 @@ from shared.messages import (
     StepPlan,
     StepResult,
 )
+from shared.model_source import ModelSource
 from shared.step_cost import StepCostModel
 
 log = logging.getLogger("kvflow.worker")
-
-GREEDY_EPS = 1e-5
 
 
 @dataclass
@@ -62,8 +62,6 @@ class SimRequest:
     eos_token_ids: frozenset[int]
     stop_token_ids: frozenset[int]
     salt: int  # 0 for greedy; the seed, or a hash of the request id, when sampling is random
-    logprobs: int | None
-    error: bool  # asks for what the simulator cannot do (structured output)
 
 
 def step_time_fn(step_ms: float, cost_model: str) -> Callable[[StepPlan], float]:
@@ -91,14 +89,13 @@ class SimRunner:
     ) -> None:
         """``vocab_ids``: the token ids the simulator may generate (the model's ordinary
         tokens); ``eos_token_ids``: the model's, for requests that do not give their own."""
-        self.vocab = np.asarray(sorted(set(vocab_ids)), dtype=np.int64)
-        if not len(self.vocab):
+        self.vocab = sorted(set(vocab_ids))
+        if not self.vocab:
             raise ValueError("the simulator needs at least one token id to generate")
-        self._vocab_list = self.vocab.tolist()
         self.eos_token_ids = frozenset(eos_token_ids)
-        self._block_size = block_size
-        self._num_blocks = num_blocks
-        self._max_model_len = max_model_len
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        self.max_model_len = max_model_len
         self.worker_id = worker_id
         self.step_time = step_time or (lambda _plan: 0.0)
         # one layer, one head of one int64: K holds the token id, V the position
@@ -117,24 +114,12 @@ class SimRunner:
             len(self.vocab),
         )
 
-    @property
-    def num_blocks(self) -> int:
-        return self._num_blocks
-
-    @property
-    def block_size(self) -> int:
-        return self._block_size
-
-    @property
-    def max_model_len(self) -> int:
-        return self._max_model_len
-
     def reset(self) -> None:
         self.requests.clear()
 
     def _add_request(self, r: NewRequest) -> None:
         p = r.params
-        if p.temperature < GREEDY_EPS:
+        if p.temperature < _GREEDY_EPS:
             salt = 0
         elif p.seed is not None:
             salt = int(p.seed) + 1
@@ -147,8 +132,6 @@ class SimRunner:
             eos_token_ids=frozenset(r.eos_token_ids) or self.eos_token_ids,
             stop_token_ids=frozenset(p.stop_token_ids),
             salt=salt,
-            logprobs=p.logprobs,
-            error=p.structured_output is not None,
         )
 
     def execute(self, plan: StepPlan) -> StepResult:
@@ -197,8 +180,8 @@ class SimRunner:
             self.requests.pop(rid, None)
         for r in plan.new_requests:
             self._add_request(r)
-        bs = self._block_size
-        limit = self._num_blocks
+        bs = self.block_size
+        limit = self.num_blocks
         write_slots: list[int] = []
         write_tokens: list[int] = []
         write_pos: list[int] = []
@@ -233,7 +216,7 @@ class SimRunner:
             slots = np.asarray(write_slots, dtype=np.int64)
             self._k[slots] = write_tokens
             self._v[slots] = write_pos
-        k, vocab, nv = self._k, self._vocab_list, len(self._vocab_list)
+        k, vocab, nv = self._k, self.vocab, len(self.vocab)
         for s in sampled:
             st = self.requests[s.request_id]
             end = s.start_pos + len(s.token_ids)
@@ -249,7 +232,7 @@ class SimRunner:
                 b = int(k[blk * bs + p2 % bs])
             tok = vocab[hash((a, b, end, st.salt)) % nv]
             st.num_output_tokens += 1
-            if st.error:
+            if st.params.structured_output is not None:  # no logits to mask
                 reason = FinishReason.ERROR
             else:
                 reason = finish_rule(
@@ -259,14 +242,14 @@ class SimRunner:
                     st.prompt_len,
                     st.stop_token_ids,
                     st.eos_token_ids,
-                    self._max_model_len,
+                    self.max_model_len,
                 )
             ids.append(s.request_id)
             tokens.append(tok)
             reasons.append(int(reason))
             counts.append(st.num_output_tokens)
-            if st.logprobs is not None:
-                k_top = min(int(st.logprobs), 1)
+            if st.params.logprobs is not None:
+                k_top = min(int(st.params.logprobs), 1)
                 lps.append(SampleLogprobs(0.0, [tok] * k_top, [0.0] * k_top))
             else:
                 lps.append(None)
@@ -274,7 +257,7 @@ class SimRunner:
         return len(write_tokens)
 
 
-def vocab_for(src) -> tuple[list[int], list[int]]:  # noqa: ANN001 - a ModelSource
+def vocab_for(src: ModelSource) -> tuple[list[int], list[int]]:
     """(ordinary token ids, EOS ids) of a model, from its tokenizer and config: the simulator
     generates only tokens that are neither special nor added."""
     from shared.model_loader import load_config
