@@ -58,6 +58,9 @@ def build(src: Path = _SRC) -> Path | None:
     if cc is None:
         log.warning("no C compiler found (install gcc): using the slower PyTorch attention")
         return None
+    if not src.is_file():  # an install without the package data
+        log.warning("%s is missing (reinstall kvflow): using the slower PyTorch attention", src)
+        return None
     key = hashlib.sha256(src.read_bytes() + " ".join([cc, *_FLAGS]).encode()).hexdigest()[:16]
     out = _cache_dir() / f"{src.stem}-{key}.so"
     if out.exists():

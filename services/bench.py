@@ -134,12 +134,8 @@ def print_table(results: list[RunSummary]) -> None:
         print(f"\nkvflow / best baseline ({best_hf.name}): {ratio:.2f}x output tokens/s")
 
 
-def add_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser(
-        "bench",
-        help="kvflow against Hugging Face generate on the same requests; "
-        "`kvflow bench pipeline`: the pipeline's own cost with a simulated worker",
-    )
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """``kvflow bench``'s arguments."""
     p.add_argument(
         "what",
         nargs="?",

@@ -22,10 +22,11 @@ import platform
 import random
 import resource
 import signal
-import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+
+import aiohttp
 
 from services.bench import start_stack
 from services.bench_client import RequestStats, percentile
@@ -143,8 +144,6 @@ async def run_streams(
     base: str, model: str, prompts: list[list[int]], max_tokens: int, concurrency: int
 ) -> tuple[list[StreamStats], float]:
     """Send every prompt with at most ``concurrency`` in flight; (per-request stats, seconds)."""
-    import aiohttp
-
     url = f"{base}/v1/completions"
     sem = asyncio.Semaphore(concurrency)
     conn = aiohttp.TCPConnector(limit=0)
@@ -236,11 +235,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    try:
-        import aiohttp  # noqa: F401
-    except ImportError:
-        print("kvflow bench pipeline needs aiohttp: pip install 'kvflow[bench]'", file=sys.stderr)
-        return 2
     from shared.model_source import resolve_model
 
     model = resolve_model(args.model).name

@@ -14,6 +14,21 @@ from shared.logs import setup_logging
 from shared.telemetry import setup_tracing
 
 SERVICES = ("gateway", "tokenizer", "scheduler", "worker", "detokenizer")
+# Commands beside serve/run, each in its own module (add_arguments, main), imported only when it
+# is the command: a service never loads the benchmark clients or the simulator.
+TOOLS = {
+    "bench": (
+        "services.bench",
+        "kvflow against Hugging Face generate on the same requests; "
+        "`kvflow bench pipeline`: the pipeline's own cost with a simulated worker",
+    ),
+    "simulate": (
+        "services.scheduler.simulator",
+        "the real scheduler on a cost model: capacity questions",
+    ),
+    "keys": ("services.keys_cli", "manage API keys kept in Redis (gateway --key-store redis)"),
+    "traces": ("services.trace_sink", "receive OTLP/HTTP traces and print request timelines"),
+}
 
 
 def _run_service(name: str, settings: Settings) -> None:
@@ -32,8 +47,9 @@ def _run_service(name: str, settings: Settings) -> None:
         pass
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """The ``kvflow`` command line (deployment tests parse compose/k8s commands with it)."""
+def build_parser(tool_name: str | None = None) -> argparse.ArgumentParser:
+    """The ``kvflow`` command line (deployment tests parse compose/k8s commands with it), with
+    the arguments of the tool ``tool_name`` (one of TOOLS) when it is the command."""
     parser = argparse.ArgumentParser(prog="kvflow", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -68,34 +84,21 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("service", choices=SERVICES)
     Settings.add_arguments(run)
 
-    from services import bench, keys_cli, trace_sink
-    from services.scheduler import simulator
-
-    bench.add_parser(sub)
-    simulator.add_parser(sub)
-    keys_cli.add_parser(sub)
-    trace_sink.add_parser(sub)
+    for name, (module, text) in TOOLS.items():
+        tool = sub.add_parser(name, help=text, description=text)
+        if name == tool_name:
+            importlib.import_module(module).add_arguments(tool)
+        else:  # listed for --help; its module (and what it imports) loads only when it runs
+            tool.add_argument("tool_args", nargs=argparse.REMAINDER)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    if args.command == "bench":
-        from services import bench
-
-        return bench.main(args)
-    if args.command == "simulate":
-        from services.scheduler import simulator
-
-        return simulator.main(args)
-    if args.command == "keys":
-        from services import keys_cli
-
-        return keys_cli.main(args)
-    if args.command == "traces":
-        from services import trace_sink
-
-        return trace_sink.main(args)
+    argv = sys.argv[1:] if argv is None else argv
+    tool_name = argv[0] if argv and argv[0] in TOOLS else None
+    args = build_parser(tool_name).parse_args(argv)
+    if tool_name is not None:
+        return importlib.import_module(TOOLS[tool_name][0]).main(args)
     settings = Settings.from_args(args)
     if args.command == "run":
         _run_service(args.service, settings)

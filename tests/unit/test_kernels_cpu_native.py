@@ -130,3 +130,10 @@ def test_the_library_is_cached_by_source_hash(tmp_path, monkeypatch) -> None:
     changed.write_text(cpu_native._SRC.read_text() + "\n/* changed */\n")
     other = cpu_native.build(changed)
     assert other is not None and other != first
+
+
+def test_a_missing_source_falls_back_with_a_warning(tmp_path, caplog) -> None:  # noqa: ANN001
+    """An install without the package data must not crash the worker."""
+    with caplog.at_level("WARNING", logger=cpu_native.log.name):
+        assert cpu_native.build(tmp_path / "absent.c") is None
+    assert "absent.c is missing" in caplog.text
