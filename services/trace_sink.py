@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import gzip
 import json
+import signal
 import threading
 import time
 from collections import defaultdict
@@ -207,6 +208,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
+    signal.signal(signal.SIGTERM, signal.default_int_handler)  # `docker stop` ends it as Ctrl-C
     rx = OtlpReceiver(args.host, args.port, args.out).start()
     print(f"kvflow traces: OTLP/HTTP on {rx.endpoint}/v1/traces (Ctrl-C stops)", flush=True)
     printed: set[str] = set()

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import dataclasses
 import logging
 import signal
@@ -90,6 +91,8 @@ class WorkerService:
             else None
         )
         self.draining = False
+        self.last_heard = time.monotonic()  # the last message from a scheduler (or step end)
+        self.stepping = False
         self.epoch = 0  # the newest scheduler term seen in a plan
         self.instance = uuid.uuid4().hex
         self.stopped = asyncio.Event()  # set when released (or the drain timed out)
@@ -111,6 +114,7 @@ class WorkerService:
         )
 
     async def _on_message(self, msg: Message, raw: Msg) -> None:
+        self.last_heard = time.monotonic()
         match msg:
             case StepPlan():
                 self.plans.put_nowait(msg)
@@ -176,6 +180,7 @@ class WorkerService:
                 self.epoch = plan.epoch
             stored: list[tuple[bytes, bytes]] = []
             t0 = self.telemetry.step_started(plan)
+            self.stepping = True
             try:
                 result, stored = await self.model_thread.run(self._step, plan)
             except Exception as e:  # noqa: BLE001 - execute reports its own errors; belt and braces
@@ -183,9 +188,12 @@ class WorkerService:
                 result = StepResult(
                     self.worker_id, plan.step_id, [], [], [], error=str(e), epoch=plan.epoch
                 )
+            finally:
+                self.stepping = False
             result.worker_id = self.worker_id
             result.host_tier_evicted = self.host_tier.take_evicted()
             await self.bus.publish(subjects.RESULTS, result)
+            self.last_heard = time.monotonic()  # a step's time is not the scheduler's silence
             self.telemetry.step_done(plan, result, t0)
             if stored and self.redis_tier is not None:
                 self.bus.spawn(self.redis_tier.store(stored))
@@ -327,17 +335,37 @@ async def run(settings: Settings) -> None:
     await service.bus.close()
 
 
+# A draining worker that hears nothing from any scheduler for this long exits: no scheduler is
+# left to release it (`docker compose stop` stops the schedulers beside it), and a live one
+# answers a drain at once, with a release or with plans for the work still here.
+DRAIN_SILENCE_S = 5.0
+
+
 async def _until_released(service: WorkerService, settings: Settings) -> None:
-    """Run until the scheduler releases a draining worker, or the drain times out."""
+    """Run until the scheduler releases a draining worker, no scheduler is heard from while
+    draining, or the drain times out."""
     while not service.stopped.is_set():
         if service.draining:
-            try:
-                await asyncio.wait_for(service.stopped.wait(), settings.drain_timeout)
-            except TimeoutError:
-                log.warning(
-                    "worker %s: not released within %.0fs of draining; exiting",
-                    service.worker_id,
-                    settings.drain_timeout,
-                )
+            deadline = time.monotonic() + settings.drain_timeout
+            service.last_heard = max(service.last_heard, time.monotonic())
+            while not service.stopped.is_set():
+                now = time.monotonic()
+                idle = service.plans.empty() and not service.stepping
+                if idle and now - service.last_heard > DRAIN_SILENCE_S:
+                    log.info(
+                        "worker %s: no scheduler heard for %.0fs while draining; exiting",
+                        service.worker_id,
+                        now - service.last_heard,
+                    )
+                    return
+                if now > deadline:
+                    log.warning(
+                        "worker %s: not released within %.0fs of draining; exiting",
+                        service.worker_id,
+                        settings.drain_timeout,
+                    )
+                    return
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(service.stopped.wait(), 0.5)
             return
         await asyncio.sleep(0.2)
