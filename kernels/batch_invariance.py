@@ -10,13 +10,25 @@ runs GEMMs of every multiple of ``pad`` up to ``max_rows`` rows, on rows drawn i
 and compares each row with the same row computed in a ``max_rows``-row GEMM. The smallest
 ``pad`` that never differs wins; if none does, fixed 16-row tiles are returned, as before
 calibration existed (and ``invariant`` says whether even those were shown to hold).
+
+``calibrate_cached`` keeps each answer in ``$KVFLOW_CACHE_DIR/gemm-rows`` (default
+``~/.cache/kvflow``), keyed by what decides it: the CPU (model name and flags), torch's version
+and build configuration (its BLAS/oneDNN), the thread count, each weight's shape, dtype and kind
+(dense or packed) and the calibration's own parameters. Weight values are not in the key: the
+BLAS picks its kernels from shapes, layouts and threads, not from values. A restart on the same
+machine then skips the ~15-20 s of calibration.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
+import os
+import platform
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
+from pathlib import Path
 
 import torch
 
@@ -74,3 +86,59 @@ def calibrate(
             FALLBACK_TILE,
         )
     return GemmRows(FALLBACK_TILE, FALLBACK_TILE, fallback)
+
+
+def _cpu_identity() -> str:
+    """The CPU's model name and feature flags (Linux), or what platform knows elsewhere."""
+    try:
+        info = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return f"{platform.machine()} {platform.processor()}"
+    keep = [ln for ln in info.splitlines() if ln.startswith(("model name", "flags", "Features"))]
+    return "\n".join(sorted(set(keep)))
+
+
+def cache_key(weights: Sequence[torch.Tensor | Weight], max_rows: int, seed: int) -> str:
+    """What decides a calibration's answer on this machine (see the module docstring)."""
+    parts = {
+        "cpu": _cpu_identity(),
+        "torch": torch.__version__,
+        "torch_config": torch.__config__.show(),
+        "threads": torch.get_num_threads(),
+        "weights": [
+            [list(w.shape), str(getattr(w, "dtype", "")), type(w).__qualname__] for w in weights
+        ],
+        "max_rows": max_rows,
+        "seed": seed,
+        "pads": [*CANDIDATE_PADS, FALLBACK_TILE],
+    }
+    return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:24]
+
+
+def _cache_dir() -> Path:
+    root = os.environ.get("KVFLOW_CACHE_DIR") or Path.home() / ".cache" / "kvflow"
+    return Path(root) / "gemm-rows"
+
+
+def calibrate_cached(
+    weights: Sequence[torch.Tensor | Weight], max_rows: int = 64, seed: int = 0
+) -> tuple[GemmRows, bool]:
+    """``calibrate``, answered from the cache when this machine already ran the same one;
+    (layout, whether it came from the cache). A cache that cannot be read or written is
+    skipped with a log line, never an error."""
+    path = _cache_dir() / f"{cache_key(weights, max_rows, seed)}.json"
+    try:
+        return GemmRows(**json.loads(path.read_text())), True
+    except FileNotFoundError:
+        pass
+    except (OSError, ValueError, TypeError) as e:
+        log.warning("ignoring the GEMM calibration cache %s: %s", path, e)
+    rows = calibrate(weights, max_rows, seed)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(asdict(rows)))
+        os.replace(tmp, path)  # atomic: workers starting together never read half a file
+    except OSError as e:
+        log.warning("could not write the GEMM calibration cache %s: %s", path, e)
+    return rows, False

@@ -29,3 +29,42 @@ def test_calibrated_layout_is_batch_invariant_on_fresh_rows() -> None:
 def test_max_rows_must_hold_whole_fallback_tiles() -> None:
     with pytest.raises(ValueError):
         calibrate([torch.randn(8, 8)], max_rows=20)
+
+
+def test_the_cache_answers_the_same_calibration_and_only_that_one(tmp_path, monkeypatch) -> None:  # noqa: ANN001
+    from kernels import batch_invariance as bi
+
+    monkeypatch.setenv("KVFLOW_CACHE_DIR", str(tmp_path))
+    weights = [torch.randn(32, 16), torch.randn(16, 48)]
+    rows, cached = bi.calibrate_cached(weights, max_rows=32)
+    assert not cached and rows == calibrate(weights, max_rows=32)
+
+    def no_calibration(*args: object) -> bi.GemmRows:
+        raise AssertionError("calibrated again")
+
+    monkeypatch.setattr(bi, "calibrate", no_calibration)
+    assert bi.calibrate_cached([torch.randn(32, 16), torch.randn(16, 48)], max_rows=32) == (
+        rows,
+        True,
+    )
+    key = bi.cache_key(weights, 32, 0)
+    assert bi.cache_key([torch.randn(32, 16)], 32, 0) != key  # other shapes
+    assert bi.cache_key(weights, 64, 0) != key  # other parameters
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 99)
+    assert bi.cache_key(weights, 32, 0) != key  # other thread count
+
+
+def test_a_damaged_or_unwritable_cache_is_skipped(tmp_path, monkeypatch) -> None:  # noqa: ANN001
+    from kernels import batch_invariance as bi
+
+    monkeypatch.setenv("KVFLOW_CACHE_DIR", str(tmp_path))
+    weights = [torch.randn(16, 16)]
+    path = tmp_path / "gemm-rows" / f"{bi.cache_key(weights, 16, 0)}.json"
+    path.parent.mkdir()
+    path.write_text("{not json")
+    rows, cached = bi.calibrate_cached(weights, max_rows=16)
+    assert not cached and rows.tile == 16
+    assert bi.calibrate_cached(weights, max_rows=16) == (rows, True)  # rewritten
+    monkeypatch.setenv("KVFLOW_CACHE_DIR", str(tmp_path / "file"))
+    (tmp_path / "file").write_text("")  # a file where the folder should be
+    assert bi.calibrate_cached(weights, max_rows=16) == (rows, False)
