@@ -21,6 +21,7 @@ import os
 import shutil
 import subprocess
 import tempfile
+from collections.abc import Sequence
 from functools import cache
 from pathlib import Path
 
@@ -36,7 +37,6 @@ _SRC = Path(__file__).parent / "csrc" / "paged_attention_cpu.c"
 # (every float in a worker, and hypothesis refusing to run in a test process that loaded it).
 _COMPILE_FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-c"]
 _LINK_FLAGS = ["-shared", "-fopenmp"]
-_FLAGS = [*_COMPILE_FLAGS, "|", *_LINK_FLAGS]  # what the cached build's name depends on
 
 
 def _cache_dir() -> Path:
@@ -51,9 +51,9 @@ def _compiler() -> str | None:
     return None
 
 
-def build(src: Path = _SRC) -> Path | None:
-    """Compile ``src`` into a shared library (or reuse the cached one); None without a working
-    compiler, with a warning saying what to install."""
+def build(src: Path = _SRC, compile_flags: Sequence[str] = _COMPILE_FLAGS) -> Path | None:
+    """Compile ``src`` with ``compile_flags`` into a shared library (or reuse the cached one);
+    None without a working compiler, with a warning saying what to install."""
     cc = _compiler()
     if cc is None:
         log.warning("no C compiler found (install gcc): using the slower PyTorch attention")
@@ -61,7 +61,8 @@ def build(src: Path = _SRC) -> Path | None:
     if not src.is_file():  # an install without the package data
         log.warning("%s is missing (reinstall kvflow): using the slower PyTorch attention", src)
         return None
-    key = hashlib.sha256(src.read_bytes() + " ".join([cc, *_FLAGS]).encode()).hexdigest()[:16]
+    flags = [cc, *compile_flags, "|", *_LINK_FLAGS]  # what the cached build's name depends on
+    key = hashlib.sha256(src.read_bytes() + " ".join(flags).encode()).hexdigest()[:16]
     out = _cache_dir() / f"{src.stem}-{key}.so"
     if out.exists():
         return out
@@ -70,7 +71,7 @@ def build(src: Path = _SRC) -> Path | None:
         tmp_out = Path(tmp) / out.name
         obj = Path(tmp) / f"{src.stem}.o"
         proc = subprocess.run(
-            [cc, *_COMPILE_FLAGS, str(src), "-o", str(obj)], capture_output=True, text=True
+            [cc, *compile_flags, str(src), "-o", str(obj)], capture_output=True, text=True
         )
         if proc.returncode == 0:
             proc = subprocess.run(

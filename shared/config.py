@@ -75,6 +75,14 @@ class Settings:
         default="auto",
         metadata={"help": "worker device: auto (cuda when a GPU is visible) | cpu | cuda | cuda:N"},
     )
+    quantization: str = field(
+        default="",
+        metadata={
+            "help": "weights: '' (the checkpoint's, GGUF dequantized to fp32: output equal to "
+            "Hugging Face's) | gguf (a GGUF's Q8_0/Q4_0/Q4_1 tensors kept quantized and read "
+            "in place by CPU kernels: ~5x fewer bytes per decode step)"
+        },
+    )
     enforce_eager: bool = field(
         default=False,
         metadata={"help": "on CUDA, run decode steps eagerly instead of as CUDA graphs"},

@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from kernels.cpu_quant import BLOCK_BYTES, QuantWeight
 from shared.model_source import ModelSource
 
 log = logging.getLogger("kvflow.model")
@@ -177,25 +178,43 @@ def unpermute_rotary(w: torch.Tensor, n_head: int) -> torch.Tensor:
 
 
 def load_weights(
-    src: ModelSource, cfg: ModelConfig, dtype: torch.dtype = torch.float32
-) -> dict[str, torch.Tensor]:
-    """All weights under HF Llama names (``lm_head.weight`` only if untied), as ``dtype``."""
+    src: ModelSource, cfg: ModelConfig, dtype: torch.dtype = torch.float32, quantization: str = ""
+) -> dict[str, torch.Tensor | QuantWeight]:
+    """All weights under HF Llama names, as ``dtype`` (``lm_head.weight`` only if untied, or as
+    the embedding's quantized copy with ``quantization="gguf"``). With ``"gguf"``, a GGUF's
+    Q8_0/Q4_0/Q4_1 linear weights stay in their blocks (``kernels.cpu_quant.QuantWeight``); the
+    embedding is also kept dequantized, for lookups."""
     t0 = time.perf_counter()
     if src.kind == "gguf":
-        weights = _gguf_weights(src.path, cfg, dtype)
+        weights = _gguf_weights(src.path, cfg, dtype, quantized=quantization == "gguf")
     else:
         weights = _hf_weights(src.path, dtype)
         if cfg.tie_word_embeddings:
             weights.pop("lm_head.weight", None)
     expected = 3 + 9 * cfg.num_layers - (1 if cfg.tie_word_embeddings else 0)
+    if cfg.tie_word_embeddings and isinstance(weights.get("lm_head.weight"), QuantWeight):
+        expected += 1
     if len(weights) != expected:
         raise ValueError(f"{src.path}: found {len(weights)} weight tensors, expected {expected}")
-    n = sum(w.numel() for w in weights.values())
-    log.info("model weights ready: %.1fM parameters in %.1fs", n / 1e6, time.perf_counter() - t0)
+    n = sum(
+        w.shape[0] * w.shape[1] if isinstance(w, QuantWeight) else w.numel()
+        for w in weights.values()
+    )
+    quant = [w for w in weights.values() if isinstance(w, QuantWeight)]
+    log.info(
+        "model weights ready: %.1fM parameters in %.1fs%s",
+        n / 1e6,
+        time.perf_counter() - t0,
+        f" ({len(quant)} linear weights kept quantized, {sum(w.nbytes for w in quant) / 2**20:.0f} MiB)"
+        if quant
+        else "",
+    )
     return weights
 
 
-def _gguf_weights(path: Path, cfg: ModelConfig, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+def _gguf_weights(
+    path: Path, cfg: ModelConfig, dtype: torch.dtype, quantized: bool = False
+) -> dict[str, torch.Tensor | QuantWeight]:
     from gguf import GGMLQuantizationType
     from gguf.quants import dequantize
 
@@ -204,22 +223,36 @@ def _gguf_weights(path: Path, cfg: ModelConfig, dtype: torch.dtype) -> dict[str,
     tensors = [t for t in reader.tensors if _hf_name(t.name) is not None]
     kinds = sorted({t.tensor_type.name for t in tensors})
     log.info("dequantizing %d tensors (%s)", len(tensors), ", ".join(kinds))
-    out: dict[str, torch.Tensor] = {}
+    out: dict[str, torch.Tensor | QuantWeight] = {}
     for i, t in enumerate(tensors):
         shape = tuple(int(d) for d in reversed(t.shape))  # GGUF lists dims fastest-first
-        if t.tensor_type in (GGMLQuantizationType.F32, GGMLQuantizationType.F16):
-            arr = np.array(t.data, dtype=np.float32)  # a copy: the file is mapped read-only
+        name = _hf_name(t.name)
+        keep = quantized and int(t.tensor_type) in BLOCK_BYTES and len(shape) == 2
+        if keep and name != "model.embed_tokens.weight":
+            w: torch.Tensor | QuantWeight = QuantWeight.from_gguf(t.data, int(t.tensor_type), shape)
         else:
-            arr = dequantize(t.data, t.tensor_type)
-        w = torch.from_numpy(arr.reshape(shape)).to(dtype)
+            if t.tensor_type in (GGMLQuantizationType.F32, GGMLQuantizationType.F16):
+                arr = np.array(t.data, dtype=np.float32)  # a copy: the file is mapped read-only
+            else:
+                arr = dequantize(t.data, t.tensor_type)
+            w = torch.from_numpy(arr.reshape(shape)).to(dtype).contiguous()
+            if keep and cfg.tie_word_embeddings:  # the tied lm_head reads the blocks
+                out["lm_head.weight"] = QuantWeight.from_gguf(t.data, int(t.tensor_type), shape)
         if ".attn_q." in t.name:
-            w = unpermute_rotary(w, cfg.num_heads)
+            w = _unpermute(w, cfg.num_heads)
         elif ".attn_k." in t.name:
-            w = unpermute_rotary(w, cfg.num_kv_heads)
-        out[_hf_name(t.name)] = w.contiguous()
+            w = _unpermute(w, cfg.num_kv_heads)
+        out[name] = w
         if (i + 1) % 50 == 0:
             log.info("dequantized %d/%d tensors", i + 1, len(tensors))
     return out
+
+
+def _unpermute(w: torch.Tensor | QuantWeight, n_head: int) -> torch.Tensor | QuantWeight:
+    if isinstance(w, QuantWeight):  # whole rows of blocks move
+        rows = unpermute_rotary(torch.arange(w.shape[0]).unsqueeze(1), n_head).squeeze(1)
+        return w.rows(rows)
+    return unpermute_rotary(w, n_head).contiguous()
 
 
 def _hf_weights(path: Path, dtype: torch.dtype) -> dict[str, torch.Tensor]:

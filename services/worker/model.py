@@ -19,6 +19,7 @@ import torch.nn.functional as F
 
 from kernels import reference as K
 from kernels.cpu_gemm import PackedWeight
+from kernels.cpu_quant import QuantWeight
 from kernels.ops import KernelBackend
 from services.worker.step_inputs import DeviceBatch
 from shared.model_loader import ModelConfig
@@ -34,18 +35,32 @@ class ForwardBatch:
     sample_rows: torch.Tensor  # [S] indices into T whose logits are wanted
 
 
+def _fuse(parts: list[torch.Tensor | QuantWeight]) -> torch.Tensor | QuantWeight:
+    """Linear weights stacked by output rows (fused QKV, gate/up); quantized ones stay
+    quantized when they share a type, else all are dequantized."""
+    if all(isinstance(p, torch.Tensor) for p in parts):
+        return torch.cat(parts)
+    if all(isinstance(p, QuantWeight) for p in parts):
+        try:
+            return QuantWeight.cat(parts)
+        except ValueError:
+            pass
+    return torch.cat([p.dequantize() if isinstance(p, QuantWeight) else p for p in parts])
+
+
 class LlamaModel(torch.nn.Module):
     """HF-Llama-compatible decoder built from a ``ModelConfig`` and HF-named weights."""
 
-    def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor]) -> None:
+    def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor | QuantWeight]) -> None:
         super().__init__()
         self.cfg = cfg
         self.scale = cfg.head_dim**-0.5
         self.q_size = cfg.num_heads * cfg.head_dim
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
         self.embed = weights["model.embed_tokens.weight"]
-        self.lm_head: torch.Tensor | PackedWeight = (
-            self.embed if cfg.tie_word_embeddings else weights["lm_head.weight"]
+        # tied: the embedding itself, or its quantized copy (--quantization gguf)
+        self.lm_head: torch.Tensor | PackedWeight | QuantWeight = weights.get(
+            "lm_head.weight", self.embed
         )
         self.norm = weights["model.norm.weight"]
         self.layers: list[dict[str, torch.Tensor | PackedWeight]] = []
@@ -56,11 +71,11 @@ class LlamaModel(torch.nn.Module):
                 {
                     "in_norm": w["input_layernorm"],
                     "post_norm": w["post_attention_layernorm"],
-                    "qkv": torch.cat(
+                    "qkv": _fuse(
                         [w["self_attn.q_proj"], w["self_attn.k_proj"], w["self_attn.v_proj"]]
                     ),
                     "o": w["self_attn.o_proj"],
-                    "gate_up": torch.cat([w["mlp.gate_proj"], w["mlp.up_proj"]]),
+                    "gate_up": _fuse([w["mlp.gate_proj"], w["mlp.up_proj"]]),
                     "down": w["mlp.down_proj"],
                 }
             )

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kernels import batch_invariance, cpu_gemm, cpu_native
+from kernels import batch_invariance, cpu_gemm, cpu_native, cpu_quant
 from kernels import reference as K
 from kernels.batch_invariance import GemmRows
 from kernels.ops import KernelBackend, get_backend
@@ -48,6 +48,27 @@ from shared.model_loader import ModelConfig, load_config, load_weights
 from shared.model_source import ModelSource
 
 log = logging.getLogger("kvflow.worker")
+
+
+QUANTIZATIONS = ("", "gguf")
+
+
+def check_quantization(
+    quantization: str, src: ModelSource | None, device: torch.device, dtype: torch.dtype
+) -> None:
+    """``--quantization`` fits the model and device, or a ValueError that says what to change.
+    ``gguf`` keeps a GGUF's Q8_0/Q4_0/Q4_1 linear weights quantized (kernels/cpu_quant.py): the
+    CPU path, fp32 activations."""
+    if quantization not in QUANTIZATIONS:
+        raise ValueError(f"--quantization must be one of {QUANTIZATIONS[1:]} or empty")
+    if quantization != "gguf":
+        return
+    if src is not None and src.kind != "gguf":
+        raise ValueError(f"--quantization gguf needs a .gguf model; {src.path} is not one")
+    if device.type != "cpu" or dtype != torch.float32:
+        raise ValueError("--quantization gguf runs on the CPU in float32 (--device cpu)")
+    if not cpu_quant.available():
+        raise ValueError("--quantization gguf needs a C compiler for its kernel (install gcc)")
 
 
 @dataclass
@@ -97,6 +118,7 @@ class ModelRunner:
         backend: str | None = None,
         cuda_graphs: bool | None = None,
         max_num_seqs: int = 64,
+        quantization: str = "",
     ) -> None:
         """``batch_invariant``: run GEMMs in a row layout that keeps each sequence's logits
         independent of the batch (``gemm_rows``, or calibrated here when None). ``native_kernels``:
@@ -108,10 +130,11 @@ class ModelRunner:
         tests); None: from the device (services/worker/device.py). ``cuda_graphs``: decode
         steps of up to ``max_num_seqs`` sequences through padded static buffers, captured as
         CUDA graphs on CUDA (None: on for CUDA; True elsewhere runs the same padded path
-        eagerly, for tests)."""
+        eagerly, for tests). ``quantization``: see ``check_quantization``."""
         t0 = time.perf_counter()
         self.device = torch.device(device)
         backend = backend or default_backend(self.device)
+        check_quantization(quantization, src, self.device, dtype)
         if backend == "reference" and self.device.type != "cpu":
             raise ValueError(f"the reference (CPU) path cannot run on {self.device}")
         self.ops: KernelBackend | None = get_backend(backend) if backend != "reference" else None
@@ -122,7 +145,7 @@ class ModelRunner:
                 raise ValueError("ModelRunner needs a ModelSource or config + weights")
             log.info("loading model %s from %s", src.name, src.path)
             config = load_config(src)
-            weights = load_weights(src, config, dtype)
+            weights = load_weights(src, config, dtype, quantization)
         if self.ops is not None:
             weights = {n: w.to(self.device) for n, w in weights.items()}
         self.model = LlamaModel(config, weights)

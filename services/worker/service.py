@@ -24,7 +24,7 @@ from nats.aio.msg import Msg
 from services.worker.kv_blocks import KvBlockIO
 from services.worker.kv_connector import NatsKvConnector
 from services.worker.kv_tiers import HostTier, RedisTier
-from services.worker.runner import ModelRunner
+from services.worker.runner import ModelRunner, check_quantization
 from services.worker.sim_runner import SimRunner, step_time_fn, vocab_for
 from services.worker.telemetry import WorkerTelemetry
 from shared import subjects
@@ -292,12 +292,19 @@ async def run(settings: Settings) -> None:
         if settings.threads > 0:
             torch.set_num_threads(settings.threads)
         device = resolve_device(settings.device)
+        try:
+            check_quantization(
+                settings.quantization, src, device, resolve_dtype(settings.dtype, device)
+            )
+        except ValueError as e:
+            raise SystemExit(f"worker: {e}") from None
         return ModelRunner(
             src,
             block_size=settings.block_size,
             num_blocks=settings.num_kv_blocks or None,
             kv_cache_gib=settings.kv_cache_memory,
             dtype=resolve_dtype(settings.dtype, device),
+            quantization=settings.quantization,
             worker_id=settings.worker_id,
             max_model_len=settings.max_model_len,
             device=device,

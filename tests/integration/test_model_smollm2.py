@@ -9,6 +9,7 @@ import os
 import pytest
 import torch
 
+from kernels.cpu_quant import QuantWeight
 from services.worker.runner import ModelRunner
 from shared.messages import FinishReason, NewRequest, SamplingParams, ScheduledSeq, StepPlan
 from shared.model_loader import load_config, load_weights
@@ -127,3 +128,22 @@ def test_greedy_matches_hf_alone_and_batched_bitwise(smollm2) -> None:
     # batching changes no bit of any sequence's logits, not only its argmax
     for alone, batched in zip(alone_logits, batched_logits, strict=True):
         assert all(torch.equal(a, b) for a, b in zip(alone, batched, strict=True))
+
+
+def test_gguf_blocks_read_in_place_give_hf_greedy_output_alone_and_batched(smollm2) -> None:
+    """--quantization gguf: the same weights (decoding is exact), summed in another order; on
+    these prompts the greedy tokens stay Hugging Face's, and batching changes no logit bit."""
+    weights = load_weights(smollm2["src"], smollm2["cfg"], quantization="gguf")
+    quant = {n: w for n, w in weights.items() if isinstance(w, QuantWeight)}
+    assert len(quant) == 7 * 30 + 1  # every linear weight, and the tied lm_head (Q8_0)
+    assert quant["lm_head.weight"].type_name == "Q8_0"
+    assert isinstance(weights["model.embed_tokens.weight"], torch.Tensor)  # lookups
+    runner = ModelRunner.from_weights(smollm2["cfg"], weights, BLOCK, num_blocks=64)
+    assert runner.gemm_rows is not None and runner.gemm_rows.pad == 1  # nothing to calibrate
+    want = smollm2["want"]
+    alone = [generate(runner, [p]) for p in smollm2["prompts"]]
+    assert [a[0][0] for a in alone] == want
+    tokens, batched_logits = generate(runner, smollm2["prompts"])
+    assert tokens == want
+    for (_, (alone_logits,)), batched in zip(alone, batched_logits, strict=True):
+        assert all(torch.equal(a, b) for a, b in zip(alone_logits, batched, strict=True))

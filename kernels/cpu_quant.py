@@ -1,0 +1,155 @@
+"""Linear weights kept in GGUF's quantized blocks (Q8_0, Q4_0, Q4_1) on the CPU
+(``--quantization gguf``), multiplied by ``csrc/quant_matmul_cpu.c`` where they lie.
+
+A decode step reads every weight once, so its time is the bytes read: SmolLM2-135M is ~540 MB
+in fp32 and ~96 MB in its GGUF's Q4_1 layers + Q8_0 embedding. ``QuantWeight(x)`` runs the
+native kernel for up to ``DENSE_ROWS`` rows (decode tiles, short chunks): each row's result is
+one fixed-order dot product per output, so it never depends on the batch. Longer chunks
+(prefill) decode the weight to fp32 once for the call and run one dense GEMM, where compute, not
+bytes, sets the time. Both paths decode exactly (``d * q (+ m)`` needs at most 19 bits); they
+differ from dequantize-then-matmul only in the order of the sums.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+from dataclasses import dataclass
+from functools import cache
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from kernels import cpu_native
+
+log = logging.getLogger("kvflow.kernels")
+
+_SRC = Path(__file__).parent / "csrc" / "quant_matmul_cpu.c"
+# no -ffast-math: the sums keep their written order (see the C file)
+_COMPILE_FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-c"]
+QK = 32
+# GGMLQuantizationType value -> bytes per block of 32 weights
+BLOCK_BYTES = {8: 34, 2: 18, 3: 20}  # Q8_0, Q4_0, Q4_1
+TYPE_NAMES = {8: "Q8_0", 2: "Q4_0", 3: "Q4_1"}
+DENSE_ROWS = 64  # more rows than this: dequantize for the call and run one dense GEMM
+
+
+@cache
+def load() -> ctypes.CDLL | None:
+    """The compiled kernel, or None where it cannot be built (no compiler)."""
+    path = cpu_native.build(_SRC, _COMPILE_FLAGS)
+    if path is None:
+        return None
+    lib = ctypes.CDLL(str(path))
+    p, i = ctypes.c_void_p, ctypes.c_int
+    lib.kvf_quant_matmul.restype = i
+    lib.kvf_quant_matmul.argtypes = [p, i, i, i, p, i, i, p, i, i]
+    lib.kvf_dequantize.restype = i
+    lib.kvf_dequantize.argtypes = [p, i, i, i, p, i]
+    return lib
+
+
+def available() -> bool:
+    return load() is not None
+
+
+@dataclass(eq=False)
+class QuantWeight:
+    """An [N, K] linear weight as GGUF blocks: ``blocks`` is uint8 [N, K / 32 * block bytes],
+    one row of blocks per output feature. ``w(x) == x @ W.T`` (the ``kernels.reference.Weight``
+    protocol)."""
+
+    blocks: torch.Tensor
+    qtype: int
+    shape: tuple[int, int]
+    batch_invariant = True  # calibration has nothing to find (kernels/batch_invariance.py)
+
+    def __post_init__(self) -> None:
+        n, k = self.shape
+        if self.qtype not in BLOCK_BYTES:
+            raise ValueError(f"quantization type {self.qtype} has no CPU kernel (Q8_0, Q4_0, Q4_1)")
+        if k % QK:
+            raise ValueError(f"K = {k} is not a multiple of {QK}")
+        want = (n, k // QK * BLOCK_BYTES[self.qtype])
+        if self.blocks.dtype != torch.uint8 or tuple(self.blocks.shape) != want:
+            raise ValueError(f"blocks {tuple(self.blocks.shape)} {self.blocks.dtype}, want {want}")
+        self.blocks = self.blocks.contiguous()
+
+    @classmethod
+    def from_gguf(cls, data: np.ndarray, qtype: int, shape: tuple[int, int]) -> QuantWeight:
+        """From a GGUF tensor's raw block bytes (``ReaderTensor.data``), copied out of the map."""
+        n, k = shape
+        raw = np.ascontiguousarray(data, dtype=np.uint8).reshape(n, -1)
+        return cls(torch.from_numpy(raw.copy()), qtype, (n, k))
+
+    @property
+    def type_name(self) -> str:
+        return TYPE_NAMES[self.qtype]
+
+    @property
+    def nbytes(self) -> int:
+        return self.blocks.numel()
+
+    def rows(self, index: torch.Tensor) -> QuantWeight:
+        """The weight of the output rows ``index`` (a row permutation or selection)."""
+        return QuantWeight(self.blocks[index], self.qtype, (len(index), self.shape[1]))
+
+    @staticmethod
+    def cat(parts: list[QuantWeight]) -> QuantWeight:
+        """Outputs stacked (fused QKV or gate/up), when all share one type and K."""
+        first = parts[0]
+        if any(p.qtype != first.qtype or p.shape[1] != first.shape[1] for p in parts):
+            raise ValueError("only weights of one quantization type and K can be fused")
+        blocks = torch.cat([p.blocks for p in parts])
+        return QuantWeight(blocks, first.qtype, (blocks.shape[0], first.shape[1]))
+
+    def dequantize(self) -> torch.Tensor:
+        """The weight as fp32 [N, K]."""
+        lib = _lib()
+        n, k = self.shape
+        out = torch.empty(n, k, dtype=torch.float32)
+        rc = lib.kvf_dequantize(
+            self.blocks.data_ptr(), n, k, self.qtype, out.data_ptr(), torch.get_num_threads()
+        )
+        if rc != 0:
+            raise ValueError("kvf_dequantize refused its arguments")
+        return out
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype != torch.float32 or x.dim() != 2 or x.shape[1] != self.shape[1]:
+            raise ValueError(f"x must be fp32 [M, {self.shape[1]}], got {x.dtype} {tuple(x.shape)}")
+        m = x.shape[0]
+        if m > DENSE_ROWS:
+            return F.linear(x, self.dequantize())
+        x = x if x.stride(1) == 1 else x.contiguous()
+        n, k = self.shape
+        y = torch.empty(m, n, dtype=torch.float32)
+        if m == 0:
+            return y
+        rc = _lib().kvf_quant_matmul(
+            x.data_ptr(),
+            m,
+            k,
+            x.stride(0),
+            self.blocks.data_ptr(),
+            n,
+            self.qtype,
+            y.data_ptr(),
+            n,
+            torch.get_num_threads(),
+        )
+        if rc != 0:
+            raise ValueError("kvf_quant_matmul refused its arguments")
+        return y
+
+
+def _lib() -> ctypes.CDLL:
+    lib = load()
+    if lib is None:
+        raise RuntimeError(
+            "--quantization gguf needs the native CPU kernel, which could not be built "
+            "(install gcc; see the log)"
+        )
+    return lib

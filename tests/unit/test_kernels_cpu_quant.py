@@ -1,0 +1,99 @@
+"""The GGUF block kernels (kernels/csrc/quant_matmul_cpu.c) against dequantize-then-matmul with
+gguf's own reference code: exact decoding, products within fp32 summation noise, each row's
+bits independent of the batch, and clear errors for what they cannot take."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as Q
+from gguf.quants import dequantize, quantize
+
+from kernels import cpu_native, cpu_quant
+from kernels.batch_invariance import calibrate
+from kernels.cpu_quant import QuantWeight
+
+pytestmark = pytest.mark.skipif(
+    cpu_native._compiler() is None, reason="no C compiler: --quantization gguf is refused"
+)
+TYPES = [Q.Q8_0, Q.Q4_0, Q.Q4_1]
+
+
+def _weight(qtype: Q, n: int = 80, k: int = 96, seed: int = 0) -> tuple[QuantWeight, torch.Tensor]:
+    w = np.random.default_rng(seed).standard_normal((n, k)).astype(np.float32)
+    raw = quantize(w, qtype)
+    dense = torch.from_numpy(dequantize(raw, qtype).reshape(n, k).copy())
+    return QuantWeight.from_gguf(raw, int(qtype), (n, k)), dense
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+def test_decoding_is_exact_and_products_match_dequantize_then_matmul(qtype: Q) -> None:
+    qw, dense = _weight(qtype)
+    assert torch.equal(qw.dequantize(), dense)
+    x = torch.randn(9, 96, generator=torch.Generator().manual_seed(1))
+    torch.testing.assert_close(qw(x), x @ dense.T, rtol=1e-5, atol=1e-4)
+    long = torch.randn(cpu_quant.DENSE_ROWS + 3, 96)  # the dense path of long chunks
+    torch.testing.assert_close(qw(long), long @ dense.T, rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+def test_a_rows_bits_do_not_depend_on_the_batch(qtype: Q) -> None:
+    qw, _ = _weight(qtype, n=64, k=128, seed=2)
+    x = torch.randn(48, 128, generator=torch.Generator().manual_seed(3))
+    full = qw(x)
+    for m in (1, 2, 5, 17, 48):
+        idx = torch.randperm(48)[:m]
+        assert torch.equal(qw(x[idx]), full[idx]), m
+    strided = torch.randn(48, 200)[:, :128].copy_(x)  # rows 200 floats apart
+    assert torch.equal(qw(strided), full)
+    # invariant by construction: calibration has nothing to test
+    assert calibrate([qw], max_rows=64).pad == 1
+
+
+def test_fused_and_permuted_weights_keep_their_blocks() -> None:
+    a, da = _weight(Q.Q4_1, n=32, seed=4)
+    b, db = _weight(Q.Q4_1, n=16, seed=5)
+    fused = QuantWeight.cat([a, b])
+    assert fused.shape == (48, 96) and torch.equal(fused.dequantize(), torch.cat([da, db]))
+    order = torch.randperm(48)
+    assert torch.equal(fused.rows(order).dequantize(), torch.cat([da, db])[order])
+    c, _ = _weight(Q.Q8_0, n=16, seed=6)
+    with pytest.raises(ValueError, match="one quantization type"):
+        QuantWeight.cat([a, c])
+
+
+def test_what_the_kernel_cannot_take_is_refused() -> None:
+    qw, _ = _weight(Q.Q8_0)
+    with pytest.raises(ValueError, match="fp32"):
+        qw(torch.randn(2, 96, dtype=torch.float64))
+    with pytest.raises(ValueError, match="fp32"):
+        qw(torch.randn(2, 95))
+    with pytest.raises(ValueError, match="no CPU kernel"):
+        QuantWeight(torch.zeros(4, 40, dtype=torch.uint8), int(Q.Q5_K), (4, 96))
+    with pytest.raises(ValueError, match="multiple of 32"):
+        QuantWeight(torch.zeros(4, 34, dtype=torch.uint8), int(Q.Q8_0), (4, 33))
+    with pytest.raises(ValueError, match="blocks"):
+        QuantWeight(torch.zeros(4, 33, dtype=torch.uint8), int(Q.Q8_0), (4, 32))
+    assert qw(torch.empty(0, 96)).shape == (0, 80)
+
+
+def test_quantization_settings_that_cannot_work_are_refused_with_what_to_change(
+    tmp_path,  # noqa: ANN001
+) -> None:
+    from services.worker.runner import check_quantization
+    from shared.model_source import ModelSource
+
+    gguf = ModelSource(name="m", path=tmp_path / "m.gguf", kind="gguf")
+    hf = ModelSource(name="m", path=tmp_path, kind="hf")
+    cpu = torch.device("cpu")
+    check_quantization("", hf, cpu, torch.bfloat16)  # nothing asked, nothing checked
+    check_quantization("gguf", gguf, cpu, torch.float32)
+    with pytest.raises(ValueError, match="must be one of"):
+        check_quantization("awq", gguf, cpu, torch.float32)
+    with pytest.raises(ValueError, match="needs a .gguf model"):
+        check_quantization("gguf", hf, cpu, torch.float32)
+    with pytest.raises(ValueError, match="CPU in float32"):
+        check_quantization("gguf", gguf, torch.device("cuda"), torch.float32)
+    with pytest.raises(ValueError, match="CPU in float32"):
+        check_quantization("gguf", gguf, cpu, torch.bfloat16)
