@@ -128,6 +128,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--enforce-eager", action="store_true", help="CUDA: no CUDA graphs")
+    ap.add_argument("--quantization", default="", help="'' (fp32) | gguf (CPU, GGUF blocks)")
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -140,9 +141,9 @@ def main(argv: list[str] | None = None) -> int:
     per_seq = -(-(args.context + args.warmup + args.steps + 1) // bs)
     num_blocks = sum(b * per_seq for b in args.batch) + 1
     max_len = per_seq * bs
-    kw: dict = {}
+    kw: dict = {"quantization": args.quantization} if args.quantization else {}
     if device.type != "cpu":  # (CPU: only arguments every ModelRunner version takes)
-        kw = {
+        kw |= {
             "device": device,
             "cuda_graphs": False if args.enforce_eager else None,
             "max_num_seqs": max_batch,
@@ -157,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
 
         src = resolve_model(args.model)
         runner = ModelRunner(src, bs, num_blocks, dtype=dtype, max_model_len=max_len, **kw)
-        name = src.name
+        name = src.name + (f" --quantization {args.quantization}" if args.quantization else "")
     load_s = time.perf_counter() - t0
     graphs = getattr(runner, "graphs", None)
     path = "cpu" if getattr(runner, "ops", None) is None else "triton"
