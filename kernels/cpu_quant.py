@@ -140,6 +140,8 @@ class QuantWeight:
             n,
             torch.get_num_threads(),
         )
+        if rc == -2:
+            raise MemoryError("the quantized matmul could not allocate its scratch memory")
         if rc != 0:
             raise ValueError("kvf_quant_matmul refused its arguments")
         return y
