@@ -117,12 +117,23 @@ class QuantWeight:
             raise ValueError("kvf_dequantize refused its arguments")
         return out
 
+    def _dense(self) -> torch.Tensor:
+        """The fp32 weight for long chunks. A step calls a weight once per chunk in a row
+        (kernels.reference.linear), so the last one decoded is kept: one weight, not the model."""
+        global _last_dense
+        last = _last_dense
+        if last is not None and last[0] is self:
+            return last[1]
+        dense = self.dequantize()
+        _last_dense = (self, dense)
+        return dense
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype != torch.float32 or x.dim() != 2 or x.shape[1] != self.shape[1]:
             raise ValueError(f"x must be fp32 [M, {self.shape[1]}], got {x.dtype} {tuple(x.shape)}")
         m = x.shape[0]
         if m > DENSE_ROWS:
-            return F.linear(x, self.dequantize())
+            return F.linear(x, self._dense())
         x = x if x.stride(1) == 1 else x.contiguous()
         n, k = self.shape
         y = torch.empty(m, n, dtype=torch.float32)
@@ -145,6 +156,9 @@ class QuantWeight:
         if rc != 0:
             raise ValueError("kvf_quant_matmul refused its arguments")
         return y
+
+
+_last_dense: tuple[QuantWeight, torch.Tensor] | None = None
 
 
 def _lib() -> ctypes.CDLL:

@@ -97,3 +97,17 @@ def test_quantization_settings_that_cannot_work_are_refused_with_what_to_change(
         check_quantization("gguf", gguf, torch.device("cuda"), torch.float32)
     with pytest.raises(ValueError, match="CPU in float32"):
         check_quantization("gguf", gguf, cpu, torch.bfloat16)
+
+
+def test_long_chunks_in_a_row_share_one_dequantized_copy(monkeypatch) -> None:  # noqa: ANN001
+    a, da = _weight(Q.Q4_1, seed=7)
+    b, db = _weight(Q.Q8_0, seed=8)
+    calls = []
+    real = QuantWeight.dequantize
+    monkeypatch.setattr(QuantWeight, "dequantize", lambda self: calls.append(self) or real(self))
+    x = torch.randn(cpu_quant.DENSE_ROWS + 1, 96)
+    for _ in range(3):  # three prefill chunks through one weight: decoded once
+        torch.testing.assert_close(a(x), x @ da.T, rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(b(x), x @ db.T, rtol=1e-5, atol=1e-4)
+    assert calls == [a, b]
+    assert cpu_quant._last_dense[0] is b  # only the last weight is kept
