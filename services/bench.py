@@ -139,10 +139,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "what",
         nargs="?",
-        choices=["compare", "pipeline"],
+        choices=["compare", "pipeline", "quality"],
         default="compare",
         help="compare (default): kvflow vs Hugging Face; pipeline: the stack with a simulated "
-        "worker at several concurrencies, with CPU per token of each service",
+        "worker at several concurrencies, with CPU per token of each service; quality: "
+        "perplexity and top-1 agreement of each --quantization against fp32",
     )
     p.add_argument("--url", default=None, help="a running kvflow (default: start one)")
     p.add_argument("--model", default="", help="model path (default: SmolLM2 from the wheel)")
@@ -161,6 +162,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
     pipeline = p.add_argument_group("pipeline")
     add_arguments(pipeline)
+    from services import bench_quality
+
+    bench_quality.add_arguments(p.add_argument_group("quality"))
 
 
 def main(args: argparse.Namespace) -> int:
@@ -168,6 +172,10 @@ def main(args: argparse.Namespace) -> int:
         from services import bench_pipeline
 
         return bench_pipeline.main(args)
+    if args.what == "quality":
+        from services import bench_quality
+
+        return bench_quality.main(args)
     src = resolve_model(args.model)
     tok = load_tokenizer(src)
     span = lambda s: tuple(int(x) for x in s.split(":"))  # noqa: E731

@@ -191,8 +191,10 @@ def load_weights(
         weights = _hf_weights(src.path, dtype)
         if cfg.tie_word_embeddings:
             weights.pop("lm_head.weight", None)
+    if quantization == "int8":
+        weights = quantize_int8(weights)
     expected = 3 + 9 * cfg.num_layers - (1 if cfg.tie_word_embeddings else 0)
-    if cfg.tie_word_embeddings and isinstance(weights.get("lm_head.weight"), QuantWeight):
+    if cfg.tie_word_embeddings and "lm_head.weight" in weights:  # its quantized copy
         expected += 1
     if len(weights) != expected:
         raise ValueError(f"{src.path}: found {len(weights)} weight tensors, expected {expected}")
@@ -210,6 +212,36 @@ def load_weights(
         else "",
     )
     return weights
+
+
+_LINEAR_NAMES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def quantize_int8(
+    weights: dict[str, torch.Tensor | QuantWeight],
+) -> dict[str, torch.Tensor | QuantWeight]:
+    """``--quantization int8``: every linear weight (and the lm_head, tied or not) as int8 with
+    one fp16 scale per 32 weights of a row, rounded to nearest (GGUF's Q8_0 layout, so the same
+    CPU kernel reads it; finer than one scale per output channel). Norms and the embedding
+    lookup stay dense; a weight whose K is not a multiple of 32 stays dense too."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import quantize
+
+    def q8(w: torch.Tensor) -> torch.Tensor | QuantWeight:
+        if w.shape[1] % 32:
+            log.warning("a weight of shape %s stays dense: K is not a multiple of 32", w.shape)
+            return w
+        raw = quantize(w.float().numpy(), GGMLQuantizationType.Q8_0)
+        return QuantWeight.from_gguf(raw, int(GGMLQuantizationType.Q8_0), tuple(w.shape))
+
+    out = dict(weights)
+    for name, w in weights.items():
+        if isinstance(w, torch.Tensor) and name.split(".")[-2] in _LINEAR_NAMES:
+            out[name] = q8(w)
+    head = weights.get("lm_head.weight", weights["model.embed_tokens.weight"])
+    if isinstance(head, torch.Tensor):
+        out["lm_head.weight"] = q8(head)
+    return out
 
 
 def _gguf_weights(

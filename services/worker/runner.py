@@ -50,25 +50,26 @@ from shared.model_source import ModelSource
 log = logging.getLogger("kvflow.worker")
 
 
-QUANTIZATIONS = ("", "gguf")
+QUANTIZATIONS = ("", "gguf", "int8")
 
 
 def check_quantization(
     quantization: str, src: ModelSource | None, device: torch.device, dtype: torch.dtype
 ) -> None:
     """``--quantization`` fits the model and device, or a ValueError that says what to change.
-    ``gguf`` keeps a GGUF's Q8_0/Q4_0/Q4_1 linear weights quantized (kernels/cpu_quant.py): the
-    CPU path, fp32 activations."""
+    ``gguf`` keeps a GGUF's Q8_0/Q4_0/Q4_1 linear weights quantized; ``int8`` quantizes any
+    checkpoint's linear weights to int8 blocks at load (shared/model_loader.quantize_int8).
+    Both run kernels/cpu_quant.py: the CPU path, fp32 activations."""
     if quantization not in QUANTIZATIONS:
         raise ValueError(f"--quantization must be one of {QUANTIZATIONS[1:]} or empty")
-    if quantization != "gguf":
+    if not quantization:
         return
-    if src is not None and src.kind != "gguf":
+    if quantization == "gguf" and src is not None and src.kind != "gguf":
         raise ValueError(f"--quantization gguf needs a .gguf model; {src.path} is not one")
     if device.type != "cpu" or dtype != torch.float32:
-        raise ValueError("--quantization gguf runs on the CPU in float32 (--device cpu)")
+        raise ValueError(f"--quantization {quantization} runs on the CPU in float32 (--device cpu)")
     if not cpu_quant.available():
-        raise ValueError("--quantization gguf needs a C compiler for its kernel (install gcc)")
+        raise ValueError(f"--quantization {quantization} needs a C compiler (install gcc)")
 
 
 @dataclass

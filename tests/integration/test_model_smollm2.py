@@ -147,3 +147,22 @@ def test_gguf_blocks_read_in_place_give_hf_greedy_output_alone_and_batched(smoll
     assert tokens == want
     for (_, (alone_logits,)), batched in zip(alone, batched_logits, strict=True):
         assert all(torch.equal(a, b) for a, b in zip(alone_logits, batched, strict=True))
+
+
+def test_int8_weights_stay_close_to_fp32_and_batch_invariant(smollm2) -> None:
+    """--quantization int8 changes the weights (int8, a scale per 32), so tokens may part from
+    fp32's late in a generation; measured here: 28, 32, 32 and 8 (all) tokens agree. Each prompt's
+    first 16 must agree, and batching changes no logit bit. (Perplexity: kvflow bench quality.)"""
+    from shared.model_loader import quantize_int8
+
+    weights = quantize_int8(load_weights(smollm2["src"], smollm2["cfg"]))
+    runner = ModelRunner.from_weights(smollm2["cfg"], weights, BLOCK, num_blocks=64)
+    want = smollm2["want"]
+    alone = [generate(runner, [p]) for p in smollm2["prompts"]]
+    for (tokens, _), w in zip(alone, want, strict=True):
+        n = min(16, len(w))
+        assert tokens[0][:n] == w[:n]
+    tokens, batched_logits = generate(runner, smollm2["prompts"])
+    assert tokens == [a[0][0] for a in alone]
+    for (_, (alone_logits,)), batched in zip(alone, batched_logits, strict=True):
+        assert all(torch.equal(a, b) for a, b in zip(alone_logits, batched, strict=True))

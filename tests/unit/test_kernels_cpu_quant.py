@@ -111,3 +111,40 @@ def test_long_chunks_in_a_row_share_one_dequantized_copy(monkeypatch) -> None:  
     torch.testing.assert_close(b(x), x @ db.T, rtol=1e-5, atol=1e-4)
     assert calls == [a, b]
     assert cpu_quant._last_dense[0] is b  # only the last weight is kept
+
+
+def test_int8_rounds_every_linear_weight_to_q8_blocks_and_keeps_lookups_dense() -> None:
+    from shared.model_loader import quantize_int8
+
+    g = torch.Generator().manual_seed(9)
+    weights = {
+        "model.embed_tokens.weight": torch.randn(100, 64, generator=g),
+        "model.norm.weight": torch.ones(64),
+        "model.layers.0.self_attn.q_proj.weight": torch.randn(64, 64, generator=g),
+        "model.layers.0.mlp.down_proj.weight": torch.randn(64, 96, generator=g),
+        "model.layers.0.input_layernorm.weight": torch.ones(64),
+    }
+    out = quantize_int8(weights)
+    assert out["model.embed_tokens.weight"] is weights["model.embed_tokens.weight"]
+    assert out["model.norm.weight"] is weights["model.norm.weight"]
+    for name in ("model.layers.0.self_attn.q_proj.weight", "model.layers.0.mlp.down_proj.weight"):
+        q, w = out[name], weights[name]
+        assert isinstance(q, QuantWeight) and q.type_name == "Q8_0" and q.shape == w.shape
+        # round to nearest with one scale per 32 weights: half a step, plus the fp16 rounding
+        # of the scale times at most 127 (2**-11 relative)
+        step = w.reshape(w.shape[0], -1, 32).abs().amax(-1, keepdim=True) / 127
+        err = (q.dequantize() - w).reshape(w.shape[0], -1, 32).abs()
+        assert bool((err <= step * (0.5 + 127 * 2**-11) + 1e-7).all())
+        assert bool((err.amax(-1) > 0).any())  # it did round
+    head = out["lm_head.weight"]  # tied: the embedding's quantized copy
+    assert isinstance(head, QuantWeight) and head.shape == (100, 64)
+
+
+def test_int8_works_from_any_checkpoint_on_the_cpu_only(tmp_path) -> None:  # noqa: ANN001
+    from services.worker.runner import check_quantization
+    from shared.model_source import ModelSource
+
+    hf = ModelSource(name="m", path=tmp_path, kind="hf")
+    check_quantization("int8", hf, torch.device("cpu"), torch.float32)
+    with pytest.raises(ValueError, match="int8 runs on the CPU"):
+        check_quantization("int8", hf, torch.device("cuda"), torch.bfloat16)

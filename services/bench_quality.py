@@ -1,0 +1,98 @@
+"""``kvflow bench quality``: what each ``--quantization`` costs in accuracy, against the fp32
+default on the same model: perplexity over a text of a few thousand tokens and how often the
+top-1 next-token prediction agrees with fp32's, teacher-forced over the same text.
+
+The text is CPython's own documentation topics (``pydoc_data.topics``, shipped with every
+Python), cut into windows of ``--window`` tokens; each window is one prompt whose
+prompt logprobs the worker's ModelRunner computes, as in serving (chunked prefill, the same
+kernels). Nothing is downloaded."""
+
+from __future__ import annotations
+
+import argparse
+import math
+import time
+
+from shared.messages import NewRequest, SamplingParams, ScheduledSeq, StepPlan
+
+SCHEMES = ("", "gguf", "int8")
+BLOCK = 16
+
+
+def corpus_ids(tokenizer, num_tokens: int, window: int) -> list[list[int]]:  # noqa: ANN001
+    """Windows of ``window`` token ids from the documentation topics, in sorted topic order."""
+    from pydoc_data.topics import topics
+
+    ids: list[int] = []
+    for name in sorted(topics):
+        ids += tokenizer(topics[name], add_special_tokens=False)["input_ids"]
+        if len(ids) >= num_tokens:
+            break
+    ids = ids[: num_tokens - num_tokens % window]
+    return [ids[i : i + window] for i in range(0, len(ids), window)]
+
+
+def prompt_predictions(runner, windows: list[list[int]]) -> tuple[list[float], list[int]]:  # noqa: ANN001
+    """(logprob of each actual token after the first, top-1 id at each of those positions)."""
+    params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=1)
+    logprobs: list[float] = []
+    top1: list[int] = []
+    chunk = 256
+    for w, ids in enumerate(windows):
+        rid = f"q{w}"
+        table = list(range(-(-len(ids) // BLOCK)))
+        new = [NewRequest(rid, params, len(ids))]
+        got: dict[int, tuple[float, int]] = {}
+        for start in range(0, len(ids), chunk):
+            seq = ScheduledSeq(rid, ids[start : start + chunk], start, table)
+            res = runner.execute(StepPlan(w * 100 + start, [seq], new))
+            new = []
+            if res.error:
+                raise RuntimeError(res.error)
+            for piece in res.prompt_logprobs:
+                for i, (lp, tops) in enumerate(zip(piece.logprobs, piece.top_ids, strict=True)):
+                    got[piece.start + i] = (lp, tops[0] if tops else -1)
+        runner.execute(StepPlan(w * 100 + 99, [], [], [rid]))
+        for pos in range(1, len(ids)):
+            lp, top = got[pos]
+            logprobs.append(lp)
+            top1.append(top)
+    return logprobs, top1
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--tokens", type=int, default=3072, help="text length in tokens")
+    p.add_argument("--window", type=int, default=512, help="tokens per prompt")
+
+
+def main(args: argparse.Namespace) -> int:
+    from services.worker.runner import ModelRunner
+    from shared.model_loader import load_config, load_weights
+    from shared.model_source import load_tokenizer, resolve_model
+
+    src = resolve_model(args.model)
+    cfg = load_config(src)
+    windows = corpus_ids(load_tokenizer(src), args.tokens, args.window)
+    n = sum(len(w) - 1 for w in windows)
+    print(f"{src.name}: {len(windows)} windows of {args.window} tokens ({n} predicted positions)")
+    base: tuple[float, list[int]] | None = None
+    rows = []
+    for scheme in SCHEMES:
+        t0 = time.perf_counter()
+        weights = load_weights(src, cfg, quantization=scheme)
+        num_blocks = -(-args.window // BLOCK) + 1
+        runner = ModelRunner.from_weights(cfg, weights, BLOCK, num_blocks)
+        lps, top1 = prompt_predictions(runner, windows)
+        ppl = math.exp(-sum(lps) / len(lps))
+        if base is None:
+            base = (ppl, top1)
+        agree = sum(a == b for a, b in zip(top1, base[1], strict=True)) / len(top1)
+        name = scheme or "fp32"
+        rows.append((name, ppl, 100 * (ppl / base[0] - 1), 100 * agree))
+        print(f"  {name}: perplexity {ppl:.3f} ({time.perf_counter() - t0:.0f} s)", flush=True)
+    print()
+    print("| weights | perplexity | vs fp32 | top-1 agreement with fp32 |")
+    print("|---|---:|---:|---:|")
+    for name, ppl, delta, agree in rows:
+        print(f"| {name} | {ppl:.3f} | {delta:+.2f} % | {agree:.2f} % |")
+    return 0
