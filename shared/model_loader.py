@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import json
 import logging
+import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -181,9 +182,10 @@ def load_weights(
     src: ModelSource, cfg: ModelConfig, dtype: torch.dtype = torch.float32, quantization: str = ""
 ) -> dict[str, torch.Tensor | QuantWeight]:
     """All weights under HF Llama names, as ``dtype`` (``lm_head.weight`` only if untied, or as
-    the embedding's quantized copy with ``quantization="gguf"``). With ``"gguf"``, a GGUF's
-    Q8_0/Q4_0/Q4_1 linear weights stay in their blocks (``kernels.cpu_quant.QuantWeight``); the
-    embedding is also kept dequantized, for lookups."""
+    the embedding's quantized copy when quantized). ``quantization``: ``"gguf"`` keeps a GGUF's
+    Q8_0/Q4_0/Q4_1 linear weights in their blocks (``kernels.cpu_quant.QuantWeight``);
+    ``"int8"`` rounds every linear weight to int8 blocks (``quantize_int8``). The embedding
+    stays dense for lookups."""
     t0 = time.perf_counter()
     if src.kind == "gguf":
         weights = _gguf_weights(src.path, cfg, dtype, quantized=quantization == "gguf")
@@ -198,18 +200,15 @@ def load_weights(
         expected += 1
     if len(weights) != expected:
         raise ValueError(f"{src.path}: found {len(weights)} weight tensors, expected {expected}")
-    n = sum(
-        w.shape[0] * w.shape[1] if isinstance(w, QuantWeight) else w.numel()
-        for w in weights.values()
-    )
+    copy = "lm_head.weight" if cfg.tie_word_embeddings else ""  # the tied head's quantized copy
+    n = sum(math.prod(w.shape) for name, w in weights.items() if name != copy)
     quant = [w for w in weights.values() if isinstance(w, QuantWeight)]
+    mib = sum(w.nbytes for w in quant) / 2**20
     log.info(
         "model weights ready: %.1fM parameters in %.1fs%s",
         n / 1e6,
         time.perf_counter() - t0,
-        f" ({len(quant)} linear weights kept quantized, {sum(w.nbytes for w in quant) / 2**20:.0f} MiB)"
-        if quant
-        else "",
+        f" ({len(quant)} linear weights quantized, {mib:.0f} MiB)" if quant else "",
     )
     return weights
 
