@@ -32,6 +32,7 @@ from pathlib import Path
 
 import torch
 
+from kernels import cpu_native
 from kernels.reference import Weight, matmul_fn
 
 log = logging.getLogger("kvflow.kernels")
@@ -118,8 +119,7 @@ def cache_key(weights: Sequence[torch.Tensor | Weight], max_rows: int, seed: int
 
 
 def _cache_dir() -> Path:
-    root = os.environ.get("KVFLOW_CACHE_DIR") or Path.home() / ".cache" / "kvflow"
-    return Path(root) / "gemm-rows"
+    return cpu_native.cache_root() / "gemm-rows"
 
 
 def calibrate_cached(

@@ -39,9 +39,14 @@ _COMPILE_FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-
 _LINK_FLAGS = ["-shared", "-fopenmp"]
 
 
+def cache_root() -> Path:
+    """Where kvflow keeps what a machine computes once: ``$KVFLOW_CACHE_DIR`` or
+    ``~/.cache/kvflow``."""
+    return Path(os.environ.get("KVFLOW_CACHE_DIR") or Path.home() / ".cache" / "kvflow")
+
+
 def _cache_dir() -> Path:
-    root = os.environ.get("KVFLOW_CACHE_DIR") or Path.home() / ".cache" / "kvflow"
-    return Path(root) / "kernels"
+    return cache_root() / "kernels"
 
 
 def _compiler() -> str | None:
