@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from kernels import cpu_layer_ops
 from kernels import reference as K
 from kernels.cpu_gemm import PackedWeight
 from kernels.cpu_quant import QuantWeight
@@ -82,6 +83,7 @@ class LlamaModel(torch.nn.Module):
         self.cos_sin = K.build_cos_sin_cache(
             cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, self.embed.dtype
         ).to(self.embed.device)
+        self.native_layer_ops = False  # the CPU path's fused C elementwise ops (use_native_...)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -101,6 +103,14 @@ class LlamaModel(torch.nn.Module):
                     layer[name] = PackedWeight(w)
         if isinstance(self.lm_head, torch.Tensor):
             self.lm_head = PackedWeight(self.lm_head)
+
+    def use_native_layer_ops(self) -> bool:
+        """Run RMSNorm, RoPE with the KV write and SiLU-and-multiply of ``forward`` as one C
+        call each (kernels/cpu_layer_ops.py) when they can be built; returns whether they are."""
+        self.native_layer_ops = (
+            self.dtype == torch.float32 and self.device.type == "cpu" and cpu_layer_ops.available()
+        )
+        return self.native_layer_ops
 
     def linear_weights(self) -> list[torch.Tensor | PackedWeight]:
         """One linear weight of each distinct shape (what batch-invariance calibration tests)."""
@@ -132,29 +142,55 @@ class LlamaModel(torch.nn.Module):
         """Run ``input_ids`` [T] at ``positions`` [T]; returns logits [S, vocab] (fp32) for
         ``batch.sample_rows`` only."""
         cfg, rows = self.cfg, batch.rows
-        t = input_ids.shape[0]
+        native = self.native_layer_ops
+        norm = cpu_layer_ops.add_rms_norm if native else K.rms_norm
+        silu_and_mul = cpu_layer_ops.silu_and_mul if native else K.silu_and_mul
+        eps = cfg.rms_norm_eps
         h = self.embed[input_ids]
         residual: torch.Tensor | None = None
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):
-            x, residual = K.rms_norm(h, layer["in_norm"], cfg.rms_norm_eps, residual)
+            x, residual = norm(h, layer["in_norm"], eps, residual)
             qkv = K.linear(x, layer["qkv"], rows)
-            q = qkv[:, : self.q_size].view(t, cfg.num_heads, cfg.head_dim)
-            k = qkv[:, self.q_size : self.q_size + self.kv_size].view(
-                t, cfg.num_kv_heads, cfg.head_dim
-            )
-            v = qkv[:, self.q_size + self.kv_size :].view(t, cfg.num_kv_heads, cfg.head_dim)
-            q, k = K.rotary_embedding(positions, q, k, self.cos_sin)
-            K.write_kv_cache(k, v, k_cache, v_cache, batch.slot_mapping)
+            if native:
+                q = cpu_layer_ops.rope_write_kv(
+                    qkv,
+                    cfg.num_heads,
+                    cfg.num_kv_heads,
+                    positions,
+                    self.cos_sin,
+                    k_cache,
+                    v_cache,
+                    batch.slot_mapping,
+                )
+            else:
+                q = self._rope_write_kv(qkv, positions, k_cache, v_cache, batch.slot_mapping)
             o = K.paged_attention(
                 q, k_cache, v_cache, None, None, None, self.scale, plan=batch.attn
             )
-            h = K.linear(o.reshape(t, self.q_size), layer["o"], rows)
-            x, residual = K.rms_norm(h, layer["post_norm"], cfg.rms_norm_eps, residual)
-            h = K.linear(K.silu_and_mul(K.linear(x, layer["gate_up"], rows)), layer["down"], rows)
+            h = K.linear(o.view(-1, self.q_size), layer["o"], rows)
+            x, residual = norm(h, layer["post_norm"], eps, residual)
+            h = K.linear(silu_and_mul(K.linear(x, layer["gate_up"], rows)), layer["down"], rows)
         s = batch.sample_rows
-        x, _ = K.rms_norm(h[s], self.norm, cfg.rms_norm_eps, residual[s])
+        x, _ = norm(h[s], self.norm, eps, residual[s])
         head_rows = None if rows is None else K.RowLayout(s.numel(), (), rows.tile, rows.pad)
         return K.linear(x, self.lm_head, head_rows).float()
+
+    def _rope_write_kv(
+        self,
+        qkv: torch.Tensor,
+        positions: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+    ) -> torch.Tensor:
+        """The reference kernels' RoPE and KV-cache write (what the native call fuses)."""
+        cfg, t = self.cfg, qkv.shape[0]
+        q = qkv[:, : self.q_size].view(t, cfg.num_heads, cfg.head_dim)
+        k = qkv[:, self.q_size : self.q_size + self.kv_size].view(t, cfg.num_kv_heads, cfg.head_dim)
+        v = qkv[:, self.q_size + self.kv_size :].view(t, cfg.num_kv_heads, cfg.head_dim)
+        q, k = K.rotary_embedding(positions, q, k, self.cos_sin)
+        K.write_kv_cache(k, v, k_cache, v_cache, slot_mapping)
+        return q
 
     @torch.inference_mode()
     def forward_device(

@@ -163,6 +163,8 @@ class ModelRunner:
         if native_kernels is None:
             native_kernels = fp32 and cpu_native.available()
         self.decode_fn = cpu_native.paged_decode_attention if native_kernels else None
+        if native_kernels:
+            self.model.use_native_layer_ops()
         self._block_size = block_size
         cfg = config
         per_block = 2 * cfg.num_layers * block_size * cfg.num_kv_heads * cfg.head_dim
@@ -180,13 +182,14 @@ class ModelRunner:
         if self.ops is None:
             log.info(
                 "model ready in %.1fs: %d layers, %d KV blocks x %d tokens, max_model_len %d, "
-                "decode attention %s, GEMMs %s in rows %s",
+                "decode attention %s, layer ops %s, GEMMs %s in rows %s",
                 time.perf_counter() - t0,
                 cfg.num_layers,
                 self._num_blocks,
                 block_size,
                 self._max_model_len,
                 "native" if self.decode_fn else "torch",
+                "native" if self.model.native_layer_ops else "torch",
                 "oneDNN" if packed_gemm else "torch",
                 self.gemm_rows,
             )

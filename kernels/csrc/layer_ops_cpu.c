@@ -1,0 +1,138 @@
+// The elementwise parts of a Llama layer for the CPU path (fp32), each one call instead of the
+// eight to twelve small PyTorch ops it takes in kernels/reference.py. At decode batch sizes a
+// layer's non-GEMM work is a few thousand floats, so its cost is the per-op dispatch (~5 us per
+// PyTorch op, ~70 ops per layer, 30 layers): the fused calls remove most of a step's host time.
+//
+//   kvf_add_rms_norm   residual += x (or residual = x), out = w * (r * rsqrt(mean(r^2) + eps))
+//   kvf_rope_write_kv  q rotated into q_out; k rotated and v copied into the paged KV cache
+//   kvf_silu_mul       out = silu(gate) * up of a fused gate/up projection
+//
+// Every row is computed by the same sequence of operations whatever else is in the call, so a
+// row's result never depends on the batch. Compiled with -ffp-contract=off and without
+// -ffast-math: a multiply and an add stay two rounded IEEE operations in the vector body and in
+// the scalar tail alike (as in PyTorch's own kernels), and sums keep their written order
+// (-fno-trapping-math only lets gcc turn the clamps in exp into vector min/max).
+// Results follow HF's op order (RMSNorm: weight * (x * rsqrt(var + eps)); RoPE: rotate_half);
+// exp is a polynomial (|error| <= 2 ulp) rather than libm's, so that it vectorizes.
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#define LANES 8
+
+// Threads only where the work pays for waking them (a decode row is a few thousand floats).
+#define PAR_MIN_FLOATS (1 << 16)
+
+static inline float kvf_expf(float x) {
+    x = x < -87.0f ? -87.0f : x;
+    x = x > 88.0f ? 88.0f : x;
+    // n = round(x / ln 2) by the 1.5 * 2^23 trick (exact for |x / ln 2| < 2^22)
+    float n = x * 1.44269504088896341f + 12582912.0f;
+    n = n - 12582912.0f;
+    // r = x - n ln 2 in two parts (Cody-Waite), |r| <= ln 2 / 2
+    float r = x - n * 0.693359375f;
+    r = r - n * -2.12194440e-4f;
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    const float y = p * (r * r) + r + 1.0f;
+    const int32_t bits = ((int32_t)n + 127) << 23;  // 2^n, n in [-126, 127]
+    float scale;
+    memcpy(&scale, &bits, sizeof scale);
+    return y * scale;
+}
+
+// x [T, N] (rows x_stride apart); res [T, N] contiguous, updated to x + res (has_res) or set to
+// x; out [T, N] contiguous. Returns 0, or -1 on bad arguments.
+int kvf_add_rms_norm(const float* x, int x_stride, float* res, int has_res, const float* w,
+                     float* out, int T, int N, float eps, int threads) {
+    if (T < 0 || N <= 0 || x_stride < N) return -1;
+#pragma omp parallel for schedule(static) num_threads(threads > 0 ? threads : 1) \
+    if ((long)T * N >= PAR_MIN_FLOATS)
+    for (int t = 0; t < T; t++) {
+        const float* xr = x + (size_t)t * x_stride;
+        float* rr = res + (size_t)t * N;
+        float* o = out + (size_t)t * N;
+        if (has_res) {
+            for (int i = 0; i < N; i++) rr[i] = xr[i] + rr[i];
+        } else if (rr != xr) {
+            memcpy(rr, xr, (size_t)N * sizeof(float));
+        }
+        float acc[LANES] = {0};
+        int i = 0;
+        for (; i + LANES <= N; i += LANES)
+            for (int l = 0; l < LANES; l++) acc[l] = acc[l] + rr[i + l] * rr[i + l];
+        for (int l = 0; i < N; i++, l++) acc[l] = acc[l] + rr[i] * rr[i];
+        const float ss = ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
+        const float inv = 1.0f / sqrtf(ss / (float)N + eps);
+        for (int j = 0; j < N; j++) o[j] = w[j] * (rr[j] * inv);
+    }
+    return 0;
+}
+
+// One token's rotation of `nh` heads of D at src (heads D apart) into dst (heads dst_hs apart):
+// HF's rotate_half, x1 * cos - x2 * sin | x2 * cos + x1 * sin.
+static inline void rotate(const float* src, float* dst, size_t dst_hs, int nh, int D,
+                          const float* cos, const float* sin) {
+    const int half = D / 2;
+    for (int h = 0; h < nh; h++) {
+        const float* s = src + (size_t)h * D;
+        float* d = dst + (size_t)h * dst_hs;
+        for (int i = 0; i < half; i++) {
+            const float x1 = s[i], x2 = s[i + half];
+            d[i] = x1 * cos[i] - x2 * sin[i];
+            d[i + half] = x2 * cos[i] + x1 * sin[i];
+        }
+    }
+}
+
+// qkv [T, (H + 2 Hkv) D] rows row_stride apart (q heads, then k heads, then v heads);
+// positions [T] int64 < max_pos; cos_sin [max_pos, D] (cos of the D/2 frequencies, then sin);
+// q_out [T, H, D]; caches [num_slots, Hkv, D] (flat slots of the paged cache); slots [T] int64,
+// -1: the token's K/V are not stored. Returns 0, -1 on bad arguments, -2 when a position or a
+// slot is out of range (that token is skipped).
+int kvf_rope_write_kv(const float* qkv, int T, int row_stride, int H, int Hkv, int D,
+                      const int64_t* positions, const float* cos_sin, int max_pos, float* q_out,
+                      float* k_cache, float* v_cache, const int64_t* slots, long num_slots,
+                      int threads) {
+    if (T < 0 || H <= 0 || Hkv <= 0 || D <= 0 || D % 2 || row_stride < (H + 2 * Hkv) * D)
+        return -1;
+    int bad = 0;
+    const size_t kv_row = (size_t)Hkv * D;
+#pragma omp parallel for schedule(static) num_threads(threads > 0 ? threads : 1) \
+    if ((long)T * row_stride >= PAR_MIN_FLOATS) reduction(| : bad)
+    for (int t = 0; t < T; t++) {
+        const int64_t p = positions[t], s = slots[t];
+        if (p < 0 || p >= max_pos || s < -1 || s >= num_slots) {
+            bad = 1;
+            continue;
+        }
+        const float* row = qkv + (size_t)t * row_stride;
+        const float* cos = cos_sin + (size_t)p * D;
+        const float* sin = cos + D / 2;
+        rotate(row, q_out + (size_t)t * H * D, D, H, D, cos, sin);
+        if (s >= 0) {
+            rotate(row + (size_t)H * D, k_cache + (size_t)s * kv_row, D, Hkv, D, cos, sin);
+            memcpy(v_cache + (size_t)s * kv_row, row + (size_t)(H + Hkv) * D, kv_row * sizeof(float));
+        }
+    }
+    return bad ? -2 : 0;
+}
+
+// x [T, 2N] rows x_stride apart (gate | up), out [T, N] contiguous:
+// out = gate / (1 + exp(-gate)) * up. Returns 0, or -1 on bad arguments.
+int kvf_silu_mul(const float* x, int T, int N, int x_stride, float* out, int threads) {
+    if (T < 0 || N <= 0 || x_stride < 2 * N) return -1;
+#pragma omp parallel for schedule(static) num_threads(threads > 0 ? threads : 1) \
+    if ((long)T * N >= PAR_MIN_FLOATS)
+    for (int t = 0; t < T; t++) {
+        const float* g = x + (size_t)t * x_stride;
+        const float* u = g + N;
+        float* o = out + (size_t)t * N;
+        for (int i = 0; i < N; i++) o[i] = g[i] / (1.0f + kvf_expf(-g[i])) * u[i];
+    }
+    return 0;
+}
