@@ -75,7 +75,9 @@ def calibrate(
     if max_rows % FALLBACK_TILE:
         raise ValueError(f"max_rows must be a multiple of {FALLBACK_TILE}")
     if all(getattr(w, "batch_invariant", False) for w in weights):
-        return GemmRows(1, max_rows, True)  # kernels that are invariant by construction
+        # kernels invariant by construction, up to the rows where they change method
+        tile = min(getattr(w, "max_invariant_rows", max_rows) for w in weights)
+        return GemmRows(1, min(max_rows, tile), True)
     gen = torch.Generator().manual_seed(seed)
     with torch.inference_mode():
         for pad in CANDIDATE_PADS:

@@ -17,6 +17,11 @@
 // four at a time through each decoded block, so the decode is shared. Elsewhere: each row of W
 // is decoded to fp32 (exactly: d * q has at most 19 significant bits) and dotted in 32 lanes.
 // Both differ from dequantize-then-matmul only in the order of the sums.
+//
+// kvf_quant_matmul_panel (AVX2 only) is the same product for long chunks (prefill), where compute
+// sets the time: each tile of outputs is decoded once into an fp32 panel (k-major, transposed
+// in registers) and every 4 rows of x go through a 4 x 24 register-blocked FMA kernel, each
+// output one fma chain over k in order (so its bits depend on neither M nor the tiling).
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -158,6 +163,137 @@ static inline void rows_for_output(const float* x, int x_stride, const float* xs
     }
     for (int r = 0; r < R; r++) y[(size_t)(m0 + r) * y_stride + n] = hsum8(acc[r]) + msum[r];
 }
+// Weights 8c .. 8c + 7 of a block, w = d * q (+ m), as 8 floats: exact (d * q has at most 19
+// significant bits; Q4_1 adds m in one rounding, as every dequantizer does).
+static inline __m256 chunk_weights(const uint8_t* blk, int type, int c) {
+    const __m256 d = _mm256_set1_ps(_cvtsh_ss(rd16(blk)));
+    if (type == KVF_Q8_0)
+        return _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
+                                    _mm_loadl_epi64((const __m128i*)(blk + 2 + 8 * c)))));
+    // nibble byte i holds element i (low half) and element i + 16 (high half)
+    const uint8_t* q = blk + (type == KVF_Q4_1 ? 4 : 2) + 8 * (c & 1);
+    __m128i b = _mm_loadl_epi64((const __m128i*)q);
+    if (c >= 2) b = _mm_srli_epi16(b, 4);
+    b = _mm_and_si128(b, _mm_set1_epi8(0x0f));
+    __m256 v = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b));
+    if (type == KVF_Q4_0) return _mm256_mul_ps(d, _mm256_sub_ps(v, _mm256_set1_ps(8.0f)));
+    v = _mm256_mul_ps(d, v);
+    if (type == KVF_Q4_1) v = _mm256_add_ps(v, _mm256_set1_ps(_cvtsh_ss(rd16(blk + 2))));
+    return v;
+}
+
+// 8 x 8 transpose: r[i] (8 consecutive k of output i) -> r[k] (8 outputs at one k).
+static inline void transpose8(__m256* r) {
+    __m256 t[8], u[8];
+    for (int i = 0; i < 8; i += 2) {
+        t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);
+        t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
+    }
+    for (int i = 0; i < 8; i += 4) {
+        u[i] = _mm256_shuffle_ps(t[i], t[i + 2], 0x44);
+        u[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], 0xEE);
+        u[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0x44);
+        u[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0xEE);
+    }
+    for (int i = 0; i < 4; i++) {
+        r[i] = _mm256_permute2f128_ps(u[i], u[i + 4], 0x20);
+        r[i + 4] = _mm256_permute2f128_ps(u[i], u[i + 4], 0x31);
+    }
+}
+
+// Decode outputs [n0, n0 + nr) (nr <= nrp, a multiple of 8) into the panel P[k * nrp + j] =
+// W[n0 + j][k]; columns j >= nr are zero.
+static void pack_panel(const uint8_t* w, size_t row_bytes, int bb, int type, int n0, int nr,
+                       int nrp, int nb, float* P) {
+    for (int j8 = 0; j8 < nrp; j8 += 8) {
+        const uint8_t* rows[8];
+        int live = 0;
+        for (int i = 0; i < 8; i++) {
+            const int n = j8 + i < nr ? n0 + j8 + i : -1;
+            rows[i] = n >= 0 ? w + (size_t)n * row_bytes : NULL;
+            live += n >= 0;
+        }
+        for (int b = 0; b < nb; b++)
+            for (int c = 0; c < 4; c++) {
+                __m256 r[8];
+                for (int i = 0; i < 8; i++)
+                    r[i] = i < live ? chunk_weights(rows[i] + (size_t)b * bb, type, c)
+                                    : _mm256_setzero_ps();
+                transpose8(r);
+                float* dst = P + ((size_t)b * QK + 8 * c) * nrp + j8;
+                for (int i = 0; i < 8; i++) _mm256_storeu_ps(dst + (size_t)i * nrp, r[i]);
+            }
+    }
+}
+
+// Each output y[m][n] is one fma chain over k = 0, 1, ..., K-1, the same whatever the tile
+// shape, M or the thread: batch invariant. 4 rows (pointers; repeat one for fewer) x 24 outputs.
+static void micro_4x24(const float* x0, const float* x1, const float* x2, const float* x3,
+                       const float* P, int K, float* out, int os) {
+    __m256 c00 = _mm256_setzero_ps(), c01 = c00, c02 = c00, c10 = c00, c11 = c00, c12 = c00;
+    __m256 c20 = c00, c21 = c00, c22 = c00, c30 = c00, c31 = c00, c32 = c00;
+    for (int k = 0; k < K; k++) {
+        const float* p = P + (size_t)k * 24;
+        const __m256 b0 = _mm256_loadu_ps(p), b1 = _mm256_loadu_ps(p + 8);
+        const __m256 b2 = _mm256_loadu_ps(p + 16);
+        __m256 a = _mm256_broadcast_ss(x0 + k);
+        c00 = _mm256_fmadd_ps(a, b0, c00);
+        c01 = _mm256_fmadd_ps(a, b1, c01);
+        c02 = _mm256_fmadd_ps(a, b2, c02);
+        a = _mm256_broadcast_ss(x1 + k);
+        c10 = _mm256_fmadd_ps(a, b0, c10);
+        c11 = _mm256_fmadd_ps(a, b1, c11);
+        c12 = _mm256_fmadd_ps(a, b2, c12);
+        a = _mm256_broadcast_ss(x2 + k);
+        c20 = _mm256_fmadd_ps(a, b0, c20);
+        c21 = _mm256_fmadd_ps(a, b1, c21);
+        c22 = _mm256_fmadd_ps(a, b2, c22);
+        a = _mm256_broadcast_ss(x3 + k);
+        c30 = _mm256_fmadd_ps(a, b0, c30);
+        c31 = _mm256_fmadd_ps(a, b1, c31);
+        c32 = _mm256_fmadd_ps(a, b2, c32);
+    }
+    _mm256_storeu_ps(out, c00);
+    _mm256_storeu_ps(out + 8, c01);
+    _mm256_storeu_ps(out + 16, c02);
+    out += os;
+    _mm256_storeu_ps(out, c10);
+    _mm256_storeu_ps(out + 8, c11);
+    _mm256_storeu_ps(out + 16, c12);
+    out += os;
+    _mm256_storeu_ps(out, c20);
+    _mm256_storeu_ps(out + 8, c21);
+    _mm256_storeu_ps(out + 16, c22);
+    out += os;
+    _mm256_storeu_ps(out, c30);
+    _mm256_storeu_ps(out + 8, c31);
+    _mm256_storeu_ps(out + 16, c32);
+}
+
+// One row x 64 outputs (8 independent chains: a single row would otherwise wait on latency).
+static void micro_1x64(const float* x, const float* P, int K, float* out) {
+    __m256 c0 = _mm256_setzero_ps(), c1 = c0, c2 = c0, c3 = c0, c4 = c0, c5 = c0, c6 = c0, c7 = c0;
+    for (int k = 0; k < K; k++) {
+        const float* p = P + (size_t)k * 64;
+        const __m256 a = _mm256_broadcast_ss(x + k);
+        c0 = _mm256_fmadd_ps(a, _mm256_loadu_ps(p), c0);
+        c1 = _mm256_fmadd_ps(a, _mm256_loadu_ps(p + 8), c1);
+        c2 = _mm256_fmadd_ps(a, _mm256_loadu_ps(p + 16), c2);
+        c3 = _mm256_fmadd_ps(a, _mm256_loadu_ps(p + 24), c3);
+        c4 = _mm256_fmadd_ps(a, _mm256_loadu_ps(p + 32), c4);
+        c5 = _mm256_fmadd_ps(a, _mm256_loadu_ps(p + 40), c5);
+        c6 = _mm256_fmadd_ps(a, _mm256_loadu_ps(p + 48), c6);
+        c7 = _mm256_fmadd_ps(a, _mm256_loadu_ps(p + 56), c7);
+    }
+    _mm256_storeu_ps(out, c0);
+    _mm256_storeu_ps(out + 8, c1);
+    _mm256_storeu_ps(out + 16, c2);
+    _mm256_storeu_ps(out + 24, c3);
+    _mm256_storeu_ps(out + 32, c4);
+    _mm256_storeu_ps(out + 40, c5);
+    _mm256_storeu_ps(out + 48, c6);
+    _mm256_storeu_ps(out + 56, c7);
+}
 #endif
 
 // x [M, K] fp32 (rows x_stride apart), w [N, K/32 blocks], y [M, N] (rows y_stride apart).
@@ -208,6 +344,64 @@ int kvf_quant_matmul(const float* x, int M, int K, int x_stride, const uint8_t* 
     if (failed) return -2;
 #endif
     return 0;
+}
+
+// The same product for long chunks (prefill): each tile of output rows is decoded once into an
+// fp32 panel held in cache and multiplied by every row of x in a register-blocked kernel, at
+// ~3x the rows kernel's rate for 128+ rows. Every output is one fma chain over k in order, so
+// a row's result depends on neither M nor the tiling (a different order from
+// kvf_quant_matmul's: callers pick one by chunk length, never by batch). Same returns, and -3
+// without AVX2 (callers then use kvf_quant_matmul).
+int kvf_quant_matmul_panel(const float* x, int M, int K, int x_stride, const uint8_t* w, int N,
+                           int type, float* y, int y_stride, int threads) {
+    const int bb = block_bytes(type);
+    if (bb == 0 || K % QK || M < 0 || N < 0 || x_stride < K || y_stride < N) return -1;
+#ifdef KVF_AVX2
+    const int nb = K / QK;
+    const size_t row_bytes = (size_t)nb * bb;
+    // one output tile of nrp (a multiple of 8) per task: M == 1 takes 64 outputs (8 chains
+    // keep the FMA units busy), more rows 24 (4 rows x 3 vectors in registers)
+    const int nrp = M == 1 ? 64 : 24;
+    const int tiles = (N + nrp - 1) / nrp;
+    int failed = 0;
+#pragma omp parallel num_threads(threads > 0 ? threads : 1)
+    {
+        float* P = aligned_alloc(64, ((size_t)K * nrp * sizeof(float) + 63) / 64 * 64);
+        float* tmp = aligned_alloc(64, 4 * (size_t)nrp * sizeof(float));
+        if (!P || !tmp) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp for schedule(static)
+        for (int t = 0; t < tiles; t++) {
+            if (!P || !tmp) continue;
+            const int n0 = t * nrp, nr = N - n0 < nrp ? N - n0 : nrp;
+            pack_panel(w, row_bytes, bb, type, n0, nr, nrp, nb, P);
+            const int direct = nr == nrp;  // a ragged last tile goes through tmp
+            for (int m0 = 0; m0 < M;) {
+                const int R = M == 1 ? 1 : (M - m0 < 4 ? M - m0 : 4);
+                float* o = direct && R == (M == 1 ? 1 : 4) ? y + (size_t)m0 * y_stride + n0 : tmp;
+                const int os = o == tmp ? nrp : y_stride;
+                const float* xr[4];
+                for (int r = 0; r < 4; r++) xr[r] = x + (size_t)(m0 + (r < R ? r : 0)) * x_stride;
+                if (M == 1) micro_1x64(xr[0], P, K, o);
+                else micro_4x24(xr[0], xr[1], xr[2], xr[3], P, K, o, os);
+                if (o == tmp)
+                    for (int r = 0; r < R; r++)
+                        memcpy(y + (size_t)(m0 + r) * y_stride + n0, tmp + (size_t)r * nrp,
+                               (size_t)nr * sizeof(float));
+                m0 += R;
+            }
+        }
+        free(P);
+        free(tmp);
+    }
+    if (failed) return -2;
+    return 0;
+#else
+    (void)x; (void)w; (void)y; (void)y_stride; (void)threads;
+    return -3;
+#endif
 }
 
 // The whole [N, K] weight as fp32 (for long prefill chunks, which run as one dense GEMM).

@@ -11,7 +11,7 @@ from gguf import GGMLQuantizationType as Q
 from gguf.quants import dequantize, quantize
 
 from kernels import cpu_native, cpu_quant
-from kernels.batch_invariance import calibrate
+from kernels.batch_invariance import GemmRows, calibrate
 from kernels.cpu_quant import QuantWeight
 
 pytestmark = pytest.mark.skipif(
@@ -33,22 +33,29 @@ def test_decoding_is_exact_and_products_match_dequantize_then_matmul(qtype: Q) -
     assert torch.equal(qw.dequantize(), dense)
     x = torch.randn(9, 96, generator=torch.Generator().manual_seed(1))
     torch.testing.assert_close(qw(x), x @ dense.T, rtol=1e-5, atol=1e-4)
-    long = torch.randn(cpu_quant.DENSE_ROWS + 3, 96)  # the dense path of long chunks
+    long = torch.randn(cpu_quant.PANEL_ROWS + 3, 96)  # the panel kernel of long chunks
     torch.testing.assert_close(qw(long), long @ dense.T, rtol=1e-5, atol=1e-4)
 
 
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
 def test_a_rows_bits_do_not_depend_on_the_batch(qtype: Q) -> None:
-    qw, _ = _weight(qtype, n=64, k=128, seed=2)
+    qw, _ = _weight(qtype, n=64 + 13, k=128, seed=2)  # a ragged last panel tile
+    tile = cpu_quant.PANEL_ROWS
     x = torch.randn(48, 128, generator=torch.Generator().manual_seed(3))
-    full = qw(x)
-    for m in (1, 2, 5, 17, 48):
+    decode = qw(x[:tile])  # the rows kernel: any subset of a decode tile, in any order
+    for m in (1, 2, 5, tile - 1):
+        idx = torch.randperm(tile)[:m]
+        assert torch.equal(qw(x[:tile][idx]), decode[idx]), m
+    chunk = qw(x)  # the panel kernel (long chunks): a row's bits do not depend on M either
+    for m in (tile + 1, 30):
         idx = torch.randperm(48)[:m]
-        assert torch.equal(qw(x[idx]), full[idx]), m
+        assert torch.equal(qw(x[idx]), chunk[idx]), m
     strided = torch.randn(48, 200)[:, :128].copy_(x)  # rows 200 floats apart
-    assert torch.equal(qw(strided), full)
-    # invariant by construction: calibration has nothing to test
-    assert calibrate([qw], max_rows=64).pad == 1
+    assert torch.equal(qw(strided), chunk)
+    assert torch.equal(qw(strided[:tile]), decode)
+    # invariant by construction: calibration has nothing to test, and decode tiles stay within
+    # the rows kernel
+    assert calibrate([qw], max_rows=64) == GemmRows(1, tile, True)
 
 
 def test_fused_and_permuted_weights_keep_their_blocks() -> None:
@@ -99,18 +106,28 @@ def test_quantization_settings_that_cannot_work_are_refused_with_what_to_change(
         check_quantization("gguf", gguf, cpu, torch.bfloat16)
 
 
-def test_long_chunks_in_a_row_share_one_dequantized_copy(monkeypatch) -> None:  # noqa: ANN001
-    a, da = _weight(Q.Q4_1, seed=7)
-    b, db = _weight(Q.Q8_0, seed=8)
-    calls = []
-    real = QuantWeight.dequantize
-    monkeypatch.setattr(QuantWeight, "dequantize", lambda self: calls.append(self) or real(self))
-    x = torch.randn(cpu_quant.DENSE_ROWS + 1, 96)
-    for _ in range(3):  # three prefill chunks through one weight: decoded once
-        torch.testing.assert_close(a(x), x @ da.T, rtol=1e-5, atol=1e-4)
-    torch.testing.assert_close(b(x), x @ db.T, rtol=1e-5, atol=1e-4)
-    assert calls == [a, b]
-    assert cpu_quant._last_dense[0] is b  # only the last weight is kept
+def _cpu_has(*flags: str) -> bool:
+    try:
+        info = open("/proc/cpuinfo").read()
+    except OSError:
+        return False
+    have = next(
+        (line.split(":", 1)[1].split() for line in info.splitlines() if line.startswith("flags")),
+        [],
+    )
+    return all(f in have for f in flags)
+
+
+def test_the_panel_kernel_is_used_for_long_chunks_and_agrees_with_the_rows_kernel() -> None:
+    qw, dense = _weight(Q.Q4_1, n=100, k=320, seed=7)
+    x = torch.randn(cpu_quant.PANEL_ROWS * 3, 320, generator=torch.Generator().manual_seed(8))
+    if not _cpu_has("avx2", "fma", "f16c"):
+        pytest.skip("the panel kernel needs AVX2, FMA and F16C; long chunks use the rows kernel")
+    assert cpu_quant.panel_available()
+    long, short = qw(x), torch.cat([qw(x[i : i + 4]) for i in range(0, x.shape[0], 4)])
+    assert not torch.equal(long, short)  # two methods (another order of the sums) ...
+    torch.testing.assert_close(long, short, rtol=1e-5, atol=1e-4)  # ... one product
+    torch.testing.assert_close(long, x @ dense.T, rtol=1e-5, atol=1e-4)
 
 
 def test_int8_rounds_every_linear_weight_to_q8_blocks_and_keeps_lookups_dense() -> None:
