@@ -34,9 +34,11 @@ _SRC = Path(__file__).parent / "csrc" / "quant_matmul_cpu.c"
 # no -ffast-math: the sums keep their written order (see the C file)
 _COMPILE_FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-c"]
 QK = 32
-# GGMLQuantizationType value -> bytes per block of 32 weights
-BLOCK_BYTES = {8: 34, 2: 18, 3: 20}  # Q8_0, Q4_0, Q4_1
-TYPE_NAMES = {8: "Q8_0", 2: "Q4_0", 3: "Q4_1"}
+Q4_Z = 1000  # kvflow's own block (no GGUF id): fp16 d, uint8 z, pad, 16 nibble bytes;
+# w = d * (q - z), what GPTQ and AWQ groups are (shared/quantized_checkpoints.py)
+# GGMLQuantizationType value (or Q4_Z) -> bytes per block of 32 weights
+BLOCK_BYTES = {8: 34, 2: 18, 3: 20, Q4_Z: 20}  # Q8_0, Q4_0, Q4_1, Q4_Z
+TYPE_NAMES = {8: "Q8_0", 2: "Q4_0", 3: "Q4_1", Q4_Z: "Q4_Z"}
 PANEL_ROWS = 16  # more rows than this: the panel kernel (decode tiles never have more)
 
 
@@ -76,7 +78,9 @@ class QuantWeight:
     def __post_init__(self) -> None:
         n, k = self.shape
         if self.qtype not in BLOCK_BYTES:
-            raise ValueError(f"quantization type {self.qtype} has no CPU kernel (Q8_0, Q4_0, Q4_1)")
+            raise ValueError(
+                f"quantization type {self.qtype} has no CPU kernel (Q8_0, Q4_0, Q4_1, Q4_Z)"
+            )
         if k % QK:
             raise ValueError(f"K = {k} is not a multiple of {QK}")
         want = (n, k // QK * BLOCK_BYTES[self.qtype])

@@ -21,6 +21,7 @@ import torch
 
 from kernels.cpu_quant import BLOCK_BYTES, QuantWeight
 from shared.model_source import ModelSource
+from shared.quantized_checkpoints import checkpoint_method, quantization_config, read_layer
 
 log = logging.getLogger("kvflow.model")
 
@@ -184,13 +185,17 @@ def load_weights(
     """All weights under HF Llama names, as ``dtype`` (``lm_head.weight`` only if untied, or as
     the embedding's quantized copy when quantized). ``quantization``: ``"gguf"`` keeps a GGUF's
     Q8_0/Q4_0/Q4_1 linear weights in their blocks (``kernels.cpu_quant.QuantWeight``);
-    ``"int8"`` rounds every linear weight to int8 blocks (``quantize_int8``). The embedding
-    stays dense for lookups."""
+    ``"int8"`` rounds every linear weight to int8 blocks (``quantize_int8``); ``"gptq"`` /
+    ``"awq"`` keep such a checkpoint's 4-bit groups as Q4_Z blocks (otherwise its packed layers
+    are dequantized: shared/quantized_checkpoints.py). The embedding stays dense for lookups."""
     t0 = time.perf_counter()
     if src.kind == "gguf":
         weights = _gguf_weights(src.path, cfg, dtype, quantized=quantization == "gguf")
     else:
         weights = _hf_weights(src.path, dtype)
+        method = checkpoint_method(src.path)
+        if method:
+            weights = _quantized_layers(weights, method, src.path, quantization == method, dtype)
         if cfg.tie_word_embeddings:
             weights.pop("lm_head.weight", None)
     if quantization == "int8":
@@ -301,5 +306,26 @@ def _hf_weights(path: Path, dtype: torch.dtype) -> dict[str, torch.Tensor]:
         log.info("loading %s (%d/%d)", name, i + 1, len(files))
         for k, v in load_file(str(path / name)).items():
             if k.startswith("model.") or k == "lm_head.weight":
-                out[k] = v.to(dtype)
+                # GPTQ/AWQ packed ints and fp16 scales stay as stored (_quantized_layers)
+                keep = not v.is_floating_point() or k.endswith(".scales")
+                out[k] = v if keep else v.to(dtype)
+    return out
+
+
+def _quantized_layers(
+    weights: dict[str, torch.Tensor], method: str, path: Path, keep: bool, dtype: torch.dtype
+) -> dict[str, torch.Tensor | QuantWeight]:
+    """A GPTQ/AWQ checkpoint's packed layers as ``X.weight``: Q4_Z blocks when ``keep``
+    (``--quantization gptq|awq``, the CPU path), else dequantized to ``dtype``."""
+    qcfg = quantization_config(path)
+    out: dict[str, torch.Tensor | QuantWeight] = {}
+    layers = sorted({k.removesuffix(".qweight") for k in weights if k.endswith(".qweight")})
+    parts = ("qweight", "qzeros", "scales", "g_idx")
+    for prefix in layers:
+        tensors = {p: weights[f"{prefix}.{p}"] for p in parts if f"{prefix}.{p}" in weights}
+        w = read_layer(method, tensors, qcfg, keep)
+        out[f"{prefix}.weight"] = w if isinstance(w, QuantWeight) else w.to(dtype)
+    packed = {f"{prefix}.{p}" for prefix in layers for p in parts}
+    out |= {k: v for k, v in weights.items() if k not in packed}
+    log.info("%s checkpoint: %d packed 4-bit layers read (%s)", method, len(layers), qcfg)
     return out

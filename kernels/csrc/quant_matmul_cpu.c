@@ -5,6 +5,8 @@
 //   Q8_0: fp16 d, int8 q[32]                    w = d * q
 //   Q4_0: fp16 d, uint8 nibbles[16]             w = d * (q - 8)
 //   Q4_1: fp16 d, fp16 m, uint8 nibbles[16]     w = d * q + m
+//   Q4_Z: fp16 d, uint8 z, pad, uint8 nibbles[16]  w = d * (q - z)   (kvflow's own, not GGUF's:
+//         GPTQ and AWQ 4-bit groups with their integer zero points, shared/quantized_checkpoints.py)
 // (nibble i holds element i in its low half and element i + 16 in its high half).
 //
 // Every output y[m, n] is computed by the same sequence of operations whatever else is in the
@@ -32,7 +34,7 @@
 
 #define QK 32
 
-enum { KVF_Q8_0 = 8, KVF_Q4_0 = 2, KVF_Q4_1 = 3 };  // GGMLQuantizationType values
+enum { KVF_Q8_0 = 8, KVF_Q4_0 = 2, KVF_Q4_1 = 3, KVF_Q4_Z = 1000 };  // GGML types; Q4_Z ours
 
 static inline float fp16_to_fp32(uint16_t h) {
     uint32_t sign = (uint32_t)(h & 0x8000) << 16;
@@ -66,6 +68,7 @@ static int block_bytes(int type) {
         case KVF_Q8_0: return 2 + QK;
         case KVF_Q4_0: return 2 + QK / 2;
         case KVF_Q4_1: return 4 + QK / 2;
+        case KVF_Q4_Z: return 4 + QK / 2;
         default: return 0;
     }
 }
@@ -87,6 +90,13 @@ static void decode_row(const uint8_t* row, int nb, int type, float* out) {
             for (int i = 0; i < QK / 2; i++) {
                 o[i] = d * (float)((int)(q[i] & 0x0f) - 8);
                 o[i + QK / 2] = d * (float)((int)(q[i] >> 4) - 8);
+            }
+        } else if (type == KVF_Q4_Z) {
+            const int z = blk[2];
+            const uint8_t* q = blk + 4;
+            for (int i = 0; i < QK / 2; i++) {
+                o[i] = d * (float)((int)(q[i] & 0x0f) - z);
+                o[i + QK / 2] = d * (float)((int)(q[i] >> 4) - z);
             }
         } else {
             const float m = fp16_to_fp32(rd16(blk + 2));
@@ -117,14 +127,14 @@ static inline void block_values(const uint8_t* blk, int type, __m256* v) {
             v[j] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)(q + 8 * j))));
         return;
     }
-    const __m128i raw = _mm_loadu_si128((const __m128i*)(blk + (type == KVF_Q4_1 ? 4 : 2)));
+    const __m128i raw = _mm_loadu_si128((const __m128i*)(blk + (type == KVF_Q4_0 ? 2 : 4)));
     const __m128i mask = _mm_set1_epi8(0x0f);
     __m128i lo = _mm_and_si128(raw, mask);                     // elements 0..15
     __m128i hi = _mm_and_si128(_mm_srli_epi16(raw, 4), mask);  // elements 16..31
-    if (type == KVF_Q4_0) {
-        const __m128i eight = _mm_set1_epi8(8);
-        lo = _mm_sub_epi8(lo, eight);
-        hi = _mm_sub_epi8(hi, eight);
+    if (type == KVF_Q4_0 || type == KVF_Q4_Z) {  // q - 8, q - z: exact small integers
+        const __m128i zero = _mm_set1_epi8((char)(type == KVF_Q4_0 ? 8 : blk[2]));
+        lo = _mm_sub_epi8(lo, zero);
+        hi = _mm_sub_epi8(hi, zero);
     }
     v[0] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(lo));
     v[1] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(lo, 8)));
@@ -171,10 +181,11 @@ static inline __m256 chunk_weights(const uint8_t* blk, int type, int c) {
         return _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
                                     _mm_loadl_epi64((const __m128i*)(blk + 2 + 8 * c)))));
     // nibble byte i holds element i (low half) and element i + 16 (high half)
-    const uint8_t* q = blk + (type == KVF_Q4_1 ? 4 : 2) + 8 * (c & 1);
+    const uint8_t* q = blk + (type == KVF_Q4_0 ? 2 : 4) + 8 * (c & 1);
     __m128i b = _mm_loadl_epi64((const __m128i*)q);
     if (c >= 2) b = _mm_srli_epi16(b, 4);
     b = _mm_and_si128(b, _mm_set1_epi8(0x0f));
+    if (type == KVF_Q4_Z) b = _mm_sub_epi8(b, _mm_set1_epi8((char)blk[2]));
     __m256 v = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b));
     if (type == KVF_Q4_0) return _mm256_mul_ps(d, _mm256_sub_ps(v, _mm256_set1_ps(8.0f)));
     v = _mm256_mul_ps(d, v);

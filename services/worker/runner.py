@@ -46,30 +46,48 @@ from shared.messages import (
 )
 from shared.model_loader import ModelConfig, load_config, load_weights
 from shared.model_source import ModelSource
+from shared.quantized_checkpoints import METHODS, checkpoint_method
 
 log = logging.getLogger("kvflow.worker")
 
 
-QUANTIZATIONS = ("", "gguf", "int8")
+QUANTIZATIONS = ("", "gguf", "int8", "gptq", "awq")
 
 
 def check_quantization(
     quantization: str, src: ModelSource | None, device: torch.device, dtype: torch.dtype
-) -> None:
-    """``--quantization`` fits the model and device, or a ValueError that says what to change.
+) -> str:
+    """The weight scheme to load with, or a ValueError that says what to change.
+
     ``gguf`` keeps a GGUF's Q8_0/Q4_0/Q4_1 linear weights quantized; ``int8`` quantizes any
-    checkpoint's linear weights to int8 blocks at load (shared/model_loader.quantize_int8).
-    Both run kernels/cpu_quant.py: the CPU path, fp32 activations."""
+    checkpoint's linear weights to int8 blocks at load (shared/model_loader.quantize_int8);
+    ``gptq`` / ``awq`` serve such a 4-bit checkpoint's groups in place
+    (shared/quantized_checkpoints.py). All run kernels/cpu_quant.py: the CPU path, fp32
+    activations. As in vLLM, a GPTQ or AWQ checkpoint needs no flag: ``""`` becomes its method
+    on the CPU in fp32, and elsewhere its weights are dequantized to ``dtype`` at load."""
     if quantization not in QUANTIZATIONS:
         raise ValueError(f"--quantization must be one of {QUANTIZATIONS[1:]} or empty")
+    method = checkpoint_method(src.path) if src is not None and src.kind == "hf" else ""
+    if quantization in METHODS and quantization != method:
+        what = f"a {method} checkpoint" if method else f"not a {quantization} checkpoint"
+        raise ValueError(
+            f"--quantization {quantization}: {src.path if src else 'the model'} is {what}"
+        )
+    cpu_fp32 = device.type == "cpu" and dtype == torch.float32
+    if not quantization and method:
+        if not (cpu_fp32 and cpu_quant.available()):
+            log.warning("%s checkpoint: weights dequantized to %s on %s", method, dtype, device)
+            return ""
+        quantization = method
     if not quantization:
-        return
+        return ""
     if quantization == "gguf" and src is not None and src.kind != "gguf":
         raise ValueError(f"--quantization gguf needs a .gguf model; {src.path} is not one")
-    if device.type != "cpu" or dtype != torch.float32:
+    if not cpu_fp32:
         raise ValueError(f"--quantization {quantization} runs on the CPU in float32 (--device cpu)")
     if not cpu_quant.available():
         raise ValueError(f"--quantization {quantization} needs a C compiler (install gcc)")
+    return quantization
 
 
 @dataclass
@@ -135,7 +153,7 @@ class ModelRunner:
         t0 = time.perf_counter()
         self.device = torch.device(device)
         backend = backend or default_backend(self.device)
-        check_quantization(quantization, src, self.device, dtype)
+        quantization = check_quantization(quantization, src, self.device, dtype)
         if backend == "reference" and self.device.type != "cpu":
             raise ValueError(f"the reference (CPU) path cannot run on {self.device}")
         self.ops: KernelBackend | None = get_backend(backend) if backend != "reference" else None
