@@ -139,11 +139,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "what",
         nargs="?",
-        choices=["compare", "pipeline", "quality"],
+        choices=["compare", "pipeline", "quality", "llamacpp"],
         default="compare",
         help="compare (default): kvflow vs Hugging Face; pipeline: the stack with a simulated "
         "worker at several concurrencies, with CPU per token of each service; quality: "
-        "perplexity and top-1 agreement of each --quantization against fp32",
+        "perplexity and top-1 agreement of each --quantization against fp32; llamacpp: "
+        "kvflow and llama.cpp's llama-server on the same GGUF at 1, 16 and 64 in flight",
     )
     p.add_argument("--url", default=None, help="a running kvflow (default: start one)")
     p.add_argument("--model", default="", help="model path (default: SmolLM2 from the wheel)")
@@ -165,6 +166,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     from services import bench_quality
 
     bench_quality.add_arguments(p.add_argument_group("quality"))
+    from services import bench_llamacpp
+
+    bench_llamacpp.add_arguments(p.add_argument_group("llamacpp"))
 
 
 def main(args: argparse.Namespace) -> int:
@@ -176,6 +180,10 @@ def main(args: argparse.Namespace) -> int:
         from services import bench_quality
 
         return bench_quality.main(args)
+    if args.what == "llamacpp":
+        from services import bench_llamacpp
+
+        return bench_llamacpp.main(args)
     src = resolve_model(args.model)
     tok = load_tokenizer(src)
     span = lambda s: tuple(int(x) for x in s.split(":"))  # noqa: E731

@@ -68,19 +68,22 @@ async def one_request(
         body["ignore_eos"] = True
     start = time.perf_counter()
     ttft = None
-    tokens = 0
+    tokens = chunks = 0
     async with client.stream("POST", f"{base}/v1/completions", json=body) as r:
         r.raise_for_status()
         async for line in r.aiter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
             chunk = json.loads(line[6:])
-            if chunk.get("choices") and chunk["choices"][0].get("text") and ttft is None:
-                ttft = time.perf_counter() - start
+            if chunk.get("choices") and chunk["choices"][0].get("text"):
+                chunks += 1
+                if ttft is None:
+                    ttft = time.perf_counter() - start
             if chunk.get("usage"):
                 tokens = chunk["usage"]["completion_tokens"]
     end = time.perf_counter() - start
-    return RequestStats(ttft if ttft is not None else end, end, tokens)
+    # servers that send no usage: one token per chunk with text (what streaming servers send)
+    return RequestStats(ttft if ttft is not None else end, end, tokens or chunks)
 
 
 async def run_load(
@@ -90,15 +93,18 @@ async def run_load(
     concurrency: int,
     name: str = "kvflow",
     ignore_eos: bool = True,
+    warmup: str | list[int] | None = None,
 ) -> RunSummary:
-    """Send every (prompt, max_tokens) of ``workload`` with at most ``concurrency`` in flight."""
+    """Send every (prompt, max_tokens) of ``workload`` with at most ``concurrency`` in flight,
+    after one warm-up request (``warmup``, default the first prompt)."""
     sem = asyncio.Semaphore(concurrency)
     done = 0
 
     async with httpx.AsyncClient(timeout=600) as client:
         # one warm-up request first: lazy start-up work (model load on first use, allocator
         # growth) is not what the run measures
-        await one_request(client, base, model, workload[0][0], 2, ignore_eos)
+        first = workload[0][0] if warmup is None else warmup
+        await one_request(client, base, model, first, 2, ignore_eos)
 
         async def guarded(p: str | list[int], n: int) -> RequestStats:
             nonlocal done

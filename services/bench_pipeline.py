@@ -218,14 +218,17 @@ def print_runs(title: str, runs: list[PipelineRun]) -> None:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--concurrency", default="1,32,256", help="streams in flight, comma-separated")
+    # shared with `kvflow bench llamacpp` (other defaults there: None means the tool's own)
+    p.add_argument(
+        "--concurrency", default=None, help="streams in flight, comma-separated (1,32,256)"
+    )
     p.add_argument(
         "--sim-step-ms",
         default="0",
         help="model time per step of the simulated worker; comma-separated for several stacks",
     )
-    p.add_argument("--input-len", type=int, default=32, help="prompt tokens (random ids)")
-    p.add_argument("--output-len", type=int, default=256, help="output tokens (EOS ignored)")
+    p.add_argument("--input-len", type=int, default=None, help="prompt tokens, random ids (32)")
+    p.add_argument("--output-len", type=int, default=None, help="output tokens, no EOS (256)")
     p.add_argument(
         "--requests-per-stream",
         type=float,
@@ -236,6 +239,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def main(args: argparse.Namespace) -> int:
     from shared.model_source import resolve_model
+
+    args.concurrency = args.concurrency or "1,32,256"
+    args.input_len = args.input_len or 32
+    args.output_len = args.output_len or 256
 
     model = resolve_model(args.model).name
     levels = [int(c) for c in args.concurrency.split(",") if c.strip()]
