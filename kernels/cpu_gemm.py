@@ -1,4 +1,13 @@
-"""Linear-layer weights pre-packed for oneDNN, the CPU GEMM path of the worker.
+"""Linear-layer weights pre-packed for the CPU GEMM path of the worker: in kvflow's own panels
+(``PanelWeight``, where the CPU has AVX2 and FMA) or for oneDNN (``PackedWeight``, elsewhere).
+
+``PanelWeight`` keeps the weight as k-major panels of 24 outputs, multiplied by the 4 x 24
+register-blocked FMA kernel of csrc/quant_matmul_cpu.c (the one that also serves quantized
+weights' long chunks). Each output is one FMA chain over k in order, so a row's bits depend on
+nothing else in the call: batch invariant for any row count, with nothing to calibrate, and the
+same bits whether a token is decoded or part of a prefill chunk. Measured on this project's
+2-core AMD EPYC against oneDNN on SmolLM2's layers: ~2x the rate at 16 rows, the same at 1 row
+(where the bytes set the time); docs/benchmarks.md has the figures.
 
 torch's default CPU GEMM is MKL, which re-packs the weight on every call and, on AMD CPUs,
 takes slower code paths; oneDNN (also inside torch) keeps the weight in its own blocked layout
@@ -12,6 +21,10 @@ GEMM actually used (kernels/batch_invariance.py).
 from __future__ import annotations
 
 import torch
+
+from kernels import cpu_quant
+
+PANEL = 24  # outputs per panel (the kernel's register block)
 
 
 def onednn_available() -> bool:
@@ -41,3 +54,52 @@ class PackedWeight:
 
     def __repr__(self) -> str:
         return f"PackedWeight{self.shape}"
+
+
+def panel_available() -> bool:
+    """Whether the panel kernel runs here (AVX2, FMA and F16C, and a C compiler)."""
+    return cpu_quant.panel_available()
+
+
+class PanelWeight:
+    """A linear weight ``[N, K]`` fp32 as panels ``[ceil(N / 24), K, 24]`` (zero past N);
+    ``w(x)`` is ``x @ weight.T`` for fp32 ``x`` ``[M, K]``, batch invariant for any M."""
+
+    batch_invariant = True  # kernels/batch_invariance.py: nothing to calibrate
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        if weight.dim() != 2 or weight.dtype != torch.float32:
+            raise ValueError("PanelWeight takes a 2-D fp32 weight")
+        n, k = weight.shape
+        tiles = -(-n // PANEL)
+        padded = torch.zeros(tiles * PANEL, k, dtype=torch.float32)
+        padded[:n] = weight
+        self.panels = padded.view(tiles, PANEL, k).transpose(1, 2).contiguous()
+        self.shape = (n, k)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        n, k = self.shape
+        if x.dtype != torch.float32 or x.dim() != 2 or x.shape[1] != k:
+            raise ValueError(f"x must be fp32 [M, {k}], got {x.dtype} {tuple(x.shape)}")
+        x = x if x.stride(1) == 1 else x.contiguous()
+        m = x.shape[0]
+        y = torch.empty(m, n, dtype=torch.float32)
+        if m == 0:
+            return y
+        rc = cpu_quant.load().kvf_panel_matmul_f32(
+            x.data_ptr(),
+            m,
+            k,
+            x.stride(0),
+            self.panels.data_ptr(),
+            n,
+            y.data_ptr(),
+            n,
+            torch.get_num_threads(),
+        )
+        if rc != 0:
+            raise ValueError(f"kvf_panel_matmul_f32 refused its arguments ({rc})")
+        return y
+
+    def __repr__(self) -> str:
+        return f"PanelWeight{self.shape}"

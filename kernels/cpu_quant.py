@@ -54,6 +54,8 @@ def load() -> ctypes.CDLL | None:
     lib.kvf_quant_matmul.argtypes = [p, i, i, i, p, i, i, p, i, i]
     lib.kvf_quant_matmul_panel.restype = i
     lib.kvf_quant_matmul_panel.argtypes = [p, i, i, i, p, i, i, p, i, i]
+    lib.kvf_panel_matmul_f32.restype = i
+    lib.kvf_panel_matmul_f32.argtypes = [p, i, i, i, p, i, p, i, i]
     lib.kvf_dequantize.restype = i
     lib.kvf_dequantize.argtypes = [p, i, i, i, p, i]
     return lib

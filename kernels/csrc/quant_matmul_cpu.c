@@ -281,6 +281,21 @@ static void micro_4x24(const float* x0, const float* x1, const float* x2, const 
     _mm256_storeu_ps(out + 16, c32);
 }
 
+// One row x 24 outputs: the 4 x 24 kernel's chains for a single row (no wasted rows).
+static void micro_1x24(const float* x, const float* P, int K, float* out) {
+    __m256 c0 = _mm256_setzero_ps(), c1 = c0, c2 = c0;
+    for (int k = 0; k < K; k++) {
+        const float* p = P + (size_t)k * 24;
+        const __m256 a = _mm256_broadcast_ss(x + k);
+        c0 = _mm256_fmadd_ps(a, _mm256_loadu_ps(p), c0);
+        c1 = _mm256_fmadd_ps(a, _mm256_loadu_ps(p + 8), c1);
+        c2 = _mm256_fmadd_ps(a, _mm256_loadu_ps(p + 16), c2);
+    }
+    _mm256_storeu_ps(out, c0);
+    _mm256_storeu_ps(out + 8, c1);
+    _mm256_storeu_ps(out + 16, c2);
+}
+
 // One row x 64 outputs (8 independent chains: a single row would otherwise wait on latency).
 static void micro_1x64(const float* x, const float* P, int K, float* out) {
     __m256 c0 = _mm256_setzero_ps(), c1 = c0, c2 = c0, c3 = c0, c4 = c0, c5 = c0, c6 = c0, c7 = c0;
@@ -411,6 +426,43 @@ int kvf_quant_matmul_panel(const float* x, int M, int K, int x_stride, const uin
     return 0;
 #else
     (void)x; (void)w; (void)y; (void)y_stride; (void)threads;
+    return -3;
+#endif
+}
+
+// y = x @ W.T for an fp32 weight prepacked in panels (kernels/cpu_gemm.py PanelWeight):
+// P[t][k][j] = W[24 t + j][k], zero past N. The same 4 x 24 kernel as the quantized panels, so
+// every output is one fma chain over k in order: a row's bits depend on nothing else in the
+// call (batch invariant for any M, no calibration). Returns 0, -1 on bad arguments, -3 without
+// AVX2 (callers then use oneDNN).
+int kvf_panel_matmul_f32(const float* x, int M, int K, int x_stride, const float* P, int N,
+                         float* y, int y_stride, int threads) {
+    if (M < 0 || N < 0 || K <= 0 || x_stride < K || y_stride < N) return -1;
+#ifdef KVF_AVX2
+    const int nrp = 24, tiles = (N + nrp - 1) / nrp;
+#pragma omp parallel for schedule(static) num_threads(threads > 0 ? threads : 1) \
+    if ((long)tiles * K * (M < 4 ? 4 : M) >= (1 << 16))
+    for (int t = 0; t < tiles; t++) {
+        const int n0 = t * nrp, nr = N - n0 < nrp ? N - n0 : nrp;
+        const float* panel = P + (size_t)t * K * nrp;
+        float tmp[4 * 24];
+        for (int m0 = 0; m0 < M; m0 += 4) {
+            const int R = M - m0 < 4 ? M - m0 : 4;
+            const float* xr[4];
+            for (int r = 0; r < 4; r++) xr[r] = x + (size_t)(m0 + (r < R ? r : 0)) * x_stride;
+            const int direct = nr == nrp && (R == 4 || R == 1);
+            float* o = direct ? y + (size_t)m0 * y_stride + n0 : tmp;
+            if (R == 1) micro_1x24(xr[0], panel, K, o);
+            else micro_4x24(xr[0], xr[1], xr[2], xr[3], panel, K, o, direct ? y_stride : nrp);
+            if (!direct)
+                for (int r = 0; r < R; r++)
+                    memcpy(y + (size_t)(m0 + r) * y_stride + n0, tmp + r * nrp,
+                           (size_t)nr * sizeof(float));
+        }
+    }
+    return 0;
+#else
+    (void)x; (void)P; (void)y; (void)threads;
     return -3;
 #endif
 }

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 from kernels import cpu_layer_ops
 from kernels import reference as K
-from kernels.cpu_gemm import PackedWeight
+from kernels.cpu_gemm import PackedWeight, PanelWeight, panel_available
 from kernels.cpu_quant import QuantWeight
 from kernels.ops import KernelBackend
 from services.worker.step_inputs import DeviceBatch
@@ -60,11 +60,11 @@ class LlamaModel(torch.nn.Module):
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
         self.embed = weights["model.embed_tokens.weight"]
         # tied: the embedding itself, or its quantized copy (--quantization gguf)
-        self.lm_head: torch.Tensor | PackedWeight | QuantWeight = weights.get(
+        self.lm_head: torch.Tensor | PackedWeight | PanelWeight | QuantWeight = weights.get(
             "lm_head.weight", self.embed
         )
         self.norm = weights["model.norm.weight"]
-        self.layers: list[dict[str, torch.Tensor | PackedWeight]] = []
+        self.layers: list[dict[str, torch.Tensor | PackedWeight | PanelWeight]] = []
         for i in range(cfg.num_layers):
             p = f"model.layers.{i}."
             w = {n: weights[p + n + ".weight"] for n in _LAYER_NAMES}
@@ -93,16 +93,20 @@ class LlamaModel(torch.nn.Module):
     def device(self) -> torch.device:
         return self.embed.device
 
-    def pack_weights(self) -> None:
-        """Hold every linear weight in oneDNN's layout (kernels/cpu_gemm.py); the embedding
-        stays dense for lookups, so a tied lm_head gets a packed copy of its own."""
+    def pack_weights(self) -> str:
+        """Hold every dense linear weight pre-packed for the CPU: kvflow's panels where the
+        panel kernel runs (kernels/cpu_gemm.py ``PanelWeight``: batch invariant by
+        construction), else oneDNN's layout. The embedding stays dense for lookups, so a tied
+        lm_head gets a packed copy of its own. Returns which ("panels" or "oneDNN")."""
+        pack = PanelWeight if panel_available() else PackedWeight
         for layer in self.layers:
             for name in ("qkv", "o", "gate_up", "down"):
                 w = layer[name]
                 if isinstance(w, torch.Tensor):
-                    layer[name] = PackedWeight(w)
+                    layer[name] = pack(w)
         if isinstance(self.lm_head, torch.Tensor):
-            self.lm_head = PackedWeight(self.lm_head)
+            self.lm_head = pack(self.lm_head)
+        return "panels" if pack is PanelWeight else "oneDNN"
 
     def use_native_layer_ops(self) -> bool:
         """Run RMSNorm, RoPE with the KV write and SiLU-and-multiply of ``forward`` as one C
@@ -112,9 +116,9 @@ class LlamaModel(torch.nn.Module):
         )
         return self.native_layer_ops
 
-    def linear_weights(self) -> list[torch.Tensor | PackedWeight]:
+    def linear_weights(self) -> list[torch.Tensor | PackedWeight | PanelWeight]:
         """One linear weight of each distinct shape (what batch-invariance calibration tests)."""
-        seen: dict[tuple[int, ...], torch.Tensor | PackedWeight] = {}
+        seen: dict[tuple[int, ...], torch.Tensor | PackedWeight | PanelWeight] = {}
         for w in (*(self.layers[0][n] for n in ("qkv", "o", "gate_up", "down")), self.lm_head):
             seen.setdefault(tuple(w.shape), w)
         return list(seen.values())

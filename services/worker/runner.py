@@ -69,7 +69,7 @@ def check_quantization(
         raise ValueError(f"--quantization must be one of {QUANTIZATIONS[1:]} or empty")
     method = checkpoint_method(src.path) if src is not None and src.kind == "hf" else ""
     if quantization in METHODS and quantization != method:
-        what = f"a {method} checkpoint" if method else f"not a {quantization} checkpoint"
+        what = f"a {method} checkpoint" if method else f"not quantized with {quantization}"
         raise ValueError(
             f"--quantization {quantization}: {src.path if src else 'the model'} is {what}"
         )
@@ -141,7 +141,7 @@ class ModelRunner:
     ) -> None:
         """``batch_invariant``: run GEMMs in a row layout that keeps each sequence's logits
         independent of the batch (``gemm_rows``, or calibrated here when None). ``native_kernels``:
-        the C decode-attention kernel; ``packed_gemm``: oneDNN-packed linear weights (None for
+        the C decode-attention kernel; ``packed_gemm``: pre-packed linear weights (None for
         either: when available and the model is fp32). These three are the CPU path's.
 
         ``device``: where weights and KV cache live. ``backend``: ``"reference"`` (the CPU
@@ -170,9 +170,8 @@ class ModelRunner:
         self.model = LlamaModel(config, weights)
         fp32 = self.model.dtype == torch.float32 and self.ops is None
         if packed_gemm is None:
-            packed_gemm = fp32 and cpu_gemm.onednn_available()
-        if packed_gemm:
-            self.model.pack_weights()
+            packed_gemm = fp32 and (cpu_gemm.panel_available() or cpu_gemm.onednn_available())
+        gemm = self.model.pack_weights() if packed_gemm else "torch"
         self.worker_id = worker_id
         batch_invariant = batch_invariant and self.ops is None  # a CPU-path property
         if batch_invariant and gemm_rows is None:
@@ -208,7 +207,7 @@ class ModelRunner:
                 self._max_model_len,
                 "native" if self.decode_fn else "torch",
                 "native" if self.model.native_layer_ops else "torch",
-                "oneDNN" if packed_gemm else "torch",
+                gemm,
                 self.gemm_rows,
             )
         else:

@@ -97,6 +97,8 @@ def test_quantization_settings_that_cannot_work_are_refused_with_what_to_change(
     check_quantization("", hf, cpu, torch.bfloat16)  # nothing asked, nothing checked
     check_quantization("gguf", gguf, cpu, torch.float32)
     with pytest.raises(ValueError, match="must be one of"):
+        check_quantization("fp8", gguf, cpu, torch.float32)
+    with pytest.raises(ValueError, match="not quantized with awq"):
         check_quantization("awq", gguf, cpu, torch.float32)
     with pytest.raises(ValueError, match="needs a .gguf model"):
         check_quantization("gguf", hf, cpu, torch.float32)
