@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import time
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 
 import httpx
@@ -35,6 +37,7 @@ class RunSummary:
     ttft_p99_s: float
     tpot_p50_s: float
     tpot_p99_s: float
+    latency_mean_s: float = math.nan  # end to end: request sent to its last chunk
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
@@ -75,6 +78,8 @@ async def one_request(
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
             chunk = json.loads(line[6:])
+            if chunk.get("error"):  # a failure reported inside a 200 stream (llama-server does)
+                raise RuntimeError(f"{base}: {chunk['error']}")
             if chunk.get("choices") and chunk["choices"][0].get("text"):
                 chunks += 1
                 if ttft is None:
@@ -93,18 +98,22 @@ async def run_load(
     concurrency: int,
     name: str = "kvflow",
     ignore_eos: bool = True,
-    warmup: str | list[int] | None = None,
+    warmup: Sequence[str | list[int]] = (),
+    warmup_tokens: int = 2,
 ) -> RunSummary:
     """Send every (prompt, max_tokens) of ``workload`` with at most ``concurrency`` in flight,
-    after one warm-up request (``warmup``, default the first prompt)."""
+    after warm-up requests that are not counted: the ``warmup`` prompts all at once (default:
+    the first prompt of the workload), ``warmup_tokens`` tokens each."""
     sem = asyncio.Semaphore(concurrency)
     done = 0
 
     async with httpx.AsyncClient(timeout=600) as client:
-        # one warm-up request first: lazy start-up work (model load on first use, allocator
-        # growth) is not what the run measures
-        first = workload[0][0] if warmup is None else warmup
-        await one_request(client, base, model, first, 2, ignore_eos)
+        # warm-up first: lazy start-up work (model load on first use, allocator growth) is not
+        # what the run measures
+        warm = list(warmup) or [workload[0][0]]
+        await asyncio.gather(
+            *(one_request(client, base, model, p, warmup_tokens, ignore_eos) for p in warm)
+        )
 
         async def guarded(p: str | list[int], n: int) -> RequestStats:
             nonlocal done
@@ -140,4 +149,5 @@ def summarize(
         ttft_p99_s=percentile(ttft, 99),
         tpot_p50_s=percentile(tpot, 50),
         tpot_p99_s=percentile(tpot, 99),
+        latency_mean_s=sum(s.latency_s for s in stats) / len(stats) if stats else math.nan,
     )

