@@ -510,6 +510,17 @@ class MetricsReport(_Msg, tag=31):
     text: bytes
 
 
+class Ping(_Msg, tag=32):
+    """Sent on ``kvflow.ping.<service>`` (request/reply, the service's queue group): one ready
+    instance of that service answers with a Pong. The gateway's /health asks the services that
+    have no other request/reply (tokenizer, detokenizer) whether one of them is there."""
+
+
+class Pong(_Msg, tag=33):
+    service: str
+    instance: str
+
+
 Message = (
     GenerateRequest
     | TokenizedRequest
@@ -535,6 +546,8 @@ Message = (
     | DetokenizeResult
     | MetricsRequest
     | MetricsReport
+    | Ping
+    | Pong
 )
 
 _encoder = msgspec.msgpack.Encoder()

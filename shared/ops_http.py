@@ -5,7 +5,9 @@ NATS outage, which a service rides out by reconnecting, does not get every pod r
 ``GET /metrics`` (Prometheus text: the default registry, i.e. process metrics, the bus's
 dropped-message counter, its traffic and backlog, and the series the service registers in
 ``registry``). Given the service's bus, it also answers the gateway's whole-stack metrics
-requests on ``kvflow.metrics`` with the same text (shared/metrics.py).
+requests on ``kvflow.metrics`` with the same text (shared/metrics.py), and while it is ready
+the gateway's Ping on ``kvflow.ping.<service>`` (its /health asks whether a tokenizer and a
+detokenizer are there).
 
 It runs uvicorn + starlette in a daemon thread with its own event loop, so it answers while the
 service loads its model or its loop is busy. ``--ops-port 0`` (the default) turns it off.
@@ -34,7 +36,9 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from shared import subjects
 from shared.bus import Bus
+from shared.messages import Ping, Pong
 from shared.metrics import BusCollector, answer_metrics, instance_id
 
 log = logging.getLogger("kvflow.ops")
@@ -96,7 +100,19 @@ class OpsServer:
                 pass
             else:
                 bus.spawn(answer_metrics(bus, self.service, instance_id(bus.name), self.render))
+                bus.spawn(self._answer_pings(bus))
         self.bus = bus
+
+    async def _answer_pings(self, bus: Bus) -> None:
+        """Every ready instance answers Ping (no queue group: a draining instance stays silent
+        while a ready one answers, and the asker takes the first Pong)."""
+        instance = instance_id(bus.name)
+
+        async def on_ping(msg: object, raw) -> None:  # noqa: ANN001 - a nats Msg
+            if isinstance(msg, Ping) and self.is_ready():
+                await bus.reply(raw, Pong(self.service, instance))
+
+        await bus.subscribe(subjects.ping(self.service), on_ping)
 
     def render(self) -> bytes:
         """This service's /metrics text."""

@@ -18,6 +18,12 @@ KV_DONE = f"{PREFIX}.kv.done"  # KvTransferDone: decode worker -> scheduler
 METRICS = f"{PREFIX}.metrics"
 
 
+def ping(service: str) -> str:
+    """Where one ready instance of ``service`` answers Ping with Pong (queue group: the
+    service's name)."""
+    return f"{PREFIX}.ping.{service}"
+
+
 def worker_step(worker_id: str) -> str:
     """Where a worker receives its StepPlans."""
     return f"{PREFIX}.worker.{worker_id}.step"

@@ -8,6 +8,7 @@ body models (openapi.py) and the response models (schemas.py)."""
 
 from __future__ import annotations
 
+import asyncio
 import inspect
 import time
 from collections.abc import AsyncIterator
@@ -326,11 +327,18 @@ def create_app(settings: Settings, bus: Bus | None = None) -> FastAPI:
 
     @app.get("/health", response_model=HealthResponse, responses=error_responses(503))
     async def health() -> Response:
-        """200 only when a request could be served now: NATS, a scheduler, and a worker."""
-        try:
-            stats = await state.scheduler_stats()
-        except APIError as e:
-            return error_response(e)
+        """200 only when a request could be served now: NATS, a scheduler, a worker, a
+        tokenizer and a detokenizer."""
+        answers = await asyncio.gather(
+            state.scheduler_stats(),
+            state.ping("tokenizer"),
+            state.ping("detokenizer"),
+            return_exceptions=True,
+        )
+        for a in answers:  # the first missing one, in the order of the request's path
+            if isinstance(a, BaseException):
+                return error_response(a if isinstance(a, APIError) else APIError(503, str(a)))
+        stats = answers[0]
         if stats.num_workers < 1:
             return error_response(
                 APIError(503, "the scheduler has no workers yet", "ServiceUnavailableError")

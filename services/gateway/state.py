@@ -21,6 +21,8 @@ from shared.messages import (
     Abort,
     GenerateRequest,
     Message,
+    Ping,
+    Pong,
     RequestError,
     SchedulerStats,
     StatsRequest,
@@ -181,6 +183,21 @@ class GatewayState:
             log.warning("metrics of the other services not gathered: %s", e)
             return own
         return whole_stack(own, "gateway", self.instance, reports)
+
+    async def ping(self, service: str, timeout: float = 1.0) -> None:
+        """Returns once a ready instance of ``service`` answers; 503 naming it otherwise."""
+        if not bus_connected(self.bus):
+            raise APIError(503, "the gateway is not connected to NATS", "ServiceUnavailableError")
+        try:
+            reply = await self.bus.request(subjects.ping(service), Ping(), timeout)
+        except Exception as e:  # noqa: BLE001 - no responder, timeout, closed connection
+            raise APIError(
+                503, f"no {service} is ready ({type(e).__name__})", "ServiceUnavailableError"
+            ) from e
+        if not isinstance(reply, Pong):
+            raise APIError(
+                503, f"unexpected reply {type(reply).__name__} to Ping", "ServiceUnavailableError"
+            )
 
     async def scheduler_stats(self, timeout: float = 1.0) -> SchedulerStats:
         """The scheduler's counters, or 503 saying what is missing."""

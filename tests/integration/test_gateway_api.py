@@ -28,6 +28,8 @@ from shared.messages import (
     Delta,
     DeltaBatch,
     GenerateRequest,
+    Ping,
+    Pong,
     RequestError,
     SchedulerStats,
     StatsRequest,
@@ -53,6 +55,7 @@ class StandIn:
         self.aborted: set[str] = set()
         self.bus = Bus("stand-in")
         self.stats_sub: Any = None
+        self.ping_subs: dict[str, Any] = {}
         self.num_workers = 1
 
     def call(self, coro: Any, timeout: float = 10.0) -> Any:
@@ -66,7 +69,26 @@ class StandIn:
         await self.bus.connect(self.nats_url)
         await self.bus.subscribe(subjects.TOKENIZE, self._on_generate, queue="tokenizer")
         await self.bus.subscribe(subjects.ABORT, self._on_abort)
+        for service in ("tokenizer", "detokenizer"):
+            await self._answer_pings(service, True)
         await self.bus.client.flush()
+
+    async def _answer_pings(self, service: str, on: bool) -> None:
+        if on and service not in self.ping_subs:
+            self.ping_subs[service] = await self.bus.subscribe(
+                subjects.ping(service), self._on_ping
+            )
+        elif not on and service in self.ping_subs:
+            await self.ping_subs.pop(service).unsubscribe()
+        await self.bus.client.flush()
+
+    async def _on_ping(self, msg: Any, raw: Any) -> None:
+        assert isinstance(msg, Ping)
+        await self.bus.reply(raw, Pong(raw.subject.rsplit(".", 1)[1], "stand-in"))
+
+    def pings(self, service: str, on: bool) -> None:
+        """Answer (or not, as if no ``service`` were there) the gateway's Ping for /health."""
+        self.call(self._answer_pings(service, on))
 
     def stop(self) -> None:
         self.call(self.bus.close())
@@ -387,6 +409,11 @@ def test_health_and_stats_follow_the_scheduler(base, stand_in) -> None:
     r = httpx.get(f"{base}/health")
     assert r.status_code == 503 and "workers" in r.json()["error"]["message"]
     stand_in.scheduler(True, num_workers=1)
+    for service in ("tokenizer", "detokenizer"):  # each of them is needed to serve
+        stand_in.pings(service, False)
+        r = httpx.get(f"{base}/health")
+        assert r.status_code == 503 and f"no {service} is ready" in r.json()["error"]["message"]
+        stand_in.pings(service, True)
     r = httpx.get(f"{base}/health")
     assert r.status_code == 200 and r.json()["status"] == "ok" and r.json()["num_workers"] == 1
     stats = httpx.get(f"{base}/stats").json()

@@ -14,9 +14,13 @@ from pathlib import Path
 
 import httpx
 import pytest
+from nats.errors import NoRespondersError
+from nats.errors import TimeoutError as NatsTimeout
 
+from shared import subjects
 from shared.bus import Bus
 from shared.infra import free_port, start_nats
+from shared.messages import Ping, Pong
 from shared.ops_http import OpsServer, probe, start_ops_server
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -92,6 +96,35 @@ async def test_health_follows_the_nats_connection_and_metrics_count_drops() -> N
         ops.stop()
         nats.stop()
     assert not ops.running
+
+
+async def test_a_ready_service_answers_ping_and_a_draining_one_stays_silent() -> None:
+    """What the gateway's /health asks of the tokenizer and the detokenizer."""
+    nats = start_nats()
+    ops = OpsServer("detokenizer")
+    bus, asker = Bus("detokenizer"), Bus("gateway")
+    ready = [True]
+    try:
+        await bus.connect(nats.url)
+        await asker.connect(nats.url)
+        with pytest.raises(NoRespondersError):
+            await asker.request(subjects.ping("detokenizer"), Ping(), 1.0)
+        ops.set_ready(lambda: ready[0], bus)
+        pong = None
+        for _ in range(50):  # the subscription is made by a task the call spawned
+            try:
+                pong = await asker.request(subjects.ping("detokenizer"), Ping(), 1.0)
+                break
+            except Exception:  # noqa: BLE001 - not subscribed yet
+                await asyncio.sleep(0.05)
+        assert isinstance(pong, Pong) and pong.service == "detokenizer"
+        ready[0] = False  # draining: subscribed, but no answer
+        with pytest.raises(NatsTimeout):
+            await asker.request(subjects.ping("detokenizer"), Ping(), 0.3)
+    finally:
+        await asker.close()
+        await bus.close()
+        nats.stop()
 
 
 async def test_failing_readiness_check_is_a_503_not_a_500() -> None:
