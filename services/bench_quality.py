@@ -5,7 +5,14 @@ top-1 next-token prediction agrees with fp32's, teacher-forced over the same tex
 The text is CPython's own documentation topics (``pydoc_data.topics``, shipped with every
 Python), cut into windows of ``--window`` tokens; each window is one prompt whose
 prompt logprobs the worker's ModelRunner computes, as in serving (chunked prefill, the same
-kernels). Nothing is downloaded."""
+kernels). Nothing is downloaded.
+
+``--second-half`` scores only the second half of each window, as llama.cpp's ``llama-perplexity``
+does (each prediction then has at least half a window of context), and ``--text-out`` writes the
+windows' text, so that tool can be run on the same text for a side-by-side figure. ``fp8`` is
+the GPU path's scheme; here its GEMMs run through torch's CPU fallback of ``_scaled_mm`` (the
+same rounding of both operands as cuBLASLt, slower), so its accuracy is measured without a
+GPU."""
 
 from __future__ import annotations
 
@@ -15,7 +22,7 @@ import time
 
 from shared.messages import NewRequest, SamplingParams, ScheduledSeq, StepPlan
 
-SCHEMES = ("", "gguf", "int8")
+SCHEMES = ("", "gguf", "int8", "fp8")
 BLOCK = 16
 
 
@@ -32,8 +39,13 @@ def corpus_ids(tokenizer, num_tokens: int, window: int) -> list[list[int]]:  # n
     return [ids[i : i + window] for i in range(0, len(ids), window)]
 
 
-def prompt_predictions(runner, windows: list[list[int]]) -> tuple[list[float], list[int]]:  # noqa: ANN001
-    """(logprob of each actual token after the first, top-1 id at each of those positions)."""
+def prompt_predictions(  # noqa: ANN201
+    runner,  # noqa: ANN001
+    windows: list[list[int]],
+    first: int = 1,
+) -> tuple[list[float], list[int]]:
+    """(logprob of each actual token from position ``first`` of its window on, top-1 id at
+    each of those positions)."""
     params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=1)
     logprobs: list[float] = []
     top1: list[int] = []
@@ -53,7 +65,7 @@ def prompt_predictions(runner, windows: list[list[int]]) -> tuple[list[float], l
                 for i, (lp, tops) in enumerate(zip(piece.logprobs, piece.top_ids, strict=True)):
                     got[piece.start + i] = (lp, tops[0] if tops else -1)
         runner.execute(StepPlan(w * 100 + 99, [], [], [rid]))
-        for pos in range(1, len(ids)):
+        for pos in range(max(1, first), len(ids)):
             lp, top = got[pos]
             logprobs.append(lp)
             top1.append(top)
@@ -63,6 +75,17 @@ def prompt_predictions(runner, windows: list[list[int]]) -> tuple[list[float], l
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tokens", type=int, default=3072, help="text length in tokens")
     p.add_argument("--window", type=int, default=512, help="tokens per prompt")
+    p.add_argument(
+        "--schemes",
+        default=",".join(SCHEMES),
+        help="comma-separated --quantization values; the first is the baseline ('' = fp32)",
+    )
+    p.add_argument(
+        "--second-half",
+        action="store_true",
+        help="score only each window's second half (llama.cpp's llama-perplexity method)",
+    )
+    p.add_argument("--text-out", default="", help="also write the windows' text to this file")
 
 
 def main(args: argparse.Namespace) -> int:
@@ -73,16 +96,22 @@ def main(args: argparse.Namespace) -> int:
     src = resolve_model(args.model)
     cfg = load_config(src)
     windows = corpus_ids(load_tokenizer(src), args.tokens, args.window)
-    n = sum(len(w) - 1 for w in windows)
+    first = args.window // 2 if args.second_half else 1
+    n = sum(len(w) - first for w in windows)
     print(f"{src.name}: {len(windows)} windows of {args.window} tokens ({n} predicted positions)")
+    if args.text_out:
+        text = load_tokenizer(src).decode([t for w in windows for t in w])
+        with open(args.text_out, "w", encoding="utf-8") as f:
+            f.write(text)
+        print(f"text written to {args.text_out}")
     base: tuple[float, list[int]] | None = None
     rows = []
-    for scheme in SCHEMES:
+    for scheme in args.schemes.split(","):
         t0 = time.perf_counter()
         weights = load_weights(src, cfg, quantization=scheme)
         num_blocks = -(-args.window // BLOCK) + 1
         runner = ModelRunner.from_weights(cfg, weights, BLOCK, num_blocks)
-        lps, top1 = prompt_predictions(runner, windows)
+        lps, top1 = prompt_predictions(runner, windows, first)
         ppl = math.exp(-sum(lps) / len(lps))
         if base is None:
             base = (ppl, top1)
@@ -91,7 +120,7 @@ def main(args: argparse.Namespace) -> int:
         rows.append((name, ppl, 100 * (ppl / base[0] - 1), 100 * agree))
         print(f"  {name}: perplexity {ppl:.3f} ({time.perf_counter() - t0:.0f} s)", flush=True)
     print()
-    print("| weights | perplexity | vs fp32 | top-1 agreement with fp32 |")
+    print(f"| weights | perplexity | vs {rows[0][0]} | top-1 agreement with {rows[0][0]} |")
     print("|---|---:|---:|---:|")
     for name, ppl, delta, agree in rows:
         print(f"| {name} | {ppl:.3f} | {delta:+.2f} % | {agree:.2f} % |")

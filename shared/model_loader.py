@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from kernels.cpu_quant import BLOCK_BYTES, QuantWeight
+from kernels.fp8_linear import Fp8Weight, quantize_fp8
 from shared.model_source import ModelSource
 from shared.quantized_checkpoints import checkpoint_method, quantization_config, read_layer
 
@@ -181,11 +182,12 @@ def unpermute_rotary(w: torch.Tensor, n_head: int) -> torch.Tensor:
 
 def load_weights(
     src: ModelSource, cfg: ModelConfig, dtype: torch.dtype = torch.float32, quantization: str = ""
-) -> dict[str, torch.Tensor | QuantWeight]:
+) -> dict[str, torch.Tensor | QuantWeight | Fp8Weight]:
     """All weights under HF Llama names, as ``dtype`` (``lm_head.weight`` only if untied, or as
     the embedding's quantized copy when quantized). ``quantization``: ``"gguf"`` keeps a GGUF's
     Q8_0/Q4_0/Q4_1 linear weights in their blocks (``kernels.cpu_quant.QuantWeight``);
-    ``"int8"`` rounds every linear weight to int8 blocks (``quantize_int8``); ``"gptq"`` /
+    ``"int8"`` rounds every linear weight to int8 blocks (``quantize_int8``); ``"fp8"`` rounds
+    the layers' linear weights to e4m3 per output channel (kernels/fp8_linear.py); ``"gptq"`` /
     ``"awq"`` keep such a checkpoint's 4-bit groups as Q4_Z blocks (otherwise its packed layers
     are dequantized: shared/quantized_checkpoints.py). The embedding stays dense for lookups."""
     t0 = time.perf_counter()
@@ -200,6 +202,8 @@ def load_weights(
             weights.pop("lm_head.weight", None)
     if quantization == "int8":
         weights = quantize_int8(weights)
+    elif quantization == "fp8":
+        weights = quantize_fp8(weights, frozenset(_LINEAR_NAMES))
     expected = 3 + 9 * cfg.num_layers - (1 if cfg.tie_word_embeddings else 0)
     if cfg.tie_word_embeddings and "lm_head.weight" in weights:  # its quantized copy
         expected += 1
@@ -207,7 +211,7 @@ def load_weights(
         raise ValueError(f"{src.path}: found {len(weights)} weight tensors, expected {expected}")
     copy = "lm_head.weight" if cfg.tie_word_embeddings else ""  # the tied head's quantized copy
     n = sum(math.prod(w.shape) for name, w in weights.items() if name != copy)
-    quant = [w for w in weights.values() if isinstance(w, QuantWeight)]
+    quant = [w for w in weights.values() if not isinstance(w, torch.Tensor)]
     mib = sum(w.nbytes for w in quant) / 2**20
     log.info(
         "model weights ready: %.1fM parameters in %.1fs%s",

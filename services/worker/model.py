@@ -36,17 +36,21 @@ class ForwardBatch:
     sample_rows: torch.Tensor  # [S] indices into T whose logits are wanted
 
 
-def _fuse(parts: list[torch.Tensor | QuantWeight]) -> torch.Tensor | QuantWeight:
+def _fuse(parts: list, dtype: torch.dtype) -> torch.Tensor | K.Weight:
     """Linear weights stacked by output rows (fused QKV, gate/up); quantized ones stay
-    quantized when they share a type, else all are dequantized."""
+    quantized when they are of one kind and type (QuantWeight, DeviceQuantWeight, Fp8Weight:
+    each has ``cat``), else all are dequantized to ``dtype``."""
     if all(isinstance(p, torch.Tensor) for p in parts):
         return torch.cat(parts)
-    if all(isinstance(p, QuantWeight) for p in parts):
+    kind = type(parts[0])
+    if all(type(p) is kind for p in parts):
         try:
-            return QuantWeight.cat(parts)
+            return kind.cat(parts)
         except ValueError:
             pass
-    return torch.cat([p.dequantize() if isinstance(p, QuantWeight) else p for p in parts])
+    return torch.cat(
+        [p if isinstance(p, torch.Tensor) else p.dequantize().to(dtype) for p in parts]
+    )
 
 
 class LlamaModel(torch.nn.Module):
@@ -73,10 +77,11 @@ class LlamaModel(torch.nn.Module):
                     "in_norm": w["input_layernorm"],
                     "post_norm": w["post_attention_layernorm"],
                     "qkv": _fuse(
-                        [w["self_attn.q_proj"], w["self_attn.k_proj"], w["self_attn.v_proj"]]
+                        [w["self_attn.q_proj"], w["self_attn.k_proj"], w["self_attn.v_proj"]],
+                        self.embed.dtype,
                     ),
                     "o": w["self_attn.o_proj"],
-                    "gate_up": _fuse([w["mlp.gate_proj"], w["mlp.up_proj"]]),
+                    "gate_up": _fuse([w["mlp.gate_proj"], w["mlp.up_proj"]], self.embed.dtype),
                     "down": w["mlp.down_proj"],
                 }
             )
@@ -213,7 +218,7 @@ class LlamaModel(torch.nn.Module):
         residual: torch.Tensor | None = None
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):
             x, residual = ops.rms_norm(h, layer["in_norm"], cfg.rms_norm_eps, residual)
-            qkv = F.linear(x, layer["qkv"])
+            qkv = _linear(x, layer["qkv"])
             # strided views into qkv: the kernels take row/head strides, so no copies here
             q = qkv[:, : self.q_size].view(t, cfg.num_heads, d)
             k = qkv[:, self.q_size : self.q_size + self.kv_size].view(t, cfg.num_kv_heads, d)
@@ -241,15 +246,21 @@ class LlamaModel(torch.nn.Module):
                     batch.max_query_len,
                     self.scale,
                 )
-            h = F.linear(o.reshape(t, self.q_size), layer["o"])
+            h = _linear(o.reshape(t, self.q_size), layer["o"])
             x, residual = ops.rms_norm(h, layer["post_norm"], cfg.rms_norm_eps, residual)
-            h = F.linear(ops.silu_and_mul(F.linear(x, layer["gate_up"])), layer["down"])
+            h = _linear(ops.silu_and_mul(_linear(x, layer["gate_up"])), layer["down"])
         assert residual is not None
         if batch.sample_rows is not None:
             h = h.index_select(0, batch.sample_rows)
             residual = residual.index_select(0, batch.sample_rows)
         x, _ = ops.rms_norm(h, self.norm, cfg.rms_norm_eps, residual)
-        return F.linear(x, self.lm_head).float()
+        return _linear(x, self.lm_head).float()
+
+
+def _linear(x: torch.Tensor, w: torch.Tensor | K.Weight) -> torch.Tensor:
+    """The device path's ``x @ w.T``: cuBLAS for dense weights, the weight's own kernel for
+    quantized ones (kernels/triton_quant.py, kernels/fp8_linear.py)."""
+    return F.linear(x, w) if isinstance(w, torch.Tensor) else w(x)
 
 
 _LAYER_NAMES = (

@@ -21,12 +21,15 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
 from kernels import batch_invariance, cpu_gemm, cpu_native, cpu_quant
 from kernels import reference as K
 from kernels.batch_invariance import GemmRows
+from kernels.cpu_quant import QuantWeight
+from kernels.fp8_linear import Fp8Weight, fp8_supported
 from kernels.ops import KernelBackend, get_backend
 from services.worker import sampler, structured
 from services.worker.cuda_graphs import DecodeGraphs, capture_sizes
@@ -51,31 +54,40 @@ from shared.quantized_checkpoints import METHODS, checkpoint_method
 log = logging.getLogger("kvflow.worker")
 
 
-QUANTIZATIONS = ("", "gguf", "int8", "gptq", "awq")
+QUANTIZATIONS = ("", "gguf", "int8", "gptq", "awq", "fp8")
 
 
 def check_quantization(
-    quantization: str, src: ModelSource | None, device: torch.device, dtype: torch.dtype
+    quantization: str,
+    src: ModelSource | None,
+    device: torch.device,
+    dtype: torch.dtype,
+    backend: str | None = None,
 ) -> str:
     """The weight scheme to load with, or a ValueError that says what to change.
 
     ``gguf`` keeps a GGUF's Q8_0/Q4_0/Q4_1 linear weights quantized; ``int8`` quantizes any
     checkpoint's linear weights to int8 blocks at load (shared/model_loader.quantize_int8);
     ``gptq`` / ``awq`` serve such a 4-bit checkpoint's groups in place
-    (shared/quantized_checkpoints.py). All run kernels/cpu_quant.py: the CPU path, fp32
-    activations. As in vLLM, a GPTQ or AWQ checkpoint needs no flag: ``""`` becomes its method
-    on the CPU in fp32, and elsewhere its weights are dequantized to ``dtype`` at load."""
+    (shared/quantized_checkpoints.py). On the CPU path (fp32 activations) they run
+    kernels/cpu_quant.py, on the device path (``backend`` "triton": CUDA, or Triton's
+    interpreter in tests) kernels/triton_quant.py. ``fp8`` (e4m3 weights per channel, dynamic
+    per-token activations: kernels/fp8_linear.py) is the device path's only, on GPUs with fp8
+    GEMMs. As in vLLM, a GPTQ or AWQ checkpoint needs no flag: ``""`` becomes its method where
+    a kernel reads it, and elsewhere its weights are dequantized to ``dtype`` at load."""
     if quantization not in QUANTIZATIONS:
         raise ValueError(f"--quantization must be one of {QUANTIZATIONS[1:]} or empty")
+    device_path = (backend or default_backend(device)) != "reference"
     method = checkpoint_method(src.path) if src is not None and src.kind == "hf" else ""
     if quantization in METHODS and quantization != method:
         what = f"a {method} checkpoint" if method else f"not quantized with {quantization}"
         raise ValueError(
             f"--quantization {quantization}: {src.path if src else 'the model'} is {what}"
         )
-    cpu_fp32 = device.type == "cpu" and dtype == torch.float32
+    cpu_fp32 = not device_path and device.type == "cpu" and dtype == torch.float32
+    integer_kernels = device_path or (cpu_fp32 and cpu_quant.available())
     if not quantization and method:
-        if not (cpu_fp32 and cpu_quant.available()):
+        if not integer_kernels:
             log.warning("%s checkpoint: weights dequantized to %s on %s", method, dtype, device)
             return ""
         quantization = method
@@ -83,11 +95,38 @@ def check_quantization(
         return ""
     if quantization == "gguf" and src is not None and src.kind != "gguf":
         raise ValueError(f"--quantization gguf needs a .gguf model; {src.path} is not one")
+    if quantization == "fp8":
+        if not device_path:
+            raise ValueError(
+                "--quantization fp8 runs on CUDA GPUs with fp8 GEMMs (compute capability 8.9+: "
+                "Ada, Hopper); torch's CPU fp8 matmul is a slow fallback: on the CPU use int8 or "
+                "gguf"
+            )
+        if device.type == "cuda" and not fp8_supported(device):
+            raise ValueError(
+                f"--quantization fp8 needs a GPU with fp8 GEMMs (compute capability 8.9+); "
+                f"{device} has not: use int8 or gguf (weight-only, any GPU)"
+            )
+        return quantization
+    if device_path:
+        return quantization
     if not cpu_fp32:
-        raise ValueError(f"--quantization {quantization} runs on the CPU in float32 (--device cpu)")
+        raise ValueError(
+            f"--quantization {quantization} runs on the CPU in float32 or on CUDA (--device cuda)"
+        )
     if not cpu_quant.available():
         raise ValueError(f"--quantization {quantization} needs a C compiler (install gcc)")
     return quantization
+
+
+def to_device_weight(w: torch.Tensor | QuantWeight | Fp8Weight, device: torch.device) -> Any:
+    """A loaded weight as the device path computes with it on ``device``: dense tensors moved,
+    integer blocks split into the Triton kernel's planes, fp8 weights moved."""
+    if isinstance(w, QuantWeight):
+        from kernels.triton_quant import DeviceQuantWeight
+
+        return DeviceQuantWeight.from_blocks(w, device)
+    return w.to(device)
 
 
 @dataclass
@@ -153,7 +192,7 @@ class ModelRunner:
         t0 = time.perf_counter()
         self.device = torch.device(device)
         backend = backend or default_backend(self.device)
-        quantization = check_quantization(quantization, src, self.device, dtype)
+        quantization = check_quantization(quantization, src, self.device, dtype, backend)
         if backend == "reference" and self.device.type != "cpu":
             raise ValueError(f"the reference (CPU) path cannot run on {self.device}")
         self.ops: KernelBackend | None = get_backend(backend) if backend != "reference" else None
@@ -166,7 +205,7 @@ class ModelRunner:
             config = load_config(src)
             weights = load_weights(src, config, dtype, quantization)
         if self.ops is not None:
-            weights = {n: w.to(self.device) for n, w in weights.items()}
+            weights = {n: to_device_weight(w, self.device) for n, w in weights.items()}
         self.model = LlamaModel(config, weights)
         fp32 = self.model.dtype == torch.float32 and self.ops is None
         if packed_gemm is None:

@@ -97,14 +97,21 @@ def test_quantization_settings_that_cannot_work_are_refused_with_what_to_change(
     check_quantization("", hf, cpu, torch.bfloat16)  # nothing asked, nothing checked
     check_quantization("gguf", gguf, cpu, torch.float32)
     with pytest.raises(ValueError, match="must be one of"):
-        check_quantization("fp8", gguf, cpu, torch.float32)
+        check_quantization("fp4", gguf, cpu, torch.float32)
+    with pytest.raises(ValueError, match="fp8 runs on CUDA GPUs.*use int8 or gguf"):
+        check_quantization("fp8", gguf, cpu, torch.float32)  # the CPU path: no fast fp8 GEMM
+    # the device path: fp8 where the GPU has fp8 GEMMs (Triton's interpreter in tests)
+    assert check_quantization("fp8", gguf, cpu, torch.float32, backend="triton") == "fp8"
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="compute capability 8.9"):
+            check_quantization("fp8", gguf, torch.device("cuda"), torch.bfloat16)
     with pytest.raises(ValueError, match="not quantized with awq"):
         check_quantization("awq", gguf, cpu, torch.float32)
     with pytest.raises(ValueError, match="needs a .gguf model"):
         check_quantization("gguf", hf, cpu, torch.float32)
-    with pytest.raises(ValueError, match="CPU in float32"):
-        check_quantization("gguf", gguf, torch.device("cuda"), torch.float32)
-    with pytest.raises(ValueError, match="CPU in float32"):
+    # integer blocks on CUDA: kernels/triton_quant.py, any activation dtype
+    assert check_quantization("gguf", gguf, torch.device("cuda"), torch.bfloat16) == "gguf"
+    with pytest.raises(ValueError, match="CPU in float32 or on CUDA"):
         check_quantization("gguf", gguf, cpu, torch.bfloat16)
 
 
@@ -159,11 +166,12 @@ def test_int8_rounds_every_linear_weight_to_q8_blocks_and_keeps_lookups_dense() 
     assert isinstance(head, QuantWeight) and head.shape == (100, 64)
 
 
-def test_int8_works_from_any_checkpoint_on_the_cpu_only(tmp_path) -> None:  # noqa: ANN001
+def test_int8_works_from_any_checkpoint_on_the_cpu_and_on_cuda(tmp_path) -> None:  # noqa: ANN001
     from services.worker.runner import check_quantization
     from shared.model_source import ModelSource
 
     hf = ModelSource(name="m", path=tmp_path, kind="hf")
-    check_quantization("int8", hf, torch.device("cpu"), torch.float32)
-    with pytest.raises(ValueError, match="int8 runs on the CPU"):
-        check_quantization("int8", hf, torch.device("cuda"), torch.bfloat16)
+    assert check_quantization("int8", hf, torch.device("cpu"), torch.float32) == "int8"
+    assert check_quantization("int8", hf, torch.device("cuda"), torch.bfloat16) == "int8"
+    with pytest.raises(ValueError, match="int8 runs on the CPU in float32 or on CUDA"):
+        check_quantization("int8", hf, torch.device("cpu"), torch.bfloat16)
