@@ -34,6 +34,8 @@ _PTR_TYPES = {
     torch.bfloat16: "*bf16",
     torch.int32: "*i32",
     torch.int64: "*i64",
+    torch.int8: "*i8",
+    torch.uint8: "*u8",
 }
 _H100_SHARED_BYTES = 227 * 1024
 
@@ -137,6 +139,31 @@ def launch_all(dtype: torch.dtype) -> None:
         ops.rms_norm(x, torch.empty(n, dtype=dtype), 1e-5, x)
         ops.rms_norm(x, torch.empty(n, dtype=dtype), 1e-5)
     ops.silu_and_mul(torch.empty(8, 2 * 8192, dtype=dtype))
+    _launch_quant_matmuls(dtype)
+
+
+def _launch_quant_matmuls(dtype: torch.dtype) -> None:
+    """kernels/triton_quant.py for 8-bit, 4-bit and 4-bit-with-offset weights, at a decode
+    and a prefill row count."""
+    from kernels.triton_quant import DeviceQuantWeight
+
+    n, k = 1536, 576
+    groups = torch.empty(n, k // 32, dtype=torch.float16)
+    zeros = torch.empty(n, k // 32, dtype=torch.uint8)
+    weights = [
+        DeviceQuantWeight(
+            torch.empty(n, k, dtype=torch.int8), groups, None, None, 8, (n, k), "Q8_0"
+        ),
+        DeviceQuantWeight(
+            torch.empty(n, k // 2, dtype=torch.uint8), groups, zeros, None, 4, (n, k), "Q4_0"
+        ),
+        DeviceQuantWeight(
+            torch.empty(n, k // 2, dtype=torch.uint8), groups, zeros, groups, 4, (n, k), "Q4_1"
+        ),
+    ]
+    for w in weights:
+        for rows in (8, 128):
+            w(torch.empty(rows, k, dtype=dtype))
 
 
 def main(argv: list[str] | None = None) -> int:
