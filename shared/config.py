@@ -80,10 +80,11 @@ class Settings:
         metadata={
             "help": "weights: '' (the checkpoint's, GGUF dequantized to fp32: output equal to "
             "Hugging Face's) | gguf (a GGUF's Q8_0/Q4_0/Q4_1 tensors kept quantized and read "
-            "in place by CPU kernels: ~5x fewer bytes per decode step) | int8 (any checkpoint's "
-            "linear weights rounded to int8 with a scale per 32 weights, same kernels) | gptq | "
-            "awq (a 4-bit GPTQ/AWQ HF checkpoint's groups read in place; found from its "
-            "config.json without the flag)"
+            "in place by CPU or Triton kernels: ~5x fewer bytes per decode step) | int8 (any "
+            "checkpoint's linear weights rounded to int8 with a scale per 32 weights, same "
+            "kernels) | gptq | awq (a 4-bit GPTQ/AWQ HF checkpoint's groups read in place; found "
+            "from its config.json without the flag) | fp8 (CUDA, compute capability 8.9+: e4m3 "
+            "weights per channel and activations per token through torch._scaled_mm)"
         },
     )
     enforce_eager: bool = field(

@@ -128,7 +128,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--enforce-eager", action="store_true", help="CUDA: no CUDA graphs")
-    ap.add_argument("--quantization", default="", help="'' (fp32) | gguf (CPU, GGUF blocks)")
+    ap.add_argument(
+        "--quantization", default="", help="'' (dense) | gguf | int8 | fp8 (CUDA) | gptq | awq"
+    )
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -150,9 +152,24 @@ def main(argv: list[str] | None = None) -> int:
         }
     t0 = time.perf_counter()
     if args.random_llama:
-        cfg, weights = random_llama(dtype, device)
+        if args.quantization in ("int8", "fp8"):  # rounded on the host, as load_weights does
+            from kernels.fp8_linear import quantize_fp8
+            from shared.model_loader import _LINEAR_NAMES, quantize_int8
+
+            cfg, weights = random_llama(torch.float32, torch.device("cpu"))
+            weights = {n: w.to(dtype) for n, w in weights.items()}
+            if args.quantization == "int8":
+                weights = quantize_int8(weights)
+            else:
+                weights = quantize_fp8(weights, frozenset(_LINEAR_NAMES))
+        elif args.quantization:
+            raise SystemExit("--random-llama takes --quantization int8 or fp8 (no checkpoint)")
+        else:
+            cfg, weights = random_llama(dtype, device)
         runner = ModelRunner.from_weights(cfg, weights, bs, num_blocks, max_model_len=max_len, **kw)
-        name = "random 1B-class Llama"
+        name = "random 1B-class Llama" + (
+            f" --quantization {args.quantization}" if args.quantization else ""
+        )
     else:
         from shared.model_source import resolve_model
 
