@@ -337,7 +337,11 @@ def create_app(settings: Settings, bus: Bus | None = None) -> FastAPI:
         )
         for a in answers:  # the first missing one, in the order of the request's path
             if isinstance(a, BaseException):
-                return error_response(a if isinstance(a, APIError) else APIError(503, str(a)))
+                return error_response(
+                    a
+                    if isinstance(a, APIError)
+                    else APIError(503, str(a), "ServiceUnavailableError")
+                )
         stats = answers[0]
         if stats.num_workers < 1:
             return error_response(
