@@ -8,7 +8,7 @@ Weights take half the bytes of bf16 and the GEMM runs at the tensor cores' fp8 r
 both operands to 3 mantissa bits costs accuracy (``kvflow bench quality`` measures it); the
 lm_head and the embedding stay in the model's dtype, as in vLLM.
 
-torch also runs ``_scaled_mm`` on the CPU, but as a slow fallback (~25x slower than an fp32
+torch also runs ``_scaled_mm`` on the CPU, but as a slow fallback (3-28x slower than an fp32
 GEMM on this project's machine), so the CPU path refuses fp8 (services/worker/runner.py) and the
 CPU runs of this module are the tests'.
 """
