@@ -26,9 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.cpu_quant import Q4_Z, QK, TYPE_NAMES, QuantWeight
-
-_Q8_0, _Q4_0, _Q4_1 = 8, 2, 3
+from kernels.cpu_quant import QK, QuantWeight
 
 
 @triton.jit
@@ -117,14 +115,15 @@ class DeviceQuantWeight:
         blk = w.blocks.view(n, nb, -1)
         d = blk[:, :, 0:2].contiguous().view(torch.float16).view(n, nb)
         z = m = None
-        if w.qtype == _Q8_0:
+        kind = w.type_name
+        if kind == "Q8_0":
             q, bits = blk[:, :, 2:34].contiguous().view(torch.int8).view(n, k), 8
         else:
-            start = 2 if w.qtype == _Q4_0 else 4
+            start = 2 if kind == "Q4_0" else 4
             q, bits = blk[:, :, start : start + 16].reshape(n, k // 2), 4
-            if w.qtype == _Q4_0:
+            if kind == "Q4_0":
                 z = torch.full((n, nb), 8, dtype=torch.uint8)
-            elif w.qtype == Q4_Z:
+            elif kind == "Q4_Z":
                 z = blk[:, :, 2].contiguous()
             else:  # Q4_1: d * q + m
                 z = torch.zeros(n, nb, dtype=torch.uint8)
@@ -133,7 +132,7 @@ class DeviceQuantWeight:
         def put(t: torch.Tensor | None) -> torch.Tensor | None:
             return None if t is None else t.contiguous().to(device)
 
-        return cls(put(q), put(d), put(z), put(m), bits, (n, k), TYPE_NAMES[w.qtype])
+        return cls(put(q), put(d), put(z), put(m), bits, (n, k), kind)
 
     @staticmethod
     def cat(parts: list[DeviceQuantWeight]) -> DeviceQuantWeight:

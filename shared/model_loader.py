@@ -200,10 +200,7 @@ def load_weights(
             weights = _quantized_layers(weights, method, src.path, quantization == method, dtype)
         if cfg.tie_word_embeddings:
             weights.pop("lm_head.weight", None)
-    if quantization == "int8":
-        weights = quantize_int8(weights)
-    elif quantization == "fp8":
-        weights = quantize_fp8(weights, frozenset(_LINEAR_NAMES))
+    weights = round_weights(weights, quantization)
     expected = 3 + 9 * cfg.num_layers - (1 if cfg.tie_word_embeddings else 0)
     if cfg.tie_word_embeddings and "lm_head.weight" in weights:  # its quantized copy
         expected += 1
@@ -223,6 +220,16 @@ def load_weights(
 
 
 _LINEAR_NAMES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def round_weights(weights: dict[str, Any], quantization: str) -> dict[str, Any]:
+    """The schemes that round loaded weights (``int8``: ``quantize_int8``; ``fp8``: the layers'
+    linear weights as kernels/fp8_linear.py ``Fp8Weight``); any other leaves them as they are."""
+    if quantization == "int8":
+        return quantize_int8(weights)
+    if quantization == "fp8":
+        return quantize_fp8(weights, frozenset(_LINEAR_NAMES))
+    return weights
 
 
 def quantize_int8(

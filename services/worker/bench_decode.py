@@ -153,15 +153,11 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     if args.random_llama:
         if args.quantization in ("int8", "fp8"):  # rounded on the host, as load_weights does
-            from kernels.fp8_linear import quantize_fp8
-            from shared.model_loader import _LINEAR_NAMES, quantize_int8
+            from shared.model_loader import round_weights
 
             cfg, weights = random_llama(torch.float32, torch.device("cpu"))
             weights = {n: w.to(dtype) for n, w in weights.items()}
-            if args.quantization == "int8":
-                weights = quantize_int8(weights)
-            else:
-                weights = quantize_fp8(weights, frozenset(_LINEAR_NAMES))
+            weights = round_weights(weights, args.quantization)
         elif args.quantization:
             raise SystemExit("--random-llama takes --quantization int8 or fp8 (no checkpoint)")
         else:

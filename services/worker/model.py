@@ -208,7 +208,8 @@ class LlamaModel(torch.nn.Module):
         batch: DeviceBatch,
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
     ) -> torch.Tensor:
-        """One step through ``ops`` with dense weights and ``F.linear`` (cuBLAS on CUDA);
+        """One step through ``ops``, linear layers through ``K.linear`` (``F.linear``, cuBLAS on CUDA,
+        for dense weights; a quantized weight's own kernel otherwise);
         returns fp32 logits [S, vocab] for ``batch.sample_rows`` (every row when None). No
         host synchronisation: safe to capture in a CUDA graph when ``batch`` holds static
         tensors and, for decode, a fixed ``num_splits``."""
@@ -218,7 +219,7 @@ class LlamaModel(torch.nn.Module):
         residual: torch.Tensor | None = None
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):
             x, residual = ops.rms_norm(h, layer["in_norm"], cfg.rms_norm_eps, residual)
-            qkv = _linear(x, layer["qkv"])
+            qkv = K.linear(x, layer["qkv"])
             # strided views into qkv: the kernels take row/head strides, so no copies here
             q = qkv[:, : self.q_size].view(t, cfg.num_heads, d)
             k = qkv[:, self.q_size : self.q_size + self.kv_size].view(t, cfg.num_kv_heads, d)
@@ -246,21 +247,15 @@ class LlamaModel(torch.nn.Module):
                     batch.max_query_len,
                     self.scale,
                 )
-            h = _linear(o.reshape(t, self.q_size), layer["o"])
+            h = K.linear(o.reshape(t, self.q_size), layer["o"])
             x, residual = ops.rms_norm(h, layer["post_norm"], cfg.rms_norm_eps, residual)
-            h = _linear(ops.silu_and_mul(_linear(x, layer["gate_up"])), layer["down"])
+            h = K.linear(ops.silu_and_mul(K.linear(x, layer["gate_up"])), layer["down"])
         assert residual is not None
         if batch.sample_rows is not None:
             h = h.index_select(0, batch.sample_rows)
             residual = residual.index_select(0, batch.sample_rows)
         x, _ = ops.rms_norm(h, self.norm, cfg.rms_norm_eps, residual)
-        return _linear(x, self.lm_head).float()
-
-
-def _linear(x: torch.Tensor, w: torch.Tensor | K.Weight) -> torch.Tensor:
-    """The device path's ``x @ w.T``: cuBLAS for dense weights, the weight's own kernel for
-    quantized ones (kernels/triton_quant.py, kernels/fp8_linear.py)."""
-    return F.linear(x, w) if isinstance(w, torch.Tensor) else w(x)
+        return K.linear(x, self.lm_head).float()
 
 
 _LAYER_NAMES = (

@@ -299,14 +299,10 @@ def test_cuda_graphs_on_the_gpu(model, reference, dtype) -> None:
 
 def _quantized(model, scheme: str) -> tuple[ModelConfig, dict]:
     """The tiny model's weights as ``--quantization int8`` or ``fp8`` loads them."""
-    from kernels.fp8_linear import quantize_fp8
-    from shared.model_loader import _LINEAR_NAMES, quantize_int8
+    from shared.model_loader import round_weights
 
     cfg, weights = model
-    weights = {k: v.clone() for k, v in weights.items()}
-    if scheme == "int8":
-        return cfg, quantize_int8(weights)
-    return cfg, quantize_fp8(weights, frozenset(_LINEAR_NAMES))
+    return cfg, round_weights({k: v.clone() for k, v in weights.items()}, scheme)
 
 
 @requires_interpreter
