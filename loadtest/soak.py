@@ -215,7 +215,7 @@ def main() -> int:
             [
                 sys.executable,
                 "-m",
-                "services.cli",
+                "kvflow.cli.main",
                 "serve",
                 "--port",
                 str(port),

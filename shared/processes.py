@@ -1,4 +1,4 @@
-"""Starting and stopping kvflow services as child processes (`python -m services.cli run
+"""Starting and stopping kvflow services as child processes (`python -m kvflow.cli.main run
 SERVICE` with the settings as KVFLOW_* variables), for `kvflow serve` and for the Python API's
 embedded pipeline. Services are processes that meet on the bus; nothing here imports them."""
 
@@ -22,7 +22,7 @@ def spawn_service(
     env = {**os.environ, **settings.to_env(), "PYTHONUNBUFFERED": "1"}
     env.update({"KVFLOW_" + k.upper(): v for k, v in overrides.items()})
     return subprocess.Popen(
-        [sys.executable, "-m", "services.cli", "run", service],
+        [sys.executable, "-m", "kvflow.cli.main", "run", service],
         env=env,
         stdout=log,
         stderr=subprocess.STDOUT if log is not None else None,

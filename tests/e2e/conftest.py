@@ -27,7 +27,7 @@ def running_stack(name: str, *args: str):
     log_path.parent.mkdir(exist_ok=True)
     log = open(log_path, "wb")  # noqa: SIM115 - closed below
     proc = subprocess.Popen(
-        [sys.executable, "-m", "services.cli", "serve", "--port", str(port), *args],
+        [sys.executable, "-m", "kvflow.cli.main", "serve", "--port", str(port), *args],
         cwd=ROOT,
         stdout=log,
         stderr=subprocess.STDOUT,

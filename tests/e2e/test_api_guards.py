@@ -132,7 +132,7 @@ def test_body_limits(guarded_stack) -> None:
 def kvflow_keys(redis_url: str, *args: str) -> str:
     env = {**os.environ, "KVFLOW_REDIS_URL": redis_url}
     out = subprocess.run(
-        [sys.executable, "-m", "services.cli", "keys", *args],
+        [sys.executable, "-m", "kvflow.cli.main", "keys", *args],
         env=env,
         capture_output=True,
         text=True,

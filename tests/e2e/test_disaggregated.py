@@ -135,7 +135,7 @@ def test_a_joining_worker_gets_work_and_a_leaving_one_gets_no_more(disagg_stack,
     }
     log = open(ROOT / ".pytest_cache" / "kvflow-joined-worker.log", "wb")  # noqa: SIM115
     proc = subprocess.Popen(
-        [sys.executable, "-m", "services.cli", "run", "worker"],
+        [sys.executable, "-m", "kvflow.cli.main", "run", "worker"],
         cwd=ROOT,
         env=env,
         stdout=log,

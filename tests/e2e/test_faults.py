@@ -38,7 +38,7 @@ def faults_stack():
     args = ["--schedulers", "2", "--prefill-workers", "1", "--decode-workers", "2"]
     args += ["--max-waiting", "16", "--kv-cache-memory", "0.3", "--max-model-len", "1024"]
     proc = subprocess.Popen(
-        [sys.executable, "-m", "services.cli", "serve", "--port", str(port), *args],
+        [sys.executable, "-m", "kvflow.cli.main", "serve", "--port", str(port), *args],
         cwd=ROOT,
         stdout=log,
         stderr=subprocess.STDOUT,
@@ -193,7 +193,7 @@ def test_a_second_detokenizer_shares_requests_and_drains_cleanly(faults_stack) -
     env = {**os.environ, "KVFLOW_NATS_URL": nats_url, "KVFLOW_MAX_MODEL_LEN": "1024"}
     log = open(ROOT / ".pytest_cache" / "kvflow-faults-detok2.log", "wb")  # noqa: SIM115
     extra = subprocess.Popen(
-        [sys.executable, "-m", "services.cli", "run", "detokenizer"],
+        [sys.executable, "-m", "kvflow.cli.main", "run", "detokenizer"],
         cwd=ROOT,
         env=env,
         stdout=log,

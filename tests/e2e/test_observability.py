@@ -17,7 +17,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from services.trace_sink import OtlpReceiver, SpanRecord, timeline
+from kvflow.cli.traces import OtlpReceiver, SpanRecord, timeline
 from shared.infra import free_port, port_is_free
 from tests.e2e.conftest import ROOT, openai_client, running_stack
 

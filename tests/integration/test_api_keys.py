@@ -100,7 +100,7 @@ async def test_token_limit_counts_finished_requests(redis_url) -> None:
 def kvflow_keys(redis_url: str, *args: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "KVFLOW_REDIS_URL": redis_url}
     return subprocess.run(
-        [sys.executable, "-m", "services.cli", "keys", *args],
+        [sys.executable, "-m", "kvflow.cli.main", "keys", *args],
         env=env,
         capture_output=True,
         text=True,

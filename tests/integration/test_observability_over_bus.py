@@ -14,7 +14,7 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from prometheus_client.parser import text_string_to_metric_families
 
-from services.trace_sink import OtlpReceiver, timeline
+from kvflow.cli.traces import OtlpReceiver, timeline
 from shared.bus import Bus
 from shared.messages import Abort
 from shared.metrics import gather, whole_stack

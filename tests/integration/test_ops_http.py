@@ -156,7 +156,7 @@ def test_a_service_started_with_ops_port_serves_health_and_metrics() -> None:
     port = free_port()
     env = {**os.environ, "KVFLOW_NATS_URL": nats.url, "KVFLOW_OPS_PORT": str(port)}
     proc = subprocess.Popen(
-        [sys.executable, "-m", "services.cli", "run", "tokenizer"],
+        [sys.executable, "-m", "kvflow.cli.main", "run", "tokenizer"],
         cwd=ROOT,
         env=env,
         stdout=subprocess.DEVNULL,

@@ -250,11 +250,11 @@ def test_triton_worker_prompt_logprobs_and_sampling_params(model) -> None:
 
 @requires_interpreter
 def test_gpu_decode_bench_code_path(monkeypatch) -> None:
-    """What ``python -m services.worker.bench_decode --device cuda --random-llama`` runs (a
+    """What ``python -m benchmarks.decode --device cuda --random-llama`` runs (a
     random Llama drawn on the device, decode steps through the decode graphs), on a tiny
     shape in the interpreter, so the GPU bench does not first fail on a GPU."""
+    from benchmarks import decode as bench_decode
     from kernels.llama_step import LlamaShape
-    from services.worker import bench_decode
 
     shape = LlamaShape(vocab=64, hidden=32, layers=1, heads=2, kv_heads=1, intermediate=48)
     cfg, weights = bench_decode.random_llama(torch.float32, torch.device("cpu"), shape=shape)

@@ -24,7 +24,7 @@ from typing import Any
 import yaml
 from prometheus_client import REGISTRY
 
-from services.cli import build_parser
+from kvflow.cli.main import build_parser
 from services.detokenizer.telemetry import DetokenizerMetrics
 from services.gateway.metrics import GatewayMetrics
 from services.scheduler.engine import SchedulerCore

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from services.bench import make_workload
-from services.bench_client import RequestStats, RunSummary, percentile, summarize
+from benchmarks.client import RequestStats, RunSummary, percentile, summarize
+from benchmarks.serving import make_workload
 
 
 def test_workload_is_deterministic_and_within_bounds(tokenizer) -> None:
@@ -36,7 +36,7 @@ def test_static_batch_accounting_counts_useful_tokens_only() -> None:
 
 
 def test_llamacpp_bench_sends_the_same_random_token_prompts_to_every_system() -> None:
-    from services.bench_llamacpp import ordinary_token_ids, plan_points, random_prompts
+    from benchmarks.llamacpp import ordinary_token_ids, plan_points, random_prompts
 
     ids = ordinary_token_ids(40, special=[0, 1, 2, 39])
     assert ids == list(range(3, 39))
@@ -61,7 +61,7 @@ def test_llamacpp_bench_sends_the_same_random_token_prompts_to_every_system() ->
 
 
 def test_llamacpp_bench_kvflow_configs() -> None:
-    from services.bench_llamacpp import kvflow_configs, parse_configs
+    from benchmarks.llamacpp import kvflow_configs, parse_configs
 
     assert parse_configs("gguf=--quantization gguf; fp32=") == [
         ("kvflow-gguf", ["--quantization", "gguf"]),
@@ -77,7 +77,7 @@ def test_llamacpp_bench_kvflow_configs() -> None:
 
 
 def test_llamacpp_bench_server_lookup_order(tmp_path, monkeypatch) -> None:  # noqa: ANN001
-    from services.bench_llama_server import find_llama_server
+    from benchmarks.llama_server import find_llama_server
 
     def executable(path: Path) -> Path:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -103,7 +103,7 @@ def test_llamacpp_bench_server_lookup_order(tmp_path, monkeypatch) -> None:  # n
 
 
 def test_llamacpp_bench_table_compares_at_the_same_number_in_flight() -> None:
-    from services.bench_llamacpp import format_table
+    from benchmarks.llamacpp import format_table
 
     def run(name: str, c: int, toks: int) -> RunSummary:
         return summarize(f"{name}@{c}", c, [RequestStats(0.1, 2.0, toks)] * 8, 4.0)

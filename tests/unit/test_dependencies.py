@@ -18,7 +18,7 @@ from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
 ROOT = Path(__file__).resolve().parents[2]
-PACKAGES = ("services", "shared", "kernels", "kvflow")
+PACKAGES = ("services", "shared", "kernels", "kvflow", "benchmarks")
 
 
 def _runtime_distributions() -> set[str]:
@@ -105,4 +105,4 @@ def test_the_wheel_ships_the_native_kernel_source(tmp_path: Path) -> None:
     (wheel,) = tmp_path.glob("kvflow-*.whl")
     names = zipfile.ZipFile(wheel).namelist()
     assert "kernels/csrc/paged_attention_cpu.c" in names
-    assert "services/cli.py" in names and "kvflow/__init__.py" in names
+    assert "kvflow/cli/main.py" in names and "kvflow/__init__.py" in names

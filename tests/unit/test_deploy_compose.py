@@ -12,7 +12,7 @@ import jsonschema
 import pytest
 import yaml
 
-from services.cli import SERVICES
+from kvflow.cli.main import SERVICES
 from tests.unit.deploy_support import (
     ROOT,
     environ_of_compose,

@@ -9,7 +9,7 @@ import re
 
 import dockerfile
 
-from services.cli import build_parser
+from kvflow.cli.main import build_parser
 from tests.unit.deploy_support import ROOT
 
 

@@ -13,7 +13,7 @@ import jsonschema
 import kubernetes_validate
 import pytest
 
-from services.cli import SERVICES
+from kvflow.cli.main import SERVICES
 from tests.unit.deploy_support import (
     ROOT,
     closed_crd_schema,

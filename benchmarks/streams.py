@@ -1,7 +1,7 @@
 """Start-up time and streaming throughput of a fresh ``kvflow serve``: time to ready and to the
 first streamed token, then output tokens/s with 1 and with 16 concurrent streams.
 
-Run: ``python -m services.bench_streams`` (figures recorded in docs/benchmarks.md)."""
+Run: ``python -m benchmarks.streams`` (figures recorded in docs/benchmarks.md)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import time
 
 import httpx
 
-from services.bench_client import run_load
+from benchmarks.client import run_load
 from shared.infra import free_port, wait_for_http
 
 MODEL = "SmolLM2-135M-Instruct"
@@ -25,7 +25,7 @@ def main() -> int:
     port = free_port()
     t0 = time.monotonic()
     proc = subprocess.Popen(
-        [sys.executable, "-m", "services.cli", "serve", "--port", str(port)],
+        [sys.executable, "-m", "kvflow.cli.main", "serve", "--port", str(port)],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
         start_new_session=True,

@@ -2,8 +2,8 @@
 only per-step tracing work), and, with ``--e2e``, decode throughput of one ``kvflow serve``
 with requests traced and untraced in alternating rounds.
 
-    python -m services.bench_tracing          # hooks only (~30 s)
-    python -m services.bench_tracing --e2e    # + a kvflow serve exporting over OTLP/HTTP
+    python -m benchmarks.tracing          # hooks only (~30 s)
+    python -m benchmarks.tracing --e2e    # + a kvflow serve exporting over OTLP/HTTP
 
 Both export for real: spans go through the SDK's BatchSpanProcessor and OTLP/HTTP exporter to
 a receiver (``kvflow traces``' OtlpReceiver) in another process (hooks) or thread (e2e). The
@@ -37,7 +37,7 @@ PROMPT = "Write a long story about a lighthouse keeper and the sea."
 
 
 def _receiver(port: int) -> None:
-    from services.trace_sink import OtlpReceiver
+    from kvflow.cli.traces import OtlpReceiver
 
     OtlpReceiver(port=port).server.serve_forever()
 
@@ -159,7 +159,7 @@ async def _round(base: str, streams: int, max_tokens: int, traced: bool) -> tupl
 
 
 def _e2e(rounds: int, streams: int, max_tokens: int) -> dict:
-    from services.trace_sink import OtlpReceiver
+    from kvflow.cli.traces import OtlpReceiver
 
     rx = OtlpReceiver().start()
     port = free_port()
@@ -170,7 +170,7 @@ def _e2e(rounds: int, streams: int, max_tokens: int) -> dict:
         "OTEL_TRACES_SAMPLER": "parentbased_always_off",
     }
     proc = subprocess.Popen(
-        [sys.executable, "-m", "services.cli", "serve", "--port", str(port)],
+        [sys.executable, "-m", "kvflow.cli.main", "serve", "--port", str(port)],
         env=env,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,

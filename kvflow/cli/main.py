@@ -18,7 +18,7 @@ SERVICES = ("gateway", "tokenizer", "scheduler", "worker", "detokenizer")
 # is the command: a service never loads the benchmark clients or the simulator.
 TOOLS = {
     "bench": (
-        "services.bench",
+        "benchmarks.serving",
         "kvflow against Hugging Face generate on the same requests; "
         "`kvflow bench pipeline`: the pipeline's own cost with a simulated worker",
     ),
@@ -26,8 +26,8 @@ TOOLS = {
         "services.scheduler.simulator",
         "the real scheduler on a cost model: capacity questions",
     ),
-    "keys": ("services.keys_cli", "manage API keys kept in Redis (gateway --key-store redis)"),
-    "traces": ("services.trace_sink", "receive OTLP/HTTP traces and print request timelines"),
+    "keys": ("kvflow.cli.keys", "manage API keys kept in Redis (gateway --key-store redis)"),
+    "traces": ("kvflow.cli.traces", "receive OTLP/HTTP traces and print request timelines"),
 }
 
 
@@ -103,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "run":
         _run_service(args.service, settings)
         return 0
-    from services.launcher import serve as serve_stack
+    from kvflow.cli.launcher import serve as serve_stack
 
     disaggregated = args.prefill_workers or args.decode_workers
     both = args.workers if args.workers is not None else (0 if disaggregated else 1)

@@ -1,7 +1,7 @@
 """Disaggregated against aggregated serving on the same workload: TTFT, time per output token
 and throughput of each, and the KV transfer throughput between prefill and decode workers.
 
-    python -m services.bench_disagg [--num-requests 16] [--concurrency 4]
+    python -m benchmarks.disagg [--num-requests 16] [--concurrency 4]
 
 Both stacks get the same cores: aggregated is one ``both`` worker with every core, disaggregated
 is one prefill and one decode worker with half the cores each. The workload is the bench's
@@ -19,8 +19,8 @@ import sys
 
 import httpx
 
-from services.bench import make_workload, start_stack
-from services.bench_client import RunSummary, run_load
+from benchmarks.client import RunSummary, run_load
+from benchmarks.serving import make_workload, start_stack
 from shared.model_source import load_tokenizer, resolve_model
 
 
@@ -39,7 +39,7 @@ def run_one(
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m services.bench_disagg", description=__doc__)
+    p = argparse.ArgumentParser(prog="python -m benchmarks.disagg", description=__doc__)
     p.add_argument("--num-requests", type=int, default=16)
     p.add_argument("--concurrency", type=int, default=4)
     p.add_argument("--prompt-len", default="200:1000")

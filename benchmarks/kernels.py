@@ -1,4 +1,4 @@
-"""GPU benchmark of the Triton kernels: ``python -m kernels.bench`` (needs a CUDA GPU).
+"""GPU benchmark of the Triton kernels: ``python -m benchmarks.kernels`` (needs a CUDA GPU).
 
 Prints two markdown tables for the GPU it runs on:
 
@@ -14,7 +14,7 @@ Prints two markdown tables for the GPU it runs on:
 Table 2 is the kernels' own ceiling: a device-only loop (the next token and the slot mapping
 computed on the GPU, no host work between steps). The worker's real decode path (ModelRunner
 on StepPlans: host-built metadata copied once per step, CUDA graphs over a batch-size ladder,
-sampling, results back to the host) is timed by ``python -m services.worker.bench_decode
+sampling, results back to the host) is timed by ``python -m benchmarks.decode
 --device cuda --random-llama`` on the same model shape; it lives under services/ because
 kernels/ imports nothing from services/ or shared/. The gap between the two is the worker's
 per-step overhead.
@@ -466,14 +466,16 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print(
-            "kernels/bench.py needs a CUDA GPU (torch.cuda.is_available() is False). "
+            "benchmarks/kernels.py needs a CUDA GPU (torch.cuda.is_available() is False). "
             "Without one, check the kernels' correctness with "
             "`pytest tests/kernels` (Triton's interpreter on the CPU).",
             file=sys.stderr,
         )
         return 2
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
-        print("kernels/bench.py times compiled kernels: unset TRITON_INTERPRET", file=sys.stderr)
+        print(
+            "benchmarks/kernels.py times compiled kernels: unset TRITON_INTERPRET", file=sys.stderr
+        )
         return 2
     import triton
 

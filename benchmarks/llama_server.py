@@ -1,5 +1,5 @@
 """Finding, starting and stopping llama.cpp's ``llama-server`` for ``kvflow bench llamacpp``
-(services/bench_llamacpp.py). llama-server is not a dependency of kvflow."""
+(benchmarks/llamacpp.py). llama-server is not a dependency of kvflow."""
 
 from __future__ import annotations
 

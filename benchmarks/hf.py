@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from services.bench_client import RequestStats, RunSummary, summarize
+from benchmarks.client import RequestStats, RunSummary, summarize
 from shared.infra import wait_for_http
 from shared.model_source import ModelSource
 

@@ -18,7 +18,7 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
-from services.bench_client import RunSummary, run_load
+from benchmarks.client import RunSummary, run_load
 from shared.infra import free_port, wait_for_http
 from shared.model_source import load_tokenizer, resolve_model
 
@@ -46,7 +46,7 @@ def make_workload(
 def start_stack(extra: list[str]) -> tuple[subprocess.Popen, str]:
     port = free_port()
     proc = subprocess.Popen(
-        [sys.executable, "-m", "services.cli", "serve", "--port", str(port), *extra],
+        [sys.executable, "-m", "kvflow.cli.main", "serve", "--port", str(port), *extra],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
         start_new_session=True,
@@ -74,7 +74,7 @@ def run_hf_serve(src, tok, workload) -> RunSummary:
     """``transformers serve --continuous-batching`` with the same requests. It takes text
     prompts only and has no ignore_eos, so prompts are sent as their decoded text and its
     throughput counts the tokens it really generated (usage)."""
-    from services.bench_hf import export_hf_dir, start_transformers_serve
+    from benchmarks.hf import export_hf_dir, start_transformers_serve
 
     cache = Path(os.environ.get("KVFLOW_CACHE_DIR", Path.home() / ".cache" / "kvflow"))
     model_dir = export_hf_dir(src, cache / "hf" / src.name)
@@ -159,29 +159,29 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quick", action="store_true", help="a tiny workload, for a smoke test")
     p.add_argument("--out", default="bench-results")
     p.add_argument("--serve-args", default="", help="extra flags for the kvflow serve it starts")
-    from services.bench_pipeline import add_arguments
+    from benchmarks.pipeline import add_arguments
 
     pipeline = p.add_argument_group("pipeline")
     add_arguments(pipeline)
-    from services import bench_quality
+    from benchmarks import quality as bench_quality
 
     bench_quality.add_arguments(p.add_argument_group("quality"))
-    from services import bench_llamacpp
+    from benchmarks import llamacpp as bench_llamacpp
 
     bench_llamacpp.add_arguments(p.add_argument_group("llamacpp"))
 
 
 def main(args: argparse.Namespace) -> int:
     if args.what == "pipeline":
-        from services import bench_pipeline
+        from benchmarks import pipeline as bench_pipeline
 
         return bench_pipeline.main(args)
     if args.what == "quality":
-        from services import bench_quality
+        from benchmarks import quality as bench_quality
 
         return bench_quality.main(args)
     if args.what == "llamacpp":
-        from services import bench_llamacpp
+        from benchmarks import llamacpp as bench_llamacpp
 
         return bench_llamacpp.main(args)
     src = resolve_model(args.model)
@@ -203,7 +203,7 @@ def main(args: argparse.Namespace) -> int:
         hf.remove("hf-serve")
         results.append(run_hf_serve(src, tok, workload))
     if hf:
-        from services.bench_hf import load_hf, static_batches
+        from benchmarks.hf import load_hf, static_batches
 
         print("loading the model in transformers ...", flush=True)
         model = load_hf(src)

@@ -28,8 +28,8 @@ from pathlib import Path
 
 import aiohttp
 
-from services.bench import start_stack
-from services.bench_client import RequestStats, percentile
+from benchmarks.client import RequestStats, percentile
+from benchmarks.serving import start_stack
 
 SERVICES = ("gateway", "tokenizer", "scheduler", "worker", "detokenizer")
 CLK_TCK = os.sysconf("SC_CLK_TCK")

@@ -6,7 +6,7 @@ cores) and gets the same requests at each number in flight: random-token prompts
 ``--input-len`` tokens (ids drawn uniformly from the tokenizer's ordinary vocabulary with
 ``--seed``; the same ids for every system), ``--output-len`` output tokens with EOS ignored,
 greedy, streamed through ``/v1/completions`` with the prompt as token ids
-(services/bench_client.py measures TTFT and time per output token and counts tokens from the
+(benchmarks/client.py measures TTFT and time per output token and counts tokens from the
 servers' usage). Each point starts with ``--warmup`` requests that are not counted; no prompt is
 sent twice, warm-ups included, so neither server's prefix cache skips a prefill.
 
@@ -34,9 +34,9 @@ from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from services.bench import start_stack
-from services.bench_client import RunSummary, run_load
-from services.bench_llama_server import HOW_TO_GET, find_llama_server, start_llama_server, stop
+from benchmarks.client import RunSummary, run_load
+from benchmarks.llama_server import HOW_TO_GET, find_llama_server, start_llama_server, stop
+from benchmarks.serving import start_stack
 from shared.model_source import load_tokenizer, resolve_model
 
 REFERENCE = "llama.cpp"
@@ -142,7 +142,7 @@ def measure(
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """Its own flags; --concurrency (1,16,64 here), --input-len (128) and --output-len (64)
-    are shared with the pipeline bench (services/bench_pipeline.py), --seed and --out with
+    are shared with the pipeline bench (benchmarks/pipeline.py), --seed and --out with
     ``kvflow bench``."""
     p.add_argument("--llama-server", default="", help="llama-server binary (or $LLAMA_SERVER)")
     p.add_argument("--llama-threads", type=int, default=0, help="llama-server -t (0: all cores)")

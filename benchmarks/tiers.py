@@ -1,7 +1,7 @@
 """TTFT of a long prompt computed, against the same prompt after a worker restart served from the
 Redis KV tier (and, for comparison, from the worker's own prefix cache).
 
-    python -m services.bench_tiers [--prompt-tokens 1000] [--repeats 3]
+    python -m benchmarks.tiers [--prompt-tokens 1000] [--repeats 3]
 
 It starts `kvflow serve --kv-redis-tier`, sends a prompt of real text (cold: computed), again
 (warm: the worker's prefix cache), then SIGKILLs the worker, waits for `kvflow serve` to start it
@@ -57,7 +57,7 @@ def worker_pid(nats_url: str) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m services.bench_tiers", description=__doc__)
+    p = argparse.ArgumentParser(prog="python -m benchmarks.tiers", description=__doc__)
     p.add_argument("--prompt-tokens", type=int, default=1000)
     p.add_argument("--repeats", type=int, default=3)
     args = p.parse_args(argv)
@@ -73,7 +73,7 @@ def main(argv: list[str] | None = None) -> int:
     port = free_port()
     log_path = ROOT / "bench-results" / "bench-tiers-serve.log"
     log_path.parent.mkdir(exist_ok=True)
-    serve = [sys.executable, "-m", "services.cli", "serve", "--port", str(port)]
+    serve = [sys.executable, "-m", "kvflow.cli.main", "serve", "--port", str(port)]
     serve += ["--kv-redis-tier", "--max-model-len", str(args.prompt_tokens + 64)]
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(
