@@ -1,0 +1,141 @@
+"""Every wire message of kvflow, and nothing else.
+
+Messages are msgspec Structs encoded as msgpack arrays (``array_like=True``): field order is the
+wire contract, so new fields are appended last with a default. Each message carries a tag, so a
+subject may carry several kinds and one typed decoder (``decode``) reads them all.
+
+Subjects (see ``shared/subjects.py``) and the flow:
+
+    gateway --GenerateRequest--> tokenizer --TokenizedRequest--> scheduler (+ detokenizer)
+    scheduler --StepPlan--> worker --StepResult--> scheduler + detokenizer
+    detokenizer --DeltaBatch--> gateway inbox;  tokenizer --RequestError--> gateway inbox
+    gateway/detokenizer --Abort--> scheduler + detokenizer
+
+One module per part of the flow (base, params, requests, steps, outputs, kv, ops); this package
+re-exports every message and holds the one decoder.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+from shared.messages.base import FinishReason
+from shared.messages.kv import KvChunk, KvChunkRequest, KvLoad, KvLoadDone, KvPull, KvTransferDone
+from shared.messages.ops import MetricsReport, MetricsRequest, Ping, Pong
+from shared.messages.outputs import Delta, DeltaBatch, PromptTokenLogprob, TokenLogprob
+from shared.messages.params import ChatMessage, SamplingParams, StructuredOutput
+from shared.messages.requests import (
+    Abort,
+    Accepted,
+    DetokenizeRequest,
+    DetokenizeResult,
+    GenerateRequest,
+    RequestError,
+    TokenizedRequest,
+    TokenizeRequest,
+    TokenizeResult,
+)
+from shared.messages.steps import (
+    STALE_EPOCH_ERROR,
+    BlockRef,
+    NewRequest,
+    PromptLogprobs,
+    SampleLogprobs,
+    ScheduledSeq,
+    SchedulerStats,
+    StatsRequest,
+    StepPlan,
+    StepResult,
+    WorkerHeartbeat,
+    WorkerRelease,
+    WorkerStats,
+)
+
+__all__ = [
+    "Abort",
+    "Accepted",
+    "BlockRef",
+    "ChatMessage",
+    "Delta",
+    "DeltaBatch",
+    "DetokenizeRequest",
+    "DetokenizeResult",
+    "FinishReason",
+    "GenerateRequest",
+    "KvChunk",
+    "KvChunkRequest",
+    "KvLoad",
+    "KvLoadDone",
+    "KvPull",
+    "KvTransferDone",
+    "Message",
+    "MetricsReport",
+    "MetricsRequest",
+    "NewRequest",
+    "Ping",
+    "Pong",
+    "PromptLogprobs",
+    "PromptTokenLogprob",
+    "RequestError",
+    "STALE_EPOCH_ERROR",
+    "SampleLogprobs",
+    "SamplingParams",
+    "ScheduledSeq",
+    "SchedulerStats",
+    "StatsRequest",
+    "StepPlan",
+    "StepResult",
+    "StructuredOutput",
+    "TokenLogprob",
+    "TokenizeRequest",
+    "TokenizeResult",
+    "TokenizedRequest",
+    "WorkerHeartbeat",
+    "WorkerRelease",
+    "WorkerStats",
+    "decode",
+    "encode",
+]
+
+Message = (
+    GenerateRequest
+    | TokenizedRequest
+    | Abort
+    | StepPlan
+    | StepResult
+    | WorkerHeartbeat
+    | DeltaBatch
+    | RequestError
+    | StatsRequest
+    | SchedulerStats
+    | KvPull
+    | KvChunkRequest
+    | KvChunk
+    | KvTransferDone
+    | WorkerRelease
+    | Accepted
+    | KvLoad
+    | KvLoadDone
+    | TokenizeRequest
+    | TokenizeResult
+    | DetokenizeRequest
+    | DetokenizeResult
+    | MetricsRequest
+    | MetricsReport
+    | Ping
+    | Pong
+)
+
+_encoder = msgspec.msgpack.Encoder()
+_decoder = msgspec.msgpack.Decoder(Message)
+
+
+def encode(msg: Any) -> bytes:
+    return _encoder.encode(msg)
+
+
+def decode(data: bytes) -> Message:
+    """Decode any kvflow message; raises ``msgspec.DecodeError`` or ``ValidationError``."""
+    return _decoder.decode(data)

@@ -1,0 +1,49 @@
+"""Detokenizer -> gateway inbox: text deltas with their logprobs."""
+
+from __future__ import annotations
+
+import msgspec
+
+from shared.messages.base import _Msg
+
+# detokenizer / tokenizer -> gateway inbox
+
+
+class TokenLogprob(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """One generated token's text and log-probability, with the top alternatives."""
+
+    token: str
+    logprob: float
+    top: list[tuple[str, float]] = []
+    token_id: int = -1
+    top_ids: list[int] = []  # the ids of ``top``, same order
+
+
+class Delta(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    request_id: str
+    text: str
+    num_new_tokens: int = 0
+    finish_reason: str | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    logprobs: list[TokenLogprob] = []  # for the tokens this delta covers, when asked
+    # every prompt token (entry 0 has no logprob), on a request's first delta, when asked
+    prompt_logprobs: list[PromptTokenLogprob] = []
+    # the ids of the tokens generated since the previous delta (one with text held back or
+    # without text of its own comes with the next delta sent)
+    token_ids: list[int] = []
+
+
+class PromptTokenLogprob(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """One prompt token's id, text and log-probability given the tokens before it (None for
+    the first token), its rank, and the top alternatives as (id, text, logprob), best first."""
+
+    token_id: int
+    token: str
+    logprob: float | None = None
+    rank: int = 0
+    top: list[tuple[int, str, float]] = []
+
+
+class DeltaBatch(_Msg, tag=7):
+    deltas: list[Delta]

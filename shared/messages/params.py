@@ -1,0 +1,64 @@
+"""Request parameters, embedded in messages and never sent alone."""
+
+from __future__ import annotations
+
+import msgspec
+
+# Request parameters (embedded, not sent alone)
+
+
+class StructuredOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """A constraint on the output, enforced while sampling (the worker masks the logits with a
+    grammar matcher). ``kind``: "json" (``spec`` is a JSON schema as text), "regex" (a regular
+    expression), "choice" (a JSON list of strings) or "grammar" (EBNF, xgrammar's dialect)."""
+
+    kind: str
+    spec: str
+    param: str = "response_format"  # the request field it came from, for error messages
+
+
+class SamplingParams(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """Per-request sampling and stopping parameters (vLLM names)."""
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = off
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: list[str] = []
+    stop_token_ids: list[int] = []
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logprobs: int | None = None  # top logprobs per sampled token (0 = only the sampled one)
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit
+    # top logprobs per prompt token (echo); such requests compute their whole prompt, skipping
+    # prefix-cache hits, because cached tokens have no logits (vLLM does the same)
+    prompt_logprobs: int | None = None
+    structured_output: StructuredOutput | None = None  # response_format / guided decoding
+    allowed_token_ids: list[int] | None = None  # vLLM's: sample only among these
+    # vLLM's bad_words: never generate these words; the tokenizer fills in their token ids
+    # (each word with and without a leading space), which the worker bans as sequences
+    bad_words: list[str] = []
+    bad_words_token_ids: list[list[int]] = []
+
+    def has_penalties(self) -> bool:
+        """Whether a presence, frequency or repetition penalty applies."""
+        return bool(
+            self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
+        )
+
+    def needs_token_history(self) -> bool:
+        """Whether sampling looks at the tokens so far (penalties, bad words): the worker is
+        then given the request's prompt and outputs (``NewRequest.token_history``)."""
+        return self.has_penalties() or bool(self.bad_words_token_ids)
+
+
+class ChatMessage(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    role: str
+    content: str

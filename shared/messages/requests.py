@@ -1,0 +1,99 @@
+"""A request's way in: gateway -> tokenizer -> scheduler and detokenizer, aborts, errors, acceptance,
+and the tokenizer's request/reply endpoints."""
+
+from __future__ import annotations
+
+from shared.messages.base import FinishReason, _Msg
+from shared.messages.params import ChatMessage, SamplingParams
+
+# gateway -> tokenizer
+
+
+class GenerateRequest(_Msg, tag=1):
+    """A validated OpenAI request, not yet tokenized."""
+
+    request_id: str
+    reply_to: str  # the gateway's inbox subject for DeltaBatch / RequestError
+    params: SamplingParams
+    prompt: str | None = None
+    prompt_token_ids: list[int] | None = None
+    messages: list[ChatMessage] | None = None
+    add_generation_prompt: bool = True
+    arrival_time: float = 0.0
+    priority: int = 0  # lower runs first (vLLM's convention); FCFS within a priority
+    truncate_prompt_tokens: int | None = None  # vLLM's: keep only the prompt's last N tokens
+    # vLLM's: the chat template leaves the final (assistant) message open, to be continued
+    continue_final_message: bool = False
+
+
+# ---------------------------------------------------------------------------------------------
+# tokenizer -> scheduler and detokenizer
+
+
+class TokenizedRequest(_Msg, tag=2):
+    request_id: str
+    reply_to: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    arrival_time: float = 0.0
+    eos_token_ids: list[int] = []
+    priority: int = 0
+
+
+# ---------------------------------------------------------------------------------------------
+# anyone -> scheduler and detokenizer
+
+
+class Abort(_Msg, tag=3):
+    """Stop a request and free its blocks. Sent by the gateway (client went away) and by the
+    detokenizer (a stop string ended the text)."""
+
+    request_id: str
+    reason: FinishReason = FinishReason.ABORT
+
+
+class RequestError(_Msg, tag=8):
+    """A request that cannot be served, in the OpenAI error shape's terms."""
+
+    request_id: str
+    message: str
+    type: str = "BadRequestError"
+    param: str | None = None
+    code: int = 400
+
+
+class Accepted(_Msg, tag=16):
+    """scheduler -> gateway inbox: the request is queued (or was already). Until it comes, the
+    gateway resubmits with the same id; the scheduler runs each id once."""
+
+    request_id: str
+
+
+# ---------------------------------------------------------------------------------------------
+# gateway <-> tokenizer, request/reply (the /tokenize and /detokenize endpoints, echo of token-id
+# prompts). Errors come back as RequestError with an empty request_id. Tags from 20 on.
+
+
+class TokenizeRequest(_Msg, tag=20):
+    """Token ids of a text prompt, or of chat messages through the chat template."""
+
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_generation_prompt: bool = True
+    add_special_tokens: bool = True
+    return_token_strs: bool = False
+    continue_final_message: bool = False
+
+
+class TokenizeResult(_Msg, tag=21):
+    tokens: list[int]
+    max_model_len: int
+    token_strs: list[str] | None = None
+
+
+class DetokenizeRequest(_Msg, tag=22):
+    tokens: list[int]
+
+
+class DetokenizeResult(_Msg, tag=23):
+    prompt: str
