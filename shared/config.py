@@ -109,6 +109,19 @@ class Settings:
             "StepCostModel's coefficients, or 'cpu' for SmolLM2 on a 2-core CPU)"
         },
     )
+    scheduling_policy: str = field(
+        default="priority",
+        metadata={
+            "help": "priority: waiting requests by (priority, arrival), lower first; under "
+            "memory pressure the lowest-priority newest sequence is preempted | fcfs: arrival "
+            "order, request priorities ignored, the newest sequence preempted (vLLM's "
+            "--scheduling-policy)"
+        },
+    )
+    kv_connector: str = field(
+        default="nats",
+        metadata={"help": "how workers move KV blocks between them (disaggregated prefill): nats"},
+    )
     worker_timeout: float = field(
         default=3.0, metadata={"help": "seconds without a heartbeat before a worker is given up"}
     )
