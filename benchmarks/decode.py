@@ -115,7 +115,7 @@ def decode_steps(
     return wall, cpu
 
 
-def main(argv: list[str] | None = None) -> int:
+def _parse(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description="Decode-step timing of ModelRunner (CPU or CUDA).")
     ap.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
     ap.add_argument("--dtype", default="auto", help="auto (bf16 on CUDA, fp32 on CPU) | ...")
@@ -131,7 +131,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--quantization", default="", help="'' (dense) | gguf | int8 | fp8 (CUDA) | gptq | awq"
     )
-    args = ap.parse_args(argv)
+    return ap.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parse(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
 

@@ -51,19 +51,6 @@ def _hooks(batch_sizes: tuple[int, ...], steps: int) -> list[dict]:
     from opentelemetry.sdk.trace.export import BatchSpanProcessor
     from opentelemetry.sdk.trace.sampling import ALWAYS_OFF, ParentBased
 
-    from services.scheduler.telemetry import SchedulerTelemetry
-    from services.worker.telemetry import WorkerTelemetry
-    from shared.messages import (
-        FinishReason,
-        NewRequest,
-        SamplingParams,
-        ScheduledSeq,
-        StepPlan,
-        StepResult,
-        TokenizedRequest,
-    )
-    from shared.telemetry import traceparent
-
     port = free_port()
     rx = multiprocessing.Process(target=_receiver, args=(port,), daemon=True)
     rx.start()
@@ -77,57 +64,68 @@ def _hooks(batch_sizes: tuple[int, ...], steps: int) -> list[dict]:
     try:
         for batch in (1, *batch_sizes):  # the first pass warms up (imports, label children)
             for traced in (False, True):
-                rids = [f"r{i}" for i in range(batch)]
-                # scheduler: requests queued (traced: their client sent a sampled traceparent),
-                # then one prefill step, then decode steps
-                svc = types.SimpleNamespace(core=types.SimpleNamespace(requests=set(rids)))
-                sched = SchedulerTelemetry(svc, "m")
-                for rid in rids:
-                    tp = f"00-{secrets.token_hex(16)}-{secrets.token_hex(8)}-01"
-                    headers = {"traceparent": tp} if traced else None
-                    sched.on_request(
-                        TokenizedRequest(rid, "x", [1] * 32, SamplingParams()), headers
-                    )
-                worker = WorkerTelemetry("w0")
-                news = [
-                    NewRequest(
-                        rid, SamplingParams(), 32, traceparent=traceparent(sched.live[rid].span)
-                    )
-                    for rid in rids
-                ]
-                prefill = StepPlan(0, [ScheduledSeq(r, [1] * 32, 0, [0, 1]) for r in rids], news)
-                plans = [prefill] + [
-                    StepPlan(s, [ScheduledSeq(r, [1], 31 + s, [0, 1, 2]) for r in rids])
-                    for s in range(1, steps + 1)
-                ]
-                t_sched = t_worker = 0.0
-                for plan in plans:
-                    result = StepResult("w0", plan.step_id, rids, [7] * batch, [0] * batch, batch)
-                    t0 = time.perf_counter()
-                    sched.on_plan("w0", plan)
-                    sched.on_result(plan, result, [])
-                    t1 = time.perf_counter()
-                    worker.step_done(plan, result, worker.step_started(plan))
-                    t2 = time.perf_counter()
-                    if plan.step_id:  # decode steps only
-                        t_sched += t1 - t0
-                        t_worker += t2 - t1
-                out.append(
-                    {
-                        "batch": batch,
-                        "traced": traced,
-                        "worker_us_per_step": t_worker / steps * 1e6,
-                        "scheduler_us_per_step": t_sched / steps * 1e6,
-                    }
-                )
-                for rid in rids:
-                    sched.on_abort(rid, FinishReason.LENGTH)
-                    worker.step_started(StepPlan(steps + 1, [], finished_request_ids=[rid]))
+                out.append(_hook_pass(batch, traced, steps))
         provider.force_flush()
     finally:
         provider.shutdown()
         rx.terminate()
     return out[2:]
+
+
+def _hook_pass(batch: int, traced: bool, steps: int) -> dict:
+    """One batch: requests queued (traced: their client sent a sampled traceparent), then one
+    prefill step, then ``steps`` decode steps through both services' hooks."""
+    from services.scheduler.telemetry import SchedulerTelemetry
+    from services.worker.telemetry import WorkerTelemetry
+    from shared.messages import (
+        FinishReason,
+        NewRequest,
+        SamplingParams,
+        ScheduledSeq,
+        StepPlan,
+        StepResult,
+        TokenizedRequest,
+    )
+    from shared.telemetry import traceparent
+
+    rids = [f"r{i}" for i in range(batch)]
+    svc = types.SimpleNamespace(core=types.SimpleNamespace(requests=set(rids)))
+    sched = SchedulerTelemetry(svc, "m")
+    for rid in rids:
+        tp = f"00-{secrets.token_hex(16)}-{secrets.token_hex(8)}-01"
+        headers = {"traceparent": tp} if traced else None
+        sched.on_request(TokenizedRequest(rid, "x", [1] * 32, SamplingParams()), headers)
+    worker = WorkerTelemetry("w0")
+    news = [
+        NewRequest(rid, SamplingParams(), 32, traceparent=traceparent(sched.live[rid].span))
+        for rid in rids
+    ]
+    prefill = StepPlan(0, [ScheduledSeq(r, [1] * 32, 0, [0, 1]) for r in rids], news)
+    plans = [prefill] + [
+        StepPlan(s, [ScheduledSeq(r, [1], 31 + s, [0, 1, 2]) for r in rids])
+        for s in range(1, steps + 1)
+    ]
+    t_sched = t_worker = 0.0
+    for plan in plans:
+        result = StepResult("w0", plan.step_id, rids, [7] * batch, [0] * batch, batch)
+        t0 = time.perf_counter()
+        sched.on_plan("w0", plan)
+        sched.on_result(plan, result, [])
+        t1 = time.perf_counter()
+        worker.step_done(plan, result, worker.step_started(plan))
+        t2 = time.perf_counter()
+        if plan.step_id:  # decode steps only
+            t_sched += t1 - t0
+            t_worker += t2 - t1
+    for rid in rids:
+        sched.on_abort(rid, FinishReason.LENGTH)
+        worker.step_started(StepPlan(steps + 1, [], finished_request_ids=[rid]))
+    return {
+        "batch": batch,
+        "traced": traced,
+        "worker_us_per_step": t_worker / steps * 1e6,
+        "scheduler_us_per_step": t_sched / steps * 1e6,
+    }
 
 
 async def _round(base: str, streams: int, max_tokens: int, traced: bool) -> tuple[float, float]:
