@@ -37,6 +37,7 @@ from kvflow.sampling_params import BeamSearchParams, SamplingParams, as_list
 from kvflow.stack import EmbeddedStack
 from shared.beam_search import beam_search as run_beam_search
 from shared.config import Settings
+from shared.fan_out import best, expand, ranks, sequences_per_prompt
 from shared.messages import GenerateRequest, PromptTokenLogprob, TokenLogprob
 from shared.messages import SamplingParams as WireParams
 from shared.model_source import ModelNotFoundError, load_tokenizer, resolve_model
@@ -277,8 +278,7 @@ class LLM:
         self, text: str | None, ids: list[int], sp: SamplingParams, priority: int
     ) -> RequestOutput:
         rid = f"{self._client.client_id}-{next(self._ids)}"
-        count = sp.best_of or sp.n
-        rank = sp.best_of is not None and sp.best_of > sp.n
+        rank = ranks(sp.n, sp.best_of)
         seed = (
             sp.seed
             if sp.seed is not None
@@ -288,25 +288,19 @@ class LLM:
                 else self.default_seed + int(rid.rsplit("-", 1)[1])
             )
         )
-        reqs = []
-        for j in range(count):
-            wire = dataclasses.replace(sp, seed=seed).to_wire(seed_offset=j, want_logprobs=rank)
-            reqs.append(
-                GenerateRequest(
-                    request_id=f"{rid}-{j}" if count > 1 else rid,
-                    reply_to="",
-                    params=wire,
-                    prompt_token_ids=ids,
-                    priority=priority,
-                    truncate_prompt_tokens=sp.truncate_prompt_tokens,
-                )
-            )
-        done = await asyncio.gather(*(self._client.generate(r) for r in reqs))
+        req = GenerateRequest(
+            request_id=rid,
+            reply_to="",
+            params=dataclasses.replace(sp, seed=seed).to_wire(want_logprobs=rank),
+            prompt_token_ids=ids,
+            priority=priority,
+            truncate_prompt_tokens=sp.truncate_prompt_tokens,
+        )
+        seqs = expand([req], sequences_per_prompt(sp.n, sp.best_of))
+        done = await asyncio.gather(*(self._client.generate(r) for r in seqs))
         outputs = [self._completion(j, c, sp) for j, c in enumerate(done)]
-        if rank:
-            outputs = sorted(outputs, key=lambda o: -(o.cumulative_logprob or float("-inf")))[
-                : sp.n
-            ]
+        if rank:  # shared/fan_out.py's rule: a sequence without logprobs counts 0
+            outputs = best(outputs, sp.n, lambda o: o.cumulative_logprob or 0.0)
             for j, o in enumerate(outputs):
                 o.index = j
         prompt_lps = (

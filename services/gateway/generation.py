@@ -1,7 +1,7 @@
 """Serving one generation request, streamed or not, the same way for chat and completions.
 
-A request is ``prompts x best_of`` pipeline sequences (``<id>-<i>`` when more than one, seed
-``seed + k`` for the k-th sequence of a prompt). Choice indexes follow OpenAI/vLLM: prompt ``p``'s
+A request is ``prompts x best_of`` pipeline sequences, expanded and ranked by shared/fan_out.py
+(ids ``<id>-<i>``, seeds ``seed + k``). Choice indexes follow OpenAI/vLLM: prompt ``p``'s
 choices are ``p * n .. p * n + n - 1``; with ``best_of > n`` (not streamed) the ``n`` sequences
 with the highest cumulative logprob are returned, best first.
 
@@ -28,7 +28,8 @@ from services.gateway.responses import Echo, Format, Outcome, outcome_of, sse, u
 from services.gateway.state import GatewayState
 from services.gateway.streams import RequestHandle
 from services.gateway.tracing import RequestTrace
-from shared.messages import Delta, GenerateRequest
+from shared.fan_out import best_per_prompt, expand
+from shared.messages import Delta
 
 log = logging.getLogger("kvflow.gateway")
 
@@ -207,34 +208,15 @@ async def sse_events(
         yield fmt.done
 
 
-def fan_out(job: Job) -> list[GenerateRequest]:
-    """One pipeline request per sequence. A prompt's sequences share its KV blocks through
-    prefix caching (the scheduler registers blocks when it schedules them, so siblings admitted
-    in the same step share them too); a seeded request gives sequence k the seed ``seed + k``."""
-    if job.num_sequences == 1:
-        return list(job.prompts)
-    out = []
-    for p, gen in enumerate(job.prompts):
-        for k in range(job.best_of):
-            params = gen.params
-            if params.seed is not None:
-                params = msgspec.structs.replace(params, seed=params.seed + k)
-            rid = f"{gen.request_id}-{p * job.best_of + k}"
-            out.append(msgspec.structs.replace(gen, request_id=rid, params=params))
-    return out
-
-
 def full_response(job: Job, outs: list[Outcome], fmt: Format, echo_texts: list[str] | None) -> dict:
     """The non-streamed body: per prompt, its ``n`` best sequences (all of them unless
-    best_of > n), in choice order."""
+    best_of > n; shared/fan_out.py), in choice order."""
     chosen: list[Outcome] = []
     echoes: list[Echo | None] = []
     prompt_tokens = 0
-    for p in range(len(job.prompts)):
-        group = outs[p * job.best_of : (p + 1) * job.best_of]
-        prompt_tokens += group[0].prompt_tokens
-        if job.best_of > job.n:
-            group = sorted(group, key=lambda o: o.cumulative_logprob, reverse=True)[: job.n]
+    ranked = best_per_prompt(outs, job.best_of, job.n, lambda o: o.cumulative_logprob)
+    for p, group in enumerate(ranked):
+        prompt_tokens += outs[p * job.best_of].prompt_tokens
         chosen += group
         echoes += [_echo(job, echo_texts, p, o) for o in group]
     return fmt.response(chosen, prompt_tokens, echoes)
@@ -256,7 +238,7 @@ async def serve(
     if trace is not None:
         trace.started(job.prompts[0].request_id, job.stream, job.num_sequences)
     try:
-        for child in fan_out(job):
+        for child in expand(job.prompts, job.best_of):
             handles.append(await state.submit(child, headers))
     except APIError:
         for h in handles:

@@ -26,11 +26,12 @@ from starlette.responses import Response
 
 from services.gateway.cancel import SSEResponse, run_or_disconnect
 from services.gateway.convert import bad, completion_job, new_request_id, parse_json, validate_body
-from services.gateway.generation import fan_out
+from services.gateway.generation import CLIENT_CLOSED
 from services.gateway.protocol import CompletionRequest
 from services.gateway.state import GatewayState
 from services.gateway.streams import RequestHandle
 from shared.beam_search import beam_search
+from shared.fan_out import best, cumulative_logprob, expand
 from shared.messages import (
     DetokenizeRequest,
     DetokenizeResult,
@@ -39,8 +40,6 @@ from shared.messages import (
     TokenizeRequest,
     TokenizeResult,
 )
-
-CLIENT_CLOSED = 499
 
 
 class NDJSONResponse(SSEResponse):
@@ -70,7 +69,7 @@ async def legacy_generate(request: Request, state: GatewayState, body: bytes) ->
         return await _beam(request, state, data, prompt, stream, length_penalty)
     req = validate_body(CompletionRequest, {**data, "model": state.model_name, "stream": stream})
     job = completion_job(req, new_request_id("gen"), state.inbox, time.time(), state.settings)
-    handles = [await state.submit(g) for g in fan_out(job)]
+    handles = [await state.submit(g) for g in expand(job.prompts, job.best_of)]
 
     def close() -> None:
         for h in handles:
@@ -83,8 +82,8 @@ async def legacy_generate(request: Request, state: GatewayState, body: bytes) ->
         if disconnected:
             return Response(status_code=CLIENT_CLOSED)
         assert done is not None
-        if job.best_of > job.n:  # completion_job asked every sequence for its logprobs
-            done = sorted(done, key=lambda d: -d[1])[: job.n]
+        # with best_of > n, completion_job asked every sequence for its logprobs
+        done = best(done, job.n, lambda d: d[1])
         return _json({"text": [prompt + text for text, _ in done]})
     finally:
         close()
@@ -95,7 +94,7 @@ async def _read_one(h: RequestHandle) -> tuple[str, float]:
     while True:
         delta = await h.next()
         text.append(delta.text)
-        cumulative += sum(lp.logprob for lp in delta.logprobs)
+        cumulative += cumulative_logprob(delta.logprobs)
         if delta.finish_reason is not None:
             return "".join(text), cumulative
 
@@ -148,7 +147,7 @@ async def _beam(
     tok = await state.tokenizer_call(TokenizeRequest(prompt=prompt), TokenizeResult)
     if len(tok.tokens) + max_tokens > tok.max_model_len:
         raise bad("max_tokens", f"prompt + max_tokens exceeds the model length {tok.max_model_len}")
-    eos = _eos_token_ids(state.settings.model, state.settings.served_model_name)
+    eos = _eos_token_ids(state.settings.model.path, state.settings.served_model_name)
 
     async def expand(seqs: list[list[int]], k: int) -> list[list[tuple[int, float]]]:
         params = SamplingParams(max_tokens=1, temperature=0.0, logprobs=k, ignore_eos=True)

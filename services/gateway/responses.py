@@ -14,6 +14,7 @@ from typing import Any
 
 import msgspec
 
+from shared.fan_out import cumulative_logprob
 from shared.messages import Delta, PromptTokenLogprob, TokenLogprob
 
 DONE = b"data: [DONE]\n\n"
@@ -37,7 +38,7 @@ class Outcome:
     @property
     def cumulative_logprob(self) -> float:
         """Sum of the sampled tokens' logprobs (best_of ranks choices by it)."""
-        return sum(lp.logprob for lp in self.logprobs or [])
+        return cumulative_logprob(self.logprobs)
 
 
 @dataclass

@@ -9,7 +9,7 @@ import pytest
 
 from services.gateway.convert import chat_job, completion_job, parse_request
 from services.gateway.errors import APIError
-from services.gateway.generation import fan_out, full_response
+from services.gateway.generation import full_response
 from services.gateway.protocol import ChatCompletionRequest, CompletionRequest
 from services.gateway.responses import (
     ChatFormat,
@@ -20,6 +20,7 @@ from services.gateway.responses import (
     vllm_prompt_logprobs,
 )
 from shared.config import Settings
+from shared.fan_out import expand
 from shared.messages import PromptTokenLogprob, StructuredOutput, TokenLogprob
 from shared.structured_output import JSON_OBJECT_SCHEMA
 
@@ -50,13 +51,14 @@ def test_batched_prompts_and_best_of_fan_out_in_openai_order() -> None:
     assert [g.prompt for g in job.prompts] == ["a", "b"]
     assert (job.n, job.best_of, job.num_sequences) == (2, 3, 6)
     assert job.prompts[0].params.logprobs == 0  # best_of ranks by logprob
-    kids = fan_out(job)
+    kids = expand(job.prompts, job.best_of)
     assert [k.request_id for k in kids] == [f"cmpl-1-{i}" for i in range(6)]
     assert [k.prompt for k in kids] == ["a"] * 3 + ["b"] * 3
     assert [k.params.seed for k in kids] == [10, 11, 12, 10, 11, 12]
     ids = cjob(prompt=[[1, 2], [3]])
     assert [g.prompt_token_ids for g in ids.prompts] == [[1, 2], [3]]
-    assert [k.request_id for k in fan_out(cjob())] == ["cmpl-1"]
+    one = cjob()
+    assert [k.request_id for k in expand(one.prompts, one.best_of)] == ["cmpl-1"]
 
 
 def test_limits_and_refusals_name_the_param() -> None:
