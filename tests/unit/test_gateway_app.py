@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 from fastapi.testclient import TestClient
 
-import services.gateway.app as gateway_app
+import services.gateway.routes.completions as completion_routes
 from services.gateway.app import create_app
 from shared import subjects
 from shared.config import Settings
@@ -98,7 +98,7 @@ def test_unexpected_errors_are_500_and_the_app_goes_on(http, monkeypatch) -> Non
     def boom(*args: Any, **kwargs: Any) -> None:
         raise RuntimeError("boom")
 
-    monkeypatch.setattr(gateway_app, "completion_job", boom)
+    monkeypatch.setattr(completion_routes, "completion_job", boom)
     r = http.post("/v1/completions", json=BODY)
     assert r.status_code == 500
     err = r.json()["error"]
