@@ -112,3 +112,24 @@ def test_health_without_scheduler_is_503(http) -> None:
     assert r.status_code == 503 and "scheduler" in r.json()["error"]["message"]
     models = http.get("/v1/models").json()["data"]
     assert [m["id"] for m in models] == ["m"] and "max_model_len" not in models[0]
+
+
+def test_each_app_serves_through_its_own_state() -> None:
+    """The routes are module-level: two apps in one process reach their own GatewayState (and
+    bus) through the request's app, and best_of fans out there (shared/fan_out.py)."""
+    buses = [FakeBus(), FakeBus()]
+    apps = [
+        create_app(Settings(served_model_name=m), bus=b) for m, b in zip("ab", buses, strict=True)
+    ]  # type: ignore[arg-type]
+    with TestClient(apps[0]) as first, TestClient(apps[1]) as second:
+        assert first.get("/v1/models").json()["data"][0]["id"] == "a"
+        assert second.get("/v1/models").json()["data"][0]["id"] == "b"
+        r = second.post(
+            "/v1/completions", json={"model": "b", "prompt": "hi", "n": 2, "best_of": 3}
+        )
+        assert r.status_code == 200, r.text
+        assert [c["index"] for c in r.json()["choices"]] == [0, 1]
+    assert buses[0].published == []
+    ids = [msg.request_id for _, msg in buses[1].published]
+    assert [i.rsplit("-", 1)[1] for i in ids] == ["0", "1", "2"]
+    assert len({i.rsplit("-", 1)[0] for i in ids}) == 1

@@ -5,10 +5,12 @@ format, then generation.serve."""
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
+from pydantic import BaseModel
 
 from services.gateway.convert import (
     Job,
@@ -22,7 +24,7 @@ from services.gateway.errors import APIError
 from services.gateway.generation import CLIENT_CLOSED, UsageCallback, serve
 from services.gateway.legacy import legacy_generate
 from services.gateway.protocol import ChatCompletionRequest, CompletionRequest
-from services.gateway.responses import ChatFormat, CompletionFormat
+from services.gateway.responses import ChatFormat, CompletionFormat, Format
 from services.gateway.routes.common import (
     GENERATION_ERRORS,
     STREAM_CONTENT,
@@ -33,9 +35,14 @@ from services.gateway.routes.common import (
 from services.gateway.schemas import STREAM_NOTE, ChatCompletionResponse, CompletionResponse
 from services.gateway.state import GatewayState
 from services.gateway.tracing import RequestTrace
+from shared.config import Settings
 from shared.messages import DetokenizeRequest, DetokenizeResult
 
 router = APIRouter()
+
+# a body model -> Job conversion of convert.py / responses_api.py: (body, request id, inbox,
+# arrival time, settings) -> Job
+JobFactory = Callable[[Any, str, str, float, Settings], Job]
 
 
 @router.post(
@@ -86,12 +93,13 @@ async def generate(
     request: Request,
     state: GatewayState,
     route: str,
-    model_cls: type,
+    model_cls: type[BaseModel],
     prefix: str,
-    make_job: Any,
-    fmt_cls: Any,
+    make_job: JobFactory,
+    fmt_cls: type[Format],
 ) -> Response:
-    """One generation route: auth, body, parse, job, response format, serve; traced."""
+    """One generation route: auth, body, parse (``model_cls``), job (``make_job``), response
+    format (``fmt_cls``), serve; traced as ``route``, ids ``<prefix>-<hex>``."""
     trace = RequestTrace(route, request.headers, state.model_name)
     try:
         key = await state.auth.check(request)
