@@ -25,11 +25,13 @@ from shared.config import Settings
 from shared.messages import ChatMessage, GenerateRequest, SamplingParams
 from shared.model_source import DEFAULT_NAME, ModelNotFoundError, gguf_model_name, resolve_model
 from shared.sampling import (
+    FIELDS,
     INT64_MAX,
     INT64_MIN,
     MAX_TOKEN_ID,
     SamplingParamError,
     validate_sampling,
+    wire_fields,
 )
 
 # vLLM's defaults: completions stop after 16 tokens; chat runs until the context is full,
@@ -135,33 +137,17 @@ def sampling_params(
     settings: Settings | None = None,
     names: dict[str, str] | None = None,
 ) -> SamplingParams:
-    """Validate the OpenAI/vLLM fields (``shared.sampling``) and map them onto SamplingParams;
-    ``None`` means the default. ``names`` renames fields in errors (chat's
-    ``max_completion_tokens``, ``top_logprobs``)."""
-    values: dict[str, Any] = {
+    """Validate the body's sampling fields (the feature table of ``shared.sampling``; unset
+    means the default) and map them onto SamplingParams. The job decides ``max_tokens`` (0: up
+    to the context), ``logprobs``, ``prompt_logprobs``, ``n`` and ``best_of``. ``names``
+    renames fields in errors (chat's ``max_completion_tokens``, ``top_logprobs``)."""
+    values: dict[str, Any] = {f.name: f.from_body(getattr(req, f.name)) for f in FIELDS if f.body}
+    values |= {
         "n": n,
         "best_of": best_of,
-        "temperature": 1.0 if req.temperature is None else req.temperature,
-        "top_p": 1.0 if req.top_p is None else req.top_p,
-        "top_k": 0 if req.top_k is None else req.top_k,
-        "min_p": 0.0 if req.min_p is None else req.min_p,
-        "presence_penalty": req.presence_penalty or 0.0,
-        "frequency_penalty": req.frequency_penalty or 0.0,
-        "repetition_penalty": 1.0 if req.repetition_penalty is None else req.repetition_penalty,
-        "seed": req.seed,
         "max_tokens": max_tokens or None,
-        "min_tokens": req.min_tokens or 0,
         "logprobs": logprobs,
         "prompt_logprobs": prompt_logprobs,
-        "stop": req.stop,
-        "stop_token_ids": req.stop_token_ids,
-        "logit_bias": req.logit_bias,
-        "allowed_token_ids": req.allowed_token_ids,
-        "bad_words": req.bad_words,
-        "truncate_prompt_tokens": req.truncate_prompt_tokens,
-        "ignore_eos": bool(req.ignore_eos),
-        "skip_special_tokens": req.skip_special_tokens is not False,
-        "include_stop_str_in_output": bool(req.include_stop_str_in_output),
     }
     unsupported = req.unsupported()
     if unsupported is not None:
@@ -177,29 +163,7 @@ def sampling_params(
         raise bad(param, e.reason) from None
     if req.priority is not None and not INT64_MIN <= req.priority <= INT64_MAX:
         raise bad("priority", "out of range")
-    return SamplingParams(
-        max_tokens=max_tokens,
-        temperature=values["temperature"],
-        top_p=values["top_p"],
-        top_k=max(values["top_k"], 0),  # -1 and 0: off
-        min_p=values["min_p"],
-        seed=req.seed,
-        stop=req.stop_list(),
-        stop_token_ids=list(req.stop_token_ids or []),
-        ignore_eos=values["ignore_eos"],
-        min_tokens=values["min_tokens"],
-        skip_special_tokens=values["skip_special_tokens"],
-        include_stop_str_in_output=values["include_stop_str_in_output"],
-        presence_penalty=values["presence_penalty"],
-        frequency_penalty=values["frequency_penalty"],
-        repetition_penalty=values["repetition_penalty"],
-        logprobs=logprobs,
-        logit_bias=dict(req.logit_bias) if req.logit_bias else None,
-        prompt_logprobs=prompt_logprobs,
-        structured_output=constraint,
-        allowed_token_ids=list(req.allowed_token_ids) if req.allowed_token_ids else None,
-        bad_words=list(req.bad_words or []),
-    )
+    return SamplingParams(**wire_fields(values), structured_output=constraint)
 
 
 def chat_max_tokens(req: ChatCompletionRequest) -> int:

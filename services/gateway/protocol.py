@@ -1,7 +1,7 @@
 """The request bodies the gateway accepts, as pydantic models: OpenAI's fields, then vLLM's extras.
 
-The models check types and shapes only; value ranges are checked by ``shared.sampling`` (the one
-place a future Python API shares) when the request is converted (convert.py). Bodies are parsed
+The models check types and shapes only; the sampling fields are declared from the feature table
+(shared/sampling/features.py), whose checks run when the request is converted (convert.py). Bodies are parsed
 by hand from these models (for OpenAI-shaped 400s) and the OpenAPI document carries them
 (openapi.py). Unknown fields are ignored, as OpenAI clients send fields kvflow does not use
 (``parallel_tool_calls``, ``store``, ``metadata``...)."""
@@ -10,7 +10,9 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, create_model
+
+from shared.sampling import FIELDS
 
 
 class _Body(BaseModel):
@@ -67,44 +69,28 @@ class StructuredOutputs(_Body):
     json_object: bool | None = None
 
 
-class SamplingBody(_Body):
-    """Fields shared by chat and completions: OpenAI's, then vLLM's extras."""
+# Every sampling feature field the bodies declare (shared/sampling/features.py), each as
+# ``type | None``: unset means the feature's default.
+_SamplingFields: type[_Body] = create_model(  # type: ignore[call-overload]
+    "SamplingFields",
+    __base__=_Body,
+    **{f.name: (f.type | None, f.body_default) for f in FIELDS if f.body},
+)
+
+
+class SamplingBody(_SamplingFields):  # type: ignore[misc,valid-type]
+    """Fields shared by chat and completions: the sampling features', then OpenAI's and vLLM's
+    request-level fields."""
 
     model: str | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    max_tokens: int | None = None
-    stop: str | list[str] | None = None
-    seed: int | None = None
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     user: str | None = None  # accepted; kvflow keeps per-key usage instead (see API keys)
-    n: int | None = 1
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    logit_bias: dict[int, float] | None = None
     response_format: ResponseFormat | None = None
-    # vLLM extras
-    top_k: int | None = None
-    min_p: float | None = None
-    ignore_eos: bool | None = False
-    min_tokens: int | None = None
-    stop_token_ids: list[int] | None = None
-    skip_special_tokens: bool | None = True
-    include_stop_str_in_output: bool | None = False
-    repetition_penalty: float | None = None
     priority: int | None = 0  # lower values are scheduled first
-    prompt_logprobs: int | None = None
-    guided_json: dict[str, Any] | str | None = None
-    guided_regex: str | None = None
-    guided_choice: list[str] | None = None
-    guided_grammar: str | None = None
     structured_outputs: StructuredOutputs | None = None
-    allowed_token_ids: list[int] | None = None
-    truncate_prompt_tokens: int | None = None  # keep the prompt's last N tokens (-1: max length)
     # vLLM's: logprobs entries name tokens ``token_id:N`` (the text is unchanged)
     return_tokens_as_token_ids: bool | None = None
-    bad_words: list[str] | None = None  # vLLM's: words never generated
     # vLLM extras kvflow does not implement: refused when set (never silently ignored)
     use_beam_search: bool | None = None
     length_penalty: float | None = None
@@ -116,11 +102,6 @@ class SamplingBody(_Body):
         if self.length_penalty not in (None, 1.0):
             return "length_penalty"
         return None
-
-    def stop_list(self) -> list[str]:
-        if self.stop is None:
-            return []
-        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
 
     def include_usage(self) -> bool:
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)

@@ -20,27 +20,11 @@ from services.gateway.errors import APIError
 from services.gateway.protocol import ChatCompletionRequest, _Body
 from services.gateway.responses import Echo, Format, Outcome, sse
 from shared.config import Settings
+from shared.sampling import FIELDS
 
-# vLLM's sampling extras a Responses request may carry too (validated as in chat)
-EXTRAS = (
-    "top_k",
-    "min_p",
-    "repetition_penalty",
-    "presence_penalty",
-    "frequency_penalty",
-    "seed",
-    "stop",
-    "stop_token_ids",
-    "ignore_eos",
-    "min_tokens",
-    "skip_special_tokens",
-    "include_stop_str_in_output",
-    "priority",
-    "logit_bias",
-    "allowed_token_ids",
-    "bad_words",
-    "truncate_prompt_tokens",
-)
+# vLLM's sampling extras a Responses request may carry too (validated as in chat): the
+# feature fields it does not name itself, and the priority
+EXTRAS = frozenset([f.name for f in FIELDS if f.body and f.responses] + ["priority"])
 # a chat field's name as a Responses client knows it, for error messages
 PARAM_NAMES = {
     "max_completion_tokens": "max_output_tokens",

@@ -50,6 +50,7 @@ from shared.messages import (
 from shared.model_loader import ModelConfig, load_config, load_weights
 from shared.model_source import ModelSource
 from shared.quantized_checkpoints import METHODS, checkpoint_method
+from shared.sampling import apply_processors, needs_host_sampling
 
 log = logging.getLogger("kvflow.worker")
 
@@ -139,7 +140,6 @@ class RequestState:
     eos_token_ids: frozenset[int]
     stop_token_ids: frozenset[int]
     generator: torch.Generator | None
-    penalized: bool
     keeps_history: bool  # sampling depends on the tokens so far (penalties, bad words)
     # the request's prompt and output tokens, kept only when ``keeps_history``:
     # NewRequest.token_history, then every token sampled here
@@ -386,7 +386,6 @@ class ModelRunner:
             eos_token_ids=frozenset(eos),
             stop_token_ids=frozenset(p.stop_token_ids),
             generator=gen,
-            penalized=p.has_penalties(),
             keeps_history=p.needs_token_history(),
             # sent with the first token already when resumed after a preemption
             prompt_logprobs_k=p.prompt_logprobs if r.num_output_tokens == 0 else None,
@@ -526,24 +525,9 @@ class ModelRunner:
         return self.model.forward_device(self.ops, batch, self.kv_caches)
 
     def _sample(self, logits: torch.Tensor, sampled: list[ScheduledSeq]) -> torch.Tensor:
-        """Penalties and min_tokens masks per row, then one batched draw."""
+        """Every feature's logits processor over the rows, then one batched draw."""
         states = [self.requests[s.request_id] for s in sampled]
-        for row, st in enumerate(states):
-            if st.params.logit_bias:
-                sampler.apply_logit_bias(logits, row, st.params.logit_bias)
-            if st.params.allowed_token_ids:
-                sampler.allow_only_tokens(logits, row, st.params.allowed_token_ids)
-            if st.penalized:
-                sampler.apply_penalties(logits, row, st.params, st.prompt_tokens, st.output_tokens)
-            if st.params.bad_words_token_ids:
-                sampler.ban_bad_words(logits, row, st.params.bad_words_token_ids, st.output_tokens)
-            # under a grammar, the grammar decides where the output may end
-            if st.num_output_tokens < st.params.min_tokens and st.guide is None:
-                stops = set(st.stop_token_ids)
-                if not st.params.ignore_eos:
-                    stops |= st.eos_token_ids
-                sampler.suppress_tokens(logits, row, sorted(stops))
-        structured.apply_masks(logits, [st.guide for st in states])
+        apply_processors(logits, states)
         batch = sampler.make_batch([st.params for st in states], [st.generator for st in states])
         return sampler.sample(logits, batch)
 
@@ -579,27 +563,6 @@ def finish_rule(
     if num_output_tokens >= p.max_tokens or prompt_len + num_output_tokens >= max_model_len:
         return FinishReason.LENGTH
     return FinishReason.NONE
-
-
-def needs_host_sampling(states: list[RequestState]) -> bool:
-    """Whether sampling these rows needs more than a greedy argmax (which runs on the device):
-    temperature, bias, allowed ids, penalties, a min_tokens mask, a grammar or logprobs. The
-    rows then go to the host and through the CPU sampler, exactly as on the CPU path."""
-    for st in states:
-        p = st.params
-        if (
-            p.temperature >= sampler._GREEDY_EPS
-            or p.logit_bias
-            or p.allowed_token_ids
-            or p.bad_words_token_ids
-            or st.penalized
-            or st.num_output_tokens < p.min_tokens
-            or st.guide is not None
-            or st.guide_failed
-            or p.logprobs is not None
-        ):
-            return True
-    return False
 
 
 def _logprobs(

@@ -39,7 +39,6 @@ import numpy as np
 import torch
 
 from services.worker.runner import finish_rule
-from services.worker.sampler import _GREEDY_EPS
 from shared.messages import (
     FinishReason,
     NewRequest,
@@ -49,6 +48,7 @@ from shared.messages import (
     StepResult,
 )
 from shared.model_source import ModelSource
+from shared.sampling import GREEDY_EPS
 from shared.step_cost import StepCostModel
 
 log = logging.getLogger("kvflow.worker")
@@ -119,7 +119,7 @@ class SimRunner:
 
     def _add_request(self, r: NewRequest) -> None:
         p = r.params
-        if p.temperature < _GREEDY_EPS:
+        if p.temperature < GREEDY_EPS:
             salt = 0
         elif p.seed is not None:
             salt = int(p.seed) + 1

@@ -14,8 +14,6 @@ import logging
 from collections.abc import Sequence
 from typing import Any
 
-import torch
-
 from shared.messages import ScheduledSeq, StructuredOutput
 from shared.structured_output import GrammarCompiler, GrammarError, tokenizer_info
 
@@ -72,22 +70,6 @@ def make_guide(
     except GrammarError as e:
         log.warning("structured output does not compile: %s", e)
         return None
-
-
-def apply_masks(logits: torch.Tensor, guides: Sequence[Guide | None]) -> None:
-    """Mask, in place, the tokens each row's grammar does not allow next (rows without a guide
-    are left alone). ``logits`` is [S, V] fp32 on CPU."""
-    import xgrammar as xgr
-
-    rows = [i for i, g in enumerate(guides) if g is not None and not g.error]
-    if not rows:
-        return
-    bitmask = xgr.allocate_token_bitmask(logits.shape[0], logits.shape[1])
-    for i in rows:
-        guide = guides[i]
-        assert guide is not None
-        guide.matcher.fill_next_token_bitmask(bitmask, i)
-    xgr.apply_token_bitmask_inplace(logits, bitmask, indices=rows)
 
 
 @functools.lru_cache(maxsize=4)

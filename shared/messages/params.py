@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import msgspec
 
+from shared.sampling.derived import needs_token_history as _needs_token_history
+
 # Request parameters (embedded, not sent alone)
 
 
@@ -18,7 +20,9 @@ class StructuredOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=F
 
 
 class SamplingParams(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
-    """Per-request sampling and stopping parameters (vLLM names)."""
+    """Per-request sampling and stopping parameters (vLLM names), as the pipeline carries them:
+    each field is a feature's (shared/sampling/features.py maps the API's values onto it).
+    msgpack arrays: new fields go at the end."""
 
     max_tokens: int = 16
     temperature: float = 1.0
@@ -47,16 +51,10 @@ class SamplingParams(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
     bad_words: list[str] = []
     bad_words_token_ids: list[list[int]] = []
 
-    def has_penalties(self) -> bool:
-        """Whether a presence, frequency or repetition penalty applies."""
-        return bool(
-            self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
-        )
-
     def needs_token_history(self) -> bool:
-        """Whether sampling looks at the tokens so far (penalties, bad words): the worker is
-        then given the request's prompt and outputs (``NewRequest.token_history``)."""
-        return self.has_penalties() or bool(self.bad_words_token_ids)
+        """Whether sampling looks at the tokens so far (a feature's ``needs_history``): the
+        worker is then given the request's prompt and outputs (``NewRequest.token_history``)."""
+        return _needs_token_history(self)
 
 
 class ChatMessage(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):

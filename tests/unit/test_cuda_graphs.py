@@ -144,9 +144,7 @@ def test_device_dtype_and_backend_choice() -> None:
 
 def _state(**params) -> RequestState:
     p = SamplingParams(**params)
-    return RequestState(
-        p, 5, 0, frozenset([1]), frozenset(), None, p.has_penalties(), p.needs_token_history()
-    )
+    return RequestState(p, 5, 0, frozenset([1]), frozenset(), None, p.needs_token_history())
 
 
 def test_only_plain_greedy_rows_are_sampled_on_the_device() -> None:

@@ -9,6 +9,7 @@ import torch
 
 from services.worker import sampler
 from shared.messages import SamplingParams
+from shared.sampling import processors
 
 
 def batch(
@@ -101,10 +102,10 @@ def test_top_k_and_min_p() -> None:
 def test_penalties_and_suppression() -> None:
     logits = torch.tensor([[2.0, -2.0, 1.0, 0.5]])
     p = SamplingParams(repetition_penalty=2.0, presence_penalty=0.25, frequency_penalty=0.5)
-    sampler.apply_penalties(logits, 0, p, prompt_token_ids=[0], output_token_ids=[1, 2, 2])
+    processors.apply_penalties(logits, 0, p, prompt_token_ids=[0], output_token_ids=[1, 2, 2])
     want = [1.0, -4.0 - 0.75, 0.5 - 1.25, 0.5]
     assert torch.allclose(logits[0], torch.tensor(want))
-    sampler.suppress_tokens(logits, 0, [0, 99])
+    processors.suppress_tokens(logits, 0, [0, 99])
     assert (
         logits[0, 0] == -math.inf
         and sampler.sample(logits, batch([SamplingParams(temperature=0)])) == 3
@@ -113,11 +114,11 @@ def test_penalties_and_suppression() -> None:
 
 def test_allowed_tokens_and_suppression_never_empty_a_row() -> None:
     logits = torch.randn(2, 50, generator=torch.Generator().manual_seed(3))
-    sampler.allow_only_tokens(logits, 0, [4, 9])
+    processors.allow_only_tokens(logits, 0, [4, 9])
     assert torch.isfinite(logits[0]).nonzero().flatten().tolist() == [4, 9]
-    sampler.suppress_tokens(logits, 0, [9])  # min_tokens holds a stop token back
+    processors.suppress_tokens(logits, 0, [9])  # min_tokens holds a stop token back
     assert torch.isfinite(logits[0]).nonzero().flatten().tolist() == [4]
-    sampler.suppress_tokens(logits, 0, [4])  # the last token left stays
+    processors.suppress_tokens(logits, 0, [4])  # the last token left stays
     assert torch.isfinite(logits[0]).nonzero().flatten().tolist() == [4]
     assert torch.isfinite(logits[1]).all()
 
@@ -125,12 +126,12 @@ def test_allowed_tokens_and_suppression_never_empty_a_row() -> None:
 def test_bad_words_ban_only_the_token_that_would_complete_a_word() -> None:
     words = [[7], [3, 4], [1, 2, 5]]
     logits = torch.zeros(3, 10)
-    sampler.ban_bad_words(logits, 0, words, [])  # nothing generated: only one-token words
-    sampler.ban_bad_words(logits, 1, words, [9, 3])  # "3" so far: 4 would finish [3, 4]
-    sampler.ban_bad_words(logits, 2, words, [1, 2])  # "1 2": 5 would finish [1, 2, 5]
+    processors.ban_bad_words(logits, 0, words, [])  # nothing generated: only one-token words
+    processors.ban_bad_words(logits, 1, words, [9, 3])  # "3" so far: 4 would finish [3, 4]
+    processors.ban_bad_words(logits, 2, words, [1, 2])  # "1 2": 5 would finish [1, 2, 5]
     banned = [(logits[r] == -math.inf).nonzero().flatten().tolist() for r in range(3)]
     assert banned == [[7], [4, 7], [5, 7]]
     only = torch.full((1, 10), -math.inf)
     only[0, 7] = 1.0  # allowed_token_ids left nothing but a bad word: it stays possible
-    sampler.ban_bad_words(only, 0, words, [])
+    processors.ban_bad_words(only, 0, words, [])
     assert only[0, 7] == 1.0
