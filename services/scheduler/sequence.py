@@ -6,7 +6,6 @@ elsewhere, and, while its K/V moves there, the prefill worker's blocks (``Transf
 from __future__ import annotations
 
 import enum
-import heapq
 import itertools
 from dataclasses import dataclass, field
 
@@ -81,7 +80,7 @@ class Sequence:
     announced: bool = False  # the current worker has had this sequence's NewRequest
     aborted: bool = False  # aborted while its K/V was in flight: freed when the transfer ends
     num_preemptions: int = 0
-    order: int = field(default_factory=lambda: next(_order))  # FCFS tie-break, kept on preemption
+    order: int = field(default_factory=lambda: next(_order))  # arrival order, kept on preemption
 
     @property
     def num_tokens(self) -> int:
@@ -90,34 +89,3 @@ class Sequence:
     @property
     def num_output_tokens(self) -> int:
         return len(self.token_ids) - self.prompt_len
-
-
-class WaitingQueue:
-    """Waiting sequences by (priority, arrival order): lower priority values go first, as in
-    vLLM; a preempted sequence keeps its place, so it resumes before newer arrivals."""
-
-    def __init__(self) -> None:
-        self._heap: list[tuple[int, int, Sequence]] = []
-        self._removed: set[str] = set()
-
-    def push(self, seq: Sequence) -> None:
-        self._removed.discard(seq.request_id)
-        heapq.heappush(self._heap, (seq.priority, seq.order, seq))
-
-    def peek(self) -> Sequence | None:
-        self._drop_removed()
-        return self._heap[0][2] if self._heap else None
-
-    def pop(self) -> Sequence:
-        self._drop_removed()
-        return heapq.heappop(self._heap)[2]
-
-    def remove(self, request_id: str) -> None:
-        self._removed.add(request_id)
-
-    def _drop_removed(self) -> None:
-        while self._heap and self._heap[0][2].request_id in self._removed:
-            self._removed.discard(heapq.heappop(self._heap)[2].request_id)
-
-    def __len__(self) -> int:
-        return len(self._heap) - len(self._removed)

@@ -1,4 +1,4 @@
-"""``kvflow simulate``: the real scheduler (SchedulerCore, WorkerScheduler, BlockManager) driven
+"""``kvflow simulate``: the real scheduler (SchedulerCore, WorkerState, BlockManager) driven
 by a cost model of a worker instead of a model, on a virtual clock. Capacity questions (the
 highest request rate that keeps TTFT under a target with N workers) are answered in seconds
 without hardware, and scheduler-policy tests use it."""
@@ -11,8 +11,8 @@ import json
 import random
 from dataclasses import asdict, dataclass, field
 
-from services.scheduler.engine import SchedulerCore
-from services.scheduler.policy import SchedulerLimits
+from services.scheduler.core import SchedulerCore
+from services.scheduler.worker_state import SchedulerLimits
 from shared.messages import FinishReason, SamplingParams, StepResult, TokenizedRequest
 from shared.step_cost import StepCostModel
 
@@ -96,7 +96,7 @@ def simulate(workload: Workload, cfg: SimConfig) -> SimResult:
         for wid, ws in core.workers.items():
             if wid in busy:
                 continue
-            plan = ws.schedule(core.waiting)
+            plan = ws.schedule()
             if plan is None:
                 continue
             used = 1 - ws.bm.num_free_blocks / ws.bm.num_blocks

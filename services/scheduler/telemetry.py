@@ -271,7 +271,7 @@ class _EngineCollector(Collector):
         yield running
 
     def _kv_moves(self, core: Any) -> Iterator[Metric]:
-        t = core.transfer_totals
+        t = core.router.transfer_totals
         transfers = CounterMetricFamily(
             "kvflow:kv_transfers", "KV transfers between workers, by outcome", labels=["outcome"]
         )
@@ -286,9 +286,7 @@ class _EngineCollector(Collector):
             "Time KV transfers took, summed (order to done)",
             value=t.seconds,
         )
-        tiers = getattr(core, "tier_totals", None)
-        if tiers is None:
-            return
+        tiers = core.router.tier_totals
         hits = CounterMetricFamily(
             "kvflow:kv_tier_hits",
             "KV blocks loaded from a tier instead of recomputed",

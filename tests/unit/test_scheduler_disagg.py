@@ -5,8 +5,8 @@ another's. A wrong, missing or late copy changes the output; every block must co
 
 from __future__ import annotations
 
-from services.scheduler.engine import SchedulerCore
-from services.scheduler.policy import SchedulerLimits
+from services.scheduler.core import SchedulerCore
+from services.scheduler.worker_state import SchedulerLimits
 from shared.messages import KvPull, KvTransferDone, SamplingParams, TokenizedRequest
 from tests.unit.test_scheduler_policy import PROMPTS, FakeWorker, reference_outputs, req
 
@@ -18,7 +18,7 @@ class Cluster:
         self.core = SchedulerCore(SchedulerLimits(**limits), model="m")
         self.fakes: dict[str, FakeWorker] = {}
         for wid, role in roles.items():
-            self.core.add_worker(wid, num_blocks, BS, role=role, kv_subject=f"kv.{wid}")
+            self.core.add_worker(wid, num_blocks, BS, role=role, kv_address=f"kv.{wid}")
             self.fakes[wid] = FakeWorker(BS)
         self.outputs: dict[str, list[int]] = {}
         self.pending: list[tuple[str, KvPull]] = []  # transfers not yet carried out
@@ -36,7 +36,7 @@ class Cluster:
             ws = self.core.workers.get(wid)
             if ws is None:
                 continue
-            plan = ws.schedule(self.core.waiting)
+            plan = ws.schedule()
             if plan is None:
                 continue
             progressed = True

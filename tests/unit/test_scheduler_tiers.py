@@ -5,8 +5,8 @@ dict (tests.unit.test_scheduler_policy.FakeWorker), so a wrong copy shows in the
 
 from __future__ import annotations
 
-from services.scheduler.engine import SchedulerCore
-from services.scheduler.policy import SchedulerLimits
+from services.scheduler.core import SchedulerCore
+from services.scheduler.worker_state import SchedulerLimits
 from shared.messages import KvLoadDone
 from tests.unit.test_scheduler_policy import FakeWorker, req
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import time
 
-from services.scheduler.engine import SchedulerCore
-from services.scheduler.policy import SchedulerLimits
+from services.scheduler.core import SchedulerCore
+from services.scheduler.worker_state import SchedulerLimits
 from services.worker.kv_blocks import KvBlockIO
 from services.worker.sim_runner import SimRunner, step_time_fn
 from shared.messages import (

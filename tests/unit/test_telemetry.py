@@ -19,9 +19,9 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from services.gateway.metrics import GatewayMetrics, buckets_1_2_5
 from services.gateway.tracing import RequestTrace
-from services.scheduler.engine import SchedulerCore
-from services.scheduler.policy import SchedulerLimits
+from services.scheduler.core import SchedulerCore
 from services.scheduler.telemetry import SchedulerTelemetry
+from services.scheduler.worker_state import SchedulerLimits
 from services.worker.telemetry import WorkerTelemetry
 from shared.bus import Bus
 from shared.logs import ContextFilter, JsonFormatter, request_scope

@@ -1,0 +1,169 @@
+"""Planning one worker's next step, as plain Python the unit tests drive without NATS.
+
+One model for every step (vLLM V1): each running sequence's computed tokens catch up with its
+known tokens under a token budget, so prefill, chunked prefill, prefix hits and decode share one
+path. Running sequences go first (decodes keep flowing while long prompts are chunked in), then
+waiting ones join, in the policy's queue order, while budget, sequence slots and blocks allow.
+When blocks run out, the policy's victim is preempted by recompute (WorkerState.requeue); a
+step that had to preempt admits nothing new.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from services.scheduler.sequence import SeqStatus, Sequence
+from services.scheduler.worker_state import Admission, RequeueReason, WorkerState
+from shared.messages import BlockRef, NewRequest, ScheduledSeq, StepPlan
+
+
+@dataclass
+class _Chosen:
+    """Tokens a sequence computes in the plan being built, and the blocks registered for it."""
+
+    num_new: int
+    registered: list[int] = field(default_factory=list)
+
+
+def plan_step(ws: WorkerState) -> StepPlan | None:
+    """Build ``ws``'s next plan, or None when there is nothing to run."""
+    assert ws.in_flight is None, "one plan at a time per worker"
+    ws.in_flight_cached = []
+    chosen: dict[Sequence, _Chosen] = {}
+    budget, preempted = _schedule_running(ws, chosen, ws.limits.max_num_batched_tokens)
+    if not preempted:  # memory is short when this step had to preempt: admit nothing new
+        _admit_waiting(ws, chosen, budget)
+    if not chosen and not ws.to_forget:
+        return None
+    return _build_plan(ws, [(s, c.num_new) for s, c in chosen.items()])
+
+
+def _schedule_running(
+    ws: WorkerState, chosen: dict[Sequence, _Chosen], budget: int
+) -> tuple[int, bool]:
+    """Give running sequences their next tokens, preempting the policy's victims while blocks
+    are short. Returns the budget left and whether anything was preempted."""
+    preempted = False
+    for seq in list(ws.running):
+        if budget <= 0:
+            break
+        if seq.status is not SeqStatus.RUNNING:  # preempted in this loop, or K/V in flight
+            continue
+        num_new = min(seq.num_tokens - seq.num_computed, budget)
+        if num_new <= 0:
+            continue
+        need = ws.bm.blocks_needed(seq.num_computed + num_new) - len(seq.blocks)
+        while need > ws.bm.num_free_blocks:
+            victim = ws.policy.choose_victim(ws.running)
+            if victim is None:
+                break
+            budget += _unschedule(ws, chosen, victim)
+            ws.requeue(victim, RequeueReason.PREEMPTED)
+            preempted = True
+            if victim is seq:
+                break
+        if seq.status is not SeqStatus.RUNNING or need > ws.bm.num_free_blocks:
+            continue
+        seq.blocks += ws.bm.allocate(max(need, 0))
+        chosen[seq] = _Chosen(num_new, ws.register(seq, num_new))
+        budget -= num_new
+    return budget, preempted
+
+
+def _unschedule(ws: WorkerState, chosen: dict[Sequence, _Chosen], seq: Sequence) -> int:
+    """Take ``seq`` out of the plan being built (a victim scheduled earlier in this step, which
+    only a priority policy picks): its blocks are not written, so their hashes are forgotten.
+    Returns the tokens of budget it gives back."""
+    c = chosen.pop(seq, None)
+    if c is None:
+        return 0
+    ws.unregister(c.registered)
+    return c.num_new
+
+
+def _admit_waiting(ws: WorkerState, chosen: dict[Sequence, _Chosen], budget: int) -> None:
+    """Admit waiting sequences in queue order until one does not fit (it keeps its place)."""
+    while budget > 0 and ws.can_prefill and not ws.draining and ws.has_room_for_one_more():
+        seq = ws.waiting.peek()
+        if seq is None:
+            break
+        adm = _fit(ws, seq, budget)
+        if adm is None:
+            break
+        route = ws.router.route(seq, ws)
+        if route is None:  # another worker is the better place (or none can decode it)
+            break
+        ws.waiting.pop()
+        ws.admit(seq, adm, route)
+        if adm.tier:  # it waits for its tier load: nothing to compute in this step
+            continue
+        chosen[seq] = _Chosen(adm.num_new, ws.register(seq, adm.num_new))
+        budget -= adm.num_new
+
+
+def _fit(ws: WorkerState, seq: Sequence, budget: int) -> Admission | None:
+    """How ``seq`` would be admitted on ``ws`` now, or None when its blocks do not fit. With
+    prompt_logprobs the whole prompt is computed (no cache, no tier)."""
+    use_cache = seq.params.prompt_logprobs is None
+    cached = ws.bm.lookup_prefix(seq.token_ids) if use_cache else []
+    tier = ws.router.tier_lookup(seq, ws, len(cached)) if use_cache else []
+    if tier:
+        num_new, need = 0, len(tier)
+    else:
+        num_computed = len(cached) * ws.bm.block_size
+        num_new = min(seq.num_tokens - num_computed, budget)
+        need = ws.bm.blocks_needed(num_computed + num_new) - len(cached)
+    if not ws.bm.can_allocate(need, cached):
+        return None
+    return Admission(cached, tier, need, num_new, count_prefix=use_cache)
+
+
+def _build_plan(ws: WorkerState, chosen: list[tuple[Sequence, int]]) -> StepPlan:
+    """The StepPlan message for ``chosen``; from here on that plan is in flight."""
+    ws.step_id += 1
+    # Evicted blocks go to the host tier only when this plan's step is what overwrites them:
+    # the worker copies them first. Blocks taken for a tier load or a reservation are written
+    # by other paths, which might get there before the copy: not offloaded.
+    written = {b for s, _ in chosen for b in s.blocks}
+    offload = [
+        BlockRef(b, h) for b, h in ws.bm.take_evicted() if ws.offload_enabled and b in written
+    ]
+    store = (
+        [BlockRef(b, h) for b in ws.in_flight_cached if (h := ws.bm.block_hash[b])]
+        if ws.store_enabled
+        else []
+    )
+    plan = StepPlan(
+        step_id=ws.step_id,
+        seqs=[
+            ScheduledSeq(
+                request_id=s.request_id,
+                token_ids=s.token_ids[s.num_computed : s.num_computed + n],
+                start_pos=s.num_computed,
+                block_table=list(s.blocks),
+                sample=s.num_computed + n == s.num_tokens,
+            )
+            for s, n in chosen
+        ],
+        new_requests=[_announce(s) for s, _ in chosen if not s.announced],
+        finished_request_ids=ws.to_forget,
+        offload=offload,
+        store=store,
+    )
+    for s, _ in chosen:
+        s.announced = True
+    ws.to_forget = []
+    ws.in_flight = {s.request_id: n for s, n in chosen}
+    return plan
+
+
+def _announce(seq: Sequence) -> NewRequest:
+    """What a worker needs to know of a sequence the first time it runs there."""
+    return NewRequest(
+        request_id=seq.request_id,
+        params=seq.params,
+        prompt_len=seq.prompt_len,
+        num_output_tokens=seq.num_output_tokens,
+        eos_token_ids=seq.eos_token_ids,
+        token_history=list(seq.token_ids) if seq.params.needs_token_history() else [],
+    )

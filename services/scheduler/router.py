@@ -1,0 +1,307 @@
+"""Where sequences go among workers: routing an admission, the prefill -> decode hand-off of
+disaggregated serving (with the KV transfer it orders), and the KV tiers (which prefix blocks a
+worker's host tier or Redis holds, and the loads that fill blocks from them).
+
+Routing (as Dynamo's KV router): among the workers that can take a sequence now, the cost of a
+worker is the blocks it would have to compute (prefill) or receive (decode), i.e. the prompt's
+blocks minus those already in its prefix cache, plus the blocks it has in use (its load). The
+cheapest wins, so a shared prefix pulls requests to the worker that holds it, while unrelated
+requests spread by load. A ``both`` worker decodes what it prefills.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass
+
+from services.scheduler.block_manager import BlockHash
+from services.scheduler.sequence import Reservation, Sequence, Transfer
+from services.scheduler.worker_state import RequeueReason, Route, WorkerState
+from shared.kv_tier import tier_key
+from shared.messages import BlockRef, KvLoad, KvLoadDone, KvPull, KvTransferDone, StepPlan
+
+Candidate = tuple[tuple[int, str], WorkerState, int]  # (cost, worker), worker, cached blocks
+
+
+@dataclass
+class TransferTotals:
+    done: int = 0
+    failed: int = 0
+    num_bytes: int = 0
+    seconds: float = 0.0
+
+
+@dataclass
+class TierTotals:
+    loads: int = 0
+    host_hits: int = 0
+    redis_hits: int = 0
+    misses: int = 0
+    num_bytes: int = 0
+    seconds: float = 0.0
+    offloaded: int = 0
+
+
+class Router:
+    """Routing, hand-offs and tier loads over the core's ``workers`` (the same dict)."""
+
+    def __init__(self, workers: dict[str, WorkerState]) -> None:
+        self.workers = workers
+        self.kv_address: dict[str, str] = {}  # worker id -> where it serves its blocks
+        self.kv_layout: dict[str, str] = {}  # worker id -> KV block layout
+        self.host_hashes: dict[str, set[bytes]] = {}  # worker -> blocks in its host tier
+        self.transfers: dict[str, Sequence] = {}  # transfer id -> sequence (aborted ones too)
+        self.loads: dict[str, Sequence] = {}  # tier load id -> sequence (aborted ones too)
+        self.transfer_totals = TransferTotals()
+        self.tier_totals = TierTotals()
+        self._ids = itertools.count(1)
+
+    def add_worker(self, worker_id: str, kv_address: str, kv_layout: str) -> None:
+        self.host_hashes[worker_id] = set()
+        self.kv_address[worker_id] = kv_address
+        self.kv_layout[worker_id] = kv_layout
+
+    def remove_worker(self, worker_id: str) -> None:
+        self.kv_address.pop(worker_id, None)
+        self.kv_layout.pop(worker_id, None)
+        self.host_hashes.pop(worker_id, None)
+
+    def busy_source(self, worker_id: str) -> bool:
+        """Whether a transfer still copies blocks from ``worker_id``."""
+        return any(
+            s.transfer and s.transfer.src_worker == worker_id for s in self.transfers.values()
+        )
+
+    # -- routing --------------------------------------------------------------------------------
+
+    def _cost(self, ws: WorkerState, seq: Sequence, cached: int) -> tuple[int, str]:
+        new = ws.bm.blocks_needed(seq.num_tokens) - cached
+        used = ws.bm.num_blocks - ws.bm.num_free_blocks
+        return new + used, ws.worker_id
+
+    def _candidates(self, seq: Sequence, prefill: bool) -> list[Candidate]:
+        out = []
+        for ws in self.workers.values():
+            if ws.draining or not ws.has_room_for_one_more():
+                continue
+            if not (ws.can_prefill if prefill else ws.can_decode):
+                continue
+            if prefill and seq.params.prompt_logprobs is not None:
+                cached = 0
+            else:
+                limit = None if prefill else seq.num_tokens // ws.bm.block_size
+                cached = len(ws.bm.lookup_prefix(seq.token_ids, limit))
+            if ws.bm.num_free_blocks < ws.bm.blocks_needed(seq.num_tokens) - cached:
+                continue
+            out.append((self._cost(ws, seq, cached), ws, cached))
+        return out
+
+    def route(self, seq: Sequence, here: WorkerState) -> Route | None:
+        """Admit ``seq`` on ``here`` now? Only if ``here`` is the cheapest prefill worker that
+        can take it (when none can take the whole prompt, any may start it) and, for a
+        prefill-only worker, a decode worker has room: its blocks are reserved now."""
+        prefill = self._candidates(seq, prefill=True)
+        if prefill and min(prefill, key=lambda c: c[0])[1] is not here:
+            return None
+        if here.can_decode:
+            return Route()
+        layout = self.kv_layout.get(here.worker_id, "")
+        decode = [
+            c
+            for c in self._candidates(seq, prefill=False)
+            if self.kv_layout[c[1].worker_id] == layout
+        ]
+        if not decode:
+            return None
+        _, dst, _ = min(decode, key=lambda c: c[0])
+        limit = seq.num_tokens // dst.bm.block_size
+        cached = dst.bm.lookup_prefix(seq.token_ids, limit)
+        dst.bm.prefix_queries += limit  # blocks it need not receive count as hits
+        dst.bm.prefix_hits += len(cached)
+        dst.bm.take_cached(cached)
+        blocks = cached + dst.bm.allocate(dst.bm.blocks_needed(seq.num_tokens) - len(cached))
+        dst.num_reserved += 1
+        return Route(Reservation(dst.worker_id, blocks, len(cached)))
+
+    def release_elsewhere(self, seq: Sequence) -> None:
+        """Free what ``seq`` holds on other workers: its decode reservation, or the source
+        blocks of its transfer."""
+        res, seq.reservation = seq.reservation, None
+        if res is not None and res.worker_id in self.workers:
+            dst = self.workers[res.worker_id]
+            dst.bm.free_blocks(res.blocks)
+            dst.num_reserved -= 1
+        t, seq.transfer = seq.transfer, None
+        if t is not None:
+            self.transfers.pop(t.transfer_id, None)
+            if t.src_worker in self.workers:
+                self.workers[t.src_worker].bm.free_blocks(t.held_blocks)
+
+    # -- disaggregation: prefill -> decode -------------------------------------------------------
+
+    def hand_off(self, src: WorkerState, seq: Sequence) -> tuple[str, KvPull] | None:
+        """``seq``'s prefill on ``src`` sampled its first token: move it to its decode worker
+        and order the copy of the blocks that worker does not hold yet (the pull returned, with
+        the id of the worker to send it to)."""
+        res = seq.reservation
+        assert res is not None
+        dst = self.workers.get(res.worker_id)
+        if dst is None:  # the decode worker left meanwhile: start over
+            seq.reservation = None
+            src.requeue(seq, RequeueReason.WORKER_LEFT)
+            return None
+        nb = src.bm.blocks_needed(seq.num_computed)  # blocks of the K/V the prefill computed
+        held = src.hand_off(seq)
+        dst.receive(seq)
+        src_blocks, dst_blocks = held[res.num_cached : nb], res.blocks[res.num_cached : nb]
+        if not src_blocks:  # every block was cached there already
+            src.bm.free_blocks(held)
+            dst.kv_arrived(seq)
+            return None
+        tid = f"{seq.request_id}#{next(self._ids)}"
+        seq.transfer = Transfer(
+            tid,
+            seq.request_id,
+            src.worker_id,
+            dst.worker_id,
+            held,
+            src_blocks,
+            dst_blocks,
+            time.monotonic(),
+        )
+        self.transfers[tid] = seq
+        pull = KvPull(
+            transfer_id=tid,
+            request_id=seq.request_id,
+            src_worker=src.worker_id,
+            src_address=self.kv_address.get(src.worker_id, ""),
+            src_blocks=src_blocks,
+            dst_blocks=dst_blocks,
+        )
+        return dst.worker_id, pull
+
+    def on_transfer_done(self, msg: KvTransferDone) -> str | None:
+        """A decode worker finished (or gave up) copying a sequence's K/V. Returns the id of
+        the worker that may now have work, if any."""
+        seq = self.transfers.pop(msg.transfer_id, None)
+        if seq is None or seq.transfer is None or seq.transfer.transfer_id != msg.transfer_id:
+            return None  # late news of a transfer already given up
+        t, seq.transfer = seq.transfer, None
+        if t.src_worker in self.workers:
+            self.workers[t.src_worker].bm.free_blocks(t.held_blocks)
+        totals = self.transfer_totals
+        dst = self.workers.get(t.dst_worker)
+        if msg.ok:
+            totals.done += 1
+            totals.num_bytes += msg.num_bytes
+            totals.seconds += msg.seconds
+        else:
+            totals.failed += 1
+        if dst is None or seq not in dst.running:
+            return None
+        if seq.aborted:
+            dst.finish(seq)
+        elif msg.ok:
+            dst.kv_arrived(seq)
+        else:  # recompute from its tokens
+            dst.requeue(seq, RequeueReason.TRANSFER_FAILED)
+        return dst.worker_id
+
+    # -- KV tiers -------------------------------------------------------------------------------
+
+    def tier_lookup(self, seq: Sequence, ws: WorkerState, first: int) -> list[BlockHash]:
+        """Hashes of the prompt's full blocks from ``first`` on that ``ws``'s host tier holds,
+        or that Redis held when the request arrived (leaving one token to compute)."""
+        host = self.host_hashes.get(ws.worker_id, set())
+        if not (host or seq.redis_prefix_blocks > first and ws.store_enabled):
+            return []
+        limit = (seq.num_tokens - 1) // ws.bm.block_size
+        if first >= limit:
+            return []
+        hashes = ws.bm.block_hashes(seq.token_ids[: limit * ws.bm.block_size])
+        out: list[BlockHash] = []
+        for j in range(first, limit):
+            in_redis = ws.store_enabled and j < seq.redis_prefix_blocks
+            if hashes[j] not in host and not in_redis:
+                break
+            out.append(hashes[j])
+        return out
+
+    def redis_keys_for(self, token_ids: list[int]) -> list[str]:
+        """Redis keys of the full blocks of a prompt (leaving one token to compute), in the
+        layout of a worker that stores blocks there (a cell's workers share one layout; with
+        none, no keys)."""
+        for wid, ws in self.workers.items():
+            if ws.store_enabled:
+                bs = ws.bm.block_size
+                hashes = ws.bm.block_hashes(token_ids[: (len(token_ids) - 1) // bs * bs])
+                return [tier_key(self.kv_layout.get(wid, ""), h) for h in hashes]
+        return []
+
+    def planned(self, ws: WorkerState, plan: StepPlan | None) -> list[KvLoad]:
+        """Note what ``ws``'s new plan offloads to its host tier; returns the tier load orders
+        its admissions made (to send to the same worker)."""
+        host = self.host_hashes.setdefault(ws.worker_id, set())
+        if plan is not None:
+            host.update(ref.hash for ref in plan.offload)
+            self.tier_totals.offloaded += len(plan.offload)
+        loads = []
+        for load in ws.loads:
+            load.load_id = f"load-{next(self._ids)}"
+            load.started = time.monotonic()
+            seq = next(s for s in ws.running if s.load is load)
+            self.loads[load.load_id] = seq
+            refs = [BlockRef(b, h) for b, h in load.blocks]
+            loads.append(KvLoad(load.load_id, seq.request_id, refs))
+        ws.loads = []
+        return loads
+
+    def host_evicted(self, worker_id: str, hashes: list[bytes]) -> None:
+        """Blocks ``worker_id``'s host tier dropped."""
+        host = self.host_hashes.get(worker_id)
+        if host is not None:
+            host.difference_update(hashes)
+
+    def on_load_done(self, msg: KvLoadDone) -> str | None:
+        """A worker filled (some of) a sequence's blocks from the tiers; returns the worker
+        that may now have work."""
+        seq = self.loads.pop(msg.load_id, None)
+        if seq is None or seq.load is None or seq.load.load_id != msg.load_id:
+            return None
+        t = self.tier_totals
+        t.loads += 1
+        t.host_hits += msg.host_hits
+        t.redis_hits += msg.redis_hits
+        t.misses += len(seq.load.blocks) - msg.num_loaded
+        t.num_bytes += msg.num_bytes
+        t.seconds += msg.seconds
+        ws = self.workers.get(msg.worker_id)
+        if ws is None or seq not in ws.running:
+            return None
+        if seq.aborted:
+            seq.load = None
+            ws.finish(seq)
+        else:
+            ws.loaded(seq, msg.num_loaded)
+        return ws.worker_id
+
+    def expire(self, timeout_s: float, now: float | None = None) -> list[str]:
+        """Give up on transfers and tier loads older than ``timeout_s`` (their report was
+        lost): the blocks are computed instead. Returns the workers that may have work."""
+        now = time.monotonic() if now is None else now
+        woken = []
+        for load_id, seq in list(self.loads.items()):
+            if seq.load is not None and now - seq.load.started > timeout_s and seq.worker_id:
+                wid = self.on_load_done(KvLoadDone(load_id, seq.request_id, seq.worker_id, 0))
+                if wid:
+                    woken.append(wid)
+        for tid, seq in list(self.transfers.items()):
+            t = seq.transfer
+            if t is not None and now - t.started > timeout_s:
+                wid = self.on_transfer_done(
+                    KvTransferDone(tid, seq.request_id, t.dst_worker, False, error="timed out")
+                )
+                if wid:
+                    woken.append(wid)
+        return woken

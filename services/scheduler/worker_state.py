@@ -1,0 +1,288 @@
+"""Per-worker bookkeeping: which sequences run on a worker, the blocks they hold there, the
+sequences reserved to decode there, the one plan in flight and the worker's counters. Every
+change of a sequence's place goes through one method here (admit, requeue, finish, hand_off,
+receive), so the blocks and counters stay consistent. Planning a step is planner.py's; where a
+sequence goes among workers is router.py's.
+
+Roles: a ``both`` worker prefills and decodes its own sequences. A ``prefill`` worker admits
+sequences whose decode worker is elsewhere (a ``Route`` with blocks reserved there) and hands
+each one off when its prefill samples the first token (``StepOutcome.prefilled``). A ``decode``
+worker receives handed-off sequences as TRANSFERRING (their K/V on the way) and schedules them
+once the K/V has arrived.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from services.scheduler.block_manager import BlockHash, BlockManager
+from services.scheduler.policy import SchedulingPolicy
+from services.scheduler.sequence import Reservation, SeqStatus, Sequence, TierLoad
+from services.scheduler.waiting import WaitingQueue
+from shared.messages import FinishReason, StepPlan, StepResult
+
+ROLES = ("both", "prefill", "decode")
+
+
+@dataclass
+class SchedulerLimits:
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    max_model_len: int = 8192
+
+
+@dataclass
+class StepOutcome:
+    """What applying a StepResult changed: sequences that finished, by reason, and sequences
+    whose prefill here is done and whose decode goes to another worker."""
+
+    finished: list[tuple[Sequence, FinishReason]] = field(default_factory=list)
+    prefilled: list[Sequence] = field(default_factory=list)
+
+
+@dataclass
+class Route:
+    """Where an admitted sequence decodes: here (``reservation`` None) or on the worker that
+    holds ``reservation``."""
+
+    reservation: Reservation | None = None
+
+
+@dataclass
+class Admission:
+    """How a waiting sequence fits on a worker: the cached prefix blocks it reuses, the
+    hashes of the next blocks a KV tier holds (loaded instead of computed), the fresh blocks it
+    needs and the tokens it computes in this step (none while a tier load fills its blocks)."""
+
+    cached: list[int]
+    tier: list[BlockHash]
+    need: int
+    num_new: int
+    count_prefix: bool  # a prefix-cache lookup (not for prompt_logprobs, which recomputes)
+
+
+class RequeueReason(enum.Enum):
+    PREEMPTED = "preempted"  # memory ran out: the only reason counted as a preemption
+    STEP_FAILED = "step failed"  # the worker reported an error or the step was lost
+    WORKER_LEFT = "worker left"  # this worker, or the one reserved to decode it, is gone
+    TRANSFER_FAILED = "transfer failed"  # its K/V did not arrive from the prefill worker
+
+
+class WorkerRouter(Protocol):
+    """What a worker asks of the router (router.py) about other workers and the KV tiers."""
+
+    def route(self, seq: Sequence, here: WorkerState) -> Route | None: ...
+
+    def release_elsewhere(self, seq: Sequence) -> None: ...
+
+    def tier_lookup(self, seq: Sequence, ws: WorkerState, first: int) -> list[BlockHash]: ...
+
+
+class WorkerState:
+    """One worker as the scheduler sees it: its blocks, running sequences and the plan in
+    flight. Requeued sequences go back to the shared ``waiting`` queue."""
+
+    def __init__(
+        self,
+        worker_id: str,
+        blocks: BlockManager,
+        limits: SchedulerLimits,
+        waiting: WaitingQueue,
+        policy: SchedulingPolicy,
+        router: WorkerRouter,
+        role: str = "both",
+        host_tier: bool = False,
+        redis_tier: bool = False,
+    ) -> None:
+        if role not in ROLES:
+            raise ValueError(f"unknown worker role {role!r} (one of {', '.join(ROLES)})")
+        self.worker_id = worker_id
+        self.bm = blocks
+        self.limits = limits
+        self.waiting = waiting
+        self.policy = policy
+        self.router = router
+        self.role = role
+        self.offload_enabled = host_tier  # a host tier: send evicted blocks there
+        self.store_enabled = redis_tier  # a Redis tier: store completed blocks
+        self.draining = False  # take nothing new; finish what runs
+        self.loads: list[TierLoad] = []  # tier loads ordered by the last schedule()
+        self.running: list[Sequence] = []  # admission order: the last is the newest
+        self.to_forget: list[str] = []  # request ids the worker should drop at the next step
+        self.in_flight: dict[str, int] | None = None  # request_id -> tokens scheduled
+        self.in_flight_cached: list[int] = []  # blocks whose hashes the plan in flight registered
+        self.num_reserved = 0  # sequences prefilled elsewhere that will decode here
+        self.step_id = 0
+        self.num_preemptions = 0
+        self.num_prefills = 0  # sequences admitted here for their prefill
+        self.num_decodes = 0  # sequences that decode here
+
+    @property
+    def can_prefill(self) -> bool:
+        return self.role in ("both", "prefill")
+
+    @property
+    def can_decode(self) -> bool:
+        return self.role in ("both", "decode")
+
+    def has_room_for_one_more(self) -> bool:
+        return len(self.running) + self.num_reserved < self.limits.max_num_seqs
+
+    def schedule(self) -> StepPlan | None:
+        """This worker's next plan (planner.py), or None when there is nothing to run."""
+        from services.scheduler.planner import plan_step  # planner builds on this module
+
+        return plan_step(self)
+
+    # -- admission and requeue ------------------------------------------------------------------
+
+    def admit(self, seq: Sequence, adm: Admission, route: Route) -> None:
+        """Take ``seq`` (popped from the queue) with its cached prefix and fresh blocks. With
+        tier blocks to load it waits (TRANSFERRING) for that load, then computes only the rest."""
+        if adm.count_prefix:
+            self.bm.prefix_queries += (seq.num_tokens - 1) // self.bm.block_size
+            self.bm.prefix_hits += len(adm.cached)
+        self.bm.take_cached(adm.cached)
+        mark = len(self.bm.evicted)
+        fresh = self.bm.allocate(adm.need)
+        if adm.tier:
+            del self.bm.evicted[mark:]  # written by the load, not by a step: nothing to offload
+            seq.load = TierLoad("", len(adm.cached), list(zip(fresh, adm.tier, strict=True)))
+            self.loads.append(seq.load)
+        seq.blocks = list(adm.cached) + fresh
+        seq.num_computed = len(adm.cached) * self.bm.block_size
+        seq.hashes = self.bm.block_hashes(seq.token_ids[: seq.num_computed])
+        seq.status = SeqStatus.TRANSFERRING if adm.tier else SeqStatus.RUNNING
+        seq.worker_id = self.worker_id
+        seq.reservation = route.reservation
+        seq.announced = False
+        self.running.append(seq)
+        self.num_prefills += 1
+        if route.reservation is None:
+            self.num_decodes += 1
+
+    def requeue(self, seq: Sequence, reason: RequeueReason) -> None:
+        """``seq`` stops running here and waits again with every token it has, to be recomputed
+        (so its output does not change); its blocks here and elsewhere are freed."""
+        self.running.remove(seq)
+        self.bm.free_blocks(seq.blocks)
+        self.router.release_elsewhere(seq)
+        seq.blocks, seq.hashes, seq.num_computed = [], [], 0
+        seq.load = None
+        seq.status = SeqStatus.WAITING
+        seq.worker_id = None
+        seq.announced = False
+        if reason is RequeueReason.PREEMPTED:
+            seq.num_preemptions += 1
+            self.num_preemptions += 1
+        self.to_forget.append(seq.request_id)
+        self.waiting.push(seq)
+
+    def register(self, seq: Sequence, num_new: int) -> list[int]:
+        """Register the full blocks this step fills as cached now, not when the result comes
+        back: the worker writes every K/V of a step before any attention reads it, so a sequence
+        admitted later in this same step (n > 1 siblings, identical prompts arriving together)
+        already shares them. If the step fails they are forgotten again (on_failed_step).
+        Returns the blocks registered."""
+        start = len(seq.hashes)  # blocks before this are registered already (or duplicates)
+        self.bm.extend_hashes(seq.hashes, seq.token_ids, seq.num_computed + num_new)
+        added = self.bm.cache_blocks(seq.blocks[start:], seq.hashes[start:])
+        self.in_flight_cached += added
+        return added
+
+    def unregister(self, blocks: list[int]) -> None:
+        """Forget blocks registered for a sequence taken out of the plan being built."""
+        self.bm.uncache(blocks)
+        gone = set(blocks)
+        self.in_flight_cached = [b for b in self.in_flight_cached if b not in gone]
+
+    def loaded(self, seq: Sequence, num_loaded: int) -> None:
+        """The tier load of ``seq`` ended with its first ``num_loaded`` blocks filled: register
+        them and compute from there (the other blocks are filled by computing)."""
+        load, seq.load = seq.load, None
+        assert load is not None
+        start = load.first_block
+        seq.hashes = seq.hashes[:start] + [h for _, h in load.blocks[:num_loaded]]
+        self.bm.cache_blocks(seq.blocks[start : start + num_loaded], seq.hashes[start:])
+        seq.num_computed = (start + num_loaded) * self.bm.block_size
+        seq.status = SeqStatus.RUNNING
+
+    # -- hand-off (disaggregated) --------------------------------------------------------------
+
+    def hand_off(self, seq: Sequence) -> list[int]:
+        """A prefilled sequence leaves for its decode worker: it stops running here, the worker
+        drops its state, and its blocks stay held (returned) until the K/V has been copied."""
+        self.running.remove(seq)
+        self.to_forget.append(seq.request_id)
+        held, seq.blocks = seq.blocks, []
+        return held
+
+    def receive(self, seq: Sequence) -> None:
+        """A sequence prefilled elsewhere arrives with its reserved blocks, K/V on the way."""
+        assert seq.reservation is not None and seq.reservation.worker_id == self.worker_id
+        self.num_reserved -= 1
+        self.num_decodes += 1
+        seq.blocks = list(seq.reservation.blocks)
+        seq.reservation = None
+        seq.worker_id = self.worker_id
+        seq.status = SeqStatus.TRANSFERRING
+        seq.announced = False
+        self.running.append(seq)
+
+    def kv_arrived(self, seq: Sequence) -> None:
+        """The transfer into ``seq``'s blocks is complete: register its full blocks in this
+        worker's prefix cache and let it run."""
+        self.bm.cache_blocks(seq.blocks, seq.hashes)
+        seq.status = SeqStatus.RUNNING
+
+    # -- results -------------------------------------------------------------------------------
+
+    def on_result(self, result: StepResult) -> StepOutcome:
+        """Apply a worker's StepResult to the plan in flight."""
+        scheduled = self.in_flight or {}
+        self.in_flight = None
+        by_id = {s.request_id: s for s in self.running}
+        for rid, n in scheduled.items():
+            seq = by_id.get(rid)
+            if seq is None:  # aborted while in flight
+                continue
+            seq.num_computed += n
+        outcome = StepOutcome()
+        for rid, tok, reason in zip(
+            result.request_ids, result.token_ids, result.finish_reasons, strict=True
+        ):
+            seq = by_id.get(rid)
+            if seq is None or rid not in scheduled:
+                continue
+            seq.token_ids.append(tok)
+            if reason != FinishReason.NONE:
+                self.finish(seq)
+                outcome.finished.append((seq, FinishReason(reason)))
+            elif seq.reservation is not None:
+                outcome.prefilled.append(seq)
+        return outcome
+
+    def on_failed_step(self, removing: bool = False) -> list[Sequence]:
+        """The step failed (worker error or lost): every sequence of it is re-queued from its
+        tokens so far (recompute), nothing is lost. When the worker is being removed, the ones
+        waiting for their K/V go too. Returns the re-queued sequences."""
+        self.in_flight = None
+        self.bm.uncache(self.in_flight_cached)
+        self.in_flight_cached = []
+        reason = RequeueReason.WORKER_LEFT if removing else RequeueReason.STEP_FAILED
+        moved = [s for s in self.running if removing or s.status is SeqStatus.RUNNING]
+        for seq in reversed(moved):
+            self.requeue(seq, reason)
+        return moved
+
+    def finish(self, seq: Sequence) -> None:
+        """Release a finished or aborted sequence's blocks (their hashes stay cached)."""
+        if seq in self.running:
+            self.running.remove(seq)
+        self.bm.free_blocks(seq.blocks)
+        self.router.release_elsewhere(seq)
+        seq.blocks = []
+        seq.status = SeqStatus.FINISHED
+        self.to_forget.append(seq.request_id)
