@@ -174,7 +174,7 @@ def main(argv: list[str] | None = None) -> int:
         from shared.model_source import resolve_model
 
         src = resolve_model(args.model)
-        runner = ModelRunner(src, bs, num_blocks, dtype=dtype, max_model_len=max_len, **kw)
+        runner = ModelRunner.create(src, bs, num_blocks, dtype=dtype, max_model_len=max_len, **kw)
         name = src.name + (f" --quantization {args.quantization}" if args.quantization else "")
     load_s = time.perf_counter() - t0
     graphs = getattr(runner, "graphs", None)

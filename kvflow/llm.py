@@ -25,6 +25,7 @@ import weakref
 from collections.abc import Coroutine, Sequence
 from typing import Any, TypeVar
 
+from kvflow.cli.launcher import Stack, start_pipeline
 from kvflow.client import Completion, PipelineClient, PipelineError
 from kvflow.outputs import (
     BeamSearchOutput,
@@ -34,7 +35,6 @@ from kvflow.outputs import (
     RequestOutput,
 )
 from kvflow.sampling_params import BeamSearchParams, SamplingParams, as_list
-from kvflow.stack import EmbeddedStack
 from shared.beam_search import beam_search as run_beam_search
 from shared.config import Settings
 from shared.fan_out import best, expand, ranks, sequences_per_prompt
@@ -85,7 +85,7 @@ class LLM:
     ) -> None:
         if tensor_parallel_size != 1:
             raise ValueError("tensor_parallel_size must be 1: kvflow scales by adding workers")
-        names = {f.name for f in dataclasses.fields(Settings)}
+        names = {opt.name for opt in Settings.options()}
         kwargs: dict[str, Any] = {}
         for key, value in engine_args.items():
             if key in names:
@@ -98,9 +98,10 @@ class LLM:
                 raise TypeError(f"LLM() got an unexpected keyword argument {key!r}")
         if "dtype" in kwargs and kwargs["dtype"] == "auto":
             del kwargs["dtype"]
-        self.settings = Settings(model=model or "", **kwargs)
+        self.settings = Settings.of(model=model or "", **kwargs)
         try:
-            self.source = resolve_model(self.settings.model, self.settings.served_model_name)
+            model_settings = self.settings.model
+            self.source = resolve_model(model_settings.path, model_settings.served_model_name)
         except ModelNotFoundError as e:
             raise ValueError(f"{e} (kvflow never downloads weights: pass a local path)") from e
         self.tokenizer = load_tokenizer(self.source)
@@ -110,18 +111,18 @@ class LLM:
         self.default_seed = seed
         self.max_in_flight = max(1, max_in_flight)
         self._ids = itertools.count()
-        self._stack: EmbeddedStack | None = None
+        self._stack: Stack | None = None
         self._loop = _Loop()
         self._closed = False
         try:
             if nats_url is None:
-                self._stack = EmbeddedStack(self.settings, workers)
-                self._stack.start()
-                nats_url = self._stack.nats_url
+                self._stack = start_pipeline(self.settings, workers)
+                nats_url = self._stack.settings.bus.nats_url
             self._client = PipelineClient(nats_url)
             self._loop.run(self._client.start())
             if self._stack is not None:
-                self._loop.run(self._stack.wait_ready(self._client))
+                took = self._stack.wait_until(lambda: self._has_workers(workers), poll_s=0.25)
+                self._stack.note(f"pipeline ready in {took:.1f}s")
             self.max_model_len = self._loop.run(self._client.stats()).max_model_len
         except BaseException:
             self.close()
@@ -134,7 +135,7 @@ class LLM:
     # -- lifetime ---------------------------------------------------------------------------
 
     @staticmethod
-    def _shutdown(loop: _Loop, client: PipelineClient | None, stack: EmbeddedStack | None) -> None:
+    def _shutdown(loop: _Loop, client: PipelineClient | None, stack: Stack | None) -> None:
         if client is not None:
             try:
                 asyncio.run_coroutine_threadsafe(client.close(), loop.loop).result(10)
@@ -143,6 +144,13 @@ class LLM:
         loop.stop()
         if stack is not None:
             stack.stop()
+
+    def _has_workers(self, workers: int) -> bool:
+        """Whether the pipeline's scheduler answers and knows ``workers`` workers."""
+        try:
+            return self._loop.run(self._client.stats(timeout=1.0)).num_workers >= workers
+        except Exception:  # noqa: BLE001 - no scheduler answering yet
+            return False
 
     def close(self) -> None:
         """Stop the pipeline this LLM started (if any) and disconnect."""

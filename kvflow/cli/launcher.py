@@ -1,20 +1,27 @@
-"""``kvflow serve``: nats-server and redis-server as child processes on free ports, then every
-service as its own process (``kvflow run SERVICE``), the gateway on --host/--port. Waits until
-the gateway's /health says the pipeline can serve, prints the URL, and on Ctrl-C or SIGTERM stops
-every child it started, gateway first and infrastructure last. It never reaches into a
-service's internals: services are processes that meet on the bus."""
+"""One launcher for a whole stack on this machine, used by ``kvflow serve`` (with the gateway on
+--host/--port) and by the Python API's ``LLM()`` (without: the LLM object is the pipeline's
+client). ``plan`` lists the processes to start, ``share_cores`` divides this machine's cores
+among the workers, and ``Stack`` starts nats-server (and redis-server) on free ports and every
+planned service as its own process (``kvflow run SERVICE``), restarts one, and stops them all:
+the gateway first, infrastructure last. ``serve`` is the command: start, wait until the
+gateway's /health says the pipeline can serve, supervise until Ctrl-C or SIGTERM. Nothing here
+reaches into a service's internals: services are processes that meet on the bus."""
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, TextIO
 
 from shared.config import Settings
 from shared.infra import Server, port_is_free, start_nats, start_redis
@@ -25,41 +32,30 @@ STARTUP_TIMEOUT_S = 300.0
 MAX_RESTARTS_PER_MINUTE = 3
 
 
-class _Stop(Exception):
-    pass
+@dataclass(frozen=True)
+class Topology:
+    """How many processes of each service to start."""
+
+    workers: int = 1  # role 'both'
+    prefill_workers: int = 0
+    decode_workers: int = 0
+    schedulers: int = 1
+    tokenizers: int = 1
+    detokenizers: int = 1
+    gateway: bool = True
+
+    @property
+    def num_workers(self) -> int:
+        return self.workers + self.prefill_workers + self.decode_workers
 
 
-def _fail(msg: str) -> int:
-    print(f"kvflow: error: {msg}", file=sys.stderr)
-    return 2
+@dataclass
+class Process:
+    """One planned child: its name, the service it runs and its own settings (flat names)."""
 
-
-def _stop(procs: list[tuple[str, subprocess.Popen]], graceful: bool, drain_s: float) -> None:
-    """Stop children in order. Graceful (SIGTERM to `kvflow serve`): the gateway first, with
-    SIGTERM, so it takes no new request and finishes the open ones while the rest of the
-    pipeline still runs; then the others. Quick (Ctrl-C): everyone at once."""
-    rest = list(procs)
-    if graceful:
-        for name, p in procs:
-            if name == "gateway" and p.poll() is None:
-                p.send_signal(signal.SIGTERM)
-                try:
-                    p.wait(drain_s + 5)
-                except subprocess.TimeoutExpired:
-                    p.kill()
-                    p.wait()
-        rest = [(n, p) for n, p in procs if n != "gateway"]
-    stop_processes([p for _name, p in rest])
-
-
-def _ops_ports(specs: dict[str, tuple[str, dict[str, str]]], settings: Settings) -> str:
-    """Give each child its own ops port: ``--ops-port`` for the first, then the next ones in
-    start order (workers, schedulers, tokenizers, detokenizers); returns them for printing."""
-    shown = []
-    for i, (name, (_service, overrides)) in enumerate(specs.items()):
-        overrides["ops_port"] = str(settings.ops_port + i)
-        shown.append(f"{name} :{settings.ops_port + i}")
-    return ", ".join(shown)
+    name: str
+    service: str
+    overrides: dict[str, str] = field(default_factory=dict)
 
 
 def worker_plan(both: int, prefill: int, decode: int) -> list[tuple[str, str]]:
@@ -79,6 +75,160 @@ def worker_plan(both: int, prefill: int, decode: int) -> list[tuple[str, str]]:
     return plan
 
 
+def plan(topology: Topology, ops_port: int = 0) -> list[Process]:
+    """Workers, schedulers, tokenizers, detokenizers, then the gateway (if any); a ValueError
+    says what is wrong with the counts. With ``ops_port``, each non-gateway child gets its own
+    ops port: ``ops_port`` for the first, then the next ones in start order."""
+    t = topology
+    if min(t.schedulers, t.tokenizers, t.detokenizers) < 1:
+        raise ValueError("--schedulers, --tokenizers and --detokenizers must be at least 1")
+    procs = [
+        Process(wid, "worker", {"worker_id": wid, "role": role})
+        for wid, role in worker_plan(t.workers, t.prefill_workers, t.decode_workers)
+    ]
+    for i in range(t.schedulers):
+        ha = {"scheduler_ha": "true"} if t.schedulers > 1 else {}
+        procs.append(
+            Process(f"scheduler-{i}", "scheduler", {**ha, "scheduler_id": f"scheduler-{i}"})
+        )
+    procs += [
+        Process("tokenizer" + (f"-{i}" if i else ""), "tokenizer") for i in range(t.tokenizers)
+    ]
+    procs += [
+        Process("detokenizer" + (f"-{i}" if i else ""), "detokenizer")
+        for i in range(t.detokenizers)
+    ]
+    if ops_port:
+        for i, p in enumerate(procs):
+            p.overrides["ops_port"] = str(ops_port + i)
+    if t.gateway:
+        procs.append(Process("gateway", "gateway"))
+    return procs
+
+
+def share_cores(settings: Settings, num_workers: int) -> Settings:
+    """With more than one worker and ``--threads 0``, each worker takes its share of this
+    machine's cores instead of all of them."""
+    if settings.worker.threads != 0 or num_workers <= 1:
+        return settings
+    return settings.replace(threads=max(1, (os.cpu_count() or 1) // num_workers))
+
+
+class Stack:
+    """The infrastructure and the planned processes of one stack. ``log``: a file that takes
+    the children's output (default: this console); notes go to ``console``."""
+
+    def __init__(
+        self,
+        settings: Settings,
+        topology: Topology,
+        log_path: Path | None = None,
+        console: TextIO | None = None,
+    ) -> None:
+        self.topology = topology
+        self.plan = plan(topology, settings.ops.ops_port)
+        self.settings = share_cores(settings, topology.num_workers)
+        self.log_path = log_path
+        self.console = console or sys.stdout
+        self.servers: list[Server] = []
+        self.procs: list[tuple[Process, subprocess.Popen]] = []
+        self._log: IO[bytes] | None = None
+
+    def note(self, message: str) -> None:
+        print(f"kvflow: {message}", file=self.console, flush=True)
+
+    def start(self, redis: bool = True) -> None:
+        """nats-server, redis-server (when ``redis``, or when the Redis KV tier needs one and
+        no --redis-url is given), then every planned process."""
+        nats = start_nats()
+        self.servers.append(nats)
+        self.settings = self.settings.replace(nats_url=nats.url)
+        if redis or (self.settings.cache.kv_redis_tier and not self.settings.bus.redis_url):
+            server = start_redis()
+            self.servers.append(server)
+            self.settings = self.settings.replace(redis_url=server.url)
+        if self.log_path is not None:
+            self._log = open(self.log_path, "ab")  # noqa: SIM115 - closed in stop()
+        for p in self.plan:
+            self.procs.append((p, self._spawn(p)))
+
+    def _spawn(self, p: Process) -> subprocess.Popen:
+        return spawn_service(p.service, self.settings, self._log, **p.overrides)
+
+    def exited(self) -> tuple[int, Process, int] | None:
+        """(index, process, exit code) of the first child that has exited, if any."""
+        for i, (p, popen) in enumerate(self.procs):
+            if popen.poll() is not None:
+                return i, p, popen.returncode
+        return None
+
+    def restart(self, index: int) -> None:
+        p = self.procs[index][0]
+        self.procs[index] = (p, self._spawn(p))
+
+    def wait_until(self, ready: Callable[[], bool], poll_s: float = 0.5) -> float:
+        """Until ``ready()``; raises RuntimeError when a child exits or time runs out. Returns
+        the seconds it took."""
+        start = last_note = time.monotonic()
+        while not ready():
+            gone = self.exited()
+            if gone is not None:
+                raise RuntimeError(self._exit_message(gone[1].name, gone[2]))
+            if time.monotonic() - start > STARTUP_TIMEOUT_S:
+                where = f"; log: {self.log_path}" if self.log_path else ""
+                raise RuntimeError(f"the stack was not ready after {STARTUP_TIMEOUT_S:.0f}s{where}")
+            if time.monotonic() - last_note > 10:
+                self.note(f"still starting ({time.monotonic() - start:.0f}s) ...")
+                last_note = time.monotonic()
+            time.sleep(poll_s)
+        return time.monotonic() - start
+
+    def _exit_message(self, name: str, code: int) -> str:
+        if self.log_path is None:
+            return f"{name} exited with code {code} during start-up (see its log above)"
+        return f"{name} exited with code {code}; its log: {self.log_path}\n{self.log_tail()}"
+
+    def log_tail(self, n: int = 3000) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")[-n:] if self.log_path else ""
+        except OSError:
+            return ""
+
+    def stop(self, graceful: bool = False) -> None:
+        """Stop children in order. Graceful (SIGTERM to `kvflow serve`): the gateway first,
+        with SIGTERM, so it takes no new request and finishes the open ones while the rest of
+        the pipeline still runs; then the others. Quick (Ctrl-C): everyone at once."""
+        rest = [popen for _p, popen in self.procs]
+        if graceful:
+            drain_s = self.settings.ops.drain_timeout
+            for p, popen in self.procs:
+                if p.service == "gateway" and popen.poll() is None:
+                    popen.send_signal(signal.SIGTERM)
+                    try:
+                        popen.wait(drain_s + 5)
+                    except subprocess.TimeoutExpired:
+                        popen.kill()
+                        popen.wait()
+            rest = [popen for p, popen in self.procs if p.service != "gateway"]
+        stop_processes(rest)
+        self.procs = []
+        for s in reversed(self.servers):
+            s.stop()
+        self.servers = []
+        if self._log is not None:
+            self._log.close()
+            self._log = None
+
+
+class _Stop(Exception):
+    pass
+
+
+def _fail(msg: str) -> int:
+    print(f"kvflow: error: {msg}", file=sys.stderr)
+    return 2
+
+
 def _healthy(url: str, num_workers: int = 1) -> bool:
     """The gateway answers /health with 200 and the scheduler knows ``num_workers`` workers."""
     try:
@@ -90,117 +240,92 @@ def _healthy(url: str, num_workers: int = 1) -> bool:
         return False
 
 
-def serve(
-    settings: Settings,
-    workers: int = 1,
-    prefill_workers: int = 0,
-    decode_workers: int = 0,
-    schedulers: int = 1,
-    tokenizers: int = 1,
-    detokenizers: int = 1,
-) -> int:
+def _supervise(stack: Stack) -> None:
+    """Start again a service that dies after start-up (the others carry on: workers' sequences
+    move elsewhere, a standby scheduler takes over); give up on one that keeps dying."""
+    restarts: dict[str, list[float]] = {}
+    while True:
+        gone = stack.exited()
+        if gone is None:
+            time.sleep(1.0)
+            continue
+        i, p, code = gone
+        recent = [t for t in restarts.get(p.name, []) if time.monotonic() - t < 60]
+        if len(recent) >= MAX_RESTARTS_PER_MINUTE:
+            raise RuntimeError(
+                f"{p.name} exited with code {code} {len(recent) + 1} times within a minute; "
+                "giving up"
+            )
+        restarts[p.name] = [*recent, time.monotonic()]
+        stack.note(f"{p.name} exited with code {code}; starting it again")
+        stack.restart(i)
+
+
+def _run(stack: Stack) -> None:
+    """Start the stack, wait for the gateway, supervise (until an exception)."""
+    stack.note("starting nats-server and redis-server ...")
+    stack.start()
+    s = stack.settings
+    stack.note(f"nats {s.bus.nats_url}, redis {s.bus.redis_url}")
+    if s.ops.ops_port:
+        ports = ", ".join(
+            f"{p.name} :{p.overrides['ops_port']}" for p in stack.plan if "ops_port" in p.overrides
+        )
+        stack.note(f"ops endpoints (/health, /metrics): {ports}")
+    stack.note("loading the model in every service (first start converts the tokenizer) ...")
+    health = f"http://{s.gateway.host}:{s.gateway.port}/health"
+    took = stack.wait_until(lambda: _healthy(health, stack.topology.num_workers))
+    stack.note(
+        f"ready in {took:.1f}s: OpenAI API at http://{s.gateway.host}:{s.gateway.port}/v1 "
+        "(Ctrl-C stops)"
+    )
+    _supervise(stack)
+
+
+def serve(settings: Settings, topology: Topology | None = None) -> int:
+    """``kvflow serve``: the whole stack with a gateway, until Ctrl-C or SIGTERM."""
+    topology = topology or Topology()
     try:
-        resolve_model(settings.model, settings.served_model_name)
-        plan = worker_plan(workers, prefill_workers, decode_workers)
+        resolve_model(settings.model.path, settings.model.served_model_name)
+        stack = Stack(settings, topology)
     except (ModelNotFoundError, ValueError) as e:
         return _fail(str(e))
-    if min(schedulers, tokenizers, detokenizers) < 1:
-        return _fail("--schedulers, --tokenizers and --detokenizers must be at least 1")
-    if settings.threads == 0 and len(plan) > 1:
-        # the workers share this machine's cores instead of each taking all of them
-        share = max(1, (os.cpu_count() or 1) // len(plan))
-        settings = dataclasses.replace(settings, threads=share)
-    if not port_is_free(settings.host, settings.port):
-        return _fail(
-            f"port {settings.port} on {settings.host} is taken: stop what uses it or pass --port N"
-        )
+    host, port = settings.gateway.host, settings.gateway.port
+    if not port_is_free(host, port):
+        return _fail(f"port {port} on {host} is taken: stop what uses it or pass --port N")
 
     def on_term(*_: object) -> None:
         raise _Stop
 
     signal.signal(signal.SIGTERM, on_term)
-    infra: list[Server] = []
-    procs: list[tuple[str, subprocess.Popen]] = []
     graceful = False
     try:
-        print("kvflow: starting nats-server and redis-server ...", flush=True)
-        nats = start_nats()
-        infra.append(nats)
-        redis = start_redis()
-        infra.append(redis)
-        settings = dataclasses.replace(settings, nats_url=nats.url, redis_url=redis.url)
-        print(f"kvflow: nats {nats.url}, redis {redis.url}", flush=True)
-        specs: dict[str, tuple[str, dict[str, str]]] = {}  # name -> (service, overrides)
-        for wid, role in plan:
-            specs[wid] = ("worker", {"worker_id": wid, "role": role})
-        for i in range(schedulers):
-            ha = {"scheduler_ha": "true"} if schedulers > 1 else {}
-            specs[f"scheduler-{i}"] = ("scheduler", {**ha, "scheduler_id": f"scheduler-{i}"})
-        for i in range(tokenizers):
-            specs["tokenizer" if i == 0 else f"tokenizer-{i}"] = ("tokenizer", {})
-        for i in range(detokenizers):
-            specs["detokenizer" if i == 0 else f"detokenizer-{i}"] = ("detokenizer", {})
-        if settings.ops_port:
-            print(f"kvflow: ops endpoints (/health, /metrics): {_ops_ports(specs, settings)}")
-        specs["gateway"] = ("gateway", {})
-        for name, (service, overrides) in specs.items():
-            procs.append((name, spawn_service(service, settings, **overrides)))
-        print(
-            "kvflow: loading the model in every service (first start converts the tokenizer) ...",
-            flush=True,
-        )
-        health = f"http://{settings.host}:{settings.port}/health"
-        start = time.monotonic()
-        last_note = start
-        while not _healthy(health, len(plan)):
-            for name, p in procs:
-                if p.poll() is not None:
-                    raise RuntimeError(
-                        f"{name} exited with code {p.returncode} during start-up (see its log above)"
-                    )
-            if time.monotonic() - start > STARTUP_TIMEOUT_S:
-                raise RuntimeError(f"the stack was not ready after {STARTUP_TIMEOUT_S:.0f}s")
-            if time.monotonic() - last_note > 10:
-                print(f"kvflow: still starting ({time.monotonic() - start:.0f}s) ...", flush=True)
-                last_note = time.monotonic()
-            time.sleep(0.5)
-        print(
-            f"kvflow: ready in {time.monotonic() - start:.1f}s: OpenAI API at "
-            f"http://{settings.host}:{settings.port}/v1 (Ctrl-C stops)",
-            flush=True,
-        )
-        restarts: dict[str, list[float]] = {}
-        while True:
-            for i, (name, p) in enumerate(procs):
-                if p.poll() is None:
-                    continue
-                # supervise: a service that dies after start-up is started again (the others
-                # carry on: workers' sequences move elsewhere, a standby scheduler takes over)
-                recent = [t for t in restarts.get(name, []) if time.monotonic() - t < 60]
-                if len(recent) >= MAX_RESTARTS_PER_MINUTE:
-                    raise RuntimeError(
-                        f"{name} exited with code {p.returncode} "
-                        f"{len(recent) + 1} times within a minute; giving up"
-                    )
-                restarts[name] = [*recent, time.monotonic()]
-                print(
-                    f"kvflow: {name} exited with code {p.returncode}; starting it again", flush=True
-                )
-                service, overrides = specs[name]
-                procs[i] = (name, spawn_service(service, settings, **overrides))
-            time.sleep(1.0)
+        _run(stack)
     except KeyboardInterrupt:
         print("\nkvflow: stopping ...", flush=True)
-        return 0
     except _Stop:
-        print(
-            "kvflow: SIGTERM: the gateway finishes its open requests, then all stop ...", flush=True
-        )
+        stack.note("SIGTERM: the gateway finishes its open requests, then all stop ...")
         graceful = True
-        return 0
     except RuntimeError as e:
         return _fail(str(e))
     finally:
-        _stop(procs, graceful, settings.drain_timeout)
-        for s in reversed(infra):
-            s.stop()
+        stack.stop(graceful)
+    return 0
+
+
+def start_pipeline(settings: Settings, workers: int = 1) -> Stack:
+    """The Python API's pipeline: no gateway (the ``LLM`` object is the pipeline's client) and
+    redis-server only when a setting needs one. The children's logs go to a file (the path is
+    printed) so the caller's console stays clean; notes go to stderr."""
+    if workers < 1:
+        raise ValueError("workers must be at least 1")
+    log_path = Path(tempfile.mkdtemp(prefix="kvflow-llm-")) / "pipeline.log"
+    stack = Stack(settings, Topology(workers=workers, gateway=False), log_path, sys.stderr)
+    stack.note("starting the pipeline (nats-server, tokenizer, scheduler, detokenizer, worker)")
+    try:
+        stack.start(redis=False)
+    except BaseException:
+        stack.stop()
+        raise
+    stack.note(f"loading the model in every process; logs: {log_path}")
+    return stack

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import os
 import sys
 
 from shared import event_loop
@@ -32,9 +31,8 @@ TOOLS = {
 
 
 def _run_service(name: str, settings: Settings) -> None:
-    setup_logging(name, settings.log_level, settings.log_format)
+    setup_logging(name, settings.ops.log_level, settings.ops.log_format)
     setup_tracing(name)
-    os.environ.update(settings.to_env())  # the effective settings, for code that reads them later
     if name == "gateway":
         from services.gateway.main import main as gateway_main
 
@@ -103,12 +101,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "run":
         _run_service(args.service, settings)
         return 0
-    from kvflow.cli.launcher import serve as serve_stack
+    from kvflow.cli.launcher import Topology, serve
 
     disaggregated = args.prefill_workers or args.decode_workers
     both = args.workers if args.workers is not None else (0 if disaggregated else 1)
-    return serve_stack(
-        settings,
+    topology = Topology(
         workers=both,
         prefill_workers=args.prefill_workers,
         decode_workers=args.decode_workers,
@@ -116,6 +113,7 @@ def main(argv: list[str] | None = None) -> int:
         tokenizers=args.tokenizers,
         detokenizers=args.detokenizers,
     )
+    return serve(settings, topology)
 
 
 if __name__ == "__main__":

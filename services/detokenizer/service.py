@@ -218,7 +218,7 @@ async def run(settings: Settings) -> None:
     from shared.ops_http import start_ops_server
 
     ops = start_ops_server(settings.ops_port, "detokenizer")
-    tok = load_tokenizer(resolve_model(settings.model, settings.served_model_name))
+    tok = load_tokenizer(resolve_model(settings.model.path, settings.served_model_name))
     service = DetokenizerService(settings, tok)
     await service.start()
     ops.registry.register(service.metrics.registry)

@@ -75,11 +75,11 @@ def served_model_name(settings: Settings) -> str:
     if settings.served_model_name:
         return settings.served_model_name
     try:
-        return resolve_model(settings.model).name
+        return resolve_model(settings.model.path).name
     except ModelNotFoundError:
-        if not settings.model:
+        if not settings.model.path:
             return DEFAULT_NAME
-        path = Path(settings.model)
+        path = Path(settings.model.path)
         return gguf_model_name(path) if path.suffix == ".gguf" else path.name
 
 

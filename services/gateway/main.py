@@ -41,11 +41,10 @@ def _exit_cleanly(signum: int, frame: FrameType | None) -> None:
     sys.exit(0)
 
 
-def main(settings: Settings | None = None) -> None:
-    """Blocking entry point; settings default to the ``KVFLOW_*`` environment. Exits with
-    status 0 on SIGTERM: uvicorn drains, then re-raises the signal to the handler that was
-    there before it, which here exits cleanly instead of dying with 143."""
-    settings = settings if settings is not None else Settings.from_env()
+def main(settings: Settings) -> None:
+    """Blocking entry point (``kvflow run gateway``). Exits with status 0 on SIGTERM: uvicorn
+    drains, then re-raises the signal to the handler that was there before it, which here exits
+    cleanly instead of dying with 143."""
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, _exit_cleanly)
     try:

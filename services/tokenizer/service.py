@@ -182,7 +182,7 @@ async def run(settings: Settings) -> None:
     from shared.ops_http import start_ops_server
 
     ops = start_ops_server(settings.ops_port, "tokenizer")
-    src = resolve_model(settings.model, settings.served_model_name)
+    src = resolve_model(settings.model.path, settings.served_model_name)
     cfg = load_config(src)
     tok = load_tokenizer(src)
     max_len = min(settings.max_model_len, cfg.max_position_embeddings)

@@ -25,18 +25,21 @@ from typing import Any
 
 import torch
 
-from kernels import batch_invariance, cpu_gemm, cpu_native, cpu_quant
-from kernels import reference as K
-from kernels.batch_invariance import GemmRows
-from kernels.cpu_quant import QuantWeight
-from kernels.fp8_linear import Fp8Weight, fp8_supported
-from kernels.ops import KernelBackend, get_backend
 from services.worker import sampler, structured
-from services.worker.cuda_graphs import DecodeGraphs, capture_sizes
-from services.worker.device import kernel_backend as default_backend
-from services.worker.model import ForwardBatch, LlamaModel
-from services.worker.prompt_logprobs import PromptRows
-from services.worker.step_inputs import DeviceBatch, HostStep, pack
+from services.worker.cuda_graphs import DecodeGraphs
+from services.worker.model_setup import (
+    CpuPathSpec,
+    DeviceSpec,
+    KvSpec,
+    kv_cache_blocks,
+    load_model,
+    log_ready,
+    make_decode_graphs,
+    max_model_len,
+    specs_from_keywords,
+)
+from services.worker.step_inputs import HostStep, pack
+from services.worker.step_rows import StepRows, host_batch, lay_out
 from shared.messages import (
     FinishReason,
     NewRequest,
@@ -47,87 +50,11 @@ from shared.messages import (
     StepPlan,
     StepResult,
 )
-from shared.model_loader import ModelConfig, load_config, load_weights
+from shared.model_loader import ModelConfig
 from shared.model_source import ModelSource
-from shared.quantized_checkpoints import METHODS, checkpoint_method
 from shared.sampling import apply_processors, needs_host_sampling
 
 log = logging.getLogger("kvflow.worker")
-
-
-QUANTIZATIONS = ("", "gguf", "int8", "gptq", "awq", "fp8")
-
-
-def check_quantization(
-    quantization: str,
-    src: ModelSource | None,
-    device: torch.device,
-    dtype: torch.dtype,
-    backend: str | None = None,
-) -> str:
-    """The weight scheme to load with, or a ValueError that says what to change.
-
-    ``gguf`` keeps a GGUF's Q8_0/Q4_0/Q4_1 linear weights quantized; ``int8`` quantizes any
-    checkpoint's linear weights to int8 blocks at load (shared/model_loader.quantize_int8);
-    ``gptq`` / ``awq`` serve such a 4-bit checkpoint's groups in place
-    (shared/quantized_checkpoints.py). On the CPU path (fp32 activations) they run
-    kernels/cpu_quant.py, on the device path (``backend`` "triton": CUDA, or Triton's
-    interpreter in tests) kernels/triton_quant.py. ``fp8`` (e4m3 weights per channel, dynamic
-    per-token activations: kernels/fp8_linear.py) is the device path's only, on GPUs with fp8
-    GEMMs. As in vLLM, a GPTQ or AWQ checkpoint needs no flag: ``""`` becomes its method where
-    a kernel reads it, and elsewhere its weights are dequantized to ``dtype`` at load."""
-    if quantization not in QUANTIZATIONS:
-        raise ValueError(f"--quantization must be one of {QUANTIZATIONS[1:]} or empty")
-    device_path = (backend or default_backend(device)) != "reference"
-    method = checkpoint_method(src.path) if src is not None and src.kind == "hf" else ""
-    if quantization in METHODS and quantization != method:
-        what = f"a {method} checkpoint" if method else f"not quantized with {quantization}"
-        raise ValueError(
-            f"--quantization {quantization}: {src.path if src else 'the model'} is {what}"
-        )
-    cpu_fp32 = not device_path and device.type == "cpu" and dtype == torch.float32
-    integer_kernels = device_path or (cpu_fp32 and cpu_quant.available())
-    if not quantization and method:
-        if not integer_kernels:
-            log.warning("%s checkpoint: weights dequantized to %s on %s", method, dtype, device)
-            return ""
-        quantization = method
-    if not quantization:
-        return ""
-    if quantization == "gguf" and src is not None and src.kind != "gguf":
-        raise ValueError(f"--quantization gguf needs a .gguf model; {src.path} is not one")
-    if quantization == "fp8":
-        if not device_path:
-            raise ValueError(
-                "--quantization fp8 runs on CUDA GPUs with fp8 GEMMs (compute capability 8.9+: "
-                "Ada, Hopper); torch's CPU fp8 matmul is a slow fallback: on the CPU use int8 or "
-                "gguf"
-            )
-        if device.type == "cuda" and not fp8_supported(device):
-            raise ValueError(
-                f"--quantization fp8 needs a GPU with fp8 GEMMs (compute capability 8.9+); "
-                f"{device} has not: use int8 or gguf (weight-only, any GPU)"
-            )
-        return quantization
-    if device_path:
-        return quantization
-    if not cpu_fp32:
-        raise ValueError(
-            f"--quantization {quantization} runs on the CPU in float32 or on CUDA (--device cuda)"
-        )
-    if not cpu_quant.available():
-        raise ValueError(f"--quantization {quantization} needs a C compiler (install gcc)")
-    return quantization
-
-
-def to_device_weight(w: torch.Tensor | QuantWeight | Fp8Weight, device: torch.device) -> Any:
-    """A loaded weight as the device path computes with it on ``device``: dense tensors moved,
-    integer blocks split into the Triton kernel's planes, fp8 weights moved."""
-    if isinstance(w, QuantWeight):
-        from kernels.triton_quant import DeviceQuantWeight
-
-        return DeviceQuantWeight.from_blocks(w, device)
-    return w.to(device)
 
 
 @dataclass
@@ -159,157 +86,57 @@ class ModelRunner:
     def __init__(
         self,
         src: ModelSource | None,
-        block_size: int,
-        num_blocks: int | None = None,
-        kv_cache_gib: float = 1.0,
-        dtype: torch.dtype = torch.float32,
-        worker_id: str = "w0",
-        max_model_len: int | None = None,
+        kv: KvSpec,
+        device: DeviceSpec | None = None,
+        cpu: CpuPathSpec | None = None,
         *,
         config: ModelConfig | None = None,
         weights: dict[str, torch.Tensor] | None = None,
-        batch_invariant: bool = True,
-        gemm_rows: GemmRows | None = None,
-        native_kernels: bool | None = None,
-        packed_gemm: bool | None = None,
-        device: torch.device | str = "cpu",
-        backend: str | None = None,
-        cuda_graphs: bool | None = None,
-        max_num_seqs: int = 64,
-        quantization: str = "",
+        worker_id: str = "w0",
     ) -> None:
-        """``batch_invariant``: run GEMMs in a row layout that keeps each sequence's logits
-        independent of the batch (``gemm_rows``, or calibrated here when None). ``native_kernels``:
-        the C decode-attention kernel; ``packed_gemm``: pre-packed linear weights (None for
-        either: when available and the model is fp32). These three are the CPU path's.
-
-        ``device``: where weights and KV cache live. ``backend``: ``"reference"`` (the CPU
-        path) or ``"triton"`` (the device path; on a CPU only under TRITON_INTERPRET=1, for
-        tests); None: from the device (services/worker/device.py). ``cuda_graphs``: decode
-        steps of up to ``max_num_seqs`` sequences through padded static buffers, captured as
-        CUDA graphs on CUDA (None: on for CUDA; True elsewhere runs the same padded path
-        eagerly, for tests). ``quantization``: see ``check_quantization``."""
+        """Load ``src`` (or in-memory ``config`` + ``weights``) as ``device`` says and
+        allocate the KV cache ``kv`` describes (services/worker/model_setup.py)."""
         t0 = time.perf_counter()
-        self.device = torch.device(device)
-        backend = backend or default_backend(self.device)
-        quantization = check_quantization(quantization, src, self.device, dtype, backend)
-        if backend == "reference" and self.device.type != "cpu":
-            raise ValueError(f"the reference (CPU) path cannot run on {self.device}")
-        self.ops: KernelBackend | None = get_backend(backend) if backend != "reference" else None
-        if self.device.type == "cuda" and self.device.index is not None:
-            torch.cuda.set_device(self.device)  # this (model) thread's current device
-        if config is None or weights is None:
-            if src is None:
-                raise ValueError("ModelRunner needs a ModelSource or config + weights")
-            log.info("loading model %s from %s", src.name, src.path)
-            config = load_config(src)
-            weights = load_weights(src, config, dtype, quantization)
-        if self.ops is not None:
-            weights = {n: to_device_weight(w, self.device) for n, w in weights.items()}
-        self.model = LlamaModel(config, weights)
-        fp32 = self.model.dtype == torch.float32 and self.ops is None
-        if packed_gemm is None:
-            packed_gemm = fp32 and (cpu_gemm.panel_available() or cpu_gemm.onednn_available())
-        gemm = self.model.pack_weights() if packed_gemm else "torch"
+        device = device or DeviceSpec()
+        loaded = load_model(src, device, cpu or CpuPathSpec(), config, weights)
+        self.device, self.ops, self.model = loaded.device, loaded.ops, loaded.model
+        self.gemm_rows, self.decode_fn = loaded.gemm_rows, loaded.decode_fn
+        self.model_path = str(src.path) if src is not None else ""  # for grammar compilers
         self.worker_id = worker_id
-        batch_invariant = batch_invariant and self.ops is None  # a CPU-path property
-        if batch_invariant and gemm_rows is None:
-            gemm_rows = self._calibrate_gemm_rows()
-        self.gemm_rows = gemm_rows if batch_invariant else None
-        if native_kernels is None:
-            native_kernels = fp32 and cpu_native.available()
-        self.decode_fn = cpu_native.paged_decode_attention if native_kernels else None
-        if native_kernels:
-            self.model.use_native_layer_ops()
-        self._block_size = block_size
-        cfg = config
-        per_block = 2 * cfg.num_layers * block_size * cfg.num_kv_heads * cfg.head_dim
-        per_block *= torch.finfo(self.model.dtype).bits // 8
-        self._num_blocks = num_blocks or max(1, int(kv_cache_gib * 2**30) // per_block)
-        log.info("allocating KV cache: %.2f GiB", self._num_blocks * per_block / 2**30)
-        self.kv_caches = self.model.make_kv_caches(self._num_blocks, block_size)
-        limit = min(cfg.max_position_embeddings, self._num_blocks * block_size)
-        self._max_model_len = min(max_model_len, limit) if max_model_len else limit
+        self._block_size = kv.block_size
+        self._num_blocks = kv_cache_blocks(self.model, kv)
+        self.kv_caches = self.model.make_kv_caches(self._num_blocks, kv.block_size)
+        self._max_model_len = max_model_len(self.config, self._num_blocks, kv)
         self.requests: dict[str, RequestState] = {}
         self.total_computed_tokens = 0
         self.graphs: DecodeGraphs | None = None
-        if self.ops is not None and (cuda_graphs or cuda_graphs is None and self.on_cuda):
-            self.graphs = self._make_decode_graphs(max_num_seqs)
-        if self.ops is None:
-            log.info(
-                "model ready in %.1fs: %d layers, %d KV blocks x %d tokens, max_model_len %d, "
-                "decode attention %s, layer ops %s, GEMMs %s in rows %s",
-                time.perf_counter() - t0,
-                cfg.num_layers,
-                self._num_blocks,
-                block_size,
-                self._max_model_len,
-                "native" if self.decode_fn else "torch",
-                "native" if self.model.native_layer_ops else "torch",
-                gemm,
-                self.gemm_rows,
+        graphs = device.cuda_graphs
+        if self.ops is not None and (graphs or graphs is None and self.on_cuda):
+            self.graphs = make_decode_graphs(
+                loaded, self.kv_caches, self._max_model_len, kv.block_size, device.max_num_seqs
             )
-        else:
-            log.info(
-                "model ready in %.1fs on %s (%s, %s kernels): %d layers, %d KV blocks x %d "
-                "tokens, max_model_len %d, decode %s",
-                time.perf_counter() - t0,
-                self.device,
-                str(self.model.dtype).removeprefix("torch."),
-                self.ops.name,
-                cfg.num_layers,
-                self._num_blocks,
-                block_size,
-                self._max_model_len,
-                "eager"
-                if self.graphs is None
-                else f"through static buffers for batch sizes {self.graphs.sizes}"
-                + (" (CUDA graphs)" if self.graphs.capture_enabled else " (run eagerly)"),
-            )
+        log_ready(loaded, self._num_blocks, kv.block_size, self._max_model_len, self.graphs, t0)
 
     @property
     def on_cuda(self) -> bool:
         return self.device.type == "cuda"
 
-    def _make_decode_graphs(self, max_num_seqs: int) -> DecodeGraphs:
-        """Decode graphs for a ladder of batch sizes up to ``max_num_seqs``, captured now on
-        CUDA (before any step: the warm-up runs write no KV)."""
-        assert self.ops is not None
-        ops, cfg = self.ops, self.config
-        max_blocks = -(-self._max_model_len // self._block_size)
-
-        def forward(batch: DeviceBatch) -> torch.Tensor:
-            return self.model.forward_device(ops, batch, self.kv_caches)
-
-        def splits(size: int) -> int | None:
-            if ops.name != "triton":
-                return None
-            from kernels.triton_decode_attention import default_num_splits
-
-            group = cfg.num_heads // cfg.num_kv_heads
-            ctx = max_blocks * self._block_size
-            return default_num_splits(size, cfg.num_kv_heads, group, ctx, self.device)
-
-        graphs = DecodeGraphs(
-            forward,
-            capture_sizes(max_num_seqs),
-            max_blocks,
-            cfg.vocab_size,
-            self.device,
-            splits,
-            capture=self.on_cuda,
-        )
-        graphs.capture()
-        return graphs
-
-    def _calibrate_gemm_rows(self) -> GemmRows:
-        """Test this machine's GEMM on the model's own weights, one of each shape (15-20 s on
-        2 cores), or reuse this machine's earlier answer for the same shapes."""
-        t0 = time.perf_counter()
-        rows, cached = batch_invariance.calibrate_cached(self.model.linear_weights())
-        how = "from the calibration cache" if cached else "calibrated"
-        log.info("GEMM row layout %s (%s in %.1fs)", rows, how, time.perf_counter() - t0)
-        return rows
+    @classmethod
+    def create(
+        cls,
+        src: ModelSource | None,
+        block_size: int,
+        num_blocks: int | None = None,
+        *,
+        config: ModelConfig | None = None,
+        weights: dict[str, torch.Tensor] | None = None,
+        worker_id: str = "w0",
+        **options: Any,
+    ) -> ModelRunner:
+        """A runner from flat option names (``dtype=``, ``max_model_len=``, ``gemm_rows=``:
+        the fields of KvSpec, DeviceSpec and CpuPathSpec), for tests and benchmarks."""
+        kv, device, cpu = specs_from_keywords(block_size, num_blocks, **options)
+        return cls(src, kv, device, cpu, config=config, weights=weights, worker_id=worker_id)
 
     @classmethod
     def from_weights(
@@ -318,10 +145,10 @@ class ModelRunner:
         weights: dict[str, torch.Tensor],
         block_size: int,
         num_blocks: int,
-        **kw,
+        **kw: Any,
     ) -> ModelRunner:
         """A runner over in-memory weights (tests with tiny random models)."""
-        return cls(None, block_size, num_blocks, config=config, weights=weights, **kw)
+        return cls.create(None, block_size, num_blocks, config=config, weights=weights, **kw)
 
     @property
     def config(self) -> ModelConfig:
@@ -411,67 +238,24 @@ class ModelRunner:
             self._add_request(r)
         if not plan.seqs:
             return [], [], [], 0, [], []
-        bs = self._block_size
-        # single-token sequences first (padded GEMM rows), then one segment per longer chunk
-        order = sorted(range(len(plan.seqs)), key=lambda i: len(plan.seqs[i].token_ids) > 1)
-        seqs = [plan.seqs[i] for i in order]
-        ids: list[int] = []
-        pos: list[int] = []
-        slots: list[int] = []
-        sample_rows: list[int] = []
-        segments: list[tuple[int, int]] = []
-        prompt_rows = PromptRows()  # extra logits rows for requests asking prompt logprobs
-        for s in seqs:
-            n = len(s.token_ids)
-            if n == 0:
-                raise ValueError(f"{s.request_id}: empty chunk")
-            end = s.start_pos + n
-            used = s.block_table[: -(-end // bs)]
-            if len(used) * bs < end or min(used) < 0 or max(used) >= self._num_blocks:
-                raise ValueError(f"{s.request_id}: bad block table for {end} tokens: {used}")
-            if end > self.config.max_position_embeddings:
-                raise ValueError(f"{s.request_id}: {end} tokens exceed the model's positions")
-            if s.sample and s.request_id not in self.requests:
-                raise KeyError(f"{s.request_id}: unknown request (no NewRequest)")
-            start_row = len(ids)
-            ids += s.token_ids
-            for p in range(s.start_pos, end):
-                slots.append(s.block_table[p // bs] * bs + p % bs)
-            pos += range(s.start_pos, end)
-            if n > 1:
-                segments.append((start_row, len(ids)))
-            if s.sample:
-                sample_rows.append(len(ids) - 1)
-            st = self.requests.get(s.request_id)
-            if st is not None:
-                if st.guide is not None:  # tokens generated before a preemption
-                    st.guide.replay(s, st.prompt_len)
-                prompt_rows.add(s, st, start_row)
-        n_tokens = len(ids)
+        step = lay_out(
+            plan.seqs,
+            self.requests,
+            self._block_size,
+            self._num_blocks,
+            self.config.max_position_embeddings,
+        )
+        seqs, prompt_rows, sample_rows = step.seqs, step.prompt_rows, step.sample_rows
+        n_tokens = len(step.ids)
         if self.ops is not None:
-            logits = self._forward_device(seqs, ids, pos, slots, sample_rows + prompt_rows.rows)
+            logits = self._forward_device(step)
             states = [self.requests[s.request_id] for s in seqs if s.sample]
             if logits.device.type != "cpu" and (prompt_rows.rows or needs_host_sampling(states)):
                 logits = logits.cpu()
         else:
-            max_blocks = max(len(s.block_table) for s in seqs)
-            tables = torch.tensor(
-                [s.block_table + [0] * (max_blocks - len(s.block_table)) for s in seqs]
-            )
-            qlens = torch.tensor([len(s.token_ids) for s in seqs])
-            seq_lens = torch.tensor([s.start_pos + len(s.token_ids) for s in seqs])
-            num_single = len(seqs) - len(segments)
-            batch = ForwardBatch(
-                slot_mapping=torch.tensor(slots),
-                attn=K.plan_attention(tables, seq_lens, qlens, bs, decode_fn=self.decode_fn),
-                rows=K.RowLayout(
-                    num_single, tuple(segments), self.gemm_rows.tile, self.gemm_rows.pad
-                )
-                if self.gemm_rows
-                else None,
-                sample_rows=torch.tensor(sample_rows + prompt_rows.rows, dtype=torch.long),
-            )
-            logits = self.model(torch.tensor(ids), torch.tensor(pos), batch, self.kv_caches)
+            batch = host_batch(step, self._block_size, self.decode_fn, self.gemm_rows)
+            ids, pos = torch.tensor(step.ids), torch.tensor(step.pos)
+            logits = self.model(ids, pos, batch, self.kv_caches)
         self.total_computed_tokens += n_tokens
         prompt_lps = prompt_rows.collect(logits[len(sample_rows) :]) if prompt_rows.rows else []
         logits = logits[: len(sample_rows)]
@@ -496,17 +280,11 @@ class ModelRunner:
                 out_lps.append(lp_by_id.get(s.request_id))
         return out_ids, out_tokens, reasons, n_tokens, out_lps if lp_by_id else [], prompt_lps
 
-    def _forward_device(
-        self,
-        seqs: list[ScheduledSeq],
-        ids: list[int],
-        pos: list[int],
-        slots: list[int],
-        rows: list[int],
-    ) -> torch.Tensor:
+    def _forward_device(self, step: StepRows) -> torch.Tensor:
         """The step through the device path: logits [len(rows), vocab] (on the device) of the
-        flat token rows ``rows``. Decode-only steps that fit go through the decode graphs."""
+        step's logits rows. Decode-only steps that fit go through the decode graphs."""
         assert self.ops is not None
+        seqs, ids, pos, slots, rows = step.seqs, step.ids, step.pos, step.slots, step.logits_rows
         bs = self._block_size
         ends = [s.start_pos + len(s.token_ids) for s in seqs]
         tables = [s.block_table[: -(-e // bs)] for s, e in zip(seqs, ends, strict=True)]

@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
-import dataclasses
 import logging
 import signal
 import time
@@ -24,7 +23,8 @@ from nats.aio.msg import Msg
 from services.worker.kv_blocks import KvBlockIO
 from services.worker.kv_connector import NatsKvConnector
 from services.worker.kv_tiers import HostTier, RedisTier
-from services.worker.runner import ModelRunner, check_quantization
+from services.worker.model_setup import check_quantization, runner_specs
+from services.worker.runner import ModelRunner
 from services.worker.sim_runner import SimRunner, step_time_fn, vocab_for
 from services.worker.telemetry import WorkerTelemetry
 from shared import subjects
@@ -42,6 +42,7 @@ from shared.messages import (
     WorkerHeartbeat,
     WorkerRelease,
 )
+from shared.model_source import ModelSource
 
 log = logging.getLogger("kvflow.worker")
 
@@ -275,63 +276,53 @@ class WorkerService:
                 pass
 
 
-async def run(settings: Settings) -> None:
+def _load_model(settings: Settings, src: ModelSource) -> ModelRunner:
+    """The model runner, on the model thread: the model, cache and worker sections."""
     import torch
 
+    if settings.worker.threads > 0:
+        torch.set_num_threads(settings.worker.threads)
+    kv, device = runner_specs(
+        settings.model, settings.cache, settings.worker, settings.scheduler.max_num_seqs
+    )
+    try:
+        check_quantization(device.quantization, src, torch.device(device.device), device.dtype)
+    except ValueError as e:
+        raise SystemExit(f"worker: {e}") from None
+    return ModelRunner(src, kv, device, worker_id=settings.worker.worker_id)
+
+
+def _load_sim(settings: Settings, src: ModelSource) -> SimRunner:
+    """The simulated runner (``--worker-backend sim``): no weights."""
+    vocab, eos = vocab_for(src)
+    cache, worker = settings.cache, settings.worker
+    bs = cache.block_size
+    num_blocks = cache.num_kv_blocks or SIM_DEFAULT_BLOCKS
+    return SimRunner(
+        vocab,
+        eos,
+        bs,
+        num_blocks,
+        min(settings.model.max_model_len, num_blocks * bs),
+        worker_id=worker.worker_id,
+        step_time=step_time_fn(worker.sim_step_ms, worker.sim_cost_model),
+    )
+
+
+async def run(settings: Settings) -> None:
     from shared.model_source import resolve_model
     from shared.ops_http import start_ops_server
 
-    ops = start_ops_server(settings.ops_port, "worker")
-    src = resolve_model(settings.model, settings.served_model_name)
-    if not settings.worker_id:
-        settings = dataclasses.replace(settings, worker_id=f"worker-{uuid.uuid4().hex[:8]}")
-
-    def load() -> ModelRunner:
-        from services.worker.device import resolve_device, resolve_dtype
-
-        if settings.threads > 0:
-            torch.set_num_threads(settings.threads)
-        device = resolve_device(settings.device)
-        try:
-            check_quantization(
-                settings.quantization, src, device, resolve_dtype(settings.dtype, device)
-            )
-        except ValueError as e:
-            raise SystemExit(f"worker: {e}") from None
-        return ModelRunner(
-            src,
-            block_size=settings.block_size,
-            num_blocks=settings.num_kv_blocks or None,
-            kv_cache_gib=settings.kv_cache_memory,
-            dtype=resolve_dtype(settings.dtype, device),
-            quantization=settings.quantization,
-            worker_id=settings.worker_id,
-            max_model_len=settings.max_model_len,
-            device=device,
-            cuda_graphs=False if settings.enforce_eager else None,
-            max_num_seqs=settings.max_num_seqs,
-        )
-
-    def load_sim() -> SimRunner:
-        vocab, eos = vocab_for(src)
-        bs = settings.block_size
-        num_blocks = settings.num_kv_blocks or SIM_DEFAULT_BLOCKS
-        return SimRunner(
-            vocab,
-            eos,
-            bs,
-            num_blocks,
-            min(settings.max_model_len, num_blocks * bs),
-            worker_id=settings.worker_id,
-            step_time=step_time_fn(settings.sim_step_ms, settings.sim_cost_model),
-        )
-
-    if settings.worker_backend not in ("model", "sim"):
-        raise SystemExit(
-            f"--worker-backend must be 'model' or 'sim', not {settings.worker_backend!r}"
-        )
+    ops = start_ops_server(settings.ops.ops_port, "worker")
+    src = resolve_model(settings.model.path, settings.model.served_model_name)
+    if not settings.worker.worker_id:
+        settings = settings.replace(worker_id=f"worker-{uuid.uuid4().hex[:8]}")
+    backend = settings.worker.worker_backend
+    if backend not in ("model", "sim"):
+        raise SystemExit(f"--worker-backend must be 'model' or 'sim', not {backend!r}")
+    load = _load_sim if backend == "sim" else _load_model
     model_thread = ModelThread()
-    runner = await model_thread.run(load_sim if settings.worker_backend == "sim" else load)
+    runner = await model_thread.run(lambda: load(settings, src))
     service = WorkerService(settings, runner, src.name, model_thread)
     await service.start()
     ops.registry.register(service.telemetry.registry)

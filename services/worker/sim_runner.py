@@ -44,6 +44,7 @@ from shared.messages import (
     NewRequest,
     SampleLogprobs,
     SamplingParams,
+    ScheduledSeq,
     StepPlan,
     StepResult,
 )
@@ -180,13 +181,45 @@ class SimRunner:
             self.requests.pop(rid, None)
         for r in plan.new_requests:
             self._add_request(r)
+        sampled, written = self._write_chunks(plan.seqs)
+        for s in sampled:
+            st = self.requests[s.request_id]
+            tok = self._next_token(s, st.salt)
+            st.num_output_tokens += 1
+            if st.params.structured_output is not None:  # no logits to mask
+                reason = FinishReason.ERROR
+            else:
+                reason = finish_rule(
+                    st.params,
+                    tok,
+                    st.num_output_tokens,
+                    st.prompt_len,
+                    st.stop_token_ids,
+                    st.eos_token_ids,
+                    self.max_model_len,
+                )
+            ids.append(s.request_id)
+            tokens.append(tok)
+            reasons.append(int(reason))
+            counts.append(st.num_output_tokens)
+            if st.params.logprobs is not None:
+                k_top = min(int(st.params.logprobs), 1)
+                lps.append(SampleLogprobs(0.0, [tok] * k_top, [0.0] * k_top))
+            else:
+                lps.append(None)
+        self.total_computed_tokens += written
+        return written
+
+    def _write_chunks(self, seqs: list[ScheduledSeq]) -> tuple[list[ScheduledSeq], int]:
+        """Check each chunk's block table and write its tokens (K) and positions (V) into the
+        cache; returns the chunks to sample and the number of tokens written."""
         bs = self.block_size
         limit = self.num_blocks
         write_slots: list[int] = []
         write_tokens: list[int] = []
         write_pos: list[int] = []
         sampled = []
-        for s in plan.seqs:
+        for s in seqs:
             n = len(s.token_ids)
             if n == 0:
                 raise ValueError(f"{s.request_id}: empty chunk")
@@ -216,45 +249,24 @@ class SimRunner:
             slots = np.asarray(write_slots, dtype=np.int64)
             self._k[slots] = write_tokens
             self._v[slots] = write_pos
-        k, vocab, nv = self._k, self.vocab, len(self.vocab)
-        for s in sampled:
-            st = self.requests[s.request_id]
-            end = s.start_pos + len(s.token_ids)
-            table = s.block_table
-            p1 = end - 1
-            a = int(k[table[p1 // bs] * bs + p1 % bs])
-            b = -1
-            if end >= 2:
-                p2 = end - 2
-                blk = table[p2 // bs]
-                if not 0 <= blk < limit:
-                    raise ValueError(f"{s.request_id}: block {blk} outside [0, {limit})")
-                b = int(k[blk * bs + p2 % bs])
-            tok = vocab[hash((a, b, end, st.salt)) % nv]
-            st.num_output_tokens += 1
-            if st.params.structured_output is not None:  # no logits to mask
-                reason = FinishReason.ERROR
-            else:
-                reason = finish_rule(
-                    st.params,
-                    tok,
-                    st.num_output_tokens,
-                    st.prompt_len,
-                    st.stop_token_ids,
-                    st.eos_token_ids,
-                    self.max_model_len,
-                )
-            ids.append(s.request_id)
-            tokens.append(tok)
-            reasons.append(int(reason))
-            counts.append(st.num_output_tokens)
-            if st.params.logprobs is not None:
-                k_top = min(int(st.params.logprobs), 1)
-                lps.append(SampleLogprobs(0.0, [tok] * k_top, [0.0] * k_top))
-            else:
-                lps.append(None)
-        self.total_computed_tokens += len(write_tokens)
-        return len(write_tokens)
+        return sampled, len(write_tokens)
+
+    def _next_token(self, s: ScheduledSeq, salt: int) -> int:
+        """The chunk's next token: a hash of the last two tokens in the cache (read back
+        through the block table), the length and the request's salt."""
+        bs, limit, k = self.block_size, self.num_blocks, self._k
+        end = s.start_pos + len(s.token_ids)
+        table = s.block_table
+        p1 = end - 1
+        a = int(k[table[p1 // bs] * bs + p1 % bs])
+        b = -1
+        if end >= 2:
+            p2 = end - 2
+            blk = table[p2 // bs]
+            if not 0 <= blk < limit:
+                raise ValueError(f"{s.request_id}: block {blk} outside [0, {limit})")
+            b = int(k[blk * bs + p2 % bs])
+        return self.vocab[hash((a, b, end, salt)) % len(self.vocab)]
 
 
 def vocab_for(src: ModelSource) -> tuple[list[int], list[int]]:

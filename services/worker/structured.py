@@ -76,8 +76,8 @@ def make_guide(
 def default_compiler(
     model: str, vocab_size: int, eos_token_ids: tuple[int, ...]
 ) -> GrammarCompiler:
-    """The compiler for the model a worker process serves (the ``--model`` setting, which the
-    ``kvflow`` command exports to the process environment): its tokenizer is cached on disk."""
+    """The compiler for the model a worker process serves (``model``: the ``--model`` setting,
+    '' for the default model): its tokenizer is cached on disk."""
     from shared.model_source import load_tokenizer, resolve_model
 
     tok = load_tokenizer(resolve_model(model))
@@ -85,11 +85,10 @@ def default_compiler(
 
 
 def compiler_for(runner: Any) -> GrammarCompiler:
-    """``runner.grammar_compiler`` when set (tests, embedders), else the process's model's."""
+    """``runner.grammar_compiler`` when set (tests, embedders), else the compiler of the model
+    the runner loaded (``runner.model_path``)."""
     given = getattr(runner, "grammar_compiler", None)
     if given is not None:
         return given
-    from shared.config import Settings
-
     cfg = runner.config
-    return default_compiler(Settings.from_env().model, cfg.vocab_size, tuple(cfg.eos_token_ids))
+    return default_compiler(runner.model_path, cfg.vocab_size, tuple(cfg.eos_token_ids))

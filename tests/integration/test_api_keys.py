@@ -113,7 +113,7 @@ def gateway(nats_url, redis_url) -> Iterator[tuple[str, StandIn]]:
     stand_in = StandIn(nats_url)
     stand_in.start()
     port = free_port()
-    settings = Settings(
+    settings = Settings.of(
         nats_url=nats_url,
         redis_url=redis_url,
         port=port,

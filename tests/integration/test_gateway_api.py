@@ -172,7 +172,7 @@ def stand_in(nats_url) -> Iterator[StandIn]:
 @pytest.fixture(scope="module")
 def base(nats_url, stand_in) -> Iterator[str]:
     port = free_port()
-    settings = Settings(
+    settings = Settings.of(
         nats_url=nats_url, port=port, served_model_name=MODEL, request_timeout=TIMEOUT_S
     )
     config = uvicorn.Config(

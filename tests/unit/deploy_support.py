@@ -126,7 +126,7 @@ class KvflowCommand:
 def parse_kvflow_command(argv: list[str], env: dict[str, str]) -> KvflowCommand:
     """Parse a container's ``kvflow`` arguments with the real parser and its environment with
     Settings, failing on any flag or ``KVFLOW_*`` name that kvflow does not know."""
-    settings_env = {"KVFLOW_" + f.name.upper() for f in dataclasses.fields(Settings)}
+    settings_env = {opt.env for opt in Settings.options()}
     unknown = sorted(k for k in env if k.startswith("KVFLOW_") and k not in settings_env)
     assert not unknown, f"KVFLOW_* variables that are no Settings field: {unknown}"
     err = io.StringIO()

@@ -58,7 +58,7 @@ def bus() -> FakeBus:
 
 @pytest.fixture
 def http(bus):
-    app = create_app(Settings(served_model_name="m"), bus=bus)  # type: ignore[arg-type]
+    app = create_app(Settings.of(served_model_name="m"), bus=bus)  # type: ignore[arg-type]
     with TestClient(app, raise_server_exceptions=False) as client:
         yield client
 
@@ -119,7 +119,8 @@ def test_each_app_serves_through_its_own_state() -> None:
     bus) through the request's app, and best_of fans out there (shared/fan_out.py)."""
     buses = [FakeBus(), FakeBus()]
     apps = [
-        create_app(Settings(served_model_name=m), bus=b) for m, b in zip("ab", buses, strict=True)
+        create_app(Settings.of(served_model_name=m), bus=b)
+        for m, b in zip("ab", buses, strict=True)
     ]  # type: ignore[arg-type]
     with TestClient(apps[0]) as first, TestClient(apps[1]) as second:
         assert first.get("/v1/models").json()["data"][0]["id"] == "a"

@@ -192,11 +192,11 @@ def test_model_check() -> None:
 
 
 def test_served_model_name(tmp_path) -> None:
-    assert served_model_name(Settings(served_model_name="alias")) == "alias"
+    assert served_model_name(Settings.of(served_model_name="alias")) == "alias"
     assert served_model_name(Settings()) == "SmolLM2-135M-Instruct"
     # the gateway's machine may lack the model file: the name still follows the setting
-    assert served_model_name(Settings(model="/nowhere/SmolLM2-360M.Q8_0.gguf")) == "SmolLM2-360M"
-    assert served_model_name(Settings(model="/nowhere/my-model")) == "my-model"
+    assert served_model_name(Settings.of(model="/nowhere/SmolLM2-360M.Q8_0.gguf")) == "SmolLM2-360M"
+    assert served_model_name(Settings.of(model="/nowhere/my-model")) == "my-model"
 
 
 def test_response_shapes() -> None:

@@ -25,7 +25,7 @@ from shared.messages import PromptTokenLogprob, StructuredOutput, TokenLogprob
 from shared.structured_output import JSON_OBJECT_SCHEMA
 
 HI = [{"role": "user", "content": "hi"}]
-SETTINGS = Settings(max_n=4, max_request_sequences=8)
+SETTINGS = Settings.of(max_n=4, max_request_sequences=8)
 
 
 def cjob(**body):

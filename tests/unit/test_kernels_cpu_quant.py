@@ -88,7 +88,7 @@ def test_what_the_kernel_cannot_take_is_refused() -> None:
 def test_quantization_settings_that_cannot_work_are_refused_with_what_to_change(
     tmp_path,  # noqa: ANN001
 ) -> None:
-    from services.worker.runner import check_quantization
+    from services.worker.model_setup import check_quantization
     from shared.model_source import ModelSource
 
     gguf = ModelSource(name="m", path=tmp_path / "m.gguf", kind="gguf")
@@ -167,7 +167,7 @@ def test_int8_rounds_every_linear_weight_to_q8_blocks_and_keeps_lookups_dense() 
 
 
 def test_int8_works_from_any_checkpoint_on_the_cpu_and_on_cuda(tmp_path) -> None:  # noqa: ANN001
-    from services.worker.runner import check_quantization
+    from services.worker.model_setup import check_quantization
     from shared.model_source import ModelSource
 
     hf = ModelSource(name="m", path=tmp_path, kind="hf")

@@ -181,7 +181,8 @@ def _tiny_checkpoint(tmp: Path, method: str) -> tuple[Path, dict[str, torch.Tens
 def test_a_quantized_checkpoint_is_served_in_place_and_computes_its_weights(
     tmp_path: Path, method: str
 ) -> None:
-    from services.worker.runner import ModelRunner, check_quantization
+    from services.worker.model_setup import check_quantization
+    from services.worker.runner import ModelRunner
     from shared.model_loader import load_config
     from shared.model_source import resolve_model
 
@@ -193,7 +194,7 @@ def test_a_quantized_checkpoint_is_served_in_place_and_computes_its_weights(
         check_quantization("awq" if method == "gptq" else "gptq", src, cpu, torch.float32)
     with pytest.raises(ValueError, match="CPU in float32"):
         check_quantization(method, src, cpu, torch.bfloat16)
-    served = ModelRunner(src, block_size=16, num_blocks=8)
+    served = ModelRunner.create(src, block_size=16, num_blocks=8)
     layer = served.model.layers[0]
     assert all(isinstance(layer[n], QuantWeight) for n in ("qkv", "o", "gate_up", "down"))
     reference = ModelRunner.from_weights(load_config(src), want, 16, 8)

@@ -249,7 +249,7 @@ def test_hf_directory_source_sharded(hf_model: LlamaForCausalLM, tmp_path) -> No
     state = hf_model.state_dict()
     assert set(weights) == set(state)
     assert all(torch.equal(weights[k], state[k]) for k in state)
-    runner = ModelRunner(src, block_size=BLOCK, num_blocks=NUM_BLOCKS)
+    runner = ModelRunner.create(src, block_size=BLOCK, num_blocks=NUM_BLOCKS)
     out = Driver(runner, PROMPTS[:1]).run(4)["r0"]
     assert out == hf_greedy(hf_model, PROMPTS[0], 4)
 

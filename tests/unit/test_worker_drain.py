@@ -34,7 +34,7 @@ def short_silence(monkeypatch: pytest.MonkeyPatch) -> None:
 async def _elapsed(worker: SimpleNamespace, drain_timeout: float) -> float:
     t0 = time.monotonic()
     await asyncio.wait_for(
-        worker_service._until_released(worker, Settings(drain_timeout=drain_timeout)), 10
+        worker_service._until_released(worker, Settings.of(drain_timeout=drain_timeout)), 10
     )
     return time.monotonic() - t0
 

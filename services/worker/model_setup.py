@@ -1,0 +1,347 @@
+"""Setting up a ModelRunner: which weight scheme to load (``check_quantization``), the model on
+its device with the CPU path's kernels chosen (``load_model``), the KV cache's size, and the
+decode graphs of the device path. The runner's constructor takes the three specs below instead
+of loose keywords; ``specs_from_keywords`` builds them from the flat names tests use."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from kernels import batch_invariance, cpu_gemm, cpu_native, cpu_quant
+from kernels.batch_invariance import GemmRows
+from kernels.cpu_quant import QuantWeight
+from kernels.fp8_linear import Fp8Weight, fp8_supported
+from kernels.ops import KernelBackend, get_backend
+from services.worker.cuda_graphs import DecodeGraphs, capture_sizes
+from services.worker.device import kernel_backend as default_backend
+from services.worker.model import LlamaModel
+from services.worker.step_inputs import DeviceBatch
+from shared.config import CacheSettings, ModelSettings, WorkerSettings
+from shared.model_loader import ModelConfig, load_config, load_weights
+from shared.model_source import ModelSource
+from shared.quantized_checkpoints import METHODS, checkpoint_method
+
+log = logging.getLogger("kvflow.worker")
+
+QUANTIZATIONS = ("", "gguf", "int8", "gptq", "awq", "fp8")
+
+
+@dataclass(frozen=True)
+class KvSpec:
+    """The paged KV cache: ``num_blocks`` of ``block_size`` tokens (None: as many as
+    ``kv_cache_gib`` holds) and the longest sequence (None: the model's and the cache's limit)."""
+
+    block_size: int
+    num_blocks: int | None = None
+    kv_cache_gib: float = 1.0
+    max_model_len: int | None = None
+
+
+@dataclass(frozen=True)
+class DeviceSpec:
+    """Where and how the model runs. ``backend``: ``"reference"`` (the CPU path) or
+    ``"triton"`` (the device path; on a CPU only under TRITON_INTERPRET=1, for tests); None:
+    from the device (services/worker/device.py). ``cuda_graphs``: decode steps of up to
+    ``max_num_seqs`` sequences through padded static buffers, captured as CUDA graphs on CUDA
+    (None: on for CUDA; True elsewhere runs the same padded path eagerly, for tests).
+    ``quantization``: see ``check_quantization``."""
+
+    device: torch.device | str = "cpu"
+    dtype: torch.dtype = torch.float32
+    quantization: str = ""
+    backend: str | None = None
+    cuda_graphs: bool | None = None
+    max_num_seqs: int = 64
+
+
+@dataclass(frozen=True)
+class CpuPathSpec:
+    """The CPU path's kernels. ``batch_invariant``: run GEMMs in a row layout that keeps each
+    sequence's logits independent of the batch (``gemm_rows``, or calibrated when None).
+    ``native_kernels``: the C decode-attention kernel; ``packed_gemm``: pre-packed linear
+    weights (None for either: when available and the model is fp32)."""
+
+    batch_invariant: bool = True
+    gemm_rows: GemmRows | None = None
+    native_kernels: bool | None = None
+    packed_gemm: bool | None = None
+
+
+def specs_from_keywords(
+    block_size: int, num_blocks: int | None = None, **kw: Any
+) -> tuple[KvSpec, DeviceSpec, CpuPathSpec]:
+    """The three specs from flat keyword names (``dtype=``, ``gemm_rows=``, ...), each name a
+    field of one spec; a TypeError names an unknown one."""
+    out = []
+    first = {"block_size": block_size, "num_blocks": num_blocks}
+    for spec in (KvSpec, DeviceSpec, CpuPathSpec):
+        names = spec.__dataclass_fields__
+        out.append(spec(**{k: v for k, v in (first | kw).items() if k in names}))
+    known = {n for spec in (KvSpec, DeviceSpec, CpuPathSpec) for n in spec.__dataclass_fields__}
+    unknown = sorted(set(kw) - known)
+    if unknown:
+        raise TypeError(f"unknown runner options: {unknown}")
+    return out[0], out[1], out[2]
+
+
+def check_quantization(
+    quantization: str,
+    src: ModelSource | None,
+    device: torch.device,
+    dtype: torch.dtype,
+    backend: str | None = None,
+) -> str:
+    """The weight scheme to load with, or a ValueError that says what to change.
+
+    ``gguf`` keeps a GGUF's Q8_0/Q4_0/Q4_1 linear weights quantized; ``int8`` quantizes any
+    checkpoint's linear weights to int8 blocks at load (shared/model_loader.quantize_int8);
+    ``gptq`` / ``awq`` serve such a 4-bit checkpoint's groups in place
+    (shared/quantized_checkpoints.py). On the CPU path (fp32 activations) they run
+    kernels/cpu_quant.py, on the device path (``backend`` "triton": CUDA, or Triton's
+    interpreter in tests) kernels/triton_quant.py. ``fp8`` (e4m3 weights per channel, dynamic
+    per-token activations: kernels/fp8_linear.py) is the device path's only, on GPUs with fp8
+    GEMMs. As in vLLM, a GPTQ or AWQ checkpoint needs no flag: ``""`` becomes its method where
+    a kernel reads it, and elsewhere its weights are dequantized to ``dtype`` at load."""
+    if quantization not in QUANTIZATIONS:
+        raise ValueError(f"--quantization must be one of {QUANTIZATIONS[1:]} or empty")
+    device_path = (backend or default_backend(device)) != "reference"
+    method = checkpoint_method(src.path) if src is not None and src.kind == "hf" else ""
+    if quantization in METHODS and quantization != method:
+        what = f"a {method} checkpoint" if method else f"not quantized with {quantization}"
+        raise ValueError(
+            f"--quantization {quantization}: {src.path if src else 'the model'} is {what}"
+        )
+    cpu_fp32 = not device_path and device.type == "cpu" and dtype == torch.float32
+    integer_kernels = device_path or (cpu_fp32 and cpu_quant.available())
+    if not quantization and method:
+        if not integer_kernels:
+            log.warning("%s checkpoint: weights dequantized to %s on %s", method, dtype, device)
+            return ""
+        quantization = method
+    if not quantization:
+        return ""
+    if quantization == "gguf" and src is not None and src.kind != "gguf":
+        raise ValueError(f"--quantization gguf needs a .gguf model; {src.path} is not one")
+    if quantization == "fp8":
+        if not device_path:
+            raise ValueError(
+                "--quantization fp8 runs on CUDA GPUs with fp8 GEMMs (compute capability 8.9+: "
+                "Ada, Hopper); torch's CPU fp8 matmul is a slow fallback: on the CPU use int8 or "
+                "gguf"
+            )
+        if device.type == "cuda" and not fp8_supported(device):
+            raise ValueError(
+                f"--quantization fp8 needs a GPU with fp8 GEMMs (compute capability 8.9+); "
+                f"{device} has not: use int8 or gguf (weight-only, any GPU)"
+            )
+        return quantization
+    if device_path:
+        return quantization
+    if not cpu_fp32:
+        raise ValueError(
+            f"--quantization {quantization} runs on the CPU in float32 or on CUDA (--device cuda)"
+        )
+    if not cpu_quant.available():
+        raise ValueError(f"--quantization {quantization} needs a C compiler (install gcc)")
+    return quantization
+
+
+def to_device_weight(w: torch.Tensor | QuantWeight | Fp8Weight, device: torch.device) -> Any:
+    """A loaded weight as the device path computes with it on ``device``: dense tensors moved,
+    integer blocks split into the Triton kernel's planes, fp8 weights moved."""
+    if isinstance(w, QuantWeight):
+        from kernels.triton_quant import DeviceQuantWeight
+
+        return DeviceQuantWeight.from_blocks(w, device)
+    return w.to(device)
+
+
+@dataclass
+class LoadedModel:
+    """The model on its device with the kernels picked for it."""
+
+    device: torch.device
+    ops: KernelBackend | None  # the device path's kernels; None: the CPU path
+    model: LlamaModel
+    gemm_rows: GemmRows | None  # batch-invariant row layout (CPU path)
+    decode_fn: Callable[..., Any] | None  # the C decode-attention kernel (CPU path)
+    gemm: str  # how linear layers run, for the log
+
+
+def load_model(
+    src: ModelSource | None,
+    spec: DeviceSpec,
+    cpu: CpuPathSpec,
+    config: ModelConfig | None = None,
+    weights: dict[str, torch.Tensor] | None = None,
+) -> LoadedModel:
+    """Load ``src`` (or take in-memory ``config`` + ``weights``) onto ``spec.device``."""
+    device = torch.device(spec.device)
+    backend = spec.backend or default_backend(device)
+    quantization = check_quantization(spec.quantization, src, device, spec.dtype, backend)
+    if backend == "reference" and device.type != "cpu":
+        raise ValueError(f"the reference (CPU) path cannot run on {device}")
+    ops = get_backend(backend) if backend != "reference" else None
+    if device.type == "cuda" and device.index is not None:
+        torch.cuda.set_device(device)  # this (model) thread's current device
+    if config is None or weights is None:
+        if src is None:
+            raise ValueError("ModelRunner needs a ModelSource or config + weights")
+        log.info("loading model %s from %s", src.name, src.path)
+        config = load_config(src)
+        weights = load_weights(src, config, spec.dtype, quantization)
+    if ops is not None:
+        weights = {n: to_device_weight(w, device) for n, w in weights.items()}
+    model = LlamaModel(config, weights)
+    fp32 = model.dtype == torch.float32 and ops is None
+    packed = cpu.packed_gemm
+    if packed is None:
+        packed = fp32 and (cpu_gemm.panel_available() or cpu_gemm.onednn_available())
+    gemm = model.pack_weights() if packed else "torch"
+    batch_invariant = cpu.batch_invariant and ops is None  # a CPU-path property
+    gemm_rows = cpu.gemm_rows
+    if batch_invariant and gemm_rows is None:
+        gemm_rows = calibrate_gemm_rows(model)
+    native = cpu.native_kernels
+    if native is None:
+        native = fp32 and cpu_native.available()
+    if native:
+        model.use_native_layer_ops()
+    decode_fn = cpu_native.paged_decode_attention if native else None
+    return LoadedModel(device, ops, model, gemm_rows if batch_invariant else None, decode_fn, gemm)
+
+
+def calibrate_gemm_rows(model: LlamaModel) -> GemmRows:
+    """Test this machine's GEMM on the model's own weights, one of each shape (15-20 s on
+    2 cores), or reuse this machine's earlier answer for the same shapes."""
+    t0 = time.perf_counter()
+    rows, cached = batch_invariance.calibrate_cached(model.linear_weights())
+    how = "from the calibration cache" if cached else "calibrated"
+    log.info("GEMM row layout %s (%s in %.1fs)", rows, how, time.perf_counter() - t0)
+    return rows
+
+
+def kv_cache_blocks(model: LlamaModel, kv: KvSpec) -> int:
+    """``kv.num_blocks``, or as many blocks as ``kv.kv_cache_gib`` holds for this model."""
+    cfg = model.cfg
+    per_block = 2 * cfg.num_layers * kv.block_size * cfg.num_kv_heads * cfg.head_dim
+    per_block *= torch.finfo(model.dtype).bits // 8
+    num_blocks = kv.num_blocks or max(1, int(kv.kv_cache_gib * 2**30) // per_block)
+    log.info("allocating KV cache: %.2f GiB", num_blocks * per_block / 2**30)
+    return num_blocks
+
+
+def max_model_len(cfg: ModelConfig, num_blocks: int, kv: KvSpec) -> int:
+    """The longest sequence: the asked length, capped by the model's positions and the cache."""
+    limit = min(cfg.max_position_embeddings, num_blocks * kv.block_size)
+    return min(kv.max_model_len, limit) if kv.max_model_len else limit
+
+
+def make_decode_graphs(
+    loaded: LoadedModel,
+    kv_caches: Any,
+    max_len: int,
+    block_size: int,
+    max_num_seqs: int,
+) -> DecodeGraphs:
+    """Decode graphs for a ladder of batch sizes up to ``max_num_seqs``, captured now on
+    CUDA (before any step: the warm-up runs write no KV)."""
+    ops, model, device = loaded.ops, loaded.model, loaded.device
+    assert ops is not None
+    cfg = model.cfg
+    max_blocks = -(-max_len // block_size)
+
+    def forward(batch: DeviceBatch) -> torch.Tensor:
+        return model.forward_device(ops, batch, kv_caches)
+
+    def splits(size: int) -> int | None:
+        if ops.name != "triton":
+            return None
+        from kernels.triton_decode_attention import default_num_splits
+
+        group = cfg.num_heads // cfg.num_kv_heads
+        ctx = max_blocks * block_size
+        return default_num_splits(size, cfg.num_kv_heads, group, ctx, device)
+
+    graphs = DecodeGraphs(
+        forward,
+        capture_sizes(max_num_seqs),
+        max_blocks,
+        cfg.vocab_size,
+        device,
+        splits,
+        capture=device.type == "cuda",
+    )
+    graphs.capture()
+    return graphs
+
+
+def log_ready(
+    loaded: LoadedModel,
+    num_blocks: int,
+    block_size: int,
+    max_len: int,
+    graphs: DecodeGraphs | None,
+    t0: float,
+) -> None:
+    """One line saying what was set up and how long it took."""
+    cfg, model = loaded.model.cfg, loaded.model
+    if loaded.ops is None:
+        log.info(
+            "model ready in %.1fs: %d layers, %d KV blocks x %d tokens, max_model_len %d, "
+            "decode attention %s, layer ops %s, GEMMs %s in rows %s",
+            time.perf_counter() - t0,
+            cfg.num_layers,
+            num_blocks,
+            block_size,
+            max_len,
+            "native" if loaded.decode_fn else "torch",
+            "native" if model.native_layer_ops else "torch",
+            loaded.gemm,
+            loaded.gemm_rows,
+        )
+        return
+    decode = "eager"
+    if graphs is not None:
+        decode = f"through static buffers for batch sizes {graphs.sizes}" + (
+            " (CUDA graphs)" if graphs.capture_enabled else " (run eagerly)"
+        )
+    log.info(
+        "model ready in %.1fs on %s (%s, %s kernels): %d layers, %d KV blocks x %d "
+        "tokens, max_model_len %d, decode %s",
+        time.perf_counter() - t0,
+        loaded.device,
+        str(model.dtype).removeprefix("torch."),
+        loaded.ops.name,
+        cfg.num_layers,
+        num_blocks,
+        block_size,
+        max_len,
+        decode,
+    )
+
+
+def runner_specs(
+    model: ModelSettings, cache: CacheSettings, worker: WorkerSettings, max_num_seqs: int
+) -> tuple[KvSpec, DeviceSpec]:
+    """The runner's specs from the worker's settings sections (``--device auto`` and
+    ``--dtype auto`` resolved here)."""
+    from services.worker.device import resolve_device, resolve_dtype
+
+    device = resolve_device(worker.device)
+    kv = KvSpec(
+        cache.block_size, cache.num_kv_blocks or None, cache.kv_cache_memory, model.max_model_len
+    )
+    return kv, DeviceSpec(
+        device,
+        resolve_dtype(model.dtype, device),
+        model.quantization,
+        cuda_graphs=False if worker.enforce_eager else None,
+        max_num_seqs=max_num_seqs,
+    )

@@ -1,0 +1,101 @@
+"""A step's inputs as the runner lays them out: single-token sequences (decode) first, then one
+GEMM segment per longer chunk; the flat token rows with their positions and KV slots, the rows
+to sample and the prompt-logprob rows (``lay_out``), and the CPU path's ForwardBatch over them
+(``host_batch``; the device path packs the same rows in services/worker/step_inputs.py)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from kernels import reference as K
+from kernels.batch_invariance import GemmRows
+from services.worker.model import ForwardBatch
+from services.worker.prompt_logprobs import PromptRows
+from shared.messages import ScheduledSeq
+
+
+@dataclass
+class StepRows:
+    """The flat token rows of one step (in ``order``: the runner's order of the plan's seqs)."""
+
+    seqs: list[ScheduledSeq]
+    ids: list[int] = field(default_factory=list)
+    pos: list[int] = field(default_factory=list)
+    slots: list[int] = field(default_factory=list)
+    sample_rows: list[int] = field(default_factory=list)  # last row of each sampled chunk
+    segments: list[tuple[int, int]] = field(default_factory=list)  # chunks of 2+ rows
+    prompt_rows: PromptRows = field(default_factory=PromptRows)  # rows for prompt logprobs
+
+    @property
+    def logits_rows(self) -> list[int]:
+        """Rows whose logits the model computes: sampled rows, then prompt-logprob rows."""
+        return self.sample_rows + self.prompt_rows.rows
+
+
+def lay_out(
+    plan_seqs: list[ScheduledSeq],
+    requests: Mapping[str, Any],
+    block_size: int,
+    num_blocks: int,
+    max_positions: int,
+) -> StepRows:
+    """Check each chunk against the cache and the model, and lay its tokens out as rows;
+    ``requests`` maps request ids to the runner's RequestState."""
+    bs = block_size
+    order = sorted(range(len(plan_seqs)), key=lambda i: len(plan_seqs[i].token_ids) > 1)
+    step = StepRows([plan_seqs[i] for i in order])
+    for s in step.seqs:
+        n = len(s.token_ids)
+        if n == 0:
+            raise ValueError(f"{s.request_id}: empty chunk")
+        end = s.start_pos + n
+        used = s.block_table[: -(-end // bs)]
+        if len(used) * bs < end or min(used) < 0 or max(used) >= num_blocks:
+            raise ValueError(f"{s.request_id}: bad block table for {end} tokens: {used}")
+        if end > max_positions:
+            raise ValueError(f"{s.request_id}: {end} tokens exceed the model's positions")
+        if s.sample and s.request_id not in requests:
+            raise KeyError(f"{s.request_id}: unknown request (no NewRequest)")
+        start_row = len(step.ids)
+        step.ids += s.token_ids
+        for p in range(s.start_pos, end):
+            step.slots.append(s.block_table[p // bs] * bs + p % bs)
+        step.pos += range(s.start_pos, end)
+        if n > 1:
+            step.segments.append((start_row, len(step.ids)))
+        if s.sample:
+            step.sample_rows.append(len(step.ids) - 1)
+        st = requests.get(s.request_id)
+        if st is not None:
+            if st.guide is not None:  # tokens generated before a preemption
+                st.guide.replay(s, st.prompt_len)
+            step.prompt_rows.add(s, st, start_row)
+    return step
+
+
+def host_batch(
+    step: StepRows,
+    block_size: int,
+    decode_fn: Callable[..., Any] | None,
+    gemm_rows: GemmRows | None,
+) -> ForwardBatch:
+    """The CPU path's ForwardBatch: attention plan, batch-invariant row layout, logits rows."""
+    seqs = step.seqs
+    max_blocks = max(len(s.block_table) for s in seqs)
+    tables = torch.tensor([s.block_table + [0] * (max_blocks - len(s.block_table)) for s in seqs])
+    qlens = torch.tensor([len(s.token_ids) for s in seqs])
+    seq_lens = torch.tensor([s.start_pos + len(s.token_ids) for s in seqs])
+    num_single = len(seqs) - len(step.segments)
+    rows = None
+    if gemm_rows:
+        rows = K.RowLayout(num_single, tuple(step.segments), gemm_rows.tile, gemm_rows.pad)
+    return ForwardBatch(
+        slot_mapping=torch.tensor(step.slots),
+        attn=K.plan_attention(tables, seq_lens, qlens, block_size, decode_fn=decode_fn),
+        rows=rows,
+        sample_rows=torch.tensor(step.logits_rows, dtype=torch.long),
+    )

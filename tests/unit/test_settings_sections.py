@@ -1,0 +1,125 @@
+"""Settings in sections: every flag and KVFLOW_* variable of the former flat Settings keeps its
+name and parses to the same value, now found in its section."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvflow.cli.main import build_parser
+from shared.config import (
+    BusSettings,
+    CacheSettings,
+    GatewaySettings,
+    ModelSettings,
+    OpsSettings,
+    SchedulerSettings,
+    Settings,
+    WorkerSettings,
+)
+
+# every option of the flat Settings (as of 121959d): name -> (section.attr, a given value, its
+# parsed value, the default)
+OLD_FLAT = {
+    "model": ("model.path", "/m/x.gguf", "/m/x.gguf", ""),
+    "served_model_name": ("model.served_model_name", "alias", "alias", ""),
+    "nats_url": ("bus.nats_url", "nats://h:1", "nats://h:1", "nats://127.0.0.1:4222"),
+    "redis_url": ("bus.redis_url", "redis://h:2", "redis://h:2", ""),
+    "host": ("gateway.host", "0.0.0.0", "0.0.0.0", "127.0.0.1"),
+    "port": ("gateway.port", "9000", 9000, 8000),
+    "ops_port": ("ops.ops_port", "9100", 9100, 0),
+    "block_size": ("cache.block_size", "32", 32, 16),
+    "kv_cache_memory": ("cache.kv_cache_memory", "2.5", 2.5, 1.0),
+    "num_kv_blocks": ("cache.num_kv_blocks", "100", 100, 0),
+    "kv_host_memory": ("cache.kv_host_memory", "0.5", 0.5, 0.0),
+    "kv_redis_tier": ("cache.kv_redis_tier", "true", True, False),
+    "kv_tier_ttl": ("cache.kv_tier_ttl", "60", 60, 3600),
+    "max_num_seqs": ("scheduler.max_num_seqs", "8", 8, 64),
+    "max_num_batched_tokens": ("scheduler.max_num_batched_tokens", "512", 512, 2048),
+    "max_model_len": ("model.max_model_len", "4096", 4096, 8192),
+    "max_waiting": ("scheduler.max_waiting", "10", 10, 1024),
+    "worker_id": ("worker.worker_id", "w7", "w7", ""),
+    "role": ("worker.role", "prefill", "prefill", "both"),
+    "dtype": ("model.dtype", "bfloat16", "bfloat16", "auto"),
+    "device": ("worker.device", "cuda:1", "cuda:1", "auto"),
+    "quantization": ("model.quantization", "int8", "int8", ""),
+    "enforce_eager": ("worker.enforce_eager", "yes", True, False),
+    "threads": ("worker.threads", "3", 3, 0),
+    "worker_backend": ("worker.worker_backend", "sim", "sim", "model"),
+    "sim_step_ms": ("worker.sim_step_ms", "1.5", 1.5, 0.0),
+    "sim_cost_model": ("worker.sim_cost_model", "cpu", "cpu", ""),
+    "scheduling_policy": ("scheduler.scheduling_policy", "fcfs", "fcfs", "priority"),
+    "kv_connector": ("cache.kv_connector", "nats", "nats", "nats"),
+    "worker_timeout": ("scheduler.worker_timeout", "4.5", 4.5, 3.0),
+    "step_timeout": ("scheduler.step_timeout", "12", 12.0, 30.0),
+    "scheduler_ha": ("scheduler.scheduler_ha", "1", True, False),
+    "scheduler_id": ("scheduler.scheduler_id", "s1", "s1", ""),
+    "drain_timeout": ("ops.drain_timeout", "7", 7.0, 30.0),
+    "request_timeout": ("gateway.request_timeout", "60", 60.0, 600.0),
+    "log_level": ("ops.log_level", "debug", "debug", "info"),
+    "log_format": ("ops.log_format", "json", "json", "text"),
+    "api_key": ("gateway.api_key", "k", "k", ""),
+    "key_store": ("gateway.key_store", "redis", "redis", ""),
+    "max_n": ("gateway.max_n", "4", 4, 16),
+    "max_open_requests": ("gateway.max_open_requests", "5", 5, 2048),
+    "max_request_sequences": ("gateway.max_request_sequences", "6", 6, 256),
+    "max_body_bytes": ("gateway.max_body_bytes", "1024", 1024, 16 * 2**20),
+}
+
+
+def _in_section(settings: Settings, where: str) -> object:
+    section, attr = where.split(".")
+    return getattr(getattr(settings, section), attr)
+
+
+def test_every_option_is_listed_once() -> None:
+    assert {opt.name for opt in Settings.options()} == set(OLD_FLAT)
+    assert len(Settings.options()) == len(OLD_FLAT)
+
+
+@pytest.mark.parametrize("name", sorted(OLD_FLAT))
+def test_old_flag_and_variable_parse_to_the_same_value(name: str) -> None:
+    where, raw, value, default = OLD_FLAT[name]
+    assert _in_section(Settings(), where) == default
+    flag = "--" + name.replace("_", "-")
+    args = build_parser().parse_args(["run", "worker", flag, raw])
+    from_flag = Settings.from_args(args, environ={})
+    assert _in_section(from_flag, where) == value
+    assert from_flag.get(name) == value
+    if name != "model":  # settings.model is the section; other flat names read through
+        assert getattr(from_flag, name) == value
+    from_env = Settings.from_env({"KVFLOW_" + name.upper(): raw})
+    assert _in_section(from_env, where) == value
+    # a flag wins over the environment; to_env gives the child processes the same value back
+    assert _in_section(Settings.from_args(args, {"KVFLOW_" + name.upper(): raw}), where) == value
+    assert _in_section(Settings.from_env(from_flag.to_env()), where) == value
+
+
+def test_sections_compose_and_replace_keeps_the_rest() -> None:
+    s = Settings.of(model="m.gguf", block_size=32, port=9)
+    assert isinstance(s.model, ModelSettings) and s.model.path == "m.gguf"
+    assert isinstance(s.cache, CacheSettings) and s.cache.block_size == 32
+    assert isinstance(s.gateway, GatewaySettings) and s.gateway.port == 9
+    assert isinstance(s.scheduler, SchedulerSettings) and isinstance(s.worker, WorkerSettings)
+    assert isinstance(s.bus, BusSettings) and isinstance(s.ops, OpsSettings)
+    t = s.replace(threads=2)
+    assert t.worker.threads == 2 and t.cache.block_size == 32 and s.worker.threads == 0
+    with pytest.raises(TypeError, match="no setting named"):
+        s.replace(block_sise=1)
+    with pytest.raises(AttributeError):
+        _ = s.no_such_option
+
+
+def test_bad_values_name_the_variable() -> None:
+    with pytest.raises(ValueError, match="KVFLOW_BLOCK_SIZE"):
+        Settings.from_env({"KVFLOW_BLOCK_SIZE": "big"})
+    with pytest.raises(ValueError, match="KVFLOW_KV_REDIS_TIER"):
+        Settings.from_env({"KVFLOW_KV_REDIS_TIER": "maybe"})
+
+
+def test_help_keeps_the_texts() -> None:
+    run = build_parser()._subparsers._group_actions[0].choices["run"]  # type: ignore[union-attr]
+    helps = {a.dest: a.help for a in run._actions}
+    assert helps["model"].startswith("GGUF file or HF model dir (default: SmolLM2-135M")
+    assert helps["block_size"] == "tokens per KV cache block"
+    assert helps["max_body_bytes"] == "largest request body in bytes (413 above)"
+    assert all(helps[opt.name] for opt in Settings.options())
