@@ -28,11 +28,12 @@ import uuid
 import redis.asyncio as aioredis
 from nats.aio.msg import Msg
 
-from services.scheduler.engine import QueueFullError, SchedulerCore
+from services.scheduler.core import QueueFullError, SchedulerCore
 from services.scheduler.lease import Lease, LeaseLost
-from services.scheduler.policy import ROLES, SchedulerLimits, WorkerScheduler
+from services.scheduler.policy import make_policy
 from services.scheduler.shadow import ShadowState
 from services.scheduler.telemetry import SchedulerTelemetry
+from services.scheduler.worker_state import ROLES, SchedulerLimits, WorkerState
 from shared import subjects
 from shared.bus import Bus
 from shared.config import Settings
@@ -75,7 +76,8 @@ class SchedulerService:
         self.model_name = model_name
         self.scheduler_id = scheduler_id or f"scheduler-{uuid.uuid4().hex[:8]}"
         self.lease = lease
-        self.core = SchedulerCore(self.limits, settings.max_waiting, model_name)
+        self.policy = make_policy(settings.scheduling_policy)  # the one read of the setting
+        self.core = self._new_core()
         self.shadow = ShadowState()
         self.leading = False
         self.epoch = 0
@@ -137,13 +139,16 @@ class SchedulerService:
                     return
             await asyncio.sleep(self.lease.ttl_s / 6 if self.leading else 0.25)
 
+    def _new_core(self) -> SchedulerCore:
+        return SchedulerCore(self.limits, self.policy, self.settings.max_waiting, self.model_name)
+
     def _may_plan(self) -> bool:
         return self.leading and (self.lease is None or self.lease.valid())
 
     async def _lead(self, epoch: int) -> None:
         """Become the leader of a new epoch: resume every live request the shadow knows of."""
         self.epoch = epoch
-        self.core = SchedulerCore(self.limits, self.settings.max_waiting, self.model_name)
+        self.core = self._new_core()
         self.heartbeats_known.clear()
         self.wake.clear()
         resumed = 0
@@ -195,14 +200,8 @@ class SchedulerService:
                     self._wake_all()
             case StatsRequest():
                 if self.leading:
-                    stats = self.core.stats()
+                    stats = self.core.stats(self.heartbeats)
                     stats.scheduler_id, stats.epoch = self.scheduler_id, self.epoch
-                    for w in stats.workers:
-                        hb = self.heartbeats.get(w.worker_id)
-                        if hb is not None:
-                            w.redis_tier, w.redis_tier_errors = hb.redis_tier, hb.redis_tier_errors
-                            w.redis_stored_blocks = hb.redis_stored_blocks
-                            w.host_tier_blocks = hb.host_tier_blocks
                     await self.bus.reply(raw, stats)
             case _:
                 log.warning("scheduler: unexpected %s on %s", type(msg).__name__, raw.subject)
@@ -264,16 +263,7 @@ class SchedulerService:
             log.warning("worker %s has unknown role %r; ignored", hb.worker_id, hb.role)
             return
         self.heartbeats_known[hb.worker_id] = hb.instance
-        ws = self.core.add_worker(
-            hb.worker_id,
-            hb.num_blocks,
-            hb.block_size,
-            role=hb.role,
-            kv_subject=hb.kv_subject,
-            kv_layout=hb.kv_layout,
-            host_tier=hb.host_tier_bytes > 0,
-            redis_tier=bool(hb.redis_tier),
-        )
+        ws = self.core.join(hb)
         self.step_subject[hb.worker_id] = hb.step_subject
         self.wake[hb.worker_id] = asyncio.Event()
         self.wake[hb.worker_id].set()
@@ -311,7 +301,7 @@ class SchedulerService:
 
     # -- planning -------------------------------------------------------------------------------
 
-    async def _worker_loop(self, ws: WorkerScheduler) -> None:
+    async def _worker_loop(self, ws: WorkerState) -> None:
         wid = ws.worker_id
         loop = asyncio.get_running_loop()
         core = self.core
@@ -356,7 +346,7 @@ class SchedulerService:
                     self.settings.step_timeout,
                     type(e).__name__,
                 )
-                ws.on_failed_step(core.waiting)
+                ws.on_failed_step()
                 self._wake_all()
                 continue
             if result.error and result.error.startswith(STALE_EPOCH_ERROR):
