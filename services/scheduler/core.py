@@ -12,10 +12,9 @@ from dataclasses import dataclass, field
 from services.scheduler.block_manager import BlockManager
 from services.scheduler.policy import SchedulingPolicy, make_policy
 from services.scheduler.router import Router
-from services.scheduler.sequence import SeqStatus, Sequence
+from services.scheduler.sequence import RequeueReason, SeqStatus, Sequence
 from services.scheduler.waiting import WaitingQueue
 from services.scheduler.worker_state import (
-    RequeueReason,
     SchedulerLimits,
     StepOutcome,
     WorkerState,

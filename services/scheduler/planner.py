@@ -11,10 +11,27 @@ step that had to preempt admits nothing new.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-from services.scheduler.sequence import SeqStatus, Sequence
-from services.scheduler.worker_state import Admission, RequeueReason, WorkerState
+from services.scheduler.block_manager import BlockHash
+from services.scheduler.sequence import RequeueReason, SeqStatus, Sequence
 from shared.messages import BlockRef, NewRequest, ScheduledSeq, StepPlan
+
+if TYPE_CHECKING:
+    from services.scheduler.worker_state import WorkerState
+
+
+@dataclass
+class Admission:
+    """How a waiting sequence fits on a worker: the cached prefix blocks it reuses, the
+    hashes of the next blocks a KV tier holds (loaded instead of computed), the fresh blocks it
+    needs and the tokens it computes in this step (none while a tier load fills its blocks)."""
+
+    cached: list[int]
+    tier: list[BlockHash]
+    need: int
+    num_new: int
+    count_prefix: bool  # a prefix-cache lookup (not for prompt_logprobs, which recomputes)
 
 
 @dataclass

@@ -8,6 +8,7 @@ change), so it resumes before newer arrivals, as vLLM's scheduler does.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from collections.abc import Sequence as Seq
 from typing import Protocol
 
@@ -65,7 +66,7 @@ class PriorityPolicy:
         return max(candidates, key=lambda s: s.priority) if candidates else None
 
 
-POLICIES: dict[str, type[FcfsPolicy] | type[PriorityPolicy]] = {
+POLICIES: dict[str, Callable[[], SchedulingPolicy]] = {
     FcfsPolicy.name: FcfsPolicy,
     PriorityPolicy.name: PriorityPolicy,
 }

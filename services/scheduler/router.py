@@ -16,8 +16,8 @@ import time
 from dataclasses import dataclass
 
 from services.scheduler.block_manager import BlockHash
-from services.scheduler.sequence import Reservation, Sequence, Transfer
-from services.scheduler.worker_state import RequeueReason, Route, WorkerState
+from services.scheduler.sequence import RequeueReason, Reservation, Sequence, Transfer
+from services.scheduler.worker_state import Route, WorkerState
 from shared.kv_tier import tier_key
 from shared.messages import BlockRef, KvLoad, KvLoadDone, KvPull, KvTransferDone, StepPlan
 

@@ -22,6 +22,15 @@ class SeqStatus(enum.Enum):
     FINISHED = "finished"
 
 
+class RequeueReason(enum.Enum):
+    """Why a sequence went back to the waiting queue, to be recomputed."""
+
+    PREEMPTED = "preempted"  # memory ran out: the only reason counted as a preemption
+    STEP_FAILED = "step failed"  # the worker reported an error or the step was lost
+    WORKER_LEFT = "worker left"  # this worker, or the one reserved to decode it, is gone
+    TRANSFER_FAILED = "transfer failed"  # its K/V did not arrive from the prefill worker
+
+
 @dataclass
 class Reservation:
     """Blocks taken on the decode worker at admission, for the K/V of the tokens the prefill

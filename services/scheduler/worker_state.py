@@ -13,13 +13,13 @@ once the K/V has arrived.
 
 from __future__ import annotations
 
-import enum
 from dataclasses import dataclass, field
 from typing import Protocol
 
 from services.scheduler.block_manager import BlockHash, BlockManager
+from services.scheduler.planner import Admission, plan_step
 from services.scheduler.policy import SchedulingPolicy
-from services.scheduler.sequence import Reservation, SeqStatus, Sequence, TierLoad
+from services.scheduler.sequence import RequeueReason, Reservation, SeqStatus, Sequence, TierLoad
 from services.scheduler.waiting import WaitingQueue
 from shared.messages import FinishReason, StepPlan, StepResult
 
@@ -48,26 +48,6 @@ class Route:
     holds ``reservation``."""
 
     reservation: Reservation | None = None
-
-
-@dataclass
-class Admission:
-    """How a waiting sequence fits on a worker: the cached prefix blocks it reuses, the
-    hashes of the next blocks a KV tier holds (loaded instead of computed), the fresh blocks it
-    needs and the tokens it computes in this step (none while a tier load fills its blocks)."""
-
-    cached: list[int]
-    tier: list[BlockHash]
-    need: int
-    num_new: int
-    count_prefix: bool  # a prefix-cache lookup (not for prompt_logprobs, which recomputes)
-
-
-class RequeueReason(enum.Enum):
-    PREEMPTED = "preempted"  # memory ran out: the only reason counted as a preemption
-    STEP_FAILED = "step failed"  # the worker reported an error or the step was lost
-    WORKER_LEFT = "worker left"  # this worker, or the one reserved to decode it, is gone
-    TRANSFER_FAILED = "transfer failed"  # its K/V did not arrive from the prefill worker
 
 
 class WorkerRouter(Protocol):
@@ -132,8 +112,6 @@ class WorkerState:
 
     def schedule(self) -> StepPlan | None:
         """This worker's next plan (planner.py), or None when there is nothing to run."""
-        from services.scheduler.planner import plan_step  # planner builds on this module
-
         return plan_step(self)
 
     # -- admission and requeue ------------------------------------------------------------------
