@@ -25,8 +25,9 @@ T = TypeVar("T")
 
 
 def sequences_per_prompt(n: int, best_of: int | None) -> int:
-    """How many sequences each prompt runs: ``best_of`` when given, else ``n``."""
-    return best_of or n
+    """How many sequences each prompt runs: ``best_of`` when given, else ``n`` (a ``best_of``
+    below ``n`` is the callers' validation's to refuse)."""
+    return n if best_of is None else best_of
 
 
 def ranks(n: int, best_of: int | None) -> bool:
