@@ -1,6 +1,6 @@
 """What the scheduler and the workers must agree on about the Redis KV tier: the key of a block,
 and a quick check of how much of a prefix Redis holds (the scheduler asks when a request
-arrives; the workers read and write the values, services/worker/kv_tiers.py)."""
+arrives; the workers read and write the values, services/worker/kv_connectors/tiers.py)."""
 
 from __future__ import annotations
 

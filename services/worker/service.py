@@ -21,8 +21,8 @@ from typing import TypeVar
 from nats.aio.msg import Msg
 
 from services.worker.kv_blocks import KvBlockIO
-from services.worker.kv_connector import NatsKvConnector
-from services.worker.kv_tiers import HostTier, RedisTier
+from services.worker.kv_connectors.base import create_worker_connector
+from services.worker.kv_connectors.tiers import KvTiers
 from services.worker.model_setup import check_quantization, runner_specs
 from services.worker.runner import ModelRunner
 from services.worker.sim_runner import SimRunner, step_time_fn, vocab_for
@@ -79,17 +79,15 @@ class WorkerService:
         self.plans: asyncio.Queue[StepPlan] = asyncio.Queue()
         self.telemetry = WorkerTelemetry(self.worker_id, self.plans.qsize)  # metrics and spans
         self.kv_io = KvBlockIO(runner.kv_caches)
-        self.kv = NatsKvConnector(self.bus, self.kv_io, self.worker_id)
-        self.host_tier = HostTier(int(settings.kv_host_memory * 2**30))
-        self.redis_tier = (
-            RedisTier(
-                settings.redis_url,
-                self.kv_io.layout(),
-                self.kv_io.block_bytes,
-                ttl_s=settings.kv_tier_ttl,
-            )
-            if settings.kv_redis_tier and settings.redis_url
-            else None
+        # the transport between workers, by name (services/worker/kv_connectors)
+        self.kv = create_worker_connector(
+            settings.kv_connector, self.bus, self.kv_io, self.worker_id
+        )
+        self.tiers = KvTiers.build(
+            self.kv_io,
+            settings.kv_host_memory,
+            settings.redis_url if settings.kv_redis_tier else "",
+            settings.kv_tier_ttl,
         )
         self.draining = False
         self.last_heard = time.monotonic()  # the last message from a scheduler (or step end)
@@ -192,51 +190,33 @@ class WorkerService:
             finally:
                 self.stepping = False
             result.worker_id = self.worker_id
-            result.host_tier_evicted = self.host_tier.take_evicted()
+            result.host_tier_evicted = self.tiers.take_evicted()
             await self.bus.publish(subjects.RESULTS, result)
             self.last_heard = time.monotonic()  # a step's time is not the scheduler's silence
             self.telemetry.step_done(plan, result, t0)
-            if stored and self.redis_tier is not None:
-                self.bus.spawn(self.redis_tier.store(stored))
+            if stored:
+                self.bus.spawn(self.tiers.store(stored))
 
     def _step(self, plan: StepPlan) -> tuple[StepResult, list[tuple[bytes, bytes]]]:
         """On the model thread: copy the blocks this step will overwrite to the host tier, run
         the step, and copy the full blocks it completed (for Redis, written off this thread)."""
-        for ref in plan.offload:
-            self.host_tier.put(ref.hash, self.kv_io.read(ref.block))
+        self.tiers.before_step(plan)
         result = self.runner.execute(plan)
-        stored = []
-        if self.redis_tier is not None and not result.error:
-            stored = [(ref.hash, self.kv_io.read(ref.block)) for ref in plan.store]
-        return result, stored
+        return result, [] if result.error else self.tiers.after_step(plan)
 
     async def _load(self, order: KvLoad) -> None:
         """Fill blocks from the tiers (host first, then Redis), in order, up to the first block
         found in neither; report how many (the scheduler computes the rest)."""
         t0 = time.monotonic()
-        data: list[bytes] = []
-        for ref in order.blocks:
-            d = self.host_tier.get(ref.hash)
-            if d is None:
-                break
-            data.append(d)
-        host_hits = len(data)
-        rest = order.blocks[host_hits:]
-        if rest and self.redis_tier is not None:
-            for d in await self.redis_tier.load([r.hash for r in rest]):
-                if d is None:
-                    break
-                data.append(d)
-        for ref, d in zip(order.blocks, data, strict=False):
-            self.kv_io.write(ref.block, d)
+        loaded = await self.tiers.load(order)
         done = KvLoadDone(
             load_id=order.load_id,
             request_id=order.request_id,
             worker_id=self.worker_id,
-            num_loaded=len(data),
-            host_hits=host_hits,
-            redis_hits=len(data) - host_hits,
-            num_bytes=sum(len(d) for d in data),
+            num_loaded=loaded.num_loaded,
+            host_hits=loaded.hits.get("host", 0),
+            redis_hits=loaded.hits.get("redis", 0),
+            num_bytes=loaded.num_bytes,
             seconds=time.monotonic() - t0,
         )
         await self.bus.publish(subjects.KV_DONE, done)
@@ -250,21 +230,16 @@ class WorkerService:
             model=self.model_name,
             step_subject=self.step_subject,
             max_model_len=self.runner.max_model_len,
-            kv_subject=self.kv.subject,
+            kv_address=self.kv.address,
             kv_layout=self.kv_io.layout(),
             draining=self.draining,
             instance=self.instance,
-            redis_tier=self.redis_tier.state if self.redis_tier is not None else "",
-            redis_tier_errors=self.redis_tier.errors if self.redis_tier is not None else 0,
-            redis_stored_blocks=self.redis_tier.stored_blocks if self.redis_tier else 0,
-            host_tier_blocks=len(self.host_tier),
-            host_tier_bytes=self.host_tier.capacity,
+            **self.tiers.heartbeat_fields(),
         )
 
     async def _heartbeat(self) -> None:
         while True:
-            if self.redis_tier is not None and not self.redis_tier.enabled:
-                await self.redis_tier.available()  # probe: on again when Redis answers
+            await self.tiers.probe()  # a switched-off tier: on again when it answers
             try:
                 await self.bus.publish(subjects.HEARTBEAT, self.heartbeat())
             except Exception as e:  # noqa: BLE001 - NATS down: try again next beat

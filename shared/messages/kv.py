@@ -8,18 +8,21 @@ from shared.messages.steps import BlockRef
 # KV block transfer between workers (disaggregated prefill -> decode)
 #
 #   scheduler --KvPull--> decode worker (its step subject)
-#   decode worker --KvChunkRequest--> prefill worker's kv subject (request/reply) --KvChunk-->
+#   decode worker --(the KV connector: for NATS, KvChunkRequest to the prefill worker's
+#       kv_address, a subject, request/reply, KvChunk back)--> its blocks
 #   decode worker --KvTransferDone--> scheduler
 
 
 class KvPull(_Msg, tag=11):
     """Fetch the K/V of ``src_blocks`` on worker ``src_worker`` into this worker's
-    ``dst_blocks`` (pairwise), then report KvTransferDone."""
+    ``dst_blocks`` (pairwise), then report KvTransferDone. ``src_address`` is opaque: the source's
+    ``WorkerHeartbeat.kv_address``, whose meaning only the KV connector knows (for NATS, a
+    subject); it takes the place of the former ``src_subject`` on the wire."""
 
     transfer_id: str
     request_id: str
     src_worker: str
-    src_subject: str  # the source's kv subject
+    src_address: str  # where the source serves its blocks (the KV connector's address)
     src_blocks: list[int]
     dst_blocks: list[int]
     epoch: int = 0

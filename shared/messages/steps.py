@@ -117,7 +117,7 @@ class WorkerHeartbeat(_Msg, tag=6):
     model: str
     step_subject: str
     max_model_len: int = 0
-    kv_subject: str = ""  # where this worker serves KvChunkRequest (its blocks, to other workers)
+    kv_address: str = ""  # where this worker serves its blocks (opaque; the KV connector's)
     kv_layout: str = ""  # dtype and shape of one block; KV moves only between equal layouts
     draining: bool = False  # leaving: finish what runs here, take nothing new
     instance: str = ""  # random per process: the same worker id from a new process is a restart

@@ -1,5 +1,7 @@
-"""KV block transfer between two workers' caches over a real nats-server whose max payload is
-far below one block: chunking, integrity checks, retries, and the limits in flight."""
+"""KV block transfer between two workers' caches through each registered transport, built by the
+connector factory with the same assertions (NATS over a real nats-server whose max payload is far
+below one block; the in-process one), then what only NATS does: chunking, integrity checks,
+retries, and the limits in flight."""
 
 from __future__ import annotations
 
@@ -9,7 +11,8 @@ import pytest
 import torch
 
 from services.worker.kv_blocks import KvBlockIO
-from services.worker.kv_connector import NatsKvConnector
+from services.worker.kv_connectors.base import KvConnectorWorker, create_worker_connector
+from services.worker.kv_connectors.nats import NatsKvConnector
 from shared.bus import Bus
 from shared.infra import start_nats
 from shared.messages import KvChunk, KvPull
@@ -74,6 +77,75 @@ async def pair(url: str, src_cls=NatsKvConnector, **kw):
     return a, b, src, dst, src_kv, dst_kv
 
 
+TRANSPORTS = ["nats", "inproc"]
+FAST_FAIL = {"nats": {"chunk_timeout_s": 0.2, "attempts": 2}, "inproc": {}}  # give up soon
+
+
+async def workers(url: str, transport: str, src_kv, dst_kv, **kw):
+    """Two workers' halves of ``transport`` built by the factory, the source serving."""
+    a, b = Bus("src"), Bus("dst")
+    await a.connect(url)
+    await b.connect(url)
+    src = create_worker_connector(transport, a, KvBlockIO(src_kv), f"src-{transport}", **kw)
+    dst = create_worker_connector(transport, b, KvBlockIO(dst_kv), f"dst-{transport}", **kw)
+    await src.start()
+    return a, b, src, dst
+
+
+async def close(a: Bus, b: Bus, *halves: KvConnectorWorker) -> None:
+    for h in halves:
+        await h.close()
+    await a.close()
+    await b.close()
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+async def test_blocks_move_between_two_workers(small_nats, transport) -> None:
+    src_kv, dst_kv = caches(1), caches(None)
+    a, b, src, dst = await workers(small_nats, transport, src_kv, dst_kv)
+    try:
+        assert src.address and src.address != dst.address
+        order = KvPull("t1", "r1", src.worker_id, src.address, [3, 7, 0, 11], [0, 1, 2, 5])
+        result = await dst.pull(order)
+        assert result.ok, result.error
+        assert result.num_bytes == 4 * dst.io.block_bytes
+        assert same_blocks(src_kv, dst_kv, zip(order.src_blocks, order.dst_blocks, strict=True))
+        untouched = [3, 4, 6]  # blocks not named in the order stay zero
+        assert all(int(torch.count_nonzero(dst_kv[0][0][i])) == 0 for i in untouched)
+        bad = KvPull("t1b", "r1", src.worker_id, src.address, [1, 2], [3])
+        assert not (await dst.pull(bad)).ok  # unequal lists: refused, nothing raised
+    finally:
+        await close(a, b, src, dst)
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+async def test_a_vanished_source_fails_the_pull_without_raising(small_nats, transport) -> None:
+    a, b, gone, dst = await workers(
+        small_nats, transport, caches(1), caches(None), **FAST_FAIL[transport]
+    )
+    await gone.close()
+    await a.close()  # the source leaves: nobody serves its address any more
+    try:
+        order = KvPull("t3", "r3", gone.worker_id, gone.address, [1], [2])
+        result = await asyncio.wait_for(dst.pull(order), 10)
+        assert not result.ok and result.error
+    finally:
+        await b.close()
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+async def test_a_layout_mismatch_is_refused(nats_url, transport) -> None:
+    """(The default max payload: with a small one, NATS refuses the differently sized chunks
+    the receiver asks for before any layout is compared.)"""
+    other = [(torch.zeros(12, BS, HKV, 32), torch.zeros(12, BS, HKV, 32)) for _ in range(LAYERS)]
+    a, b, src, dst = await workers(nats_url, transport, caches(1), other, **FAST_FAIL[transport])
+    try:
+        result = await dst.pull(KvPull("t4", "r4", src.worker_id, src.address, [1], [1]))
+        assert not result.ok and "layout" in (result.error or ""), result.error
+    finally:
+        await close(a, b, src, dst)
+
+
 def same_blocks(src_kv, dst_kv, pairs) -> bool:
     return all(
         torch.equal(src_kv[layer][kv][s], dst_kv[layer][kv][d])
@@ -83,11 +155,11 @@ def same_blocks(src_kv, dst_kv, pairs) -> bool:
     )
 
 
-async def test_blocks_arrive_in_chunks_below_the_max_payload(small_nats) -> None:
+async def test_nats_blocks_arrive_in_chunks_below_the_max_payload(small_nats) -> None:
     a, b, src, dst, src_kv, dst_kv = await pair(small_nats)
     try:
         assert dst.chunk_bytes() < MAX_PAYLOAD < dst.io.block_bytes
-        order = KvPull("t1", "r1", "src", src.subject, [3, 7, 0, 11], [0, 1, 2, 5])
+        order = KvPull("t1", "r1", "src", src.address, [3, 7, 0, 11], [0, 1, 2, 5])
         result = await dst.pull(order)
         assert result.ok, result.error
         assert result.num_bytes == 4 * dst.io.block_bytes
@@ -100,47 +172,17 @@ async def test_blocks_arrive_in_chunks_below_the_max_payload(small_nats) -> None
         await b.close()
 
 
-async def test_lost_and_damaged_chunks_are_retried(small_nats) -> None:
+async def test_nats_lost_and_damaged_chunks_are_retried(small_nats) -> None:
     a, b, src, dst, src_kv, dst_kv = await pair(
         small_nats, LossyConnector, chunk_timeout_s=0.3, window=4
     )
     try:
-        order = KvPull("t2", "r2", "src", src.subject, [0, 1, 2, 4], [8, 9, 10, 11])
+        order = KvPull("t2", "r2", "src", src.address, [0, 1, 2, 4], [8, 9, 10, 11])
         result = await dst.pull(order)
         assert result.ok, result.error
         assert src.dropped > 0 and src.damaged > 0
         assert dst.chunks_retried == src.dropped + src.damaged
         assert same_blocks(src_kv, dst_kv, zip(order.src_blocks, order.dst_blocks, strict=True))
-    finally:
-        await a.close()
-        await b.close()
-
-
-async def test_a_vanished_source_fails_the_transfer_without_raising(small_nats) -> None:
-    b = Bus("dst")
-    await b.connect(small_nats)
-    try:
-        dst = NatsKvConnector(b, KvBlockIO(caches(None)), "dst", chunk_timeout_s=0.2, attempts=2)
-        order = KvPull("t3", "r3", "gone", "kvflow.worker.gone.kv", [1], [2])
-        result = await asyncio.wait_for(dst.pull(order), 10)
-        assert not result.ok and result.error
-    finally:
-        await b.close()
-
-
-async def test_a_layout_mismatch_is_refused(nats_url) -> None:
-    a, b = Bus("src"), Bus("dst")
-    await a.connect(nats_url)
-    await b.connect(nats_url)
-    try:
-        src = NatsKvConnector(a, KvBlockIO(caches(1)), "src4")
-        other = [
-            (torch.zeros(12, BS, HKV, 32), torch.zeros(12, BS, HKV, 32)) for _ in range(LAYERS)
-        ]
-        dst = NatsKvConnector(b, KvBlockIO(other), "dst4", attempts=2)
-        await src.start()
-        result = await dst.pull(KvPull("t4", "r4", "src4", src.subject, [1], [1]))
-        assert not result.ok and "layout" in (result.error or ""), result.error
     finally:
         await a.close()
         await b.close()

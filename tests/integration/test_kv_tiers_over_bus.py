@@ -8,11 +8,12 @@ import pytest
 import redis.asyncio as aioredis
 import torch
 
-from services.worker import kv_tiers
 from services.worker.kv_blocks import KvBlockIO
-from services.worker.kv_tiers import HostTier, RedisTier
+from services.worker.kv_connectors import tiers as kv_tiers
+from services.worker.kv_connectors.tiers import HostTier, KvTiers, RedisTier
 from shared.infra import start_redis
 from shared.kv_tier import leading_present, tier_key
+from shared.messages import BlockRef, KvLoad, StepPlan
 
 pytestmark = pytest.mark.integration
 
@@ -136,3 +137,28 @@ def test_host_tier_is_a_bounded_lru() -> None:
     assert b"\x01" not in t and b"\x00" in t and t.take_evicted() == [b"\x01"]
     t.put(b"\x04", b"z" * 31)  # larger than the whole tier: not kept
     assert b"\x04" not in t and t.used <= 30
+
+
+async def test_a_load_takes_the_host_tier_first_then_redis_up_to_the_first_gap(redis_url) -> None:
+    """KvTiers (the worker's side of a KvLoad): each tier is asked for what the tiers before it
+    lacked; blocks after the first block found in none are left to be computed."""
+    src, dst = cache(16, seed=4), cache(16, seed=5)
+    tiers = KvTiers.build(dst, host_gib=1.0, redis_url=redis_url, ttl_s=60)
+    try:
+        hashes = [bytes([i]) * 16 for i in range(6)]
+        tiers.before_step(StepPlan(1, [], offload=[BlockRef(i, hashes[i]) for i in (0, 1)]))
+        for i in (0, 1):  # host tier copies, taken before the step overwrote them
+            assert tiers.host.get(hashes[i]) == dst.read(i)
+        tiers.host.put(hashes[0], src.read(0))
+        tiers.host.put(hashes[1], src.read(1))
+        await tiers.store([(hashes[i], src.read(i)) for i in (1, 2, 3, 5)])  # 4 is missing
+        order = KvLoad("l1", "r1", [BlockRef(7 - i, h) for i, h in enumerate(hashes)])
+        loaded = await tiers.load(order)
+        assert loaded.num_loaded == 4 and loaded.hits == {"host": 2, "redis": 2}
+        assert loaded.num_bytes == 4 * dst.block_bytes
+        assert all(dst.read(7 - i) == src.read(i) for i in range(4))
+        assert dst.read(2) != src.read(5)  # after the gap: not loaded
+        fields = tiers.heartbeat_fields()
+        assert fields["redis_tier"] == "on" and fields["host_tier_blocks"] == 2
+    finally:
+        await tiers.redis.close()

@@ -1,10 +1,8 @@
-"""KV connectors: how KV blocks travel from one worker to another (disaggregated prefill ->
-decode). The scheduler never sees a transport: it sends a KvPull order to the receiving worker
-and waits for KvTransferDone. A connector serves this worker's blocks to others and pulls
-blocks from others into this worker's cache; another transport (Redis, CUDA IPC, an RDMA
-library) is another implementation of ``KvConnector``.
+"""The NATS KV connector (``kv_connector = "nats"``, the default): the worker half serves and
+pulls blocks over NATS request/reply; its address is the worker's kv subject
+(``subjects.worker_kv``); the scheduler half is the default one (addresses passed through).
 
-``NatsKvConnector`` pulls over NATS request/reply. Each (block, range of layers) is one chunk,
+Each (block, range of layers) is one chunk,
 sized below the server's max payload (never relying on a raised limit). The receiver asks for
 chunks with a window of requests in flight, checks each reply's length, layout and CRC-32,
 retries a chunk that times out or arrives damaged (tenacity, exponential back-off), and writes
@@ -21,8 +19,6 @@ import asyncio
 import logging
 import time
 import zlib
-from dataclasses import dataclass
-from typing import Protocol
 
 import nats.errors
 from nats.aio.msg import Msg
@@ -34,6 +30,7 @@ from tenacity import (
 )
 
 from services.worker.kv_blocks import KvBlockIO
+from services.worker.kv_connectors.base import KvConnectorWorker, TransferResult, order_error
 from shared import subjects
 from shared.bus import Bus
 from shared.messages import KvChunk, KvChunkRequest, KvPull, Message, encode
@@ -41,28 +38,11 @@ from shared.messages import KvChunk, KvChunkRequest, KvPull, Message, encode
 log = logging.getLogger("kvflow.worker.kv")
 
 
-@dataclass
-class TransferResult:
-    ok: bool
-    num_bytes: int = 0
-    seconds: float = 0.0
-    error: str | None = None
-
-
-class KvConnector(Protocol):
-    async def start(self) -> None:
-        """Begin serving this worker's blocks to other workers."""
-
-    async def pull(self, order: KvPull) -> TransferResult:
-        """Copy ``order.src_blocks`` of worker ``order.src_worker`` into this worker's
-        ``order.dst_blocks``; never raises."""
-
-
 class ChunkError(Exception):
     """A chunk that arrived damaged or that the source could not serve."""
 
 
-class NatsKvConnector:
+class NatsKvConnector(KvConnectorWorker):
     def __init__(
         self,
         bus: Bus,
@@ -75,10 +55,8 @@ class NatsKvConnector:
         attempts: int = 5,
         max_transfers: int = 4,
     ) -> None:
-        self.bus = bus
-        self.io = io
-        self.worker_id = worker_id
-        self.subject = subjects.worker_kv(worker_id)
+        super().__init__(bus, io, worker_id)
+        self.address = subjects.worker_kv(worker_id)
         self.max_chunk_bytes = max_chunk_bytes
         self.window = window
         self.chunk_timeout_s = chunk_timeout_s
@@ -91,7 +69,10 @@ class NatsKvConnector:
     # -- serving ------------------------------------------------------------------------------
 
     async def start(self) -> None:
-        await self.bus.subscribe(self.subject, self._on_request)
+        await self.bus.subscribe(self.address, self._on_request)
+
+    async def close(self) -> None:
+        """Nothing to do: the subscription ends with the worker's bus connection."""
 
     async def _on_request(self, msg: Message, raw: Msg) -> None:
         if not isinstance(msg, KvChunkRequest):
@@ -136,8 +117,8 @@ class NatsKvConnector:
 
     async def pull(self, order: KvPull) -> TransferResult:
         t0 = time.monotonic()
-        if len(order.src_blocks) != len(order.dst_blocks):
-            return TransferResult(False, error="src_blocks and dst_blocks differ in length")
+        if error := order_error(order):
+            return TransferResult(False, error=error)
         ranges = self.io.layer_chunks(self.chunk_bytes())
         window = asyncio.Semaphore(self.window)
         jobs = [
@@ -176,7 +157,7 @@ class NatsKvConnector:
                 with attempt:
                     if attempt.retry_state.attempt_number > 1:
                         self.chunks_retried += 1
-                    reply = await self.bus.request(order.src_subject, req, self.chunk_timeout_s)
+                    reply = await self.bus.request(order.src_address, req, self.chunk_timeout_s)
                     data = self._check(reply, req)
         self.io.write(db, data, l0, l1)
         return len(data)

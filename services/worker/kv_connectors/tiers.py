@@ -1,5 +1,6 @@
 """KV cache tiers below a worker's paged cache: a bounded host-memory LRU of evicted blocks, and
-Redis, shared by every worker and surviving restarts.
+Redis, shared by every worker and surviving restarts. Both are ``KvTier``s (sources and sinks of
+blocks by hash); ``KvTiers`` is the worker's side of them (offload, store, load, heartbeat).
 
 Values are a block's bytes (``KvBlockIO.read``: every layer's K and V) behind a 4-byte CRC-32,
 so a damaged value reads as a miss. Redis keys come from shared.kv_tier.tier_key (layout and
@@ -20,11 +21,15 @@ import threading
 import time
 import zlib
 from collections import OrderedDict
+from dataclasses import dataclass, field
 
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
+from services.worker.kv_blocks import KvBlockIO
+from services.worker.kv_connectors.base import KvTier
 from shared.kv_tier import tier_key
+from shared.messages import KvLoad, StepPlan
 
 log = logging.getLogger("kvflow.worker.tiers")
 
@@ -46,6 +51,8 @@ def unpack(value: bytes | None, size: int) -> bytes | None:
 class HostTier:
     """Evicted blocks in host memory, least recently used dropped first. The model thread puts,
     the event loop gets: a lock keeps the LRU consistent."""
+
+    name = "host"
 
     def __init__(self, capacity_bytes: int) -> None:
         self._lock = threading.Lock()
@@ -86,6 +93,22 @@ class HostTier:
             self.hits += 1
             return data
 
+    async def load(self, hashes: list[bytes]) -> list[bytes | None]:
+        """The leading blocks held here; None from the first missing one on (blocks after a
+        gap are of no use, and looking them up would reorder the LRU)."""
+        out: list[bytes | None] = []
+        for h in hashes:
+            data = self.get(h)
+            if data is None:
+                break
+            out.append(data)
+        return out + [None] * (len(hashes) - len(out))
+
+    async def store(self, items: list[tuple[bytes, bytes]]) -> int:
+        for h, data in items:
+            self.put(h, data)
+        return len(items)
+
     def take_evicted(self) -> list[bytes]:
         with self._lock:
             out, self.evicted = self.evicted, []
@@ -97,6 +120,8 @@ BATCH_BYTES = 4 * 1024 * 1024
 
 
 class RedisTier:
+    name = "redis"
+
     def __init__(
         self,
         url: str,
@@ -193,3 +218,88 @@ class RedisTier:
             await self.redis.aclose()
         except (RedisError, OSError):
             pass
+
+
+@dataclass
+class LoadResult:
+    """What a KvLoad filled: the leading blocks found, and where."""
+
+    num_loaded: int = 0
+    hits: dict[str, int] = field(default_factory=dict)  # tier name -> blocks found there
+    num_bytes: int = 0
+
+
+class KvTiers:
+    """The worker's tiers in lookup order (host, then Redis). The scheduler decides what goes
+    where: a plan's ``offload`` blocks (about to be overwritten) go to the host tier, its
+    ``store`` blocks (completed) to Redis."""
+
+    def __init__(self, io: KvBlockIO, host: HostTier, redis: RedisTier | None = None) -> None:
+        self.io = io
+        self.host = host
+        self.redis = redis
+        self.tiers: list[KvTier] = [host] + ([redis] if redis else [])
+
+    @classmethod
+    def build(
+        cls, io: KvBlockIO, host_gib: float, redis_url: str = "", ttl_s: int = 3600
+    ) -> KvTiers:
+        """A host tier of ``host_gib`` (0: none) and a Redis tier at ``redis_url`` ("": none)."""
+        host = HostTier(int(host_gib * 2**30))
+        redis = (
+            RedisTier(redis_url, io.layout(), io.block_bytes, ttl_s=ttl_s) if redis_url else None
+        )
+        return cls(io, host, redis)
+
+    def before_step(self, plan: StepPlan) -> None:
+        """On the model thread: copy the blocks this step will overwrite to the host tier."""
+        for ref in plan.offload:
+            self.host.put(ref.hash, self.io.read(ref.block))
+
+    def after_step(self, plan: StepPlan) -> list[tuple[bytes, bytes]]:
+        """On the model thread: the full blocks the step completed, for ``store`` (Redis)."""
+        if self.redis is None:
+            return []
+        return [(ref.hash, self.io.read(ref.block)) for ref in plan.store]
+
+    async def store(self, items: list[tuple[bytes, bytes]]) -> None:
+        if items and self.redis is not None:
+            await self.redis.store(items)
+
+    async def load(self, order: KvLoad) -> LoadResult:
+        """Fill the order's blocks from the tiers, in order, each tier asked for what the
+        ones before it lacked, up to the first block found in none."""
+        data: list[bytes] = []
+        hits: dict[str, int] = {}
+        for tier in self.tiers:
+            rest = order.blocks[len(data) :]
+            if not rest:
+                break
+            found = 0
+            for d in await tier.load([r.hash for r in rest]):
+                if d is None:
+                    break
+                data.append(d)
+                found += 1
+            hits[tier.name] = found
+        for ref, d in zip(order.blocks, data, strict=False):
+            self.io.write(ref.block, d)
+        return LoadResult(len(data), hits, sum(len(d) for d in data))
+
+    def take_evicted(self) -> list[bytes]:
+        return self.host.take_evicted()
+
+    async def probe(self) -> None:
+        """A switched-off Redis tier tries again (on when Redis answers)."""
+        if self.redis is not None and not self.redis.enabled:
+            await self.redis.available()
+
+    def heartbeat_fields(self) -> dict[str, str | int]:
+        r = self.redis
+        return {
+            "redis_tier": r.state if r is not None else "",
+            "redis_tier_errors": r.errors if r is not None else 0,
+            "redis_stored_blocks": r.stored_blocks if r is not None else 0,
+            "host_tier_blocks": len(self.host),
+            "host_tier_bytes": self.host.capacity,
+        }

@@ -1,0 +1,99 @@
+"""The KV connector factory: the setting ``kv_connector`` names a registered transport, whose
+worker and scheduler halves it builds; an unknown name fails with the known ones listed. And the
+renamed address fields keep their place on the wire."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import msgspec
+import pytest
+import torch
+
+from services.worker.kv_blocks import KvBlockIO
+from services.worker.kv_connectors import base
+from services.worker.kv_connectors.base import (
+    KvConnectorScheduler,
+    KvConnectorWorker,
+    connector_spec,
+    create_scheduler_connector,
+    create_worker_connector,
+    known_connectors,
+    register_connector,
+)
+from services.worker.kv_connectors.inproc import InProcHub, InProcKvConnector
+from services.worker.kv_connectors.nats import NatsKvConnector
+from shared.bus import Bus
+from shared.config import Settings
+from shared.messages import KvPull, WorkerHeartbeat, decode, encode
+
+
+def io() -> KvBlockIO:
+    return KvBlockIO([(torch.zeros(4, 16, 2, 8), torch.zeros(4, 16, 2, 8)) for _ in range(2)])
+
+
+def test_the_default_setting_names_a_known_connector() -> None:
+    assert {"nats", "inproc"} <= set(known_connectors())
+    assert Settings().kv_connector in known_connectors()
+
+
+@pytest.mark.parametrize(
+    ("name", "cls"), [("nats", NatsKvConnector), ("inproc", InProcKvConnector)]
+)
+def test_known_names_build_their_worker_half(name: str, cls: type) -> None:
+    half = create_worker_connector(name, Bus("w"), io(), "w1")
+    assert type(half) is cls and isinstance(half, KvConnectorWorker)
+    assert half.worker_id == "w1" and half.address
+
+
+def test_options_reach_the_worker_half() -> None:
+    hub = InProcHub()
+    half = create_worker_connector("inproc", Bus("w"), io(), "w1", hub=hub)
+    assert isinstance(half, InProcKvConnector) and half.hub is hub
+    nats = create_worker_connector("nats", Bus("w"), io(), "w1", window=3)
+    assert isinstance(nats, NatsKvConnector) and nats.window == 3
+
+
+def test_an_unknown_name_fails_listing_the_known_ones() -> None:
+    with pytest.raises(ValueError, match="unknown KV connector 'rdma'") as e:
+        create_worker_connector("rdma", Bus("w"), io(), "w1")
+    assert all(name in str(e.value) for name in known_connectors())
+    with pytest.raises(ValueError, match="inproc, nats"):
+        create_scheduler_connector("rdma")
+
+
+def test_the_scheduler_half_passes_each_workers_address_into_pulls() -> None:
+    sched = create_scheduler_connector("nats")
+    assert type(sched) is KvConnectorScheduler
+    sched.add_worker("w1", "kvflow.worker.w1.kv")
+    assert sched.source_address("w1") == "kvflow.worker.w1.kv"
+    sched.remove_worker("w1")
+    assert sched.source_address("w1") == ""
+
+
+def test_a_new_transport_is_one_registry_line(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(base, "_REGISTRY", dict(base._REGISTRY))
+    register_connector("loop", "services.worker.kv_connectors.inproc:InProcKvConnector")
+    assert "loop" in known_connectors()
+    assert isinstance(create_worker_connector("loop", Bus("w"), io(), "w"), InProcKvConnector)
+    assert connector_spec("loop").scheduler == base.DEFAULT_SCHEDULER
+    with pytest.raises(ValueError, match="already registered"):
+        register_connector("loop", "x:Y")
+
+
+def test_the_scheduler_can_import_the_factory_without_torch() -> None:
+    code = (
+        "import sys; import services.worker.kv_connectors.base as b; "
+        "b.create_scheduler_connector('nats'); assert 'torch' not in sys.modules"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_address_fields_keep_their_wire_position() -> None:
+    """``src_address`` / ``kv_address`` replaced ``src_subject`` / ``kv_subject`` in place."""
+    pull = KvPull("t", "r", "w1", "kvflow.worker.w1.kv", [1], [2])
+    assert msgspec.msgpack.decode(encode(pull))[4] == "kvflow.worker.w1.kv"
+    hb = WorkerHeartbeat("w1", "both", 8, 16, "m", "s", 64, kv_address="inproc:w1")
+    assert msgspec.msgpack.decode(encode(hb))[8] == "inproc:w1"
+    assert decode(encode(pull)) == pull
