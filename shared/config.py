@@ -255,15 +255,10 @@ class Settings:
         opt = _OPTIONS[name]
         return getattr(getattr(self, opt.section), opt.attr)
 
-    def __getattr__(self, name: str) -> Any:
-        # read access by flat name (``settings.nats_url``) for code handed the whole Settings;
-        # only called for names that are no attribute (sections are real attributes)
-        if name.startswith("_") or name not in _OPTIONS:
-            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
-        return self.get(name)
-
     @classmethod
     def from_env(cls, environ: dict[str, str] | None = None) -> Settings:
+        """Defaults, then the ``KVFLOW_*`` variables of ``environ`` (default: this process's);
+        called only at a process's entry point (``from_args``), never by library code."""
         env = os.environ if environ is None else environ
         values: dict[str, Any] = {}
         for opt in _OPTIONS.values():

@@ -67,7 +67,7 @@ class DetokenizerService:
         self._emptied = asyncio.Event()  # set when the last request here ends
 
     async def start(self) -> None:
-        await self.bus.connect(self.settings.nats_url)
+        await self.bus.connect(self.settings.bus.nats_url)
         self._requests_sub = await self.bus.subscribe(
             subjects.REQUESTS, self._on_message, queue=subjects.DETOKENIZER_QUEUE
         )
@@ -189,7 +189,7 @@ class DetokenizerService:
         if self.states:
             self._emptied.clear()
             try:
-                await asyncio.wait_for(self._emptied.wait(), self.settings.drain_timeout)
+                await asyncio.wait_for(self._emptied.wait(), self.settings.ops.drain_timeout)
             except TimeoutError:
                 pass
         if self.states:
@@ -217,8 +217,8 @@ async def run(settings: Settings) -> None:
     from shared.model_source import load_tokenizer, resolve_model
     from shared.ops_http import start_ops_server
 
-    ops = start_ops_server(settings.ops_port, "detokenizer")
-    tok = load_tokenizer(resolve_model(settings.model.path, settings.served_model_name))
+    ops = start_ops_server(settings.ops.ops_port, "detokenizer")
+    tok = load_tokenizer(resolve_model(settings.model.path, settings.model.served_model_name))
     service = DetokenizerService(settings, tok)
     await service.start()
     ops.registry.register(service.metrics.registry)

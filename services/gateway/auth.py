@@ -35,17 +35,19 @@ def _unauthorized(message: str) -> APIError:
 
 class Auth:
     def __init__(self, settings: Settings, redis: Any = None) -> None:
-        self.static_key = settings.api_key
+        self.static_key = settings.gateway.api_key
         self.store: KeyStore | None = None
-        if settings.key_store not in ("", "redis"):
-            raise ValueError(f"--key-store must be '' or 'redis', not {settings.key_store!r}")
-        if settings.key_store == "redis":
+        if settings.gateway.key_store not in ("", "redis"):
+            raise ValueError(
+                f"--key-store must be '' or 'redis', not {settings.gateway.key_store!r}"
+            )
+        if settings.gateway.key_store == "redis":
             if redis is None:
-                if not settings.redis_url:
+                if not settings.bus.redis_url:
                     raise ValueError("--key-store redis needs --redis-url")
                 import redis.asyncio as aioredis
 
-                redis = aioredis.from_url(settings.redis_url, decode_responses=True)
+                redis = aioredis.from_url(settings.bus.redis_url, decode_responses=True)
             self.store = KeyStore(redis)
         self._tasks: set[asyncio.Task[Any]] = set()
 

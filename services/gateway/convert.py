@@ -72,8 +72,8 @@ def served_model_name(settings: Settings) -> str:
     """The model id the API shows and accepts. The gateway may run where the model file is
     absent (its own container), so when the file cannot be found the name is derived from the
     setting the same way ``resolve_model`` would."""
-    if settings.served_model_name:
-        return settings.served_model_name
+    if settings.model.served_model_name:
+        return settings.model.served_model_name
     try:
         return resolve_model(settings.model.path).name
     except ModelNotFoundError:
@@ -157,7 +157,7 @@ def sampling_params(
         # the grammar and the list may leave no token at all
         raise bad("allowed_token_ids", f"cannot be combined with {constraint.param}")
     try:
-        validate_sampling(**values, max_n=settings.max_n if settings else None)
+        validate_sampling(**values, max_n=settings.gateway.max_n if settings else None)
     except SamplingParamError as e:
         param = (names or {}).get(e.param, e.param)
         raise bad(param, e.reason) from None
@@ -305,7 +305,7 @@ def completion_job(
     max_tokens = COMPLETION_DEFAULT_MAX_TOKENS if req.max_tokens is None else req.max_tokens
     params = sampling_params(req, max_tokens, logprobs, plp, n, best_of, settings)
     prompts = completion_prompts(req)
-    limit = settings.max_request_sequences if settings else None
+    limit = settings.gateway.max_request_sequences if settings else None
     if limit and len(prompts) * best_of > limit:
         raise bad(
             "prompt",

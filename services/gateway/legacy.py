@@ -147,7 +147,7 @@ async def _beam(
     tok = await state.tokenizer_call(TokenizeRequest(prompt=prompt), TokenizeResult)
     if len(tok.tokens) + max_tokens > tok.max_model_len:
         raise bad("max_tokens", f"prompt + max_tokens exceeds the model length {tok.max_model_len}")
-    eos = _eos_token_ids(state.settings.model.path, state.settings.served_model_name)
+    eos = _eos_token_ids(state.settings.model.path, state.settings.model.served_model_name)
 
     async def expand(seqs: list[list[int]], k: int) -> list[list[tuple[int, float]]]:
         params = SamplingParams(max_tokens=1, temperature=0.0, logprobs=k, ignore_eos=True)

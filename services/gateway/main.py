@@ -1,4 +1,4 @@
-"""Run the gateway: uvicorn serving ``create_app(settings)`` on ``settings.host:port``. This is
+"""Run the gateway: uvicorn serving ``create_app(settings)`` on --host:--port. This is
 what ``kvflow run gateway`` calls; ``python -m services.gateway.main --port 8000`` works too."""
 
 from __future__ import annotations
@@ -21,13 +21,13 @@ from shared.telemetry import setup_tracing
 def server(settings: Settings) -> uvicorn.Server:
     config = uvicorn.Config(
         create_app(settings),
-        host=settings.host,
-        port=settings.port,
-        log_level=settings.log_level,
+        host=settings.gateway.host,
+        port=settings.gateway.port,
+        log_level=settings.ops.log_level,
         log_config=None,  # keep the service's own logging set-up (shared.logs)
         access_log=False,
         # after SIGTERM: no new connections, open requests get this long to finish
-        timeout_graceful_shutdown=max(1, round(settings.drain_timeout)),
+        timeout_graceful_shutdown=max(1, round(settings.ops.drain_timeout)),
     )
     return uvicorn.Server(config)
 
@@ -57,6 +57,6 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(prog="kvflow-gateway", description=__doc__)
     Settings.add_arguments(parser)
     cli_settings = Settings.from_args(parser.parse_args())
-    setup_logging("gateway", cli_settings.log_level, cli_settings.log_format)
+    setup_logging("gateway", cli_settings.ops.log_level, cli_settings.ops.log_format)
     setup_tracing("gateway")
     main(cli_settings)

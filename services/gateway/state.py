@@ -49,7 +49,7 @@ class GatewayState:
         self.streams = RequestStreams()
         self.num_aborts = 0
         self.num_resubmissions = 0  # requests published again for want of an acknowledgement
-        self.metrics = GatewayMetrics(self.model_name, settings.max_model_len)
+        self.metrics = GatewayMetrics(self.model_name, settings.model.max_model_len)
         self.metrics.track_open_requests(lambda: len(self.streams))
         self.auth = Auth(settings)
         self._own_bus = bus is None
@@ -62,7 +62,7 @@ class GatewayState:
     async def start(self) -> None:
         """Connect (unless given a connected bus) and listen on the inbox before serving."""
         if getattr(self.bus, "nc", None) is None:
-            await self.bus.connect(self.settings.nats_url)
+            await self.bus.connect(self.settings.bus.nats_url)
         self._sub = await self.bus.subscribe(self.inbox, self.streams.handler)
         await answer_metrics(self.bus, "gateway", self.instance, self.metrics.render)
         log.info("gateway %s serving %s, inbox %s", self.gateway_id, self.model_name, self.inbox)
@@ -90,11 +90,11 @@ class GatewayState:
         a submission lost to a NATS outage or a scheduler failover is not lost."""
         if not bus_connected(self.bus):
             raise APIError(503, "the gateway is not connected to NATS", "ServiceUnavailableError")
-        if len(self.streams) >= self.settings.max_open_requests:
+        if len(self.streams) >= self.settings.gateway.max_open_requests:
             raise APIError(
                 429,
                 f"this gateway has {len(self.streams)} requests open "
-                f"(--max-open-requests {self.settings.max_open_requests}); retry later",
+                f"(--max-open-requests {self.settings.gateway.max_open_requests}); retry later",
                 "RateLimitError",
             )
         queue = self.streams.open(req.request_id)  # before publishing: replies can be fast
@@ -107,7 +107,7 @@ class GatewayState:
                 503, f"cannot submit the request to the pipeline: {e}", "ServiceUnavailableError"
             ) from e
         loop = asyncio.get_running_loop()
-        timeout = self.settings.request_timeout
+        timeout = self.settings.gateway.request_timeout
         deadline = loop.time() + timeout
         task = loop.create_task(self._until_accepted(req, deadline, headers))
         self._tasks.add(task)

@@ -68,15 +68,17 @@ class SchedulerService:
         scheduler_id: str = "",
     ) -> None:
         self.limits = SchedulerLimits(
-            max_num_seqs=settings.max_num_seqs,
-            max_num_batched_tokens=settings.max_num_batched_tokens,
+            max_num_seqs=settings.scheduler.max_num_seqs,
+            max_num_batched_tokens=settings.scheduler.max_num_batched_tokens,
             max_model_len=max_model_len,
         )
         self.settings = settings
         self.model_name = model_name
         self.scheduler_id = scheduler_id or f"scheduler-{uuid.uuid4().hex[:8]}"
         self.lease = lease
-        self.policy = make_policy(settings.scheduling_policy)  # the one read of the setting
+        self.policy = make_policy(
+            settings.scheduler.scheduling_policy
+        )  # the one read of the setting
         self.core = self._new_core()
         self.shadow = ShadowState()
         self.leading = False
@@ -93,13 +95,15 @@ class SchedulerService:
         self.heartbeats_known: dict[str, str] = {}  # worker id -> instance the core knows
         self.took_over_at: float | None = None
         self.tier_redis = (
-            aioredis.from_url(settings.redis_url, socket_timeout=0.5, socket_connect_timeout=0.5)
-            if settings.kv_redis_tier and settings.redis_url
+            aioredis.from_url(
+                settings.bus.redis_url, socket_timeout=0.5, socket_connect_timeout=0.5
+            )
+            if settings.cache.kv_redis_tier and settings.bus.redis_url
             else None
         )
 
     async def start(self) -> None:
-        await self.bus.connect(self.settings.nats_url)
+        await self.bus.connect(self.settings.bus.nats_url)
         for subject in (
             subjects.REQUESTS,
             subjects.ABORT,
@@ -140,7 +144,9 @@ class SchedulerService:
             await asyncio.sleep(self.lease.ttl_s / 6 if self.leading else 0.25)
 
     def _new_core(self) -> SchedulerCore:
-        return SchedulerCore(self.limits, self.policy, self.settings.max_waiting, self.model_name)
+        return SchedulerCore(
+            self.limits, self.policy, self.settings.scheduler.max_waiting, self.model_name
+        )
 
     def _may_plan(self) -> bool:
         return self.leading and (self.lease is None or self.lease.valid())
@@ -165,7 +171,7 @@ class SchedulerService:
         for hb in list(self.heartbeats.values()):
             if (
                 time.monotonic() - self.last_seen.get(hb.worker_id, 0)
-                < self.settings.worker_timeout
+                < self.settings.scheduler.worker_timeout
             ):
                 await self._on_heartbeat(hb)
         for live in self.shadow.live.values():
@@ -330,7 +336,7 @@ class SchedulerService:
             self.pending[key] = fut
             try:
                 await self.bus.publish(self.step_subject[wid], plan)
-                result = await asyncio.wait_for(fut, self.settings.step_timeout)
+                result = await asyncio.wait_for(fut, self.settings.scheduler.step_timeout)
             except asyncio.CancelledError:
                 if self.stopped.is_set():
                     raise
@@ -343,7 +349,7 @@ class SchedulerService:
                     "worker %s: step %d got no result in %.0fs (%s); recomputing its sequences",
                     wid,
                     plan.step_id,
-                    self.settings.step_timeout,
+                    self.settings.scheduler.step_timeout,
                     type(e).__name__,
                 )
                 ws.on_failed_step()
@@ -374,7 +380,7 @@ class SchedulerService:
 
     async def _watch_workers(self) -> None:
         while not self.stopped.is_set():
-            await asyncio.sleep(min(1.0, self.settings.worker_timeout / 3))
+            await asyncio.sleep(min(1.0, self.settings.scheduler.worker_timeout / 3))
             if not self.leading:
                 continue
             if self.core.expire_transfers(TRANSFER_TIMEOUT_S):
@@ -383,7 +389,7 @@ class SchedulerService:
             now = time.monotonic()
             for wid in list(self.core.workers):
                 silent = now - self.last_seen.get(wid, now)
-                if silent > self.settings.worker_timeout:
+                if silent > self.settings.scheduler.worker_timeout:
                     self._remove_worker(wid, f"no heartbeat for {silent:.1f}s")
             if self.draining and not self.core.requests:
                 self.stopped.set()
@@ -405,13 +411,13 @@ class SchedulerService:
             self.bus.spawn(self._drain_deadline())
 
     async def _drain_deadline(self) -> None:
-        await asyncio.sleep(self.settings.drain_timeout)
+        await asyncio.sleep(self.settings.ops.drain_timeout)
         if not self.stopped.is_set():
             log.warning(
                 "%s: %d requests still running after %.0fs of draining; stopping",
                 self.scheduler_id,
                 len(self.core.requests),
-                self.settings.drain_timeout,
+                self.settings.ops.drain_timeout,
             )
             self.stopped.set()
 
@@ -427,16 +433,16 @@ async def run(settings: Settings) -> None:
     from shared.model_source import resolve_model
     from shared.ops_http import start_ops_server
 
-    ops = start_ops_server(settings.ops_port, "scheduler")
-    src = resolve_model(settings.model.path, settings.served_model_name)
+    ops = start_ops_server(settings.ops.ops_port, "scheduler")
+    src = resolve_model(settings.model.path, settings.model.served_model_name)
     cfg = load_config(src)
-    max_len = min(settings.max_model_len, cfg.max_position_embeddings)
+    max_len = min(settings.model.max_model_len, cfg.max_position_embeddings)
     lease = None
-    if settings.scheduler_ha:
-        if not settings.redis_url:
+    if settings.scheduler.scheduler_ha:
+        if not settings.bus.redis_url:
             raise SystemExit("--scheduler-ha needs --redis-url (the lease lives in Redis)")
-        lease = Lease(settings.redis_url, src.name)
-    service = SchedulerService(settings, src.name, max_len, lease, settings.scheduler_id)
+        lease = Lease(settings.bus.redis_url, src.name)
+    service = SchedulerService(settings, src.name, max_len, lease, settings.scheduler.scheduler_id)
     await service.start()
     # a standby is ready too (healthy, just not planning); whether it leads is in its logs/stats
     ops.registry.register(service.telemetry.registry)

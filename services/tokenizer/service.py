@@ -85,7 +85,7 @@ class TokenizerService:
         self._grammar: GrammarCompiler | None = None
 
     async def start(self) -> None:
-        await self.bus.connect(self.settings.nats_url)
+        await self.bus.connect(self.settings.bus.nats_url)
         await self.bus.subscribe(
             subjects.TOKENIZE, self._on_message, queue=subjects.TOKENIZER_QUEUE
         )
@@ -181,11 +181,11 @@ async def run(settings: Settings) -> None:
     from shared.model_source import load_tokenizer, resolve_model
     from shared.ops_http import start_ops_server
 
-    ops = start_ops_server(settings.ops_port, "tokenizer")
-    src = resolve_model(settings.model.path, settings.served_model_name)
+    ops = start_ops_server(settings.ops.ops_port, "tokenizer")
+    src = resolve_model(settings.model.path, settings.model.served_model_name)
     cfg = load_config(src)
     tok = load_tokenizer(src)
-    max_len = min(settings.max_model_len, cfg.max_position_embeddings)
+    max_len = min(settings.model.max_model_len, cfg.max_position_embeddings)
     service = TokenizerService(settings, tok, max_len, list(cfg.eos_token_ids), cfg.vocab_size)
     await service.start()
     ops.registry.register(service.metrics.registry)

@@ -73,7 +73,7 @@ class WorkerService:
         self.runner = runner
         self.model_thread = model_thread or ModelThread()
         self.model_name = model_name
-        self.worker_id = settings.worker_id or f"worker-{uuid.uuid4().hex[:8]}"
+        self.worker_id = settings.worker.worker_id or f"worker-{uuid.uuid4().hex[:8]}"
         self.step_subject = subjects.worker_step(self.worker_id)
         self.bus = Bus(self.worker_id)
         self.plans: asyncio.Queue[StepPlan] = asyncio.Queue()
@@ -81,13 +81,13 @@ class WorkerService:
         self.kv_io = KvBlockIO(runner.kv_caches)
         # the transport between workers, by name (services/worker/kv_connectors)
         self.kv = create_worker_connector(
-            settings.kv_connector, self.bus, self.kv_io, self.worker_id
+            settings.cache.kv_connector, self.bus, self.kv_io, self.worker_id
         )
         self.tiers = KvTiers.build(
             self.kv_io,
-            settings.kv_host_memory,
-            settings.redis_url if settings.kv_redis_tier else "",
-            settings.kv_tier_ttl,
+            settings.cache.kv_host_memory,
+            settings.bus.redis_url if settings.cache.kv_redis_tier else "",
+            settings.cache.kv_tier_ttl,
         )
         self.draining = False
         self.last_heard = time.monotonic()  # the last message from a scheduler (or step end)
@@ -98,7 +98,7 @@ class WorkerService:
         self._beat = asyncio.Event()  # wakes the heartbeat loop early
 
     async def start(self) -> None:
-        await self.bus.connect(self.settings.nats_url)
+        await self.bus.connect(self.settings.bus.nats_url)
         await self.bus.subscribe(self.step_subject, self._on_message)
         await self.kv.start()
         self.bus.spawn(self._run_steps())
@@ -106,7 +106,7 @@ class WorkerService:
         log.info(
             "worker %s ready (role %s): %d KV blocks of %d tokens, layout %s",
             self.worker_id,
-            self.settings.role,
+            self.settings.worker.role,
             self.runner.num_blocks,
             self.runner.block_size,
             self.kv_io.layout(),
@@ -224,7 +224,7 @@ class WorkerService:
     def heartbeat(self) -> WorkerHeartbeat:
         return WorkerHeartbeat(
             worker_id=self.worker_id,
-            role=self.settings.role,
+            role=self.settings.worker.role,
             num_blocks=self.runner.num_blocks,
             block_size=self.runner.block_size,
             model=self.model_name,
@@ -319,7 +319,7 @@ async def _until_released(service: WorkerService, settings: Settings) -> None:
     draining, or the drain times out."""
     while not service.stopped.is_set():
         if service.draining:
-            deadline = time.monotonic() + settings.drain_timeout
+            deadline = time.monotonic() + settings.ops.drain_timeout
             service.last_heard = max(service.last_heard, time.monotonic())
             while not service.stopped.is_set():
                 now = time.monotonic()
@@ -335,7 +335,7 @@ async def _until_released(service: WorkerService, settings: Settings) -> None:
                     log.warning(
                         "worker %s: not released within %.0fs of draining; exiting",
                         service.worker_id,
-                        settings.drain_timeout,
+                        settings.ops.drain_timeout,
                     )
                     return
                 with contextlib.suppress(TimeoutError):

@@ -120,8 +120,8 @@ def test_pack_mixed_and_decode_steps() -> None:
 
 
 def test_device_dtype_and_backend_choice() -> None:
-    assert Settings().device == "auto" and Settings().dtype == "auto"
-    assert Settings.from_env({"KVFLOW_DEVICE": "cuda"}).device == "cuda"
+    assert Settings().worker.device == "auto" and Settings().model.dtype == "auto"
+    assert Settings.from_env({"KVFLOW_DEVICE": "cuda"}).worker.device == "cuda"
     want = "cuda" if torch.cuda.is_available() else "cpu"
     assert resolve_device("auto").type == want
     assert resolve_device("cpu") == CPU

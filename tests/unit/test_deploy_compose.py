@@ -70,12 +70,15 @@ def test_kvflow_containers_run_commands_kvflow_accepts(compose) -> None:
         assert name == cmd.service or name.startswith(f"{cmd.service}-"), name
         ran.add(cmd.service)
         s = cmd.settings
-        assert s.nats_url == "nats://nats:4222" and s.redis_url.startswith("redis://redis:")
+        assert s.bus.nats_url == "nats://nats:4222" and s.bus.redis_url.startswith("redis://redis:")
         health_url = svc["healthcheck"]["test"][-1]
         if cmd.service == "gateway":
-            assert s.host == "0.0.0.0" and health_url == f"http://127.0.0.1:{s.port}/health"
+            assert (
+                s.gateway.host == "0.0.0.0"
+                and health_url == f"http://127.0.0.1:{s.gateway.port}/health"
+            )
         else:
-            assert s.ops_port and health_url == f"http://127.0.0.1:{s.ops_port}/health"
+            assert s.ops.ops_port and health_url == f"http://127.0.0.1:{s.ops.ops_port}/health"
         assert svc["healthcheck"]["test"][:4] == ["CMD", "python", "-m", "shared.ops_http"]
     assert ran == set(SERVICES)
 
@@ -86,7 +89,7 @@ def test_gpu_profile_runs_disaggregated_workers_on_nvidia_devices(compose) -> No
     for name, svc in gpu.items():
         cmd = parse_kvflow_command(svc["command"], environ_of_compose(svc))
         assert cmd.service == "worker", name
-        roles.add(cmd.settings.role)
+        roles.add(cmd.settings.worker.role)
         devices = svc["deploy"]["resources"]["reservations"]["devices"]
         assert devices[0]["driver"] == "nvidia" and "gpu" in devices[0]["capabilities"]
         assert svc["build"]["args"]["TORCH_VARIANT"] != "cpu"
@@ -110,7 +113,7 @@ def test_observability_profile_and_prometheus_scrape_every_service(compose) -> N
                 scraped[host] = sd["port"]
     for name, svc in _kvflow_services(compose).items():
         cmd = parse_kvflow_command(svc["command"], environ_of_compose(svc))
-        port = cmd.settings.port if cmd.service == "gateway" else cmd.settings.ops_port
+        port = cmd.settings.gateway.port if cmd.service == "gateway" else cmd.settings.ops.ops_port
         assert scraped.get(name) == port, f"Prometheus does not scrape {name} on {port}"
 
 

@@ -97,13 +97,13 @@ def test_each_service_runs_a_command_kvflow_accepts_with_probes_on_its_ports(ove
         cmd = parse_kvflow_command(c["args"], env)
         seen[name] = cmd.service
         s = cmd.settings
-        assert s.nats_url == "nats://nats:4222" and s.redis_url == "redis://redis:6379/0"
+        assert s.bus.nats_url == "nats://nats:4222" and s.bus.redis_url == "redis://redis:6379/0"
         ports = {p["name"]: p["containerPort"] for p in c["ports"]}
         if cmd.service == "gateway":
-            assert s.host == "0.0.0.0" and ports["http"] == s.port
+            assert s.gateway.host == "0.0.0.0" and ports["http"] == s.gateway.port
             assert c["readinessProbe"]["httpGet"] == {"path": "/health", "port": "http"}
         else:
-            assert ports["ops"] == s.ops_port
+            assert ports["ops"] == s.ops.ops_port
             assert c["readinessProbe"]["httpGet"] == {"path": "/health", "port": "ops"}
             assert c["livenessProbe"]["httpGet"] == {"path": "/live", "port": "ops"}
         for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
@@ -119,7 +119,7 @@ def test_each_service_runs_a_command_kvflow_accepts_with_probes_on_its_ports(ove
     roles = set()
     for name, _, c, env in _kvflow_containers(docs):
         if name in workers:
-            roles.add(parse_kvflow_command(c["args"], env).settings.role)
+            roles.add(parse_kvflow_command(c["args"], env).settings.worker.role)
     assert roles == ({"both"} if overlay == "cpu" else {"prefill", "decode"})
 
 

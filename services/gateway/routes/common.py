@@ -76,4 +76,4 @@ async def authorized_body(request: Request, state: GatewayState) -> tuple[str | 
     """Auth first (a 401/429 before the body is read), then the body: (key hash, body or None
     when the client left)."""
     key = await state.auth.check(request)
-    return key, await read_body(request, state.settings.max_body_bytes)
+    return key, await read_body(request, state.settings.gateway.max_body_bytes)

@@ -103,7 +103,7 @@ async def generate(
     trace = RequestTrace(route, request.headers, state.model_name)
     try:
         key = await state.auth.check(request)
-        body = await read_body(request, state.settings.max_body_bytes)
+        body = await read_body(request, state.settings.gateway.max_body_bytes)
         if body is None:
             trace.end(CLIENT_CLOSED, "client closed")
             return Response(status_code=CLIENT_CLOSED)
