@@ -27,9 +27,9 @@ from prometheus_client import REGISTRY
 from kvflow.cli.main import build_parser
 from services.detokenizer.telemetry import DetokenizerMetrics
 from services.gateway.metrics import GatewayMetrics
-from services.scheduler.engine import SchedulerCore
-from services.scheduler.policy import SchedulerLimits
+from services.scheduler.core import SchedulerCore
 from services.scheduler.telemetry import SchedulerTelemetry
+from services.scheduler.worker_state import SchedulerLimits
 from services.tokenizer.service import TokenizerMetrics
 from services.worker.telemetry import WorkerTelemetry
 from shared.bus import Bus

@@ -35,7 +35,7 @@ def io() -> KvBlockIO:
 
 def test_the_default_setting_names_a_known_connector() -> None:
     assert {"nats", "inproc"} <= set(known_connectors())
-    assert Settings().kv_connector in known_connectors()
+    assert Settings().cache.kv_connector in known_connectors()
 
 
 @pytest.mark.parametrize(
