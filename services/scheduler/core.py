@@ -19,6 +19,7 @@ from services.scheduler.worker_state import (
     StepOutcome,
     WorkerState,
 )
+from services.worker.kv_connectors.base import KvConnectorScheduler
 from shared.messages import (
     KvLoad,
     KvLoadDone,
@@ -51,6 +52,7 @@ class SchedulerCore:
         policy: SchedulingPolicy | None = None,
         max_waiting: int = 1024,
         model: str = "",
+        kv_connector: KvConnectorScheduler | None = None,
     ) -> None:
         self.limits = limits
         self.policy = policy or make_policy("priority")
@@ -59,7 +61,7 @@ class SchedulerCore:
         self.waiting = WaitingQueue(self.policy)
         self.requests: dict[str, Sequence] = {}
         self.workers: dict[str, WorkerState] = {}
-        self.router = Router(self.workers)
+        self.router = Router(self.workers, kv_connector)
         self.num_finished = 0
         self.num_computed_tokens = 0  # as reported by the workers' StepResults
 

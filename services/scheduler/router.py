@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from services.scheduler.block_manager import BlockHash
 from services.scheduler.sequence import RequeueReason, Reservation, Sequence, Transfer
 from services.scheduler.worker_state import Route, WorkerState
+from services.worker.kv_connectors.base import KvConnectorScheduler
 from shared.kv_tier import tier_key
 from shared.messages import BlockRef, KvLoad, KvLoadDone, KvPull, KvTransferDone, StepPlan
 
@@ -46,9 +47,11 @@ class TierTotals:
 class Router:
     """Routing, hand-offs and tier loads over the core's ``workers`` (the same dict)."""
 
-    def __init__(self, workers: dict[str, WorkerState]) -> None:
+    def __init__(
+        self, workers: dict[str, WorkerState], kv: KvConnectorScheduler | None = None
+    ) -> None:
         self.workers = workers
-        self.kv_address: dict[str, str] = {}  # worker id -> where it serves its blocks
+        self.kv = kv or KvConnectorScheduler()  # the KV connector's half: workers' addresses
         self.kv_layout: dict[str, str] = {}  # worker id -> KV block layout
         self.host_hashes: dict[str, set[bytes]] = {}  # worker -> blocks in its host tier
         self.transfers: dict[str, Sequence] = {}  # transfer id -> sequence (aborted ones too)
@@ -59,11 +62,11 @@ class Router:
 
     def add_worker(self, worker_id: str, kv_address: str, kv_layout: str) -> None:
         self.host_hashes[worker_id] = set()
-        self.kv_address[worker_id] = kv_address
+        self.kv.add_worker(worker_id, kv_address)
         self.kv_layout[worker_id] = kv_layout
 
     def remove_worker(self, worker_id: str) -> None:
-        self.kv_address.pop(worker_id, None)
+        self.kv.remove_worker(worker_id)
         self.kv_layout.pop(worker_id, None)
         self.host_hashes.pop(worker_id, None)
 
@@ -175,7 +178,7 @@ class Router:
             transfer_id=tid,
             request_id=seq.request_id,
             src_worker=src.worker_id,
-            src_address=self.kv_address.get(src.worker_id, ""),
+            src_address=self.kv.source_address(src.worker_id),
             src_blocks=src_blocks,
             dst_blocks=dst_blocks,
         )

@@ -34,6 +34,7 @@ from services.scheduler.policy import make_policy
 from services.scheduler.shadow import ShadowState
 from services.scheduler.telemetry import SchedulerTelemetry
 from services.scheduler.worker_state import ROLES, SchedulerLimits, WorkerState
+from services.worker.kv_connectors.base import create_scheduler_connector
 from shared import subjects
 from shared.bus import Bus
 from shared.config import Settings
@@ -144,9 +145,9 @@ class SchedulerService:
             await asyncio.sleep(self.lease.ttl_s / 6 if self.leading else 0.25)
 
     def _new_core(self) -> SchedulerCore:
-        return SchedulerCore(
-            self.limits, self.policy, self.settings.scheduler.max_waiting, self.model_name
-        )
+        kv = create_scheduler_connector(self.settings.cache.kv_connector)  # its scheduler half
+        max_waiting = self.settings.scheduler.max_waiting
+        return SchedulerCore(self.limits, self.policy, max_waiting, self.model_name, kv)
 
     def _may_plan(self) -> bool:
         return self.leading and (self.lease is None or self.lease.valid())

@@ -21,7 +21,7 @@ from typing import TypeVar
 from nats.aio.msg import Msg
 
 from services.worker.kv_blocks import KvBlockIO
-from services.worker.kv_connectors.base import create_worker_connector
+from services.worker.kv_connectors.base import connector_spec, create_worker_connector
 from services.worker.kv_connectors.tiers import KvTiers
 from services.worker.model_setup import check_quantization, runner_specs
 from services.worker.runner import ModelRunner
@@ -295,6 +295,10 @@ async def run(settings: Settings) -> None:
     backend = settings.worker.worker_backend
     if backend not in ("model", "sim"):
         raise SystemExit(f"--worker-backend must be 'model' or 'sim', not {backend!r}")
+    try:
+        connector_spec(settings.cache.kv_connector)  # an unknown transport fails before loading
+    except ValueError as e:
+        raise SystemExit(f"worker: {e}") from None
     load = _load_sim if backend == "sim" else _load_model
     model_thread = ModelThread()
     runner = await model_thread.run(lambda: load(settings, src))

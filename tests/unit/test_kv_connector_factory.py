@@ -11,6 +11,8 @@ import msgspec
 import pytest
 import torch
 
+from services.scheduler.core import SchedulerCore
+from services.scheduler.worker_state import SchedulerLimits
 from services.worker.kv_blocks import KvBlockIO
 from services.worker.kv_connectors import base
 from services.worker.kv_connectors.base import (
@@ -27,6 +29,7 @@ from services.worker.kv_connectors.nats import NatsKvConnector
 from shared.bus import Bus
 from shared.config import Settings
 from shared.messages import KvPull, WorkerHeartbeat, decode, encode
+from tests.unit.test_scheduler_policy import PROMPTS, FakeWorker, req
 
 
 def io() -> KvBlockIO:
@@ -97,3 +100,23 @@ def test_address_fields_keep_their_wire_position() -> None:
     hb = WorkerHeartbeat("w1", "both", 8, 16, "m", "s", 64, kv_address="inproc:w1")
     assert msgspec.msgpack.decode(encode(hb))[8] == "inproc:w1"
     assert decode(encode(pull)) == pull
+
+
+def test_the_scheduler_takes_pull_addresses_from_its_connector_half() -> None:
+    class Tagged(KvConnectorScheduler):
+        def source_address(self, worker_id: str) -> str:
+            return "tagged:" + super().source_address(worker_id)
+
+    half = Tagged()
+    core = SchedulerCore(SchedulerLimits(), model="m", kv_connector=half)
+    core.add_worker("p", 64, 4, role="prefill", kv_address="kv.p")
+    core.add_worker("d", 64, 4, role="decode", kv_address="kv.d")
+    core.add_request(req("r", PROMPTS["r1"], 3))
+    plan = core.workers["p"].schedule()
+    assert plan is not None
+    result = FakeWorker(4).execute(plan)
+    result.worker_id = "p"
+    [(dst, pull)] = core.on_result(result).pulls
+    assert dst == "d" and pull.src_worker == "p" and pull.src_address == "tagged:kv.p"
+    core.remove_worker("d")
+    assert half.addresses == {"p": "kv.p"}
