@@ -57,6 +57,7 @@ from shared.messages import (
 log = logging.getLogger("kvflow.scheduler")
 
 TRANSFER_TIMEOUT_S = 120.0  # a KV transfer not reported done by then is given up
+INBOX = (subjects.REQUESTS, subjects.ABORT, subjects.RESULTS, subjects.HEARTBEAT, subjects.KV_DONE)
 
 
 class SchedulerService:
@@ -68,18 +69,13 @@ class SchedulerService:
         lease: Lease | None = None,
         scheduler_id: str = "",
     ) -> None:
-        self.limits = SchedulerLimits(
-            max_num_seqs=settings.scheduler.max_num_seqs,
-            max_num_batched_tokens=settings.scheduler.max_num_batched_tokens,
-            max_model_len=max_model_len,
-        )
+        sc = settings.scheduler
+        self.limits = SchedulerLimits(sc.max_num_seqs, sc.max_num_batched_tokens, max_model_len)
         self.settings = settings
         self.model_name = model_name
         self.scheduler_id = scheduler_id or f"scheduler-{uuid.uuid4().hex[:8]}"
         self.lease = lease
-        self.policy = make_policy(
-            settings.scheduler.scheduling_policy
-        )  # the one read of the setting
+        self.policy = make_policy(sc.scheduling_policy)  # the one read of the setting
         self.core = self._new_core()
         self.shadow = ShadowState()
         self.leading = False
@@ -105,13 +101,7 @@ class SchedulerService:
 
     async def start(self) -> None:
         await self.bus.connect(self.settings.bus.nats_url)
-        for subject in (
-            subjects.REQUESTS,
-            subjects.ABORT,
-            subjects.RESULTS,
-            subjects.HEARTBEAT,
-            subjects.KV_DONE,
-        ):
+        for subject in INBOX:
             await self.bus.subscribe(subject, self._on_message)
         self.bus.spawn(self._watch_workers())
         if self.lease is None:
@@ -169,11 +159,9 @@ class SchedulerService:
         self.leading = True
         self.took_over_at = time.monotonic()
         await self.bus.subscribe(subjects.SCHEDULER_STATS, self._on_message)
-        for hb in list(self.heartbeats.values()):
-            if (
-                time.monotonic() - self.last_seen.get(hb.worker_id, 0)
-                < self.settings.scheduler.worker_timeout
-            ):
+        timeout = self.settings.scheduler.worker_timeout
+        for hb in list(self.heartbeats.values()):  # the workers alive now join the new core
+            if time.monotonic() - self.last_seen.get(hb.worker_id, 0) < timeout:
                 await self._on_heartbeat(hb)
         for live in self.shadow.live.values():
             await self.bus.publish(live.request.reply_to, Accepted(live.request.request_id))
