@@ -117,7 +117,7 @@ class LLM:
         try:
             if nats_url is None:
                 self._stack = start_pipeline(self.settings, workers)
-                nats_url = self._stack.settings.bus.nats_url
+                nats_url = self._stack.nats_url
             self._client = PipelineClient(nats_url)
             self._loop.run(self._client.start())
             if self._stack is not None:

@@ -134,6 +134,11 @@ class Stack:
         self.procs: list[tuple[Process, subprocess.Popen]] = []
         self._log: IO[bytes] | None = None
 
+    @property
+    def nats_url(self) -> str:
+        """The stack's NATS server (after ``start``)."""
+        return self.settings.bus.nats_url
+
     def note(self, message: str) -> None:
         print(f"kvflow: {message}", file=self.console, flush=True)
 
