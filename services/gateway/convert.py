@@ -22,6 +22,7 @@ from services.gateway.protocol import (
     TokenizeChatRequest,
 )
 from shared.config import Settings
+from shared.fan_out import ranks, sequences_per_prompt
 from shared.messages import ChatMessage, GenerateRequest, SamplingParams
 from shared.model_source import DEFAULT_NAME, ModelNotFoundError, gguf_model_name, resolve_model
 from shared.sampling import (
@@ -292,7 +293,7 @@ def completion_job(
         raise bad("suffix", "is not supported: the served model has no fill-in-the-middle mode")
     _check_max_tokens(req.max_tokens, "max_tokens")
     n = 1 if req.n is None else req.n
-    best_of = n if req.best_of is None else req.best_of
+    best_of = sequences_per_prompt(n, req.best_of)
     if req.stream and best_of != n:
         raise bad("best_of", "must equal n when streaming (the best choices are known at the end)")
     echo = bool(req.echo)
@@ -301,7 +302,7 @@ def completion_job(
     if echo and req.logprobs is not None:
         plp = max(plp or 0, req.logprobs)
     # best_of ranks choices by their cumulative logprob: every sequence needs its logprobs
-    logprobs = req.logprobs if req.logprobs is not None or best_of == n else 0
+    logprobs = req.logprobs if req.logprobs is not None or not ranks(n, best_of) else 0
     max_tokens = COMPLETION_DEFAULT_MAX_TOKENS if req.max_tokens is None else req.max_tokens
     params = sampling_params(req, max_tokens, logprobs, plp, n, best_of, settings)
     prompts = completion_prompts(req)

@@ -30,7 +30,6 @@ from services.gateway.routes.common import (
     STREAM_CONTENT,
     Gateway,
     authorized_body,
-    read_body,
 )
 from services.gateway.schemas import STREAM_NOTE, ChatCompletionResponse, CompletionResponse
 from services.gateway.state import GatewayState
@@ -102,8 +101,7 @@ async def generate(
     format (``fmt_cls``), serve; traced as ``route``, ids ``<prefix>-<hex>``."""
     trace = RequestTrace(route, request.headers, state.model_name)
     try:
-        key = await state.auth.check(request)
-        body = await read_body(request, state.settings.gateway.max_body_bytes)
+        key, body = await authorized_body(request, state)
         if body is None:
             trace.end(CLIENT_CLOSED, "client closed")
             return Response(status_code=CLIENT_CLOSED)
