@@ -45,13 +45,13 @@ class _SamplingParamsBase:
             return StructuredOutput("grammar", str(v["guided_grammar"]), "guided_grammar")
         return None
 
-    def to_wire(self, seed_offset: int = 0, want_logprobs: bool = False) -> WireParams:
-        """The pipeline's parameters for one of the ``n`` (or ``best_of``) sequences: seeded
-        requests give sequence i the seed ``seed + i`` (as the gateway does); ``want_logprobs``
-        asks for the sampled token's logprob even if the caller did not (best_of ranks by it)."""
+    def to_wire(self, want_logprobs: bool = False) -> WireParams:
+        """The pipeline's parameters of the request (its ``n`` or ``best_of`` sequences, with
+        their seeds, come from shared/fan_out.py); ``want_logprobs`` asks for the sampled
+        token's logprob even if the caller did not (best_of ranks by it)."""
         values = self._values()
         if values["seed"] is not None:
-            values["seed"] = int(values["seed"]) + seed_offset  # type: ignore[call-overload]
+            values["seed"] = int(values["seed"])  # type: ignore[call-overload]
         if values["logprobs"] is None and want_logprobs:
             values["logprobs"] = 0
         return WireParams(**wire_fields(values), structured_output=self._structured())

@@ -51,8 +51,8 @@ def test_vllm_names_and_defaults() -> None:
 
 def test_mapping_onto_the_pipeline_parameters() -> None:
     sp = SamplingParams(stop="END", top_k=-1, seed=7, max_tokens=None, logit_bias={5: 2})
-    wire = sp.to_wire(seed_offset=2)
-    assert wire.stop == ["END"] and wire.top_k == 0 and wire.seed == 9
+    wire = sp.to_wire()
+    assert wire.stop == ["END"] and wire.top_k == 0 and wire.seed == 7
     assert wire.max_tokens == 0  # up to the context limit
     assert wire.logit_bias == {5: 2.0} and wire.logprobs is None
     assert sp.to_wire(want_logprobs=True).logprobs == 0  # best_of ranks by cumulative logprob
