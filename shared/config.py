@@ -80,7 +80,10 @@ class CacheSettings:
     )
     kv_connector: str = field(
         default="nats",
-        metadata={"help": "how workers move KV blocks between them (disaggregated prefill): nats"},
+        metadata={
+            "help": "how workers move KV blocks between them (disaggregated prefill): nats | "
+            "inproc (workers in one process: tests)"
+        },
     )
 
 
@@ -101,7 +104,8 @@ class SchedulerSettings:
             "help": "priority: waiting requests by (priority, arrival), lower first; under "
             "memory pressure the lowest-priority newest sequence is preempted | fcfs: arrival "
             "order, request priorities ignored, the newest sequence preempted (vLLM's "
-            "--scheduling-policy)"
+            "--scheduling-policy)",
+            "choices": ("fcfs", "priority"),  # services/scheduler/policy.py's POLICIES
         },
     )
     worker_timeout: float = field(
@@ -274,6 +278,8 @@ class Settings:
             extra: dict[str, Any] = {}
             if opt.type == "bool":  # `--flag` alone means true; `--flag false` works too
                 extra = {"nargs": "?", "const": True}
+            if opt.choices:
+                extra["choices"] = opt.choices
             parser.add_argument(
                 opt.flag,
                 dest=opt.name,
@@ -302,6 +308,7 @@ class Option:
     attr: str  # field of the section: ``block_size``
     type: str  # "int" | "float" | "str" | "bool"
     help: str
+    choices: tuple[str, ...] = ()  # the values allowed, when the option is one of a few names
 
     @property
     def flag(self) -> str:
@@ -313,9 +320,12 @@ class Option:
 
     def convert(self, raw: str) -> Any:
         try:
-            return _PARSERS.get(self.type, str)(raw)
+            value = _PARSERS.get(self.type, str)(raw)
         except ValueError as e:
             raise ValueError(f"{self.env}={raw!r} is not a valid {self.type}") from e
+        if self.choices and value not in self.choices:
+            raise ValueError(f"{self.env}={raw!r} is not one of {', '.join(self.choices)}")
+        return value
 
 
 def _parse_bool(raw: str) -> bool:
@@ -336,7 +346,14 @@ def _options() -> dict[str, Option]:
         for f in fields(section.default_factory):  # type: ignore[arg-type]
             name = f.metadata.get("flag", f.name)
             assert name not in out, f"two settings named {name}"
-            out[name] = Option(name, section.name, f.name, str(f.type), f.metadata.get("help", ""))
+            out[name] = Option(
+                name,
+                section.name,
+                f.name,
+                str(f.type),
+                f.metadata.get("help", ""),
+                tuple(f.metadata.get("choices", ())),
+            )
     return out
 
 

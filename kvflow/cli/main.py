@@ -97,7 +97,11 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser(tool_name).parse_args(argv)
     if tool_name is not None:
         return importlib.import_module(TOOLS[tool_name][0]).main(args)
-    settings = Settings.from_args(args)
+    try:
+        settings = Settings.from_args(args)
+    except ValueError as e:  # a KVFLOW_* variable that does not parse
+        print(f"kvflow: error: {e}", file=sys.stderr)
+        return 2
     if args.command == "run":
         _run_service(args.service, settings)
         return 0

@@ -90,14 +90,14 @@ class Router:
                 continue
             if not (ws.can_prefill if prefill else ws.can_decode):
                 continue
-            if prefill and seq.params.prompt_logprobs is not None:
-                cached = 0
-            else:
+            hits: list[int] = []
+            if not (prefill and seq.params.prompt_logprobs is not None):
                 limit = None if prefill else seq.num_tokens // ws.bm.block_size
-                cached = len(ws.bm.lookup_prefix(seq.token_ids, limit))
-            if ws.bm.num_free_blocks < ws.bm.blocks_needed(seq.num_tokens) - cached:
+                hits = ws.bm.lookup_prefix(seq.token_ids, limit)
+            # cached hits that sit in the free list stop being free once taken
+            if not ws.bm.can_allocate(ws.bm.blocks_needed(seq.num_tokens) - len(hits), hits):
                 continue
-            out.append((self._cost(ws, seq, cached), ws, cached))
+            out.append((self._cost(ws, seq, len(hits)), ws, len(hits)))
         return out
 
     def route(self, seq: Sequence, here: WorkerState) -> Route | None:

@@ -448,7 +448,7 @@ def test_kernels_compile_for_h100_without_spills():
 
 @pytest.mark.skipif(HAS_CUDA, reason="with a GPU the bench runs instead of refusing")
 def test_bench_refuses_without_a_gpu(capsys):
-    from kernels import bench
+    from benchmarks import kernels as bench
 
     assert bench.main(["--skip-e2e"]) == 2
     assert "needs a CUDA GPU" in capsys.readouterr().err

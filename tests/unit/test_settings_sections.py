@@ -121,3 +121,17 @@ def test_help_keeps_the_texts() -> None:
     assert helps["block_size"] == "tokens per KV cache block"
     assert helps["max_body_bytes"] == "largest request body in bytes (413 above)"
     assert all(helps[opt.name] for opt in Settings.options())
+
+
+def test_a_setting_with_choices_refuses_others_as_flag_and_as_variable() -> None:
+    from services.scheduler.policy import POLICIES
+
+    (opt,) = [o for o in Settings.options() if o.name == "scheduling_policy"]
+    assert set(opt.choices) == set(POLICIES)  # the flag offers exactly the policies there are
+    parser = build_parser()
+    ns = parser.parse_args(["run", "scheduler", "--scheduling-policy", "fcfs"])
+    assert Settings.from_args(ns, environ={}).scheduler.scheduling_policy == "fcfs"
+    with pytest.raises(SystemExit):
+        parser.parse_args(["run", "scheduler", "--scheduling-policy", "lifo"])
+    with pytest.raises(ValueError, match="KVFLOW_SCHEDULING_POLICY='lifo' is not one of"):
+        Settings.from_env({"KVFLOW_SCHEDULING_POLICY": "lifo"})
