@@ -52,7 +52,13 @@ from shared.messages import (
 )
 from shared.model_loader import ModelConfig
 from shared.model_source import ModelSource
-from shared.sampling import apply_processors, needs_host_sampling
+from shared.sampling import (
+    LogitsProcessor,
+    active_processors,
+    apply_processors,
+    needs_host_sampling,
+    params_need_host,
+)
 
 log = logging.getLogger("kvflow.worker")
 
@@ -78,6 +84,13 @@ class RequestState:
     # log-softmax of a chunk's last row, which predicts the next chunk's first token
     prompt_logprobs_k: int | None = None
     pending_prompt_row: tuple[int, torch.Tensor] | None = None
+    # what the parameters decide for sampling, once (shared/sampling/derived.py)
+    processors: tuple[LogitsProcessor, ...] = field(init=False, default=())
+    host_params: bool = field(init=False, default=False)
+
+    def __post_init__(self) -> None:
+        self.processors = active_processors(self.params)
+        self.host_params = params_need_host(self.params, self.processors)
 
 
 class ModelRunner:

@@ -10,9 +10,11 @@ from shared.sampling.checks import (
     SamplingParamError,
 )
 from shared.sampling.derived import (
+    active_processors,
     apply_processors,
     needs_host_sampling,
     needs_token_history,
+    params_need_host,
     validate_sampling,
     wire_fields,
 )
@@ -31,9 +33,11 @@ __all__ = [
     "RowState",
     "SamplingField",
     "SamplingParamError",
+    "active_processors",
     "apply_processors",
     "needs_host_sampling",
     "needs_token_history",
+    "params_need_host",
     "validate_sampling",
     "wire_fields",
 ]

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any
 
 from shared.sampling.checks import MAX_LOGPROBS
 from shared.sampling.features import FIELDS, PROCESSORS
-from shared.sampling.spec import RowState
+from shared.sampling.spec import LogitsProcessor, RowState
 
 if TYPE_CHECKING:
     import torch
@@ -16,6 +16,7 @@ if TYPE_CHECKING:
     from shared.messages import SamplingParams as WireParams
 
 FIELD_NAMES = frozenset(f.name for f in FIELDS)
+_HOST_FIELDS = tuple(f.needs_host for f in FIELDS if f.needs_host is not None)
 
 
 def validate_sampling(
@@ -46,20 +47,39 @@ def needs_token_history(p: WireParams) -> bool:
     return any(pr.needs_history and pr.active(p) for pr in PROCESSORS)
 
 
+def active_processors(p: WireParams) -> tuple[LogitsProcessor, ...]:
+    """The processors a request's parameters turn on, in the table's order (the worker asks
+    once per request, not once per step)."""
+    return tuple(pr for pr in PROCESSORS if pr.active(p))
+
+
+def params_need_host(p: WireParams, processors: Sequence[LogitsProcessor]) -> bool:
+    """What the parameters alone decide of ``needs_host_sampling`` (once per request): a field
+    that changes the argmax or the output (temperature, logprobs), or an active processor that
+    is not argmax-invariant and applies on every step."""
+    return any(needs(p) for needs in _HOST_FIELDS) or any(
+        not pr.per_step and not pr.argmax_invariant for pr in processors
+    )
+
+
 def needs_host_sampling(states: Sequence[RowState]) -> bool:
     """Whether sampling these rows needs more than a greedy argmax (which runs on the device):
-    a field that changes the argmax or the output (temperature, logprobs) or a processor that
-    applies. The rows then go to the host and through the CPU sampler, as on the CPU path."""
+    what each row's parameters decided, or a per-step processor that applies this step. The
+    rows then go to the host and through the CPU sampler, as on the CPU path."""
     for st in states:
-        if any(f.needs_host is not None and f.needs_host(st.params) for f in FIELDS):
+        if st.host_params:
             return True
-        if any(pr.needs_host(st) for pr in PROCESSORS):
-            return True
+        for pr in st.processors:
+            if pr.per_step and pr.needs_host(st):
+                return True
     return False
 
 
 def apply_processors(logits: torch.Tensor, states: Sequence[RowState]) -> None:
     """Every feature's change to the sampling rows (row i is ``states[i]``), in place, in the
-    table's order; the batched draw (services/worker/sampler.py) comes after."""
+    table's order; only the processors some row turned on run. The batched draw
+    (services/worker/sampler.py) comes after."""
+    on = {pr for st in states for pr in st.processors}
     for pr in PROCESSORS:
-        pr.apply(logits, states)
+        if pr in on:
+            pr.apply(logits, states)

@@ -144,6 +144,8 @@ class MinTokens(LogitsProcessor):
     def active(self, p: WireParams) -> bool:
         return p.min_tokens > 0
 
+    per_step = True  # only until the row has min_tokens outputs
+
     def applies(self, st: RowState) -> bool:
         return st.num_output_tokens < st.params.min_tokens and st.guide is None
 
@@ -163,6 +165,8 @@ class Grammar(LogitsProcessor):
 
     def active(self, p: WireParams) -> bool:
         return p.structured_output is not None
+
+    per_step = True  # the matcher's state, and whether it failed
 
     def applies(self, st: RowState) -> bool:
         return st.guide is not None and not st.guide.error

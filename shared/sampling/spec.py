@@ -66,6 +66,10 @@ class RowState(Protocol):
     output_tokens: list[int]
     guide: Any  # the grammar matcher (structured output), or None
     guide_failed: bool
+    # decided once per request from its parameters (derived.active_processors and
+    # params_need_host), so the per-step checks touch only what changes between steps
+    processors: tuple[LogitsProcessor, ...]
+    host_params: bool
 
 
 class LogitsProcessor:
@@ -77,6 +81,7 @@ class LogitsProcessor:
 
     argmax_invariant: bool = False
     needs_history: bool = False
+    per_step: bool = False  # ``applies`` depends on the row's state this step, not only its params
 
     def active(self, p: WireParams) -> bool:
         """Whether the request's parameters turn this feature on."""
