@@ -1,13 +1,18 @@
 """A thin typed layer over nats-py: connect (with reconnect), publish/subscribe kvflow messages,
 queue groups, request/reply, headers. Handlers receive decoded messages; a message that does not
 decode is logged, counted and dropped, so no service dies on bad input. Every message in and out
-is counted with its bytes per subject (``traffic``, shown as metrics by shared/metrics.py)."""
+is counted with its bytes per subject (``traffic``, shown as metrics by shared/metrics.py).
+
+A service logs in as its role (shared/access/): credentials the server refuses, or a
+subscription its role is not granted, end the service with an AccessError naming what was
+refused; a publish the server refuses is logged and counted (``permission_denied``)."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import logging
+import ssl
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -17,10 +22,25 @@ from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
+from shared.access.connect import AccessError, NatsAuth
 from shared.messages import Message, decode, encode
 from shared.subjects import subject_label
 
 log = logging.getLogger("kvflow.bus")
+_PERMISSION = "permissions violation"
+
+
+def _refusal(e: BaseException) -> str:
+    """Why a connect failed, when retrying cannot help (credentials or certificates)."""
+    text = str(e)
+    if "Authorization Violation" in text or "authorization violation" in text.lower():
+        return "authorization violation (wrong or missing user/password)"
+    if isinstance(e, ssl.SSLCertVerificationError):
+        return f"the server's certificate did not verify ({e.verify_message})"
+    if isinstance(e, ssl.SSLError):
+        return f"TLS failed ({e.reason})"
+    return ""
+
 
 Handler = Callable[[Message, Msg], Awaitable[None]]
 
@@ -32,6 +52,10 @@ class Bus:
         self.name = name
         self.nc: Client | None = None
         self.dropped_messages = 0  # undecodable or failing messages (logged, then dropped)
+        self.permission_denied = 0  # publishes and subscriptions the server refused
+        self.auth = NatsAuth()
+        self._refused_subscriptions: set[str] = set()
+        self._logged_refusals: set[str] = set()
         # (subject label, "in" | "out") -> [messages, bytes]; plain ints, read at scrape time
         self.traffic: dict[tuple[str, str], list[int]] = {}
         self.subscriptions: list[tuple[str, Subscription]] = []  # (subject label, sub)
@@ -39,11 +63,18 @@ class Bus:
         self._tasks: set[asyncio.Task] = set()
         self._closing = False
 
-    async def connect(self, url: str, connect_timeout: float = 30.0) -> None:
-        """Connect, retrying until ``connect_timeout``; afterwards nats-py reconnects on its own
-        for ever (a NATS outage pauses a service, it does not end it)."""
+    async def connect(
+        self, url: str, connect_timeout: float = 30.0, auth: NatsAuth | None = None
+    ) -> None:
+        """Connect as ``auth`` (default: no credentials), retrying until ``connect_timeout``;
+        afterwards nats-py reconnects on its own for ever (a NATS outage pauses a service, it
+        does not end it). Credentials the server refuses raise AccessError at once."""
+        self.auth = auth or NatsAuth()
 
         async def on_error(e: Exception) -> None:
+            if _PERMISSION in str(e):
+                self._refused(str(e))
+                return
             log.warning("%s: nats error: %s", self.name, e)
 
         async def on_disconnect() -> None:
@@ -67,14 +98,33 @@ class Bus:
                     disconnected_cb=on_disconnect,
                     reconnected_cb=on_reconnect,
                     pending_size=64 * 1024 * 1024,
+                    **self.auth.options(),
                 )
                 return
             except Exception as e:  # noqa: BLE001 - any connect failure is retried
+                refused = _refusal(e)
+                if refused:
+                    raise AccessError(
+                        f"NATS at {url} refused {self.name} ({self.auth.describe()}): {refused}; "
+                        "check --nats-user / --nats-password-file and the TLS files "
+                        "(`kvflow auth init` makes a role's credentials)"
+                    ) from e
                 if asyncio.get_running_loop().time() > deadline:
                     raise ConnectionError(
                         f"cannot reach NATS at {url} ({e}); start nats-server or pass --nats-url"
                     ) from e
                 await asyncio.sleep(0.25)
+
+    def _refused(self, error: str) -> None:
+        """A permissions violation the server reported (it dropped the publish, or did not
+        make the subscription): counted, logged once per subject."""
+        self.permission_denied += 1
+        subject = error.rsplit(" ", 1)[-1].strip('"')
+        if "subscription" in error:
+            self._refused_subscriptions.add(subject)
+        if error not in self._logged_refusals:
+            self._logged_refusals.add(error)
+            log.error("%s (%s): %s", self.name, self.auth.describe(), error)
 
     @property
     def client(self) -> Client:
@@ -129,6 +179,11 @@ class Bus:
             pending_bytes_limit=1024 * 1024 * 1024,
         )
         await self.confirm_subscriptions()
+        if subject.lower() in self._refused_subscriptions:
+            raise AccessError(
+                f"NATS refused {self.name} ({self.auth.describe()}) a subscription to {subject}: "
+                "its role is not granted it (shared/access/grants.py)"
+            )
         self.subscriptions.append((subject_label(subject), sub))
         return sub
 

@@ -158,10 +158,43 @@ class WorkerSettings:
 
 @dataclass
 class BusSettings:
-    """Where services meet: NATS (required) and Redis (optional)."""
+    """Where services meet, NATS (required) and Redis (optional), and how a service logs in
+    to them (shared/access/connect.py)."""
 
     nats_url: str = field(default="nats://127.0.0.1:4222", metadata={"help": "NATS server URL"})
-    redis_url: str = field(default="", metadata={"help": "Redis URL (optional)"})
+    redis_url: str = field(default="", metadata={"help": "Redis URL (optional; rediss:// for TLS)"})
+    nats_user: str = field(
+        default="",
+        metadata={"help": "NATS user (default: the service's role, when a password file is given)"},
+    )
+    nats_password_file: str = field(
+        default="",
+        metadata={
+            "help": "file holding this service's NATS password ('' = no credentials; "
+            "`kvflow auth init` makes one per role)"
+        },
+    )
+    nats_tls_ca: str = field(
+        default="",
+        metadata={"help": "CA file to verify the NATS server's certificate (turns TLS on)"},
+    )
+    nats_tls_cert: str = field(
+        default="", metadata={"help": "client certificate for NATS (servers that verify clients)"}
+    )
+    nats_tls_key: str = field(default="", metadata={"help": "key of --nats-tls-cert"})
+    redis_user: str = field(
+        default="",
+        metadata={
+            "help": "Redis ACL user (default: the service's role, when a password file is given)"
+        },
+    )
+    redis_password_file: str = field(
+        default="",
+        metadata={"help": "file holding this service's Redis password ('' = no credentials)"},
+    )
+    redis_tls_ca: str = field(
+        default="", metadata={"help": "CA file to verify a rediss:// server's certificate"}
+    )
 
 
 @dataclass
@@ -182,6 +215,13 @@ class GatewaySettings:
         metadata={
             "help": "'redis': also accept keys made with `kvflow keys add` (in --redis-url), "
             "with their rate limits; '' = off"
+        },
+    )
+    cache_salt_per_key: bool = field(
+        default=False,
+        metadata={
+            "help": "salt every request's prefix-cache keys with its API key (and any "
+            "cache_salt it gives), so tenants never share cached blocks (multi-tenant)"
         },
     )
     max_n: int = field(default=16, metadata={"help": "largest n / best_of per request"})

@@ -8,6 +8,7 @@ import importlib
 import sys
 
 from shared import event_loop
+from shared.access.connect import EXIT_REFUSED, AccessError
 from shared.config import Settings
 from shared.logs import setup_logging
 from shared.telemetry import setup_tracing
@@ -27,22 +28,33 @@ TOOLS = {
     ),
     "keys": ("kvflow.cli.keys", "manage API keys kept in Redis (gateway --key-store redis)"),
     "traces": ("kvflow.cli.traces", "receive OTLP/HTTP traces and print request timelines"),
+    "auth": (
+        "kvflow.cli.auth",
+        "make per-role NATS and Redis credentials and the servers' configurations "
+        "(compose, Kubernetes)",
+    ),
 }
 
 
-def _run_service(name: str, settings: Settings) -> None:
+def _run_service(name: str, settings: Settings) -> int:
+    """Run one service until it stops; its exit status (EXIT_REFUSED when NATS or Redis
+    refused its credentials: restarting it would not help)."""
     setup_logging(name, settings.ops.log_level, settings.ops.log_format)
     setup_tracing(name)
-    if name == "gateway":
-        from services.gateway.main import main as gateway_main
-
-        gateway_main(settings)
-        return
-    module = importlib.import_module(f"services.{name}.service")
     try:
+        if name == "gateway":
+            from services.gateway.main import main as gateway_main
+
+            gateway_main(settings)
+            return 0
+        module = importlib.import_module(f"services.{name}.service")
         event_loop.run(module.run(settings))
     except KeyboardInterrupt:
         pass
+    except AccessError as e:
+        print(f"kvflow: {name}: {e}", file=sys.stderr, flush=True)
+        return EXIT_REFUSED
+    return 0
 
 
 def build_parser(tool_name: str | None = None) -> argparse.ArgumentParser:
@@ -103,8 +115,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"kvflow: error: {e}", file=sys.stderr)
         return 2
     if args.command == "run":
-        _run_service(args.service, settings)
-        return 0
+        return _run_service(args.service, settings)
     from kvflow.cli.launcher import Topology, serve
 
     disaggregated = args.prefill_workers or args.decode_workers

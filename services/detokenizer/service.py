@@ -26,6 +26,7 @@ from opentelemetry.trace import Span, SpanKind
 from services.detokenizer.state import DetokState
 from services.detokenizer.telemetry import DetokenizerMetrics
 from shared import subjects
+from shared.access.connect import nats_auth
 from shared.bus import Bus
 from shared.config import Settings
 from shared.logs import request_scope
@@ -67,7 +68,9 @@ class DetokenizerService:
         self._emptied = asyncio.Event()  # set when the last request here ends
 
     async def start(self) -> None:
-        await self.bus.connect(self.settings.bus.nats_url)
+        await self.bus.connect(
+            self.settings.bus.nats_url, auth=nats_auth(self.settings.bus, "detokenizer")
+        )
         self._requests_sub = await self.bus.subscribe(
             subjects.REQUESTS, self._on_message, queue=subjects.DETOKENIZER_QUEUE
         )

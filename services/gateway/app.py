@@ -18,6 +18,7 @@ from services.gateway.openapi import install_openapi
 from services.gateway.routes import BODY_MODELS, ROUTERS
 from services.gateway.routes.common import version
 from services.gateway.state import GatewayState
+from shared.access.connect import AccessError
 from shared.bus import Bus
 from shared.config import Settings
 
@@ -26,7 +27,11 @@ from shared.config import Settings
 async def lifespan(app: FastAPI) -> AsyncIterator[None]:
     """Connect (unless given a bus) and listen on the gateway's inbox while the app serves."""
     state: GatewayState = app.state.gateway
-    await state.start()
+    try:
+        await state.start()
+    except AccessError as e:  # re-raised by services/gateway/main.py after uvicorn gives up
+        app.state.refused = e
+        raise
     try:
         yield
     finally:

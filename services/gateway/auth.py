@@ -16,6 +16,7 @@ from starlette.requests import Request
 
 from services.gateway.errors import APIError
 from services.gateway.keys import KeyStore
+from shared.access.connect import redis_client, verify_redis
 from shared.config import Settings
 
 log = logging.getLogger("kvflow.gateway")
@@ -37,6 +38,7 @@ class Auth:
     def __init__(self, settings: Settings, redis: Any = None) -> None:
         self.static_key = settings.gateway.api_key
         self.store: KeyStore | None = None
+        self._verify: tuple[Any, str] | None = None  # (client, url) to log in at start
         if settings.gateway.key_store not in ("", "redis"):
             raise ValueError(
                 f"--key-store must be '' or 'redis', not {settings.gateway.key_store!r}"
@@ -45,11 +47,15 @@ class Auth:
             if redis is None:
                 if not settings.bus.redis_url:
                     raise ValueError("--key-store redis needs --redis-url")
-                import redis.asyncio as aioredis
-
-                redis = aioredis.from_url(settings.bus.redis_url, decode_responses=True)
+                redis = redis_client(settings.bus, "gateway", decode_responses=True)
+                self._verify = (redis, settings.bus.redis_url)
             self.store = KeyStore(redis)
         self._tasks: set[asyncio.Task[Any]] = set()
+
+    async def start(self) -> None:
+        """Log in to the key store once: refused credentials stop the gateway (AccessError)."""
+        if self._verify is not None:
+            await verify_redis(self._verify[0], "gateway", self._verify[1])
 
     @property
     def enabled(self) -> bool:

@@ -33,8 +33,13 @@ def server(settings: Settings) -> uvicorn.Server:
 
 
 async def run(settings: Settings) -> None:
-    """Serve until SIGINT/SIGTERM (uvicorn handles the signals and drains connections)."""
-    await server(settings).serve()
+    """Serve until SIGINT/SIGTERM (uvicorn handles the signals and drains connections).
+    Raises AccessError when NATS or Redis refused the gateway's credentials at start."""
+    s = server(settings)
+    await s.serve()
+    refused = getattr(s.config.app.state, "refused", None)
+    if refused is not None:
+        raise refused
 
 
 def _exit_cleanly(signum: int, frame: FrameType | None) -> None:

@@ -15,6 +15,7 @@ from services.gateway.errors import APIError
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.streams import RequestHandle
 from shared import subjects
+from shared.access.connect import nats_auth
 from shared.bus import Bus
 from shared.config import Settings
 from shared.messages import (
@@ -62,7 +63,10 @@ class GatewayState:
     async def start(self) -> None:
         """Connect (unless given a connected bus) and listen on the inbox before serving."""
         if getattr(self.bus, "nc", None) is None:
-            await self.bus.connect(self.settings.bus.nats_url)
+            await self.bus.connect(
+                self.settings.bus.nats_url, auth=nats_auth(self.settings.bus, "gateway")
+            )
+        await self.auth.start()
         self._sub = await self.bus.subscribe(self.inbox, self.streams.handler)
         await answer_metrics(self.bus, "gateway", self.instance, self.metrics.render)
         log.info("gateway %s serving %s, inbox %s", self.gateway_id, self.model_name, self.inbox)

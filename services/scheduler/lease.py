@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import time
+from typing import Any
 
 import redis.asyncio as aioredis
 from redis.exceptions import LockError, LockNotOwnedError, RedisError
@@ -28,8 +29,13 @@ class LeaseLost(Exception):
 
 
 class Lease:
-    def __init__(self, redis_url: str, cell: str, ttl_s: float = 3.0) -> None:
-        self.redis = aioredis.from_url(redis_url, socket_timeout=1.0, socket_connect_timeout=1.0)
+    def __init__(
+        self, redis_url: str, cell: str, ttl_s: float = 3.0, options: dict[str, Any] | None = None
+    ) -> None:
+        """``options``: more ``from_url`` arguments (the scheduler role's login)."""
+        self.redis = aioredis.from_url(
+            redis_url, socket_timeout=1.0, socket_connect_timeout=1.0, **(options or {})
+        )
         self.key = f"kvflow:scheduler:{cell}:lease"
         self.epoch_key = f"kvflow:scheduler:{cell}:epoch"
         self.ttl_s = ttl_s

@@ -25,7 +25,6 @@ import signal
 import time
 import uuid
 
-import redis.asyncio as aioredis
 from nats.aio.msg import Msg
 
 from services.scheduler.core import QueueFullError, SchedulerCore
@@ -36,6 +35,7 @@ from services.scheduler.telemetry import SchedulerTelemetry
 from services.scheduler.worker_state import ROLES, SchedulerLimits, WorkerState
 from services.worker.kv_connectors.base import create_scheduler_connector
 from shared import subjects
+from shared.access.connect import nats_auth, redis_client, redis_options, verify_redis
 from shared.bus import Bus
 from shared.config import Settings
 from shared.kv_tier import leading_present
@@ -92,15 +92,17 @@ class SchedulerService:
         self.heartbeats_known: dict[str, str] = {}  # worker id -> instance the core knows
         self.took_over_at: float | None = None
         self.tier_redis = (
-            aioredis.from_url(
-                settings.bus.redis_url, socket_timeout=0.5, socket_connect_timeout=0.5
-            )
+            redis_client(settings.bus, "scheduler", socket_timeout=0.5, socket_connect_timeout=0.5)
             if settings.cache.kv_redis_tier and settings.bus.redis_url
             else None
         )
 
     async def start(self) -> None:
-        await self.bus.connect(self.settings.bus.nats_url)
+        await self.bus.connect(
+            self.settings.bus.nats_url, auth=nats_auth(self.settings.bus, "scheduler")
+        )
+        if self.tier_redis is not None:
+            await verify_redis(self.tier_redis, "scheduler", self.settings.bus.redis_url)
         for subject in INBOX:
             await self.bus.subscribe(subject, self._on_message)
         self.bus.spawn(self._watch_workers())
@@ -430,7 +432,10 @@ async def run(settings: Settings) -> None:
     if settings.scheduler.scheduler_ha:
         if not settings.bus.redis_url:
             raise SystemExit("--scheduler-ha needs --redis-url (the lease lives in Redis)")
-        lease = Lease(settings.bus.redis_url, src.name)
+        lease = Lease(
+            settings.bus.redis_url, src.name, options=redis_options(settings.bus, "scheduler")
+        )
+        await verify_redis(lease.redis, "scheduler", settings.bus.redis_url)
     service = SchedulerService(settings, src.name, max_len, lease, settings.scheduler.scheduler_id)
     await service.start()
     # a standby is ready too (healthy, just not planning); whether it leads is in its logs/stats

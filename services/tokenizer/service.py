@@ -30,6 +30,7 @@ from services.tokenizer.prompts import (
 )
 from services.tokenizer.rpc import detokenize, tokenize
 from shared import subjects
+from shared.access.connect import nats_auth
 from shared.bus import Bus
 from shared.config import Settings
 from shared.logs import request_scope
@@ -85,7 +86,9 @@ class TokenizerService:
         self._grammar: GrammarCompiler | None = None
 
     async def start(self) -> None:
-        await self.bus.connect(self.settings.bus.nats_url)
+        await self.bus.connect(
+            self.settings.bus.nats_url, auth=nats_auth(self.settings.bus, "tokenizer")
+        )
         await self.bus.subscribe(
             subjects.TOKENIZE, self._on_message, queue=subjects.TOKENIZER_QUEUE
         )

@@ -28,6 +28,7 @@ from services.worker.runner import ModelRunner
 from services.worker.sim_runner import SimRunner, step_time_fn, vocab_for
 from services.worker.telemetry import WorkerTelemetry
 from shared import subjects
+from shared.access.connect import nats_auth, redis_options, verify_redis
 from shared.bus import Bus
 from shared.config import Settings
 from shared.messages import (
@@ -88,6 +89,7 @@ class WorkerService:
             settings.cache.kv_host_memory,
             settings.bus.redis_url if settings.cache.kv_redis_tier else "",
             settings.cache.kv_tier_ttl,
+            redis_options(settings.bus, "worker"),
         )
         self.draining = False
         self.last_heard = time.monotonic()  # the last message from a scheduler (or step end)
@@ -98,7 +100,11 @@ class WorkerService:
         self._beat = asyncio.Event()  # wakes the heartbeat loop early
 
     async def start(self) -> None:
-        await self.bus.connect(self.settings.bus.nats_url)
+        await self.bus.connect(
+            self.settings.bus.nats_url, auth=nats_auth(self.settings.bus, "worker")
+        )
+        if self.tiers.redis is not None:
+            await verify_redis(self.tiers.redis.redis, "worker", self.settings.bus.redis_url)
         await self.bus.subscribe(self.step_subject, self._on_message)
         await self.kv.start()
         self.bus.spawn(self._run_steps())

@@ -22,6 +22,7 @@ import time
 import zlib
 from collections import OrderedDict
 from dataclasses import dataclass, field
+from typing import Any
 
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
@@ -130,9 +131,12 @@ class RedisTier:
         ttl_s: int = 3600,
         timeout_s: float = 0.5,
         probe_every_s: float = 2.0,
+        options: dict[str, Any] | None = None,
     ) -> None:
+        """``options``: more ``from_url`` arguments (the worker role's login,
+        shared/access/connect.redis_options)."""
         self.redis = aioredis.from_url(
-            url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s
+            url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s, **(options or {})
         )
         self.layout = layout
         self.block_bytes = block_bytes
@@ -242,12 +246,19 @@ class KvTiers:
 
     @classmethod
     def build(
-        cls, io: KvBlockIO, host_gib: float, redis_url: str = "", ttl_s: int = 3600
+        cls,
+        io: KvBlockIO,
+        host_gib: float,
+        redis_url: str = "",
+        ttl_s: int = 3600,
+        redis_options: dict[str, Any] | None = None,
     ) -> KvTiers:
         """A host tier of ``host_gib`` (0: none) and a Redis tier at ``redis_url`` ("": none)."""
         host = HostTier(int(host_gib * 2**30))
         redis = (
-            RedisTier(redis_url, io.layout(), io.block_bytes, ttl_s=ttl_s) if redis_url else None
+            RedisTier(redis_url, io.layout(), io.block_bytes, ttl_s=ttl_s, options=redis_options)
+            if redis_url
+            else None
         )
         return cls(io, host, redis)
 

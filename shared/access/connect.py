@@ -1,0 +1,125 @@
+"""A service's side of the grants: the NATS and Redis connection options of a role, built from
+its settings (user, password file, TLS files), and the clear failure when a server refuses
+them: the service exits with EXIT_REFUSED (78, EX_CONFIG) and a message naming what was
+refused, and `kvflow serve` does not start it again (the same credentials would be refused)."""
+
+from __future__ import annotations
+
+import ssl
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from shared.access.grants import inbox_prefix
+
+if TYPE_CHECKING:
+    import redis.asyncio as aioredis
+
+    from shared.config import BusSettings
+
+EXIT_REFUSED = 78  # sysexits.h EX_CONFIG: restarting will not help
+
+
+class AccessError(Exception):
+    """Credentials unreadable or refused by NATS or Redis: the service cannot run as given."""
+
+
+def read_secret(path: str, what: str) -> str:
+    """The secret in file ``path`` (surrounding whitespace dropped)."""
+    try:
+        value = Path(path).read_text().strip()
+    except OSError as e:
+        raise AccessError(f"cannot read the {what} file {path}: {e.strerror}") from e
+    if not value:
+        raise AccessError(f"the {what} file {path} is empty")
+    return value
+
+
+def tls_context(ca: str = "", cert: str = "", key: str = "") -> ssl.SSLContext:
+    """A client TLS context: trust ``ca`` (default: the system's CAs) and show ``cert``/``key``
+    when given (servers that verify clients)."""
+    try:
+        ctx = ssl.create_default_context(cafile=ca or None)
+        if cert or key:
+            if not (cert and key):
+                raise AccessError(
+                    "a TLS client certificate needs both --*-tls-cert and --*-tls-key"
+                )
+            ctx.load_cert_chain(cert, key)
+    except (OSError, ssl.SSLError) as e:
+        raise AccessError(f"cannot load the TLS files ({e})") from e
+    return ctx
+
+
+@dataclass(frozen=True)
+class NatsAuth:
+    """How one role logs in to NATS."""
+
+    role: str = ""
+    user: str = ""
+    password: str = ""
+    tls: ssl.SSLContext | None = None
+
+    def options(self) -> dict[str, Any]:
+        """Keyword arguments for ``nats.connect``."""
+        out: dict[str, Any] = {}
+        if self.role:
+            out["inbox_prefix"] = inbox_prefix(self.role)
+        if self.user:
+            out |= {"user": self.user, "password": self.password}
+        if self.tls is not None:
+            out["tls"] = self.tls
+        return out
+
+    def describe(self) -> str:
+        return f"user {self.user!r}" if self.user else "no credentials"
+
+
+def nats_auth(bus: BusSettings, role: str) -> NatsAuth:
+    """The NATS login of a service of ``role`` from its settings: user (default: the role) and
+    password file, TLS when CA/certificate files are given or the URL says ``tls://``."""
+    user = password = ""
+    if bus.nats_password_file:
+        user = bus.nats_user or role
+        password = read_secret(bus.nats_password_file, "NATS password")
+    tls = None
+    if bus.nats_tls_ca or bus.nats_tls_cert or bus.nats_url.startswith("tls://"):
+        tls = tls_context(bus.nats_tls_ca, bus.nats_tls_cert, bus.nats_tls_key)
+    return NatsAuth(role, user, password, tls)
+
+
+def redis_options(bus: BusSettings, role: str) -> dict[str, Any]:
+    """Keyword arguments for ``redis.asyncio.from_url(bus.redis_url, ...)`` of ``role``: its
+    ACL user and password, and a CA for ``rediss://`` URLs."""
+    out: dict[str, Any] = {}
+    if bus.redis_password_file:
+        out["username"] = bus.redis_user or role
+        out["password"] = read_secret(bus.redis_password_file, "Redis password")
+    if bus.redis_tls_ca:
+        out["ssl_ca_certs"] = bus.redis_tls_ca
+    return out
+
+
+def redis_client(bus: BusSettings, role: str, **kwargs: Any) -> aioredis.Redis:
+    """A Redis client of ``role`` on ``bus.redis_url`` (``kwargs``: timeouts, decoding)."""
+    import redis.asyncio as aioredis
+
+    return aioredis.from_url(bus.redis_url, **redis_options(bus, role), **kwargs)
+
+
+async def verify_redis(client: aioredis.Redis, role: str, url: str) -> bool:
+    """Log in once at start: refused credentials raise AccessError (the service cannot do its
+    Redis work as given); an unreachable Redis returns False (the caller carries on without
+    it, as when Redis goes away later)."""
+    from redis.exceptions import AuthenticationError, NoPermissionError, RedisError
+
+    try:
+        await client.ping()
+    except (AuthenticationError, NoPermissionError) as e:
+        raise AccessError(
+            f"Redis at {url} refused the {role} login ({e}): check --redis-user / "
+            "--redis-password-file (`kvflow auth init` makes a role's credentials)"
+        ) from e
+    except (RedisError, OSError):
+        return False
+    return True

@@ -1,0 +1,93 @@
+"""Fresh credentials for every role, written where the servers and services read them:
+
+    DIR/<role>/nats-password    DIR/<role>/redis-password    (one directory per role)
+    DIR/nats/nats.conf          DIR/redis/users.acl          (the servers' configurations)
+
+`kvflow serve` makes them at start in a private temporary directory; `kvflow auth init DIR`
+makes them for compose (its init service) and Kubernetes (Secrets generated from the files).
+A service is given only its own role's directory (compose volume, Kubernetes Secret), and
+reads the password from a file (``--nats-password-file``): never a command line or an image."""
+
+from __future__ import annotations
+
+import os
+import secrets
+from dataclasses import dataclass
+from pathlib import Path
+
+from shared.access.grants import NATS_ROLES, REDIS_ROLES, ROLES
+from shared.access.render import nats_config, redis_acl
+
+NATS_PASSWORD = "nats-password"
+REDIS_PASSWORD = "redis-password"
+NATS_CONF = Path("nats") / "nats.conf"
+REDIS_ACL = Path("redis") / "users.acl"
+
+
+@dataclass(frozen=True)
+class Credentials:
+    """A directory made by ``generate``."""
+
+    root: Path
+
+    def nats_password_file(self, role: str) -> Path:
+        return self.root / role / NATS_PASSWORD
+
+    def redis_password_file(self, role: str) -> Path:
+        return self.root / role / REDIS_PASSWORD
+
+    @property
+    def nats_conf(self) -> Path:
+        return self.root / NATS_CONF
+
+    @property
+    def redis_acl(self) -> Path:
+        return self.root / REDIS_ACL
+
+    def service_settings(self, role: str) -> dict[str, str]:
+        """The flat settings that make a service of ``role`` log in (user = its role)."""
+        out: dict[str, str] = {}
+        if role in NATS_ROLES:
+            out |= {"nats_user": role, "nats_password_file": str(self.nats_password_file(role))}
+        if role in REDIS_ROLES:
+            out |= {"redis_user": role, "redis_password_file": str(self.redis_password_file(role))}
+        return out
+
+
+def _write(path: Path, text: str, mode: int) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+    os.chmod(path, mode)  # an existing file keeps its old mode through os.open
+
+
+def generate(
+    root: Path | str,
+    *,
+    mode: int = 0o600,
+    tls_cert: str = "",
+    tls_key: str = "",
+    tls_ca: str = "",
+    max_payload: int | None = None,
+) -> Credentials:
+    """New random passwords for every role and the servers' configurations under ``root``.
+    ``mode``: of every file (0o600: only this user; compose's init service widens it so the
+    unprivileged containers that mount a role's directory can read it). ``tls_*``: paths, as
+    nats-server will see them, of its certificate, key and client CA."""
+    root = Path(root)
+    root.mkdir(parents=True, exist_ok=True)
+    nats = {r: secrets.token_urlsafe(24) for r in NATS_ROLES}
+    redis = {r: secrets.token_urlsafe(24) for r in REDIS_ROLES}
+    creds = Credentials(root)
+    for role in ROLES:
+        if role in nats:
+            _write(creds.nats_password_file(role), nats[role] + "\n", mode)
+        if role in redis:
+            _write(creds.redis_password_file(role), redis[role] + "\n", mode)
+    conf = nats_config(
+        nats, tls_cert=tls_cert, tls_key=tls_key, tls_ca=tls_ca, max_payload=max_payload
+    )
+    _write(creds.nats_conf, conf, mode)
+    _write(creds.redis_acl, redis_acl(redis), mode)
+    return creds
