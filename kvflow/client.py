@@ -11,6 +11,7 @@ import uuid
 from dataclasses import dataclass, field
 
 from shared import subjects
+from shared.access.connect import NatsAuth
 from shared.bus import Bus
 from shared.messages import (
     Abort,
@@ -50,15 +51,19 @@ class Completion:
 
 
 class PipelineClient:
-    def __init__(self, nats_url: str, name: str = "kvflow-python") -> None:
+    def __init__(
+        self, nats_url: str, name: str = "kvflow-python", auth: NatsAuth | None = None
+    ) -> None:
+        """``auth``: the gateway role's login (the client does what a gateway does)."""
         self.nats_url = nats_url
+        self.auth = auth
         self.client_id = f"py-{uuid.uuid4().hex[:12]}"
         self.inbox = subjects.gateway_inbox(self.client_id)
         self.bus = Bus(f"{name}-{self.client_id}")
         self.streams = RequestStreams()
 
     async def start(self) -> None:
-        await self.bus.connect(self.nats_url)
+        await self.bus.connect(self.nats_url, auth=self.auth)
         await self.bus.subscribe(self.inbox, self.streams.handler)
 
     async def close(self) -> None:

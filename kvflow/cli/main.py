@@ -90,6 +90,14 @@ def build_parser(tool_name: str | None = None) -> argparse.ArgumentParser:
         help="schedulers; with 2 or more, one leads and the others stand by (lease in Redis)",
     )
 
+    serve.add_argument(
+        "--nats-server-tls-cert",
+        default="",
+        help="certificate file for the stack's nats-server: every bus connection is TLS "
+        "(give the services its CA with --nats-tls-ca)",
+    )
+    serve.add_argument("--nats-server-tls-key", default="", help="key of --nats-server-tls-cert")
+
     run = sub.add_parser("run", help="run one service")
     run.add_argument("service", choices=SERVICES)
     Settings.add_arguments(run)
@@ -128,7 +136,11 @@ def main(argv: list[str] | None = None) -> int:
         tokenizers=args.tokenizers,
         detokenizers=args.detokenizers,
     )
-    return serve(settings, topology)
+    cert, key = args.nats_server_tls_cert, args.nats_server_tls_key
+    if bool(cert) != bool(key):
+        print("kvflow: error: --nats-server-tls-cert and --nats-server-tls-key go together")
+        return 2
+    return serve(settings, topology, (cert, key) if cert else None)
 
 
 if __name__ == "__main__":
