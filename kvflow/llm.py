@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import atexit
 import dataclasses
+import functools
 import itertools
 import sys
 import threading
@@ -34,7 +35,14 @@ from kvflow.outputs import (
     Logprob,
     RequestOutput,
 )
-from kvflow.sampling_params import BeamSearchParams, SamplingParams, as_list
+from kvflow.sampling_params import (
+    BeamSearchParams,
+    Prompt,
+    SamplingParams,
+    _prompt_list,
+    as_list,
+    prompt_cache_salt,
+)
 from shared.access.connect import nats_auth
 from shared.beam_search import beam_search as run_beam_search
 from shared.config import Settings
@@ -44,7 +52,7 @@ from shared.messages import SamplingParams as WireParams
 from shared.model_source import ModelNotFoundError, load_tokenizer, resolve_model
 
 T = TypeVar("T")
-Prompt = str | list[int] | dict[str, Any]
+_Tokenized = tuple[str | None, list[int], str | None]  # text, token ids, cache salt
 
 # vLLM engine arguments that mean nothing on this stack: accepted, with a note
 _VLLM_NOOP_ARGS = {"trust_remote_code", "enforce_eager", "disable_log_stats", "swap_space"}
@@ -186,7 +194,9 @@ class LLM:
         priority: Sequence[int] | None = None,
     ) -> list[RequestOutput]:
         """One RequestOutput per prompt, in input order. A prompt is a string, a list of token
-        ids, or ``{"prompt": str}`` / ``{"prompt_token_ids": [...]}``."""
+        ids, or ``{"prompt": str}`` / ``{"prompt_token_ids": [...]}`` (vLLM's TextPrompt /
+        TokensPrompt), a dict optionally with ``"cache_salt"``: only prompts with the same salt
+        share prefix-cache blocks."""
         items = _prompt_list(prompts)
         params = as_list(sampling_params, len(items))
         if priority is not None and len(priority) != len(items):
@@ -227,20 +237,22 @@ class LLM:
             )
             ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
             text = self.tokenizer.decode(ids, skip_special_tokens=False)
-            jobs.append(((text, ids), sp, 0))
+            jobs.append(((text, ids, None), sp, 0))
         return self._run_all(jobs, use_tqdm)
 
-    def _tokenize(self, prompt: Prompt) -> tuple[str | None, list[int]]:
+    def _tokenize(self, prompt: Prompt) -> _Tokenized:
+        """(text, token ids, cache salt) of a prompt."""
+        salt = prompt_cache_salt(prompt)
         if isinstance(prompt, dict):
             if "prompt_token_ids" in prompt:
-                return prompt.get("prompt"), list(prompt["prompt_token_ids"])
+                return prompt.get("prompt"), list(prompt["prompt_token_ids"]), salt
             prompt = prompt["prompt"]
         if isinstance(prompt, str):
-            return prompt, list(self.tokenizer(prompt)["input_ids"])
-        return None, list(prompt)
+            return prompt, list(self.tokenizer(prompt)["input_ids"]), salt
+        return None, list(prompt), salt
 
     def _run_all(
-        self, jobs: list[tuple[tuple[str | None, list[int]], SamplingParams, int]], use_tqdm: bool
+        self, jobs: list[tuple[_Tokenized, SamplingParams, int]], use_tqdm: bool
     ) -> list[RequestOutput]:
         return self._loop.run(self._generate_all(jobs, use_tqdm))
 
@@ -260,8 +272,8 @@ class LLM:
 
         async def one(i: int) -> None:
             try:
-                (text, ids), sp, prio = jobs[i]
-                out[i] = await self._one(text, ids, sp, prio)
+                (text, ids, salt), sp, prio = jobs[i]
+                out[i] = await self._one(text, ids, sp, prio, salt)
                 bar.update(1)
             except BaseException as e:  # noqa: BLE001 - re-raised below, in input order
                 failure.append(e)
@@ -287,7 +299,7 @@ class LLM:
         return [o for o in out if o is not None]
 
     async def _one(
-        self, text: str | None, ids: list[int], sp: SamplingParams, priority: int
+        self, text: str | None, ids: list[int], sp: SamplingParams, priority: int, salt: str | None
     ) -> RequestOutput:
         rid = f"{self._client.client_id}-{next(self._ids)}"
         rank = ranks(sp.n, sp.best_of)
@@ -307,6 +319,7 @@ class LLM:
             prompt_token_ids=ids,
             priority=priority,
             truncate_prompt_tokens=sp.truncate_prompt_tokens,
+            cache_salt=salt,
         )
         seqs = expand([req], sequences_per_prompt(sp.n, sp.best_of))
         done = await asyncio.gather(*(self._client.generate(r) for r in seqs))
@@ -340,7 +353,7 @@ class LLM:
         """vLLM's ``LLM.beam_search``: the ``beam_width`` best beams of each prompt, best first
         (Hugging Face's selection rules; shared/beam_search.py)."""
         items = [self._tokenize(p) for p in _prompt_list(prompts)]
-        for _, ids in items:
+        for _, ids, _ in items:
             if len(ids) + params.max_tokens > self.max_model_len:
                 raise ValueError(
                     f"prompt ({len(ids)} tokens) + max_tokens exceeds max_model_len {self.max_model_len}"
@@ -348,12 +361,13 @@ class LLM:
         return self._loop.run(self._beam_all(items, params))
 
     async def _beam_all(self, items, params: BeamSearchParams) -> list[BeamSearchOutput]:  # noqa: ANN001
-        async def expand(seqs: list[list[int]], k: int) -> list[list[tuple[int, float]]]:
+        async def expand(
+            seqs: list[list[int]], k: int, salt: str | None = None
+        ) -> list[list[tuple[int, float]]]:
             wire = WireParams(max_tokens=1, temperature=0.0, logprobs=k, ignore_eos=True)
+            cid = self._client.client_id
             reqs = [
-                GenerateRequest(
-                    f"{self._client.client_id}-{next(self._ids)}", "", wire, prompt_token_ids=s
-                )
+                GenerateRequest(f"{cid}-{next(self._ids)}", "", wire, None, s, cache_salt=salt)
                 for s in seqs
             ]
             done = await asyncio.gather(*(self._client.generate(r) for r in reqs))
@@ -363,10 +377,10 @@ class LLM:
                 tops.append(list(zip(lp.top_ids, [v for _, v in lp.top], strict=True)))
             return tops
 
-        async def one(ids: list[int]) -> BeamSearchOutput:
+        async def one(ids: list[int], salt: str | None) -> BeamSearchOutput:
             beams = await run_beam_search(
                 ids,
-                expand,
+                functools.partial(expand, salt=salt),
                 params.beam_width,
                 params.max_tokens,
                 self.eos_token_ids,
@@ -393,20 +407,9 @@ class LLM:
             return BeamSearchOutput(seqs)
 
         try:
-            return list(await asyncio.gather(*(one(ids) for _, ids in items)))
+            return list(await asyncio.gather(*(one(ids, salt) for _, ids, salt in items)))
         except PipelineError as e:
             raise _as_user_error(e) from None
-
-
-def _prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
-    if isinstance(prompts, str | dict):
-        return [prompts]
-    prompts = list(prompts)
-    if prompts and all(isinstance(t, int) for t in prompts):
-        return [prompts]  # one prompt as token ids
-    if not prompts:
-        raise ValueError("no prompts")
-    return prompts
 
 
 def _text(content: Any) -> str:

@@ -12,6 +12,7 @@ import dataclasses
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from shared.messages import SamplingParams as WireParams
 from shared.messages import StructuredOutput
@@ -103,3 +104,26 @@ def as_list(
     if len(params) != n:
         raise ValueError(f"{len(params)} sampling_params for {n} prompts: give one, or one each")
     return params
+
+
+# Prompts as ``LLM`` takes them: a string, token ids, or vLLM's TextPrompt / TokensPrompt dicts
+Prompt = str | list[int] | dict[str, Any]
+
+
+def _prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
+    if isinstance(prompts, str | dict):
+        return [prompts]
+    prompts = list(prompts)
+    if prompts and all(isinstance(t, int) for t in prompts):
+        return [prompts]  # one prompt as token ids
+    if not prompts:
+        raise ValueError("no prompts")
+    return prompts
+
+
+def prompt_cache_salt(prompt: Prompt) -> str | None:
+    """A dict prompt's ``"cache_salt"`` (vLLM's): a non-empty string, as over HTTP."""
+    salt = prompt.get("cache_salt") if isinstance(prompt, dict) else None
+    if salt is not None and (not isinstance(salt, str) or not salt):
+        raise ValueError("cache_salt: must be a non-empty string if provided")
+    return salt

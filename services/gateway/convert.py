@@ -128,6 +128,33 @@ class Job:
         return len(self.prompts) * self.best_of
 
 
+def check_cache_salt(value: object) -> str | None:
+    """vLLM's rule: ``cache_salt``, when given, is a non-empty string (400 otherwise)."""
+    if value is None:
+        return None
+    if not isinstance(value, str) or not value:
+        raise bad("cache_salt", "must be a non-empty string if provided")
+    return value
+
+
+def tenant_salt(tenant: str | None, cache_salt: str | None) -> str | None:
+    """A request's salt under ``--cache-salt-per-key``: its tenant's id, with the request's own
+    ``cache_salt`` after it (combined, never replaced). Tenant ids hold no ``:``, so no salt a
+    client chooses can equal another tenant's."""
+    if tenant is None:
+        return cache_salt
+    return tenant if cache_salt is None else f"{tenant}:{cache_salt}"
+
+
+def salt_job(job: Job, tenant: str | None) -> Job:
+    """``job`` with every request salted for ``tenant`` (None: an open API, or the setting
+    off: unchanged)."""
+    if tenant is not None:
+        for gen in job.prompts:
+            gen.cache_salt = tenant_salt(tenant, gen.cache_salt)
+    return job
+
+
 def sampling_params(
     req: SamplingBody,
     max_tokens: int,
@@ -164,6 +191,7 @@ def sampling_params(
         raise bad(param, e.reason) from None
     if req.priority is not None and not INT64_MIN <= req.priority <= INT64_MAX:
         raise bad("priority", "out of range")
+    check_cache_salt(req.cache_salt)
     return SamplingParams(**wire_fields(values), structured_output=constraint)
 
 
@@ -220,6 +248,7 @@ def chat_job(
         priority=req.priority or 0,
         truncate_prompt_tokens=req.truncate_prompt_tokens,
         continue_final_message=continue_final,
+        cache_salt=req.cache_salt,
     )
     return Job(
         [gen],
@@ -323,6 +352,7 @@ def completion_job(
             arrival_time=arrival_time,
             priority=req.priority or 0,
             truncate_prompt_tokens=req.truncate_prompt_tokens,
+            cache_salt=req.cache_salt,
         )
         for text, ids in prompts
     ]

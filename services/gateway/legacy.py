@@ -25,7 +25,16 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from services.gateway.cancel import SSEResponse, run_or_disconnect
-from services.gateway.convert import bad, completion_job, new_request_id, parse_json, validate_body
+from services.gateway.convert import (
+    bad,
+    check_cache_salt,
+    completion_job,
+    new_request_id,
+    parse_json,
+    salt_job,
+    tenant_salt,
+    validate_body,
+)
 from services.gateway.generation import CLIENT_CLOSED
 from services.gateway.protocol import CompletionRequest
 from services.gateway.state import GatewayState
@@ -52,7 +61,10 @@ def _line(texts: list[str]) -> bytes:
     return json.dumps({"text": texts}).encode() + b"\n"
 
 
-async def legacy_generate(request: Request, state: GatewayState, body: bytes) -> Response:
+async def legacy_generate(
+    request: Request, state: GatewayState, body: bytes, tenant: str | None = None
+) -> Response:
+    """``tenant``: the API key's prefix-cache tenant (``--cache-salt-per-key``), if any."""
     data = parse_json(body)
     prompt = data.get("prompt")
     if not isinstance(prompt, str) or not prompt:
@@ -66,9 +78,11 @@ async def legacy_generate(request: Request, state: GatewayState, body: bytes) ->
     length_penalty = data.pop("length_penalty", 1.0)
     data.pop("early_stopping", None)  # HF's heuristic is what runs (shared/beam_search.py)
     if use_beam:
-        return await _beam(request, state, data, prompt, stream, length_penalty)
+        salt = tenant_salt(tenant, check_cache_salt(data.get("cache_salt")))
+        return await _beam(request, state, data, prompt, stream, length_penalty, salt)
     req = validate_body(CompletionRequest, {**data, "model": state.model_name, "stream": stream})
     job = completion_job(req, new_request_id("gen"), state.inbox, time.time(), state.settings)
+    salt_job(job, tenant)
     handles = [await state.submit(g) for g in expand(job.prompts, job.best_of)]
 
     def close() -> None:
@@ -128,6 +142,7 @@ async def _beam(
     prompt: str,
     stream: bool,
     length_penalty: Any,
+    cache_salt: str | None = None,
 ) -> Response:
     n = data.get("n", 1)
     width = data.get("best_of") or n
@@ -154,7 +169,9 @@ async def _beam(
         base = new_request_id("beam")
         handles = [
             await state.submit(
-                GenerateRequest(f"{base}-{i}", state.inbox, params, prompt_token_ids=s)
+                GenerateRequest(
+                    f"{base}-{i}", state.inbox, params, prompt_token_ids=s, cache_salt=cache_salt
+                )
             )
             for i, s in enumerate(seqs)
         ]

@@ -88,6 +88,8 @@ class SamplingBody(_SamplingFields):  # type: ignore[misc,valid-type]
     user: str | None = None  # accepted; kvflow keeps per-key usage instead (see API keys)
     response_format: ResponseFormat | None = None
     priority: int | None = 0  # lower values are scheduled first
+    # vLLM's: only requests with the same salt share prefix-cache blocks (non-empty)
+    cache_salt: str | None = None
     structured_outputs: StructuredOutputs | None = None
     # vLLM's: logprobs entries name tokens ``token_id:N`` (the text is unchanged)
     return_tokens_as_token_ids: bool | None = None

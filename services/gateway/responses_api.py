@@ -88,6 +88,8 @@ class ResponsesRequest(_Body):
     background: bool | None = None
     truncation: Literal["auto", "disabled"] | None = None
     top_logprobs: int | None = None
+    # vLLM's: only requests with the same salt share prefix-cache blocks (non-empty)
+    cache_salt: str | None = None
 
 
 def _refusal(req: ResponsesRequest) -> APIError | None:
@@ -159,6 +161,7 @@ def responses_job(
         "stream": req.stream,
         "user": req.user,
         "response_format": _response_format(req.text.format if req.text else None),
+        "cache_salt": req.cache_salt,
     }
     try:
         job = chat_job(

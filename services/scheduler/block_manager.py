@@ -19,7 +19,8 @@ BlockHash = NewType("BlockHash", bytes)
 
 def hash_block(parent: BlockHash | None, token_ids: Sequence[int], salt: bytes = b"") -> BlockHash:
     """Hash of a full block chained over its whole prefix: equal hashes mean equal token
-    prefixes (and equal salt: model, block size, tenant), so the cached K/V can be reused."""
+    prefixes (and equal salt: model, block size, the request's cache_salt), so the cached K/V
+    can be reused. The salt enters the first block only; the chain carries it on."""
     h = hashlib.blake2b(digest_size=16)
     h.update(parent if parent is not None else b"root:" + salt)
     h.update(b",".join(str(t).encode() for t in token_ids))
@@ -62,35 +63,49 @@ class BlockManager:
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
-    def block_hashes(self, token_ids: Sequence[int]) -> list[BlockHash]:
-        """Chained hashes of every full block of ``token_ids``."""
+    def root_salt(self, cache_salt: str | None = None) -> bytes:
+        """The salt of a sequence's first block: this manager's (model, block size), plus the
+        request's ``cache_salt`` (vLLM's) when it has one, so sequences with different salts
+        (or one salted, one not) never share a block, here or in the KV tiers (same hashes)."""
+        if not cache_salt:
+            return self.salt
+        return self.salt + b"\x00cache_salt\x00" + cache_salt.encode("utf-8", "surrogatepass")
+
+    def block_hashes(
+        self, token_ids: Sequence[int], cache_salt: str | None = None
+    ) -> list[BlockHash]:
+        """Chained hashes of every full block of ``token_ids`` (salted with ``cache_salt``)."""
         hashes: list[BlockHash] = []
         parent: BlockHash | None = None
-        bs = self.block_size
+        bs, salt = self.block_size, self.root_salt(cache_salt)
         for i in range(len(token_ids) // bs):
-            parent = hash_block(parent, token_ids[i * bs : (i + 1) * bs], self.salt)
+            parent = hash_block(parent, token_ids[i * bs : (i + 1) * bs], salt)
             hashes.append(parent)
         return hashes
 
-    def find_cached_prefix(self, token_ids: Sequence[int]) -> list[int]:
+    def find_cached_prefix(
+        self, token_ids: Sequence[int], cache_salt: str | None = None
+    ) -> list[int]:
         """Block ids holding the longest cached prefix of ``token_ids`` (full blocks only), at
         most ``(len-1)//block_size`` blocks so that at least one token is still computed (its
         logits are needed to sample). Counts the lookup in the hit-rate counters."""
-        found = self.lookup_prefix(token_ids)
+        found = self.lookup_prefix(token_ids, cache_salt=cache_salt)
         self.prefix_queries += (len(token_ids) - 1) // self.block_size
         self.prefix_hits += len(found)
         return found
 
-    def lookup_prefix(self, token_ids: Sequence[int], limit: int | None = None) -> list[int]:
+    def lookup_prefix(
+        self, token_ids: Sequence[int], limit: int | None = None, cache_salt: str | None = None
+    ) -> list[int]:
         """Like ``find_cached_prefix`` but counts nothing (routing probes every worker);
         ``limit`` caps the number of blocks (default: leave one token to compute)."""
         if limit is None:
             limit = (len(token_ids) - 1) // self.block_size
         found: list[int] = []
         parent: BlockHash | None = None
-        bs = self.block_size
+        bs, salt = self.block_size, self.root_salt(cache_salt)
         for i in range(min(limit, len(token_ids) // bs)):
-            parent = hash_block(parent, token_ids[i * bs : (i + 1) * bs], self.salt)
+            parent = hash_block(parent, token_ids[i * bs : (i + 1) * bs], salt)
             block = self.cached.get(parent)
             if block is None:
                 break
@@ -148,13 +163,21 @@ class BlockManager:
             if self.ref_counts[b] == 0:
                 self.free[b] = None
 
-    def extend_hashes(self, hashes: list[BlockHash], token_ids: Sequence[int], upto: int) -> None:
+    def extend_hashes(
+        self,
+        hashes: list[BlockHash],
+        token_ids: Sequence[int],
+        upto: int,
+        cache_salt: str | None = None,
+    ) -> None:
         """Append to ``hashes`` the chained hashes of the full blocks of ``token_ids[:upto]``
-        not hashed yet (a sequence keeps its list, so each block is hashed once)."""
+        not hashed yet (a sequence keeps its list, so each block is hashed once; ``cache_salt``
+        matters only for the first block, the rest chain from it)."""
         bs = self.block_size
+        salt = self.root_salt(cache_salt) if not hashes else b""
         for i in range(len(hashes), upto // bs):
             parent = hashes[-1] if hashes else None
-            hashes.append(hash_block(parent, token_ids[i * bs : (i + 1) * bs], self.salt))
+            hashes.append(hash_block(parent, token_ids[i * bs : (i + 1) * bs], salt))
 
     def cache_blocks(self, blocks: Sequence[int], hashes: Sequence[BlockHash]) -> list[int]:
         """Register the hashes of full blocks, so later sequences with the same prefix can share

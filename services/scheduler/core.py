@@ -158,6 +158,7 @@ class SchedulerCore:
             eos_token_ids=list(req.eos_token_ids),
             arrival_time=req.arrival_time,
             priority=priority,
+            cache_salt=req.cache_salt,
         )
         self.requests[seq.request_id] = seq
         self.waiting.push(seq)
@@ -212,8 +213,8 @@ class SchedulerCore:
     def expire_transfers(self, timeout_s: float, now: float | None = None) -> list[str]:
         return self.router.expire(timeout_s, now)
 
-    def redis_keys_for(self, token_ids: list[int]) -> list[str]:
-        return self.router.redis_keys_for(token_ids)
+    def redis_keys_for(self, token_ids: list[int], cache_salt: str | None = None) -> list[str]:
+        return self.router.redis_keys_for(token_ids, cache_salt)
 
     # -- stats ----------------------------------------------------------------------------------
 

@@ -122,7 +122,7 @@ def _fit(ws: WorkerState, seq: Sequence, budget: int) -> Admission | None:
     """How ``seq`` would be admitted on ``ws`` now, or None when its blocks do not fit. With
     prompt_logprobs the whole prompt is computed (no cache, no tier)."""
     use_cache = seq.params.prompt_logprobs is None
-    cached = ws.bm.lookup_prefix(seq.token_ids) if use_cache else []
+    cached = ws.bm.lookup_prefix(seq.token_ids, cache_salt=seq.cache_salt) if use_cache else []
     tier = ws.router.tier_lookup(seq, ws, len(cached)) if use_cache else []
     if tier:
         num_new, need = 0, len(tier)

@@ -93,7 +93,7 @@ class Router:
             hits: list[int] = []
             if not (prefill and seq.params.prompt_logprobs is not None):
                 limit = None if prefill else seq.num_tokens // ws.bm.block_size
-                hits = ws.bm.lookup_prefix(seq.token_ids, limit)
+                hits = ws.bm.lookup_prefix(seq.token_ids, limit, seq.cache_salt)
             # cached hits that sit in the free list stop being free once taken
             if not ws.bm.can_allocate(ws.bm.blocks_needed(seq.num_tokens) - len(hits), hits):
                 continue
@@ -119,7 +119,7 @@ class Router:
             return None
         _, dst, _ = min(decode, key=lambda c: c[0])
         limit = seq.num_tokens // dst.bm.block_size
-        cached = dst.bm.lookup_prefix(seq.token_ids, limit)
+        cached = dst.bm.lookup_prefix(seq.token_ids, limit, seq.cache_salt)
         dst.bm.prefix_queries += limit  # blocks it need not receive count as hits
         dst.bm.prefix_hits += len(cached)
         dst.bm.take_cached(cached)
@@ -222,7 +222,7 @@ class Router:
         limit = (seq.num_tokens - 1) // ws.bm.block_size
         if first >= limit:
             return []
-        hashes = ws.bm.block_hashes(seq.token_ids[: limit * ws.bm.block_size])
+        hashes = ws.bm.block_hashes(seq.token_ids[: limit * ws.bm.block_size], seq.cache_salt)
         out: list[BlockHash] = []
         for j in range(first, limit):
             in_redis = ws.store_enabled and j < seq.redis_prefix_blocks
@@ -231,14 +231,15 @@ class Router:
             out.append(hashes[j])
         return out
 
-    def redis_keys_for(self, token_ids: list[int]) -> list[str]:
-        """Redis keys of the full blocks of a prompt (leaving one token to compute), in the
-        layout of a worker that stores blocks there (a cell's workers share one layout; with
-        none, no keys)."""
+    def redis_keys_for(self, token_ids: list[int], cache_salt: str | None = None) -> list[str]:
+        """Redis keys of the full blocks of a prompt (leaving one token to compute; hashed with
+        the request's ``cache_salt``), in the layout of a worker that stores blocks there (a
+        cell's workers share one layout; with none, no keys)."""
         for wid, ws in self.workers.items():
             if ws.store_enabled:
                 bs = ws.bm.block_size
-                hashes = ws.bm.block_hashes(token_ids[: (len(token_ids) - 1) // bs * bs])
+                ids = token_ids[: (len(token_ids) - 1) // bs * bs]
+                hashes = ws.bm.block_hashes(ids, cache_salt)
                 return [tier_key(self.kv_layout.get(wid, ""), h) for h in hashes]
         return []
 

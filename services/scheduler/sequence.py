@@ -77,6 +77,7 @@ class Sequence:
     eos_token_ids: list[int] = field(default_factory=list)
     arrival_time: float = 0.0
     priority: int = 0
+    cache_salt: str | None = None  # vLLM's: in the root of its block hashes (block_manager.py)
     status: SeqStatus = SeqStatus.WAITING
     num_computed: int = 0
     blocks: list[int] = field(default_factory=list)

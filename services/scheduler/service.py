@@ -233,7 +233,7 @@ class SchedulerService:
         than recomputed; bounded by a short timeout, and 0 without a tier)."""
         if self.tier_redis is None or req.params.prompt_logprobs is not None:
             return 0
-        keys = self.core.redis_keys_for(req.prompt_token_ids)
+        keys = self.core.redis_keys_for(req.prompt_token_ids, req.cache_salt)
         return await leading_present(self.tier_redis, keys) if keys else 0
 
     async def _on_heartbeat(self, hb: WorkerHeartbeat) -> None:

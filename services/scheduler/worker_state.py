@@ -131,7 +131,7 @@ class WorkerState:
             self.loads.append(seq.load)
         seq.blocks = list(adm.cached) + fresh
         seq.num_computed = len(adm.cached) * self.bm.block_size
-        seq.hashes = self.bm.block_hashes(seq.token_ids[: seq.num_computed])
+        seq.hashes = self.bm.block_hashes(seq.token_ids[: seq.num_computed], seq.cache_salt)
         seq.status = SeqStatus.TRANSFERRING if adm.tier else SeqStatus.RUNNING
         seq.worker_id = self.worker_id
         seq.reservation = route.reservation
@@ -165,7 +165,7 @@ class WorkerState:
         already shares them. If the step fails they are forgotten again (on_failed_step).
         Returns the blocks registered."""
         start = len(seq.hashes)  # blocks before this are registered already (or duplicates)
-        self.bm.extend_hashes(seq.hashes, seq.token_ids, seq.num_computed + num_new)
+        self.bm.extend_hashes(seq.hashes, seq.token_ids, seq.num_computed + num_new, seq.cache_salt)
         added = self.bm.cache_blocks(seq.blocks[start:], seq.hashes[start:])
         self.in_flight_cached += added
         return added

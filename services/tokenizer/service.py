@@ -174,6 +174,7 @@ class TokenizerService:
             arrival_time=msg.arrival_time,
             eos_token_ids=self.eos_ids,
             priority=msg.priority,
+            cache_salt=msg.cache_salt,
         )
         await self.bus.publish(subjects.REQUESTS, out, inject())
         return "ok"

@@ -24,6 +24,10 @@ class GenerateRequest(_Msg, tag=1):
     truncate_prompt_tokens: int | None = None  # vLLM's: keep only the prompt's last N tokens
     # vLLM's: the chat template leaves the final (assistant) message open, to be continued
     continue_final_message: bool = False
+    # vLLM's: mixed into the root of the prompt's chained block hashes, so only requests with
+    # the same salt share prefix-cache (and KV tier) blocks; with --cache-salt-per-key the
+    # gateway puts the API key's tenant id in front ("<tenant>:<salt>")
+    cache_salt: str | None = None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -38,6 +42,7 @@ class TokenizedRequest(_Msg, tag=2):
     arrival_time: float = 0.0
     eos_token_ids: list[int] = []
     priority: int = 0
+    cache_salt: str | None = None  # GenerateRequest's, carried on to the scheduler
 
 
 # ---------------------------------------------------------------------------------------------

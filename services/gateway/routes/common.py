@@ -72,6 +72,15 @@ async def read_body(request: Request, limit: int) -> bytes | None:
     return b"".join(chunks)
 
 
+def tenant(state: GatewayState, key_hash: str | None) -> str | None:
+    """The API key a request came with, as its prefix-cache tenant (``--cache-salt-per-key``):
+    a key store key's hash (never the key), "static" for ``--api-key``; None when the setting
+    is off or the API is open (no tenants)."""
+    if not state.settings.gateway.cache_salt_per_key or not state.auth.enabled:
+        return None
+    return key_hash or "static"  # Auth.check admitted it: no hash means the static key
+
+
 async def authorized_body(request: Request, state: GatewayState) -> tuple[str | None, bytes | None]:
     """Auth first (a 401/429 before the body is read), then the body: (key hash, body or None
     when the client left)."""

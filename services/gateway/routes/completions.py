@@ -19,6 +19,7 @@ from services.gateway.convert import (
     completion_job,
     new_request_id,
     parse_request,
+    salt_job,
 )
 from services.gateway.errors import APIError
 from services.gateway.generation import CLIENT_CLOSED, UsageCallback, serve
@@ -30,6 +31,7 @@ from services.gateway.routes.common import (
     STREAM_CONTENT,
     Gateway,
     authorized_body,
+    tenant,
 )
 from services.gateway.schemas import STREAM_NOTE, ChatCompletionResponse, CompletionResponse
 from services.gateway.state import GatewayState
@@ -82,10 +84,10 @@ async def completions(request: Request, state: Gateway) -> Response:
 async def generate_legacy(request: Request, state: Gateway) -> Response:
     """vLLM's legacy API server endpoint: ``{"prompt", "n", "use_beam_search", ...}`` ->
     ``{"text": [...]}`` (services/gateway/legacy.py)."""
-    _, body = await authorized_body(request, state)
+    key, body = await authorized_body(request, state)
     if body is None:
         return Response(status_code=CLIENT_CLOSED)
-    return await legacy_generate(request, state, body)
+    return await legacy_generate(request, state, body, tenant(state, key))
 
 
 async def generate(
@@ -109,6 +111,7 @@ async def generate(
         model = check_model(req.model, state.model_name)
         rid = new_request_id(prefix)
         job = make_job(req, rid, state.inbox, time.time(), state.settings)
+        salt_job(job, tenant(state, key))
         fmt = fmt_cls(rid, model, include_usage=job.include_usage)
         fmt.with_logprobs, fmt.with_prompt_logprobs = job.logprobs, job.prompt_logprobs
         fmt.role, fmt.tokens_as_ids = job.role, job.tokens_as_ids
