@@ -1,18 +1,30 @@
 """compose/docker-compose.yml: valid against the Compose Specification's JSON schema (vendored
 from compose-spec/compose-spec, schema/compose-spec.json), every kvflow container runs a
 command `kvflow` accepts with settings that exist, everything is health-checked and restarted,
-and the observability config scrapes every service and graphs metrics that exist."""
+the stack is closed by default (an init service writes each role's credentials into a volume
+of its own, each service mounts only its role's, NATS and Redis load the users and
+permissions), and the observability config scrapes every service and graphs metrics that
+exist. The access checks read the file as `docker compose config` resolves it where the
+compose plugin is installed (anchors, merges, interpolation as Docker does them), else as
+YAML."""
 
 from __future__ import annotations
 
 import copy
 import json
+import os
+import shutil
+import subprocess
+from pathlib import Path, PurePosixPath
 
 import jsonschema
 import pytest
 import yaml
 
-from kvflow.cli.main import SERVICES
+from kvflow.cli.main import SERVICES, build_parser
+from shared.access.credentials import NATS_CONF, NATS_PASSWORD, REDIS_ACL, REDIS_PASSWORD, generate
+from shared.access.grants import NATS_ROLES, REDIS_ROLES, ROLES
+from shared.access.render import redis_acl
 from tests.unit.deploy_support import (
     ROOT,
     environ_of_compose,
@@ -23,15 +35,66 @@ from tests.unit.deploy_support import (
 )
 
 COMPOSE = ROOT / "compose"
+COMPOSE_FILE = COMPOSE / "docker-compose.yml"
+SECRETS = PurePosixPath("/run/secrets/kvflow")  # where a service finds its role's files
+INIT = "auth"  # the one-shot service that writes every role's credentials
+TOOLS = {"keys"}  # one-shot `docker compose run` tools
+ONE_SHOT = {INIT, *TOOLS}
 
 
 @pytest.fixture(scope="module")
 def compose() -> dict:
-    return yaml.safe_load((COMPOSE / "docker-compose.yml").read_text())
+    return yaml.safe_load(COMPOSE_FILE.read_text())
+
+
+@pytest.fixture(scope="module")
+def resolved(compose) -> dict:
+    """The file as `docker compose config` resolves it, every profile on; the YAML where the
+    compose plugin is missing. The caller's KVFLOW_*/OTEL_*/COMPOSE_* variables are left out,
+    so the defaults are checked."""
+    if shutil.which("docker"):
+        skip = ("KVFLOW_", "OTEL_", "COMPOSE_")
+        env = {k: v for k, v in os.environ.items() if not k.startswith(skip)}
+        cmd = ["docker", "compose", "-f", str(COMPOSE_FILE), "--profile", "*", "config"]
+        out = subprocess.run(
+            [*cmd, "--format", "json"], capture_output=True, text=True, env=env, timeout=60
+        )
+        if out.returncode == 0:
+            return json.loads(out.stdout)
+    return compose
+
+
+def _mounts(svc: dict) -> list[tuple[str, str, bool]]:
+    """(source, target, read-only) of each volume, in compose's short or long syntax."""
+    out = []
+    for v in svc.get("volumes", []):
+        if isinstance(v, str):
+            source, target, *mode = v.split(":")
+            out.append((source, target, "ro" in "".join(mode).split(",")))
+        else:
+            out.append((v.get("source", ""), v["target"], bool(v.get("read_only"))))
+    return out
+
+
+def _needs(svc: dict) -> dict[str, str]:
+    """depends_on as service -> condition."""
+    deps = svc.get("depends_on") or {}
+    if isinstance(deps, list):
+        return dict.fromkeys(deps, "service_started")
+    return {name: d.get("condition", "service_started") for name, d in deps.items()}
 
 
 def _kvflow_services(compose: dict) -> dict[str, dict]:
-    return {n: s for n, s in compose["services"].items() if s["image"].startswith("kvflow:")}
+    """The containers that run a kvflow service (`kvflow run SERVICE`)."""
+    return {
+        n: s
+        for n, s in compose["services"].items()
+        if s["image"].startswith("kvflow:") and n not in ONE_SHOT
+    }
+
+
+def _role(svc: dict) -> str:
+    return parse_kvflow_command(svc["command"], environ_of_compose(svc)).service
 
 
 def test_compose_file_is_valid_against_the_compose_spec_schema(compose) -> None:
@@ -48,7 +111,11 @@ def test_every_service_has_its_own_container_health_check_and_restart_policy(com
     services = compose["services"]
     default = {n for n, s in services.items() if "profiles" not in s}
     assert {"nats", "redis", *SERVICES} <= default
+    assert {INIT} <= default and all("tools" in services[n]["profiles"] for n in TOOLS)
     for name, svc in services.items():
+        if name in ONE_SHOT:  # runs once and exits 0: a restart policy would run it forever
+            assert svc.get("restart", "no") == "no", name
+            continue
         assert svc.get("restart") in ("always", "unless-stopped", "on-failure"), name
         assert svc.get("healthcheck", {}).get("test"), f"{name} has no health check"
         # Docker Engine < 25 (Debian's docker.io 20.10) refuses the whole file over this key
@@ -70,7 +137,11 @@ def test_kvflow_containers_run_commands_kvflow_accepts(compose) -> None:
         assert name == cmd.service or name.startswith(f"{cmd.service}-"), name
         ran.add(cmd.service)
         s = cmd.settings
-        assert s.bus.nats_url == "nats://nats:4222" and s.bus.redis_url.startswith("redis://redis:")
+        assert s.bus.nats_url == "nats://nats:4222"
+        if cmd.service in REDIS_ROLES:
+            assert s.bus.redis_url.startswith("redis://redis:"), name
+        else:  # no Redis credentials: nothing to do there
+            assert s.bus.redis_url == "", name
         health_url = svc["healthcheck"]["test"][-1]
         if cmd.service == "gateway":
             assert (
@@ -136,3 +207,128 @@ def test_grafana_dashboard_queries_metrics_the_services_export() -> None:
     )
     uids = {d["uid"] for d in datasources["datasources"]}
     assert {p["datasource"]["uid"] for p in dashboard["panels"] if "datasource" in p} <= uids
+
+
+# -- closed by default: credentials per role ---------------------------------------------------
+
+
+def test_every_kvflow_service_mounts_only_its_own_roles_credentials(resolved) -> None:
+    """One volume per role, read-only at /run/secrets/kvflow, and the password files the
+    settings name there; the user is left to default to the role (the service's name)."""
+    kvflow = _kvflow_services(resolved)
+    assert {"worker-prefill", "worker-decode", "scheduler-standby"} <= set(kvflow)
+    for name, svc in kvflow.items():
+        cmd = parse_kvflow_command(svc["command"], environ_of_compose(svc))
+        role, bus = cmd.service, cmd.settings.bus
+        assert _mounts(svc) == [(f"kvflow-auth-{role}", str(SECRETS), True)], name
+        assert role in NATS_ROLES and bus.nats_user == "", name
+        assert bus.nats_password_file == str(SECRETS / NATS_PASSWORD), name
+        if role in REDIS_ROLES:
+            assert bus.redis_user == "" and bus.redis_password_file == str(SECRETS / REDIS_PASSWORD)
+        else:
+            assert bus.redis_password_file == "", name
+
+    # a role's volume is mounted by the init service and that role's services, nobody else
+    mounted_by: dict[str, set[str]] = {}
+    for name, svc in resolved["services"].items():
+        for source, _, _ in _mounts(svc):
+            mounted_by.setdefault(source, set()).add(name)
+    for role in ROLES:
+        users = {n for n, s in kvflow.items() if _role(s) == role}
+        if role == "admin":
+            users = set(TOOLS)
+        assert mounted_by[f"kvflow-auth-{role}"] == {INIT, *users}, role
+    assert mounted_by["kvflow-auth-nats"] == {INIT, "nats"}
+    assert mounted_by["kvflow-auth-redis"] == {INIT, "redis"}
+
+
+def test_the_init_service_writes_every_file_of_auth_init_into_a_volume(
+    resolved, tmp_path: Path
+) -> None:
+    """`kvflow auth init /out --if-missing --mode 644` as root, each top-level directory it
+    writes a named volume of the project's own (so `down -v` removes them), nothing left in
+    the container's own layer."""
+    init = resolved["services"][INIT]
+    args = build_parser("auth").parse_args(init["command"])
+    assert (args.command, args.auth_command) == ("auth", "init")
+    assert args.if_missing and not args.force and int(args.mode, 8) == 0o644
+    assert str(init["user"]).split(":")[0] in ("0", "root")
+    assert not init.get("entrypoint") and init["image"] == "kvflow:cpu"
+    assert init.get("network_mode") == "none"  # it only writes files
+
+    generate(tmp_path)  # what `kvflow auth init` writes
+    written = {p.name for p in tmp_path.iterdir()}
+    assert all((tmp_path / d).is_dir() for d in written)  # no file at the top
+    assert set(ROLES) | {NATS_CONF.parent.name, REDIS_ACL.parent.name} == written
+    out = PurePosixPath(str(args.dir))
+    assert sorted(_mounts(init)) == sorted(
+        (f"kvflow-auth-{d}", str(out / d), False) for d in written
+    )
+    for d in written:
+        volume = resolved["volumes"][f"kvflow-auth-{d}"] or {}
+        assert not volume.get("external"), d
+
+
+def test_nats_and_redis_load_the_users_and_are_not_published(resolved) -> None:
+    services = resolved["services"]
+    nats, redis = services["nats"], services["redis"]
+
+    cmd = nats["command"]
+    conf = PurePosixPath(cmd[cmd.index("-c") + 1])
+    assert conf.name == NATS_CONF.name
+    assert ("kvflow-auth-nats", str(conf.parent), True) in _mounts(nats)
+    assert {"--jetstream", "--http_port"} <= set(cmd)  # the health check's monitoring port
+    assert "8222" in nats["healthcheck"]["test"][-1]
+
+    cmd = redis["command"]
+    acl = PurePosixPath(cmd[cmd.index("--aclfile") + 1])
+    assert cmd[0] == "redis-server" and acl.name == REDIS_ACL.name
+    assert ("kvflow-auth-redis", str(acl.parent), True) in _mounts(redis)
+    # the health check logs in as nobody: the default user may PING and nothing else
+    assert redis["healthcheck"]["test"][1:] == ["redis-cli", "ping"]
+    (default,) = [line for line in redis_acl({}).splitlines() if line.startswith("user default")]
+    assert default.split()[-2:] == ["-@all", "+ping"]
+
+    for name in ("nats", "redis"):  # only the compose network reaches them
+        assert not services[name].get("ports"), name
+
+
+def test_every_service_waits_for_the_credentials(resolved) -> None:
+    services = resolved["services"]
+    waiting = {"nats", "redis", *_kvflow_services(resolved), *TOOLS}
+    for name in waiting:
+        assert _needs(services[name]).get(INIT) == "service_completed_successfully", name
+    assert not _needs(services[INIT])
+    for name, svc in services.items():  # the third-party observability images need none
+        if name not in waiting | {INIT}:
+            assert "observability" in svc["profiles"], name
+
+
+def test_keys_runs_kvflow_keys_as_the_redis_admin(resolved, tmp_path: Path) -> None:
+    """`docker compose run --rm keys add NAME`: `kvflow keys` with the admin's password (from
+    the admin volume, the only one it mounts) in KVFLOW_REDIS_URL. The entrypoint script runs
+    here with a stand-in `kvflow` that prints what it was given."""
+    keys = resolved["services"]["keys"]
+    assert _mounts(keys) == [("kvflow-auth-admin", str(SECRETS), True)]
+    assert _needs(keys)["redis"] == "service_healthy"
+    build_parser("keys").parse_args(["keys", *keys["command"]])  # the default command parses
+
+    sh, flag, script, argv0 = keys["entrypoint"]
+    assert (sh, flag) == ("sh", "-c")
+    script = script.replace("$$", "$")  # compose's escape of a literal $
+    password = tmp_path / "redis-password"
+    password.write_text("s3cret_-x\n")
+    script = script.replace(str(SECRETS / REDIS_PASSWORD), str(password))
+    (tmp_path / "kvflow").write_text('#!/bin/sh\necho "$KVFLOW_REDIS_URL"; echo "$@"\n')
+    (tmp_path / "kvflow").chmod(0o755)
+    env = {"PATH": f"{tmp_path}:{os.environ['PATH']}"}
+    out = subprocess.run(
+        ["sh", "-c", script, argv0, "add", "alice", "--rpm", "60"],
+        capture_output=True, text=True, env=env, timeout=10, check=True,
+    )  # fmt: skip
+    url, args = out.stdout.splitlines()
+    assert url == "redis://admin:s3cret_-x@redis:6379/0"
+    assert args == "keys add alice --rpm 60"
+
+    gateway = environ_of_compose(resolved["services"]["gateway"])
+    assert gateway["KVFLOW_KEY_STORE"] == ""  # open API by default; 'redis' checks the keys
