@@ -3,6 +3,9 @@ starts the stack (two workers, two detokenizers), and a user's checks run throug
 port: the openai SDK streams greedy text equal to Hugging Face transformers', /metrics answers,
 both workers serve, a worker container killed mid-stream loses no request, the gateway's traces
 reach the collector, `docker compose stop` drains cleanly and `down -v` leaves nothing behind.
+The stack is closed: the `auth` init service writes every role's credentials (kept by a second
+run), clients without credentials are refused by NATS and Redis inside the compose network, a
+role may not touch another's Redis keys, and `keys` manages API keys as Redis's admin.
 
 Where Docker Hub cannot be reached (this workplace), ../shared/scripts/docker-offline.sh installs
 the engine and makes local stand-ins for the python, nats and redis images; on a machine with
@@ -59,6 +62,7 @@ services:
 """
 STACK = ["nats", "redis", "gateway", "tokenizer", "scheduler", "scheduler-standby"]
 STACK += ["detokenizer", "worker", "otel-collector"]
+INIT = "auth"  # one-shot: writes the credentials, exits 0 before anything else starts
 
 
 def run(*cmd: str, timeout: float = 600, check: bool = True, **kw) -> subprocess.CompletedProcess:
@@ -125,6 +129,9 @@ def _wait_healthy(stack: ComposeStack, expected: int, timeout: float = 900) -> N
     deadline = time.monotonic() + timeout
     while True:
         cs = stack.containers(all_=True)
+        init = [c for c in cs if c["Service"] == INIT]
+        assert [(c["State"], c["ExitCode"]) for c in init] == [("exited", 0)], init
+        cs = [c for c in cs if c["Service"] != INIT]
         states = {c["Name"]: (c["State"], c.get("Health", "")) for c in cs}
         if len(cs) >= expected and all(s == ("running", "healthy") for s in states.values()):
             return
@@ -151,7 +158,6 @@ def compose_stack() -> Iterator[ComposeStack]:
     env = {
         **os.environ,
         "KVFLOW_PUBLISHED_PORT": str(free_port()),
-        "KVFLOW_NATS_PUBLISHED_PORT": str(free_port()),
         "OTEL_EXPORTER_OTLP_ENDPOINT": "http://otel-collector:4318",
         "OTEL_EXPORTER_OTLP_PROTOCOL": "http/protobuf",
         # the collector is in this profile: without it, `ps` and `down` would not see it
@@ -297,6 +303,56 @@ def test_the_gateways_traces_reach_the_collector(compose_stack: ComposeStack) ->
         assert time.monotonic() < deadline, f"no gateway spans; services seen: {services}"
         time.sleep(2)
     assert {"kvflow-scheduler", "kvflow-worker"} <= services
+
+
+# run in the gateway container, on the compose network: no credentials, then the gateway's own
+_REFUSED = """
+import asyncio, nats, redis
+async def connect():
+    try:
+        await nats.connect("nats://nats:4222", allow_reconnect=False, connect_timeout=5)
+    except Exception as e:
+        print("nats:", e)
+    else:
+        print("nats: connected")
+asyncio.run(connect())
+def get(client):
+    try:
+        client.get("kvflow:kv:0")
+    except redis.exceptions.NoPermissionError as e:
+        return "refused"
+    return "allowed"
+print("redis ping:", redis.Redis(host="redis").ping())
+print("redis get:", get(redis.Redis(host="redis")))
+password = open("/run/secrets/kvflow/redis-password").read().strip()
+gateway = redis.Redis(host="redis", username="gateway", password=password)
+print("gateway ping:", gateway.ping(), "get:", get(gateway))
+"""
+
+
+def test_the_stack_is_closed_to_clients_without_credentials(compose_stack: ComposeStack) -> None:
+    (gateway,) = [c["Name"] for c in compose_stack.containers() if c["Service"] == "gateway"]
+    out = compose_stack.exec(gateway, "python", "-c", _REFUSED).splitlines()
+    assert out[0].startswith("nats:") and "Authorization Violation" in out[0], out
+    assert out[1:] == [
+        "redis ping: True",  # the health check's
+        "redis get: refused",
+        "gateway ping: True get: refused",  # the KV tier is the workers', not the gateway's
+    ]
+
+    # a second run of the init service keeps the credentials the services have
+    password = compose_stack.exec(gateway, "cat", "/run/secrets/kvflow/nats-password")
+    again = compose_stack.compose("run", "--rm", "-T", INIT)
+    assert "kept" in again.stdout + again.stderr
+    assert compose_stack.exec(gateway, "cat", "/run/secrets/kvflow/nats-password") == password
+
+
+def test_keys_manages_api_keys_as_the_redis_admin(compose_stack: ComposeStack) -> None:
+    key = compose_stack.compose("run", "--rm", "-T", "keys", "add", "e2e-alice", "--rpm", "5")
+    assert key.stdout.strip()
+    listed = compose_stack.compose("run", "--rm", "-T", "keys", "list").stdout
+    assert any(line.split()[:2] == ["e2e-alice", "5"] for line in listed.splitlines()), listed
+    compose_stack.compose("run", "--rm", "-T", "keys", "remove", "e2e-alice")
 
 
 def test_stop_drains_cleanly_and_down_leaves_nothing(compose_stack: ComposeStack) -> None:
