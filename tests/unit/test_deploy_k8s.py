@@ -1,17 +1,29 @@
-"""k8s/: each overlay rendered by a real kustomize (kubectl kustomize) is valid against the
-Kubernetes schemas (kubernetes-validate, strict) and, for KEDA's ScaledObject and the
-prometheus-operator's ServiceMonitor, against their CRDs' schemas (vendored); every kvflow
-container runs a command `kvflow` accepts with settings that exist, and has probes on the
-ports its settings open, resources, and the scaling and disruption objects the design asks for."""
+"""k8s/: each overlay rendered by a real kustomize (kubectl kustomize), from a copy of k8s/
+whose base/secrets holds what `kvflow auth init` writes (the Secrets are generated from those
+files; the real tree has none, and the build refuses to run without them), is valid against
+the Kubernetes schemas (kubernetes-validate, strict) and, for KEDA's ScaledObject and the
+prometheus-operator's ServiceMonitor, against their CRDs' schemas (vendored); cert-manager's
+Issuer and Certificate (components/nats-tls), whose CRDs are not vendored, against a small
+closed schema of the fields used here. Every kvflow container runs a command `kvflow` accepts
+with settings that exist, and has probes on the ports its settings open, resources, and the
+scaling and disruption objects the design asks for. Access control (Secrets, NetworkPolicies,
+security contexts, TLS): test_deploy_k8s_access.py."""
 
 from __future__ import annotations
 
+import atexit
 import copy
 import functools
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
 
 import jsonschema
 import kubernetes_validate
 import pytest
+import yaml
 
 from kvflow.cli.main import SERVICES
 from tests.unit.deploy_support import (
@@ -31,11 +43,132 @@ CRD_SCHEMAS = {
     ("keda.sh/v1alpha1", "ScaledObject"): "keda-scaledobject-v1alpha1.json",
     ("monitoring.coreos.com/v1", "ServiceMonitor"): "monitoring-servicemonitor-v1.json",
 }
+COMPONENTS = ("keys-admin", "nats-tls")  # k8s/components, in the order an overlay lists them
+
+
+def _copy_k8s(dest: Path) -> Path:
+    """k8s/ copied to ``dest``, without any credentials the working tree may hold."""
+    secrets = ROOT / "k8s" / "base" / "secrets"
+    shutil.copytree(
+        ROOT / "k8s",
+        dest,
+        ignore=lambda d, names: ["secrets"] if Path(d) == secrets.parent else [],
+    )
+    return dest
 
 
 @functools.cache
+def credentialed_k8s() -> Path:
+    """A copy of k8s/ with base/secrets made by `kvflow auth init` (once per session)."""
+    root = Path(tempfile.mkdtemp(prefix="kvflow-k8s-"))
+    atexit.register(shutil.rmtree, root, True)
+    tree = _copy_k8s(root / "k8s")
+    out = subprocess.run(
+        [sys.executable, "-m", "kvflow.cli.main", "auth", "init", str(tree / "base" / "secrets")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert out.returncode == 0, f"kvflow auth init failed:\n{out.stderr}"
+    return tree
+
+
+@functools.cache
+def render_k8s(overlay: str, components: tuple[str, ...] = ()) -> tuple[dict, ...]:
+    """What `kubectl kustomize k8s/overlays/OVERLAY` renders once `kvflow auth init
+    k8s/base/secrets` has run, with ``components`` (k8s/components/NAME) added to the overlay
+    as the README says to."""
+    tree = credentialed_k8s()
+    if components:
+        variant = tree.parent / "+".join((overlay, *components))
+        if not variant.exists():
+            shutil.copytree(tree, variant)
+        kustomization = variant / "overlays" / overlay / "kustomization.yaml"
+        k = yaml.safe_load(kustomization.read_text())
+        k["components"] = [f"../../components/{c}" for c in components]
+        kustomization.write_text(yaml.safe_dump(k, sort_keys=False))
+        tree = variant
+    return tuple(render_overlay(tree / "overlays" / overlay))
+
+
 def rendered(overlay: str) -> tuple[dict, ...]:
-    return tuple(render_overlay(ROOT / "k8s" / "overlays" / overlay))
+    return render_k8s(overlay)
+
+
+# cert-manager's CRDs are not vendored: the fields these manifests use, closed (a misspelled
+# field fails), with the ones cert-manager requires
+_REF = {
+    "type": "object",
+    "required": ["name", "kind"],
+    "properties": {"name": {"type": "string"}, "kind": {"enum": ["Issuer", "ClusterIssuer"]},
+                   "group": {"const": "cert-manager.io"}},
+    "additionalProperties": False,
+}  # fmt: skip
+_META = {"type": "object", "required": ["name", "namespace"]}
+CERT_MANAGER_SCHEMAS = {
+    "Issuer": {
+        "type": "object",
+        "required": ["apiVersion", "kind", "metadata", "spec"],
+        "properties": {
+            "apiVersion": {"const": "cert-manager.io/v1"},
+            "kind": {"const": "Issuer"},
+            "metadata": _META,
+            "spec": {
+                "type": "object",
+                "minProperties": 1,
+                "maxProperties": 1,
+                "properties": {
+                    "selfSigned": {"type": "object", "additionalProperties": False},
+                    "ca": {
+                        "type": "object",
+                        "required": ["secretName"],
+                        "properties": {"secretName": {"type": "string"}},
+                        "additionalProperties": False,
+                    },
+                },
+                "additionalProperties": False,
+            },
+        },
+        "additionalProperties": False,
+    },
+    "Certificate": {
+        "type": "object",
+        "required": ["apiVersion", "kind", "metadata", "spec"],
+        "properties": {
+            "apiVersion": {"const": "cert-manager.io/v1"},
+            "kind": {"const": "Certificate"},
+            "metadata": _META,
+            "spec": {
+                "type": "object",
+                "required": ["secretName", "issuerRef"],
+                "anyOf": [{"required": ["commonName"]}, {"required": ["dnsNames"]}],
+                "properties": {
+                    "secretName": {"type": "string"},
+                    "issuerRef": _REF,
+                    "isCA": {"type": "boolean"},
+                    "commonName": {"type": "string"},
+                    "dnsNames": {"type": "array", "items": {"type": "string"}, "minItems": 1},
+                    "duration": {"type": "string", "pattern": "^[0-9]+h$"},
+                    "renewBefore": {"type": "string", "pattern": "^[0-9]+h$"},
+                    "usages": {"type": "array", "items": {"enum": [
+                        "server auth", "client auth", "digital signature", "key encipherment",
+                        "cert sign"]}},
+                    "privateKey": {
+                        "type": "object",
+                        "properties": {
+                            "algorithm": {"enum": ["RSA", "ECDSA", "Ed25519"]},
+                            "size": {"type": "integer"},
+                            "rotationPolicy": {"enum": ["Never", "Always"]},
+                        },
+                        "additionalProperties": False,
+                    },
+                },
+                "additionalProperties": False,
+            },
+        },
+        "additionalProperties": False,
+    },
+}  # fmt: skip
 
 
 def _of_kind(docs, kind: str) -> dict[str, dict]:
@@ -44,6 +177,9 @@ def _of_kind(docs, kind: str) -> dict[str, dict]:
 
 def validate_resource(doc: dict) -> None:
     """Raise if ``doc`` does not match its kind's schema."""
+    if doc["apiVersion"].startswith("cert-manager.io/"):
+        jsonschema.Draft7Validator(CERT_MANAGER_SCHEMAS[doc["kind"]]).validate(doc)
+        return
     crd = CRD_SCHEMAS.get((doc["apiVersion"], doc["kind"]))
     if crd is None:
         kubernetes_validate.validate(doc, K8S_VERSION, strict=True)
@@ -52,10 +188,14 @@ def validate_resource(doc: dict) -> None:
     jsonschema.Draft7Validator(schema).validate(doc)
 
 
+@pytest.mark.parametrize("components", [(), COMPONENTS], ids=["plain", "components"])
 @pytest.mark.parametrize("overlay", OVERLAYS)
-def test_rendered_manifests_are_valid_kubernetes_objects(overlay: str) -> None:
-    docs = rendered(overlay)
+def test_rendered_manifests_are_valid_kubernetes_objects(overlay: str, components) -> None:
+    docs = render_k8s(overlay, components)
     assert len(docs) > 10
+    kinds = {d["kind"] for d in docs}
+    assert {"Secret", "NetworkPolicy"} <= kinds
+    assert ("Certificate" in kinds) == ("nats-tls" in components)
     for doc in docs:
         try:
             validate_resource(doc)
@@ -78,13 +218,24 @@ def test_the_validators_reject_broken_objects() -> None:
     del monitor["spec"]["selector"]
     with pytest.raises(jsonschema.ValidationError):
         validate_resource(monitor)
+    tls = render_k8s("cpu", ("nats-tls",))
+    cert = copy.deepcopy(_of_kind(tls, "Certificate")["nats-server"])
+    cert["spec"]["dnsName"] = cert["spec"].pop("dnsNames")
+    with pytest.raises(jsonschema.ValidationError):
+        validate_resource(cert)
+    issuer = copy.deepcopy(_of_kind(tls, "Issuer")["kvflow-ca"])
+    issuer["spec"]["ca"]["secret"] = issuer["spec"]["ca"].pop("secretName")
+    with pytest.raises(jsonschema.ValidationError):
+        validate_resource(issuer)
 
 
 def _kvflow_containers(docs):
+    """The kvflow services' containers (``kvflow run SERVICE``; components/keys-admin's
+    container, which only waits for `kubectl exec`, sets its own command)."""
     configmaps = _of_kind(docs, "ConfigMap")
     for name, dep in _of_kind(docs, "Deployment").items():
         for c in dep["spec"]["template"]["spec"]["containers"]:
-            if c["image"].startswith("kvflow:"):
+            if c["image"].startswith("kvflow:") and "command" not in c:
                 yield name, dep, c, environ_of_container(c, configmaps)
 
 
@@ -92,8 +243,11 @@ def _kvflow_containers(docs):
 def test_each_service_runs_a_command_kvflow_accepts_with_probes_on_its_ports(overlay) -> None:
     docs = rendered(overlay)
     seen: dict[str, str] = {}
+    for dep in _of_kind(docs, "Deployment").values():
+        for c in dep["spec"]["template"]["spec"]["containers"]:
+            if c["image"].startswith("kvflow:"):
+                assert "command" not in c, "the image's entrypoint is kvflow; args choose"
     for name, dep, c, env in _kvflow_containers(docs):
-        assert "command" not in c, "the image's entrypoint is kvflow; args choose the service"
         cmd = parse_kvflow_command(c["args"], env)
         seen[name] = cmd.service
         s = cmd.settings
@@ -162,9 +316,5 @@ def test_scaling_disruption_budgets_services_and_monitoring(overlay: str) -> Non
         assert selector.items() <= svc["metadata"]["labels"].items(), name
         assert {p["name"] for p in svc["spec"]["ports"]} & scraped_ports, name
     assert {"nats", "redis"} <= set(services)
-    assert (
-        _of_kind(docs, "StatefulSet")["nats"]["spec"]["template"]["spec"]["containers"][0]["args"][
-            0
-        ]
-        == "--jetstream"
-    )
+    nats = _of_kind(docs, "StatefulSet")["nats"]["spec"]["template"]["spec"]["containers"][0]
+    assert "--jetstream" in nats["args"]

@@ -1,0 +1,398 @@
+"""k8s/ is closed by default (issue 22): rendered as test_deploy_k8s.py renders it (a copy of
+k8s/ after `kvflow auth init k8s/base/secrets`), every kvflow service mounts only its own
+role's Secret, whose passwords are the ones NATS's config and Redis's ACL file (their own
+Secrets) accept for that role's user, and reads them through KVFLOW_*_PASSWORD_FILE; NATS runs
+with -c and Redis with --aclfile; the NetworkPolicies deny ingress but for the gateway's API,
+NATS and Redis from kvflow's pods, and the ops ports from kvflow's pods and the monitoring
+namespace (checked by evaluating them as a CNI would for sources inside and outside); every
+container runs as a fixed non-root user without privileges, with a read-only root filesystem
+and emptyDirs where kvflow (and the libraries it uses) write; components/nats-tls wires
+cert-manager's certificate into NATS and its CA into every service; components/keys-admin runs
+`kvflow keys` as Redis's admin. Without base/secrets the build fails."""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import re
+import subprocess
+from pathlib import PurePosixPath
+
+import bcrypt
+import pytest
+
+from kvflow.cli.main import build_parser
+from shared.access.credentials import NATS_PASSWORD, REDIS_PASSWORD
+from shared.access.grants import NATS_ROLES, REDIS_ROLES, ROLES
+from tests.unit.deploy_support import (
+    ROOT,
+    environ_of_container,
+    kustomize_command,
+    parse_kvflow_command,
+)
+from tests.unit.test_deploy_k8s import COMPONENTS, OVERLAYS, _copy_k8s, render_k8s
+
+SECRETS = PurePosixPath("/run/secrets/kvflow")  # where a service finds its role's files
+MONITORING = {"kubernetes.io/metadata.name": "monitoring"}  # the monitoring stack's namespace
+NAMESPACE = {"kubernetes.io/metadata.name": "kvflow"}
+DOCKERFILE = (ROOT / "Dockerfile").read_text()
+IMAGE_UID = int(re.search(r"--uid (\d+)", DOCKERFILE).group(1))
+IMAGE_CACHE_DIR = PurePosixPath(re.search(r"KVFLOW_CACHE_DIR=(\S+)", DOCKERFILE).group(1))
+CACHE_VARIABLES = (
+    "XDG_CACHE_HOME",
+    "HF_HOME",
+    "TRITON_HOME",
+    "CUDA_CACHE_PATH",
+    "TORCHINDUCTOR_CACHE_DIR",
+)
+VARIANTS = [(o, ()) for o in OVERLAYS] + [(o, COMPONENTS) for o in OVERLAYS]
+
+
+def _by_kind(docs) -> dict[str, dict[str, dict]]:
+    out: dict[str, dict[str, dict]] = {}
+    for d in docs:
+        out.setdefault(d["kind"], {})[d["metadata"]["name"]] = d
+    return out
+
+
+def _workloads(docs) -> dict[str, dict]:
+    """Every pod template by its workload's name (Deployments and StatefulSets)."""
+    return {
+        d["metadata"]["name"]: d["spec"]["template"]
+        for d in docs
+        if d["kind"] in ("Deployment", "StatefulSet")
+    }
+
+
+def _services(docs):
+    """(workload, pod spec, container, environment, kvflow role) of every kvflow service."""
+    configmaps = _by_kind(docs)["ConfigMap"]
+    for name, template in _workloads(docs).items():
+        for c in template["spec"]["containers"]:
+            if c["image"].startswith("kvflow:") and c.get("args", [])[:1] == ["run"]:
+                env = environ_of_container(c, configmaps)
+                yield name, template["spec"], c, env, parse_kvflow_command(c["args"], env)
+
+
+def _secret_volumes(pod: dict) -> dict[str, dict]:
+    return {v["name"]: v["secret"] for v in pod.get("volumes", []) if "secret" in v}
+
+
+def _mount_of(container: dict, volume: str) -> dict:
+    (mount,) = [m for m in container.get("volumeMounts", []) if m["name"] == volume]
+    return mount
+
+
+def _secret_file(docs, secret: str, key: str) -> str:
+    return base64.b64decode(_by_kind(docs)["Secret"][secret]["data"][key]).decode()
+
+
+def _file_in_secret(pod: dict, container: dict, path: str) -> tuple[str, str]:
+    """(Secret, key) that the file at ``path`` in ``container`` comes from."""
+    for name, secret in _secret_volumes(pod).items():
+        for m in container.get("volumeMounts", []):
+            if m["name"] == name and PurePosixPath(path).parent == PurePosixPath(m["mountPath"]):
+                key = PurePosixPath(path).name
+                items = {i["path"]: i["key"] for i in secret.get("items", [])}
+                return secret["secretName"], items.get(key, key) if items else key
+    raise AssertionError(f"{path} is not in a mounted Secret")
+
+
+def test_the_build_refuses_to_run_without_credentials(tmp_path) -> None:
+    tree = _copy_k8s(tmp_path / "k8s")
+    out = subprocess.run(
+        [*kustomize_command(), str(tree / "overlays" / "cpu")], capture_output=True, text=True
+    )
+    assert out.returncode != 0 and "secrets/" in out.stderr
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_each_service_mounts_only_its_roles_secret_and_reads_its_passwords(overlay) -> None:
+    docs = render_k8s(overlay)
+    secrets = _by_kind(docs)["Secret"]
+    assert set(secrets) == {f"kvflow-{r}" for r in ROLES} | {
+        "kvflow-nats-config",
+        "kvflow-redis-acl",
+    }
+    nats_conf = _secret_file(docs, "kvflow-nats-config", "nats.conf")
+    nats_hashes = dict(re.findall(r'user: "(\w+)"\s+password: "([^"]+)"', nats_conf))
+    acl = _secret_file(docs, "kvflow-redis-acl", "users.acl")
+    redis_hashes = dict(re.findall(r"^user (\w+) on #([0-9a-f]{64}) ", acl, re.M))
+    expected = {"nats": {"kvflow-nats-config"}, "redis": {"kvflow-redis-acl"}}
+    for name, pod, c, _, cmd in _services(docs):
+        role = cmd.service
+        expected[name] = {f"kvflow-{role}"}
+        volumes = _secret_volumes(pod)
+        assert [v["secretName"] for v in volumes.values()] == [f"kvflow-{role}"], name
+        (volume,) = volumes
+        mount = _mount_of(c, volume)
+        assert PurePosixPath(mount["mountPath"]) == SECRETS and mount["readOnly"] is True
+        # readable by the pod's group (fsGroup), by nobody else
+        assert volumes[volume]["defaultMode"] == 0o440 and pod["securityContext"]["fsGroup"]
+        bus = cmd.settings.bus
+        assert bus.nats_user in ("", role) and bus.redis_user in ("", role)  # user: the role
+        assert PurePosixPath(bus.nats_password_file) == SECRETS / NATS_PASSWORD
+        expected_keys = {NATS_PASSWORD}
+        if role in REDIS_ROLES:
+            assert PurePosixPath(bus.redis_password_file) == SECRETS / REDIS_PASSWORD
+            expected_keys.add(REDIS_PASSWORD)
+        else:
+            assert bus.redis_password_file == ""
+        assert set(secrets[f"kvflow-{role}"]["data"]) == expected_keys
+        # the passwords are the ones the servers accept for this role's user
+        password = _secret_file(docs, f"kvflow-{role}", NATS_PASSWORD).strip()
+        assert bcrypt.checkpw(password.encode(), nats_hashes[role].encode()), name
+        if role in REDIS_ROLES:
+            password = _secret_file(docs, f"kvflow-{role}", REDIS_PASSWORD).strip()
+            assert hashlib.sha256(password.encode()).hexdigest() == redis_hashes[role]
+    # each workload mounts the Secrets it needs and no other; every role has a service
+    used = {
+        name: {s["secretName"] for s in _secret_volumes(template["spec"]).values()}
+        for name, template in _workloads(docs).items()
+    }
+    assert used == expected
+    assert set().union(*expected.values()) >= {f"kvflow-{r}" for r in NATS_ROLES}
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_nats_runs_with_its_config_and_redis_with_its_acl_file(overlay) -> None:
+    docs = render_k8s(overlay)
+    workloads = _workloads(docs)
+    for name, flag, secret, key in (
+        ("nats", "-c", "kvflow-nats-config", "nats.conf"),
+        ("redis", "--aclfile", "kvflow-redis-acl", "users.acl"),
+    ):
+        pod = workloads[name]["spec"]
+        (c,) = pod["containers"]
+        path = c["args"][c["args"].index(flag) + 1]
+        assert _file_in_secret(pod, c, path) == (secret, key), name
+    nats = workloads["nats"]["spec"]["containers"][0]
+    assert "--jetstream" in nats["args"]
+    assert "authorization" in _secret_file(docs, "kvflow-nats-config", "nats.conf")
+    # the readiness probe's `redis-cli ping` logs in as the default user, which may only PING
+    redis = workloads["redis"]["spec"]["containers"][0]
+    assert redis["readinessProbe"]["exec"]["command"] == ["redis-cli", "ping"]
+    acl = _secret_file(docs, "kvflow-redis-acl", "users.acl")
+    assert re.search(r"^user default on nopass .*-@all \+ping$", acl, re.M)
+
+
+# --- NetworkPolicies, evaluated as a CNI enforces them ---------------------------------------
+
+
+def _selects(selector: dict, labels: dict) -> bool:
+    assert set(selector) <= {"matchLabels"}, "only matchLabels selectors are evaluated here"
+    return selector.get("matchLabels", {}).items() <= labels.items()
+
+
+def _peer_admits(peer: dict, src_ns: dict, src_labels: dict) -> bool:
+    if "ipBlock" in peer:
+        return False  # none used; sources here are pods
+    if "namespaceSelector" in peer:
+        ns_ok = _selects(peer["namespaceSelector"], src_ns)
+    else:
+        ns_ok = src_ns == NAMESPACE  # a bare podSelector: the policy's own namespace
+    return ns_ok and _selects(peer.get("podSelector", {}), src_labels)
+
+
+def _port_matches(rule_ports, port: tuple[str, int]) -> bool:
+    if not rule_ports:
+        return True
+    return any(p.get("protocol", "TCP") == "TCP" and p["port"] in port for p in rule_ports)
+
+
+def allowed(policies, src_ns: dict, src_labels: dict, dst: dict, port_name: str) -> bool:
+    """Whether a pod (``src_labels`` in namespace ``src_ns``) may connect to the port named
+    ``port_name`` of the pod template ``dst`` in namespace kvflow."""
+    labels = dst["metadata"]["labels"]
+    ports = {p["name"]: p["containerPort"] for c in dst["spec"]["containers"] for p in c["ports"]}
+    port = (port_name, ports[port_name])
+    selecting = [
+        p["spec"]
+        for p in policies
+        if _selects(p["spec"]["podSelector"], labels) and "Ingress" in p["spec"]["policyTypes"]
+    ]
+    if not selecting:
+        return True
+    for spec in selecting:
+        for rule in spec.get("ingress", []):
+            peers = rule.get("from")
+            if _port_matches(rule.get("ports"), port) and (
+                not peers or any(_peer_admits(p, src_ns, src_labels) for p in peers)
+            ):
+                return True
+    return False
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_network_policies_deny_ingress_but_what_kvflow_needs(overlay) -> None:
+    docs = render_k8s(overlay)
+    policies = list(_by_kind(docs)["NetworkPolicy"].values())
+    deny = [p for p in policies if p["spec"]["podSelector"] == {}]
+    assert len(deny) == 1 and deny[0]["spec"]["policyTypes"] == ["Ingress"]
+    assert "ingress" not in deny[0]["spec"]
+    workloads = _workloads(docs)
+    kvflow_pod = {"app.kubernetes.io/part-of": "kvflow", "app.kubernetes.io/name": "gateway"}
+    stranger = {"app.kubernetes.io/name": "debug"}  # a pod of the namespace, not kvflow's
+    outside = {"kubernetes.io/metadata.name": "elsewhere"}
+
+    def ok(src_ns, src_labels, dst, port):
+        return allowed(policies, src_ns, src_labels, workloads[dst], port)
+
+    # the gateway's API: from anywhere
+    for ns, labels in ((outside, {}), (NAMESPACE, stranger), (NAMESPACE, kvflow_pod)):
+        assert ok(ns, labels, "gateway", "http")
+    # NATS and Redis: kvflow's pods only (not other pods, not other namespaces, not monitoring)
+    for dst, port in (("nats", "client"), ("redis", "redis")):
+        assert ok(NAMESPACE, kvflow_pod, dst, port)
+        assert ok(NAMESPACE, {**stranger, "app.kubernetes.io/part-of": "kvflow"}, dst, port)
+        assert not ok(NAMESPACE, stranger, dst, port)
+        assert not ok(outside, kvflow_pod, dst, port)
+        assert not ok(MONITORING, {}, dst, port)
+    # NATS monitoring: the monitoring stack only (probes come from the node, always allowed)
+    assert ok(MONITORING, {}, "nats", "monitor")
+    assert not ok(NAMESPACE, kvflow_pod, "nats", "monitor")
+    # every service's ops port: kvflow's pods and the monitoring stack
+    services = [name for name, *_ in _services(docs) if name != "gateway"]
+    assert services
+    for name in services:
+        assert ok(NAMESPACE, kvflow_pod, name, "ops") and ok(MONITORING, {}, name, "ops")
+        assert not ok(NAMESPACE, stranger, name, "ops") and not ok(outside, {}, name, "ops")
+    # egress is left open (documented): no policy restricts it
+    assert all("Egress" not in p["spec"]["policyTypes"] for p in policies)
+    # every named port a policy opens is a port of a pod it selects
+    for p in policies:
+        selected = [
+            w
+            for w in workloads.values()
+            if _selects(p["spec"]["podSelector"], w["metadata"]["labels"])
+        ]
+        names = {pt["name"] for w in selected for c in w["spec"]["containers"] for pt in c["ports"]}
+        for rule in p["spec"].get("ingress", []):
+            for port in rule.get("ports", []):
+                assert port["port"] in names, (p["metadata"]["name"], port)
+
+
+# --- pods: unprivileged, read-only, writes on emptyDirs --------------------------------------
+
+
+@pytest.mark.parametrize(("overlay", "components"), VARIANTS)
+def test_every_container_runs_unprivileged_on_a_read_only_root(overlay, components) -> None:
+    docs = render_k8s(overlay, components)
+    for name, template in _workloads(docs).items():
+        pod = template["spec"]
+        sc = pod["securityContext"]
+        assert sc["runAsNonRoot"] is True and sc["runAsUser"] > 0, name
+        assert sc["seccompProfile"] == {"type": "RuntimeDefault"}, name
+        assert pod["automountServiceAccountToken"] is False, name
+        if _secret_volumes(pod):
+            assert sc["fsGroup"], f"{name}: its Secret files (0440) need the pod's group"
+        for c in pod["containers"]:
+            csc = c["securityContext"]
+            assert csc["allowPrivilegeEscalation"] is False, name
+            assert csc["capabilities"] == {"drop": ["ALL"]}, name
+            assert csc["readOnlyRootFilesystem"] is True, name
+            assert not csc.get("privileged") and "runAsUser" not in csc, name
+            if c["image"].startswith("kvflow:"):
+                assert sc["runAsUser"] == IMAGE_UID and sc["fsGroup"] == IMAGE_UID, name
+        for v in _secret_volumes(pod).values():
+            assert v["defaultMode"] & 0o007 == 0, f"{name}: Secret files readable by others"
+
+
+def _empty_dir_mounts(pod: dict, c: dict) -> list[PurePosixPath]:
+    empty = {v["name"] for v in pod["volumes"] if "emptyDir" in v}
+    return [PurePosixPath(m["mountPath"]) for m in c["volumeMounts"] if m["name"] in empty]
+
+
+def _writable(path: str | PurePosixPath, mounts: list[PurePosixPath]) -> bool:
+    path = PurePosixPath(path)
+    return any(path == m or m in path.parents for m in mounts)
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_kvflow_writes_only_where_an_empty_dir_is_mounted(overlay, monkeypatch) -> None:
+    """/tmp, the libraries' caches (pointed there by settings.yaml) and, for workers, kvflow's
+    compiled kernels and GEMM calibrations (paths from kernels/, under the image's
+    KVFLOW_CACHE_DIR); the image's converted tokenizer under it stays visible."""
+    monkeypatch.setenv("KVFLOW_CACHE_DIR", str(IMAGE_CACHE_DIR))
+    from kernels import batch_invariance, cpu_native
+
+    docs = render_k8s(overlay)
+    for name, pod, c, env, cmd in _services(docs):
+        mounts = _empty_dir_mounts(pod, c)
+        assert _writable("/tmp", mounts), name
+        for var in CACHE_VARIABLES:
+            assert _writable(env[var], mounts), f"{name}: {var}={env[var]} is read-only"
+        every = [PurePosixPath(m["mountPath"]) for m in c["volumeMounts"]]
+        tokenizers = IMAGE_CACHE_DIR / "tokenizers"
+        assert not any(m == tokenizers or m in tokenizers.parents for m in every), name
+        if cmd.service == "worker":
+            for cache in (cpu_native._cache_dir(), batch_invariance._cache_dir()):
+                assert _writable(cache, mounts), f"{name}: {cache} is read-only"
+
+
+# --- components ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_nats_tls_component_serves_tls_and_gives_every_service_the_ca(overlay) -> None:
+    docs = render_k8s(overlay, ("nats-tls",))
+    kinds = _by_kind(docs)
+    issuers, certs = kinds["Issuer"], kinds["Certificate"]
+    # a self-signed issuer signs the CA; the CA issuer signs NATS's certificate
+    (selfsigned,) = [i for i in issuers.values() if "selfSigned" in i["spec"]]
+    (ca,) = [c for c in certs.values() if c["spec"].get("isCA")]
+    assert ca["spec"]["issuerRef"]["name"] == selfsigned["metadata"]["name"]
+    (ca_issuer,) = [i for i in issuers.values() if "ca" in i["spec"]]
+    assert ca_issuer["spec"]["ca"]["secretName"] == ca["spec"]["secretName"]
+    (server,) = [c for c in certs.values() if not c["spec"].get("isCA")]
+    assert server["spec"]["issuerRef"]["name"] == ca_issuer["metadata"]["name"]
+    assert "server auth" in server["spec"]["usages"]
+    ns = server["metadata"]["namespace"]
+    assert {"nats", f"nats.{ns}.svc", f"nats.{ns}.svc.cluster.local"} <= set(
+        server["spec"]["dnsNames"]
+    )
+    server_secret = server["spec"]["secretName"]
+    # nats-server: --tls with the certificate's files
+    nats_pod = _workloads(docs)["nats"]["spec"]
+    (nats,) = nats_pod["containers"]
+    args = nats["args"]
+    assert "--tls" in args
+    for flag, key in (("--tlscert", "tls.crt"), ("--tlskey", "tls.key")):
+        path = args[args.index(flag) + 1]
+        assert _file_in_secret(nats_pod, nats, path) == (server_secret, key)
+    assert "-c" in args  # still the users and permissions
+    # every service: a tls:// URL to a name in the certificate, the CA (and only the CA)
+    seen = set()
+    for name, pod, c, _, cmd in _services(docs):
+        seen.add(cmd.service)
+        bus = cmd.settings.bus
+        assert bus.nats_url.startswith("tls://"), name
+        assert bus.nats_url.removeprefix("tls://").split(":")[0] in server["spec"]["dnsNames"]
+        assert _file_in_secret(pod, c, bus.nats_tls_ca) == (server_secret, "ca.crt"), name
+        for v in _secret_volumes(pod).values():
+            if v["secretName"] == server_secret:
+                assert [i["key"] for i in v["items"]] == ["ca.crt"], f"{name} sees the key"
+    assert seen == set(NATS_ROLES)
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_keys_admin_component_runs_kvflow_keys_as_the_redis_admin(overlay, monkeypatch) -> None:
+    docs = render_k8s(overlay, COMPONENTS)
+    deployment = _by_kind(docs)["Deployment"]["kvflow-admin"]
+    assert deployment["spec"]["replicas"] == 0  # scaled up only to manage keys
+    template = deployment["spec"]["template"]
+    pod = template["spec"]
+    (c,) = pod["containers"]
+    assert [v["secretName"] for v in _secret_volumes(pod).values()] == ["kvflow-admin"]
+    assert set(_by_kind(docs)["Secret"]["kvflow-admin"]["data"]) == {REDIS_PASSWORD}
+    env = environ_of_container(c, _by_kind(docs)["ConfigMap"])
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    # `kubectl exec deploy/kvflow-admin -- kvflow keys list`: the login comes from the env
+    args = build_parser("keys").parse_args(["keys", "list"])
+    assert args.redis_url == "redis://redis:6379/0"
+    assert args.redis_user in ("", "admin")
+    assert _file_in_secret(pod, c, args.redis_password_file) == ("kvflow-admin", REDIS_PASSWORD)
+    policies = list(_by_kind(docs)["NetworkPolicy"].values())
+    redis = _workloads(docs)["redis"]
+    assert allowed(policies, NAMESPACE, template["metadata"]["labels"], redis, "redis")
