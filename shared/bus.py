@@ -70,10 +70,28 @@ class Bus:
         afterwards nats-py reconnects on its own for ever (a NATS outage pauses a service, it
         does not end it). Credentials the server refuses raise AccessError at once."""
         self.auth = auth or NatsAuth()
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + connect_timeout
+        connecting = True
 
         async def on_error(e: Exception) -> None:
             if _PERMISSION in str(e):
                 self._refused(str(e))
+                return
+            if connecting:
+                # nats-py retries its first connect for ever (max_reconnect_attempts=-1) and
+                # calls this after each failure: raising here ends that connect
+                refused = _refusal(e)
+                if refused:
+                    raise AccessError(
+                        f"NATS at {url} refused {self.name} ({self.auth.describe()}): {refused}; "
+                        "check --nats-user / --nats-password-file and the TLS files "
+                        "(`kvflow auth init` makes a role's credentials)"
+                    ) from e
+                if loop.time() > deadline:
+                    raise ConnectionError(
+                        f"cannot reach NATS at {url} ({e}); start nats-server or pass --nats-url"
+                    ) from e
                 return
             log.warning("%s: nats error: %s", self.name, e)
 
@@ -85,35 +103,28 @@ class Bus:
         async def on_reconnect() -> None:
             log.info("%s: reconnected to NATS", self.name)
 
-        deadline = asyncio.get_running_loop().time() + connect_timeout
-        while True:
-            try:
-                self.nc = await nats.connect(
-                    url,
-                    name=self.name,
-                    max_reconnect_attempts=-1,
-                    reconnect_time_wait=0.5,
-                    connect_timeout=2,
-                    error_cb=on_error,
-                    disconnected_cb=on_disconnect,
-                    reconnected_cb=on_reconnect,
-                    pending_size=64 * 1024 * 1024,
-                    **self.auth.options(),
-                )
-                return
-            except Exception as e:  # noqa: BLE001 - any connect failure is retried
-                refused = _refusal(e)
-                if refused:
-                    raise AccessError(
-                        f"NATS at {url} refused {self.name} ({self.auth.describe()}): {refused}; "
-                        "check --nats-user / --nats-password-file and the TLS files "
-                        "(`kvflow auth init` makes a role's credentials)"
-                    ) from e
-                if asyncio.get_running_loop().time() > deadline:
-                    raise ConnectionError(
-                        f"cannot reach NATS at {url} ({e}); start nats-server or pass --nats-url"
-                    ) from e
-                await asyncio.sleep(0.25)
+        nc = Client()
+        try:
+            await nc.connect(
+                url,
+                name=self.name,
+                max_reconnect_attempts=-1,
+                reconnect_time_wait=0.5,
+                connect_timeout=2,
+                error_cb=on_error,
+                disconnected_cb=on_disconnect,
+                reconnected_cb=on_reconnect,
+                pending_size=64 * 1024 * 1024,
+                **self.auth.options(),
+            )
+        except BaseException:
+            # a client that never connected: close() may wait for tasks that never started
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(nc.close(), 1.0)
+            raise
+        finally:
+            connecting = False
+        self.nc = nc
 
     def _refused(self, error: str) -> None:
         """A permissions violation the server reported (it dropped the publish, or did not

@@ -4,8 +4,10 @@
     kvflow keys list                                 names, limits and usage
     kvflow keys remove NAME
 
-The Redis URL comes from ``--redis-url`` or ``KVFLOW_REDIS_URL`` (``kvflow serve`` prints the
-one it started)."""
+The Redis URL comes from ``--redis-url`` or ``KVFLOW_REDIS_URL``; the login is Redis's ``admin``
+role (``--redis-user``, ``--redis-password-file`` or KVFLOW_REDIS_USER /
+KVFLOW_REDIS_PASSWORD_FILE). ``kvflow serve`` prints its Redis URL and the admin password file;
+compose and Kubernetes keep the admin credentials apart from every service (see README)."""
 
 from __future__ import annotations
 
@@ -16,6 +18,8 @@ import sys
 import time
 
 from services.gateway.keys import KeyStore
+from shared.access.connect import EXIT_REFUSED, AccessError, redis_client, verify_redis
+from shared.config import BusSettings
 
 
 def add_arguments(keys: argparse.ArgumentParser) -> None:
@@ -24,6 +28,21 @@ def add_arguments(keys: argparse.ArgumentParser) -> None:
         "--redis-url",
         default=os.environ.get("KVFLOW_REDIS_URL", ""),
         help="Redis URL (default: KVFLOW_REDIS_URL)",
+    )
+    keys.add_argument(
+        "--redis-user",
+        default=os.environ.get("KVFLOW_REDIS_USER", ""),
+        help="Redis ACL user (default: admin, when a password file is given)",
+    )
+    keys.add_argument(
+        "--redis-password-file",
+        default=os.environ.get("KVFLOW_REDIS_PASSWORD_FILE", ""),
+        help="file holding the admin role's Redis password",
+    )
+    keys.add_argument(
+        "--redis-tls-ca",
+        default=os.environ.get("KVFLOW_REDIS_TLS_CA", ""),
+        help="CA of a rediss:// server's certificate",
     )
     ops = keys.add_subparsers(dest="keys_command", required=True)
     add = ops.add_parser("add", help="make a key and print it")
@@ -36,9 +55,18 @@ def add_arguments(keys: argparse.ArgumentParser) -> None:
 
 
 async def _run(args: argparse.Namespace) -> int:
-    import redis.asyncio as aioredis
-
-    client = aioredis.from_url(args.redis_url, decode_responses=True)
+    bus = BusSettings(
+        redis_url=args.redis_url,
+        redis_user=args.redis_user,
+        redis_password_file=args.redis_password_file,
+        redis_tls_ca=args.redis_tls_ca,
+    )
+    try:
+        client = redis_client(bus, "admin", decode_responses=True)
+        await verify_redis(client, "admin", args.redis_url)
+    except AccessError as e:
+        print(f"kvflow: error: {e}", file=sys.stderr)
+        return EXIT_REFUSED
     store = KeyStore(client)
     try:
         if args.keys_command == "add":

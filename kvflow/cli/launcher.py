@@ -11,6 +11,7 @@ reaches into a service's internals: services are processes that meet on the bus.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -18,10 +19,11 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, TextIO
@@ -223,7 +225,23 @@ class Stack:
     def stop(self, graceful: bool = False) -> None:
         """Stop children in order. Graceful (SIGTERM to `kvflow serve`): the gateway first,
         with SIGTERM, so it takes no new request and finishes the open ones while the rest of
-        the pipeline still runs; then the others. Quick (Ctrl-C): everyone at once."""
+        the pipeline still runs; then the others. Quick (Ctrl-C): everyone at once. A second
+        Ctrl-C meanwhile is ignored, so the servers and the credentials always go too."""
+        with _ignoring_sigint():
+            try:
+                self._stop_children(graceful)
+            finally:
+                for s in reversed(self.servers):
+                    s.stop()
+                self.servers = []
+                if self.credentials is not None:
+                    shutil.rmtree(self.credentials.root, ignore_errors=True)
+                    self.credentials = None
+                if self._log is not None:
+                    self._log.close()
+                    self._log = None
+
+    def _stop_children(self, graceful: bool) -> None:
         rest = [popen for _p, popen in self.procs]
         if graceful:
             drain_s = self.settings.ops.drain_timeout
@@ -238,15 +256,19 @@ class Stack:
             rest = [popen for p, popen in self.procs if p.service != "gateway"]
         stop_processes(rest)
         self.procs = []
-        for s in reversed(self.servers):
-            s.stop()
-        self.servers = []
-        if self.credentials is not None:
-            shutil.rmtree(self.credentials.root, ignore_errors=True)
-            self.credentials = None
-        if self._log is not None:
-            self._log.close()
-            self._log = None
+
+
+@contextlib.contextmanager
+def _ignoring_sigint() -> Iterator[None]:
+    """SIGINT ignored inside the block (main thread only: elsewhere signals cannot be set)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 class _Stop(Exception):

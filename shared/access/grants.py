@@ -95,7 +95,7 @@ NATS_GRANTS: dict[str, NatsGrant] = {
     ),
 }
 
-_CONNECT = ("ping", "hello", "auth", "select", "echo", "quit", "reset")
+_CONNECT = ("ping", "hello", "auth", "select", "echo", "reset")
 _SCRIPTS = ("eval", "evalsha", "script|load", "script|exists")
 _KEY_STORE = ("kvflow:keys", "kvflow:key:*", "kvflow:rate:*")
 _KV_TIER = "kvflow:kv:*"
@@ -126,7 +126,7 @@ REDIS_GRANTS: dict[str, RedisGrant] = {
     # the leader lease (redis-py's Lock: SET NX PX and Lua) and what the Redis tier holds
     "scheduler": RedisGrant(
         keys=("kvflow:scheduler:*", _KV_TIER),
-        commands=(*_CONNECT, *_SCRIPTS, "set", "get", "incr", "pexpire", "exists"),
+        commands=(*_CONNECT, *_SCRIPTS, "set", "get", "incr", "incrby", "pexpire", "del", "exists"),
     ),
     # the Redis KV tier: store and load blocks
     "worker": RedisGrant(

@@ -64,10 +64,8 @@ def nats_config(
 
 def redis_acl(passwords: Mapping[str, str]) -> str:
     """A Redis ACL file (``redis-server --aclfile``) for the roles in ``passwords``."""
-    lines = [
-        "# kvflow: one user per role (shared/access/grants.py); made by `kvflow auth init`",
-        "user default on nopass resetkeys resetchannels -@all +ping",
-    ]
+    # no comments: an ACL file holds only `user` lines
+    lines = ["user default on nopass resetkeys resetchannels -@all +ping"]
     for role, password in passwords.items():
         grant = REDIS_GRANTS[role]
         digest = hashlib.sha256(password.encode()).hexdigest()

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import httpx
 
+from shared.access.credentials import Credentials
 from tests.e2e.conftest import ROOT
 
 MODEL = "SmolLM2-135M-Instruct"
@@ -23,6 +24,14 @@ def stack_urls(name: str) -> tuple[str, str]:
     m = re.search(r"kvflow: nats (nats://\S+), redis (redis://\S+)", log)
     assert m, "no infrastructure URLs in the stack's log"
     return m.group(1), m.group(2)
+
+
+def stack_credentials(name: str) -> Credentials:
+    """The per-role credentials `kvflow serve` made for the stack ``name`` (it prints where)."""
+    log = (ROOT / ".pytest_cache" / f"kvflow-serve-{name}.log").read_text()
+    m = re.search(r"kvflow: credentials \(one per role, removed at exit\): (\S+);", log)
+    assert m, "no credentials directory in the stack's log"
+    return Credentials(Path(m.group(1)))
 
 
 def _environ(pid: int) -> dict[str, str]:

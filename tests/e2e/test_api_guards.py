@@ -15,6 +15,7 @@ import openai
 import pytest
 
 from tests.e2e.conftest import GUARDED_KEY, wait_all_blocks_free
+from tests.e2e.faults import stack_credentials
 
 pytestmark = pytest.mark.e2e
 MODEL = "SmolLM2-135M-Instruct"
@@ -130,7 +131,9 @@ def test_body_limits(guarded_stack) -> None:
 
 
 def kvflow_keys(redis_url: str, *args: str) -> str:
-    env = {**os.environ, "KVFLOW_REDIS_URL": redis_url}
+    """`kvflow keys ARGS` as the admin role of the guarded stack's Redis."""
+    admin = stack_credentials("guarded").redis_password_file("admin")
+    env = {**os.environ, "KVFLOW_REDIS_URL": redis_url, "KVFLOW_REDIS_PASSWORD_FILE": str(admin)}
     out = subprocess.run(
         [sys.executable, "-m", "kvflow.cli.main", "keys", *args],
         env=env,

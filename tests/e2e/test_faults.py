@@ -18,9 +18,17 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
+from shared.access.grants import NATS_ROLES
 from shared.infra import start_nats
 from tests.e2e.conftest import ROOT, wait_all_blocks_free
-from tests.e2e.faults import MODEL, Stream, rss_mib, service_pids, stack_urls
+from tests.e2e.faults import (
+    MODEL,
+    Stream,
+    rss_mib,
+    service_pids,
+    stack_credentials,
+    stack_urls,
+)
 
 pytestmark = pytest.mark.e2e
 NAME = "faults"
@@ -115,13 +123,19 @@ def test_malformed_messages_are_dropped_and_nothing_dies(faults_stack) -> None:
         "kvflow.tokenizer.rpc",
     ]
 
+    creds = stack_credentials(NAME)
+
     async def spray() -> None:
-        nc = await nats.connect(nats_url)
-        for subject in subjects:
-            for payload in (b"", b"\x00\xff garbage", b"\x93\x01\x02\x03", b"\x92\x05\xc0"):
-                await nc.publish(subject, payload)
-        await nc.flush()
-        await nc.close()
+        # as every role in turn (the stack is closed: a stranger cannot publish at all); what a
+        # role may not publish the server drops, what it may reaches the services
+        for role in NATS_ROLES:
+            password = creds.nats_password_file(role).read_text().strip()
+            nc = await nats.connect(nats_url, user=role, password=password)
+            for subject in subjects:
+                for payload in (b"", b"\x00\xff garbage", b"\x93\x01\x02\x03", b"\x92\x05\xc0"):
+                    await nc.publish(subject, payload)
+            await nc.flush()
+            await nc.close()
 
     asyncio.run(spray())
     time.sleep(1.0)
@@ -242,7 +256,7 @@ def test_nats_outage_requests_complete_or_fail_clearly_then_serving_resumes(faul
         time.sleep(0.05)
     os.kill(nats_pid, signal.SIGKILL)
     time.sleep(5)
-    extra.append(start_nats(port=port))
+    extra.append(start_nats(port=port, config=stack_credentials(NAME).nats_conf))
     for s in streams:
         s.join(timeout=200)
         assert not s.thread.is_alive(), "a request hung past its deadline"

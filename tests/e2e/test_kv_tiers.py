@@ -16,7 +16,7 @@ import pytest
 
 from shared.infra import start_redis
 from tests.e2e.conftest import running_stack
-from tests.e2e.faults import MODEL, service_pids, stack_urls
+from tests.e2e.faults import MODEL, service_pids, stack_credentials, stack_urls
 
 pytestmark = pytest.mark.e2e
 NAME = "tiers"
@@ -134,7 +134,7 @@ def test_redis_stopped_requests_still_complete_then_the_tier_resumes(tier_stack,
     wait_for(lambda: stats(base)["workers"][0]["redis_tier"] == "off", 30, "the tier to switch off")
     assert stats(base)["workers"][0]["redis_tier_errors"] >= 1
 
-    extra.append(start_redis(port=port))
+    extra.append(start_redis(port=port, aclfile=stack_credentials(NAME).redis_acl))
     wait_for(lambda: stats(base)["workers"][0]["redis_tier"] == "on", 30, "the tier to resume")
     stored = stats(base)["workers"][0]["redis_stored_blocks"]
     timed(base, long_prompt(tokenizer, 300, seed=40), 4)
