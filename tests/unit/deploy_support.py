@@ -6,8 +6,10 @@ against the real ``kvflow`` parser and Settings, and list the metric names the s
 from __future__ import annotations
 
 import argparse
+import atexit
 import contextlib
 import dataclasses
+import functools
 import importlib.util
 import io
 import json
@@ -15,7 +17,9 @@ import re
 import shutil
 import stat
 import subprocess
+import sys
 import tarfile
+import tempfile
 import types
 import zipfile
 from pathlib import Path
@@ -221,3 +225,48 @@ def metric_names_in(expr: str) -> set[str]:
     expr = re.sub(r"\b(by|without)\s*\([^)]*\)", " ", expr)
     words = set(re.findall(r"[A-Za-z_:][A-Za-z0-9_:]*", expr))
     return {w for w in words if w not in _PROMQL_WORDS}
+
+
+def _copy_k8s(dest: Path) -> Path:
+    """k8s/ copied to ``dest``, without any credentials the working tree may hold."""
+    secrets = ROOT / "k8s" / "base" / "secrets"
+    shutil.copytree(
+        ROOT / "k8s",
+        dest,
+        ignore=lambda d, names: ["secrets"] if Path(d) == secrets.parent else [],
+    )
+    return dest
+
+
+@functools.cache
+def credentialed_k8s() -> Path:
+    """A copy of k8s/ with base/secrets made by `kvflow auth init` (once per session)."""
+    root = Path(tempfile.mkdtemp(prefix="kvflow-k8s-"))
+    atexit.register(shutil.rmtree, root, True)
+    tree = _copy_k8s(root / "k8s")
+    out = subprocess.run(
+        [sys.executable, "-m", "kvflow.cli.main", "auth", "init", str(tree / "base" / "secrets")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert out.returncode == 0, f"kvflow auth init failed:\n{out.stderr}"
+    return tree
+
+
+@functools.cache
+def render_k8s(overlay: str, components: tuple[str, ...] = ()) -> tuple[dict, ...]:
+    """What `kubectl kustomize k8s/overlays/OVERLAY` renders once `kvflow auth init
+    k8s/base/secrets` has run, with ``components`` (k8s/components/NAME) added to the overlay
+    as the README says to."""
+    tree = credentialed_k8s()
+    if components:
+        variant = tree.parent / "+".join((overlay, *components))
+        if not variant.exists():
+            shutil.copytree(tree, variant)
+        kustomization = variant / "overlays" / overlay / "kustomization.yaml"
+        k = yaml.safe_load(kustomization.read_text())
+        k["components"] = [f"../../components/{c}" for c in components]
+        kustomization.write_text(yaml.safe_dump(k, sort_keys=False))
+        tree = variant
+    return tuple(render_overlay(tree / "overlays" / overlay))

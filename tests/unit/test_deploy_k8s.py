@@ -11,30 +11,21 @@ security contexts, TLS): test_deploy_k8s_access.py."""
 
 from __future__ import annotations
 
-import atexit
 import copy
-import functools
-import shutil
-import subprocess
-import sys
-import tempfile
-from pathlib import Path
 
 import jsonschema
 import kubernetes_validate
 import pytest
-import yaml
 
 from kvflow.cli.main import SERVICES
 from tests.unit.deploy_support import (
-    ROOT,
     closed_crd_schema,
     environ_of_container,
     exported_metric_names,
     load_schema,
     metric_names_in,
     parse_kvflow_command,
-    render_overlay,
+    render_k8s,
 )
 
 OVERLAYS = ("cpu", "gpu")
@@ -44,51 +35,6 @@ CRD_SCHEMAS = {
     ("monitoring.coreos.com/v1", "ServiceMonitor"): "monitoring-servicemonitor-v1.json",
 }
 COMPONENTS = ("keys-admin", "nats-tls")  # k8s/components, in the order an overlay lists them
-
-
-def _copy_k8s(dest: Path) -> Path:
-    """k8s/ copied to ``dest``, without any credentials the working tree may hold."""
-    secrets = ROOT / "k8s" / "base" / "secrets"
-    shutil.copytree(
-        ROOT / "k8s",
-        dest,
-        ignore=lambda d, names: ["secrets"] if Path(d) == secrets.parent else [],
-    )
-    return dest
-
-
-@functools.cache
-def credentialed_k8s() -> Path:
-    """A copy of k8s/ with base/secrets made by `kvflow auth init` (once per session)."""
-    root = Path(tempfile.mkdtemp(prefix="kvflow-k8s-"))
-    atexit.register(shutil.rmtree, root, True)
-    tree = _copy_k8s(root / "k8s")
-    out = subprocess.run(
-        [sys.executable, "-m", "kvflow.cli.main", "auth", "init", str(tree / "base" / "secrets")],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    assert out.returncode == 0, f"kvflow auth init failed:\n{out.stderr}"
-    return tree
-
-
-@functools.cache
-def render_k8s(overlay: str, components: tuple[str, ...] = ()) -> tuple[dict, ...]:
-    """What `kubectl kustomize k8s/overlays/OVERLAY` renders once `kvflow auth init
-    k8s/base/secrets` has run, with ``components`` (k8s/components/NAME) added to the overlay
-    as the README says to."""
-    tree = credentialed_k8s()
-    if components:
-        variant = tree.parent / "+".join((overlay, *components))
-        if not variant.exists():
-            shutil.copytree(tree, variant)
-        kustomization = variant / "overlays" / overlay / "kustomization.yaml"
-        k = yaml.safe_load(kustomization.read_text())
-        k["components"] = [f"../../components/{c}" for c in components]
-        kustomization.write_text(yaml.safe_dump(k, sort_keys=False))
-        tree = variant
-    return tuple(render_overlay(tree / "overlays" / overlay))
 
 
 def rendered(overlay: str) -> tuple[dict, ...]:

@@ -26,11 +26,13 @@ from shared.access.credentials import NATS_PASSWORD, REDIS_PASSWORD
 from shared.access.grants import NATS_ROLES, REDIS_ROLES, ROLES
 from tests.unit.deploy_support import (
     ROOT,
+    _copy_k8s,
     environ_of_container,
     kustomize_command,
     parse_kvflow_command,
+    render_k8s,
 )
-from tests.unit.test_deploy_k8s import COMPONENTS, OVERLAYS, _copy_k8s, render_k8s
+from tests.unit.test_deploy_k8s import COMPONENTS, OVERLAYS
 
 SECRETS = PurePosixPath("/run/secrets/kvflow")  # where a service finds its role's files
 MONITORING = {"kubernetes.io/metadata.name": "monitoring"}  # the monitoring stack's namespace

@@ -10,7 +10,7 @@ import json
 import pytest
 import yaml
 
-from tests.unit.deploy_support import ROOT, exported_metric_names, metric_names_in, render_overlay
+from tests.unit.deploy_support import ROOT, exported_metric_names, metric_names_in, render_k8s
 
 DASHBOARD = ROOT / "compose" / "grafana" / "dashboards" / "kvflow.json"
 
@@ -93,7 +93,7 @@ def test_dashboard_covers_each_concern_with_exported_series(dashboard) -> None:
 
 @pytest.mark.parametrize("overlay", ["cpu", "gpu"])
 def test_kubernetes_ships_the_dashboard_and_scrapes_without_double_counting(overlay) -> None:
-    docs = render_overlay(ROOT / "k8s" / "overlays" / overlay)
+    docs = render_k8s(overlay)
     by_kind: dict[str, dict[str, dict]] = {}
     for d in docs:
         by_kind.setdefault(d["kind"], {})[d["metadata"]["name"]] = d

@@ -63,6 +63,16 @@ OLD_FLAT = {
     "max_open_requests": ("gateway.max_open_requests", "5", 5, 2048),
     "max_request_sequences": ("gateway.max_request_sequences", "6", 6, 256),
     "max_body_bytes": ("gateway.max_body_bytes", "1024", 1024, 16 * 2**20),
+    # added with access control (issue 22)
+    "nats_user": ("bus.nats_user", "u", "u", ""),
+    "nats_password_file": ("bus.nats_password_file", "/s/p", "/s/p", ""),
+    "nats_tls_ca": ("bus.nats_tls_ca", "/s/ca", "/s/ca", ""),
+    "nats_tls_cert": ("bus.nats_tls_cert", "/s/c", "/s/c", ""),
+    "nats_tls_key": ("bus.nats_tls_key", "/s/k", "/s/k", ""),
+    "redis_user": ("bus.redis_user", "r", "r", ""),
+    "redis_password_file": ("bus.redis_password_file", "/s/rp", "/s/rp", ""),
+    "redis_tls_ca": ("bus.redis_tls_ca", "/s/rca", "/s/rca", ""),
+    "cache_salt_per_key": ("gateway.cache_salt_per_key", "true", True, False),
 }
 
 
