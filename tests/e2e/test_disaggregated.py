@@ -18,6 +18,7 @@ import httpx
 import pytest
 
 from tests.e2e.conftest import ROOT, openai_client, running_stack, wait_all_blocks_free
+from tests.e2e.faults import stack_credentials
 
 pytestmark = pytest.mark.e2e
 MODEL = "SmolLM2-135M-Instruct"
@@ -127,6 +128,8 @@ def test_a_joining_worker_gets_work_and_a_leaving_one_gets_no_more(disagg_stack,
     env = {
         **os.environ,
         "KVFLOW_NATS_URL": nats_url_of("disagg"),
+        # the stack is closed: the new worker logs in with the worker role's credentials
+        "KVFLOW_NATS_PASSWORD_FILE": str(stack_credentials("disagg").nats_password_file("worker")),
         "KVFLOW_ROLE": "decode",
         "KVFLOW_WORKER_ID": "decode-joined",
         "KVFLOW_KV_CACHE_MEMORY": "0.3",

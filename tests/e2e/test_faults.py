@@ -204,7 +204,9 @@ def test_a_second_detokenizer_shares_requests_and_drains_cleanly(faults_stack) -
     nats_url, _ = stack_urls(NAME)
     ps = prompts(12)  # spread at random by the queue group: both get some (1 - 2^-11)
     reference = [s.join().text for s in run_streams(base, ps, 24)]
+    login = str(stack_credentials(NAME).nats_password_file("detokenizer"))
     env = {**os.environ, "KVFLOW_NATS_URL": nats_url, "KVFLOW_MAX_MODEL_LEN": "1024"}
+    env["KVFLOW_NATS_PASSWORD_FILE"] = login  # the stack is closed: log in as the role
     log = open(ROOT / ".pytest_cache" / "kvflow-faults-detok2.log", "wb")  # noqa: SIM115
     extra = subprocess.Popen(
         [sys.executable, "-m", "kvflow.cli.main", "run", "detokenizer"],

@@ -16,7 +16,7 @@ import torch
 
 from kvflow import LLM, BeamSearchParams, SamplingParams
 from tests.e2e.conftest import openai_client, wait_all_blocks_free
-from tests.e2e.faults import service_pids, stack_urls
+from tests.e2e.faults import service_pids, stack_credentials, stack_urls
 
 pytestmark = pytest.mark.e2e
 MODEL = "SmolLM2-135M-Instruct"
@@ -25,7 +25,10 @@ MODEL = "SmolLM2-135M-Instruct"
 @pytest.fixture(scope="module")
 def llm(stack):
     nats_url, _ = stack_urls("default")
-    with LLM(nats_url=nats_url, max_model_len=2048) as llm:
+    # a running stack is closed: the client logs in as the gateway role, as a user would
+    # with the credentials `kvflow serve` printed
+    login = str(stack_credentials("default").nats_password_file("gateway"))
+    with LLM(nats_url=nats_url, nats_password_file=login, max_model_len=2048) as llm:
         yield llm
 
 
