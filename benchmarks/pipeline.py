@@ -230,11 +230,42 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--input-len", type=int, default=None, help="prompt tokens, random ids (32)")
     p.add_argument("--output-len", type=int, default=None, help="output tokens, no EOS (256)")
     p.add_argument(
+        "--nats-tls",
+        choices=("off", "on", "both"),
+        default="off",
+        help="TLS on every bus connection (a throwaway CA and server certificate made with "
+        "trustme, a dev dependency); both: each stack without, then with, as peers",
+    )
+    p.add_argument(
         "--requests-per-stream",
         type=float,
         default=2.0,
         help="requests sent = concurrency x this (at least 8)",
     )
+
+
+def tls_serve_args() -> list[str]:
+    """`kvflow serve` arguments for a TLS bus: a fresh CA and a certificate for 127.0.0.1."""
+    import tempfile
+
+    try:
+        import trustme
+    except ImportError as e:
+        raise SystemExit("--nats-tls needs trustme (pip install trustme; in kvflow's [dev])") from e
+    ca = trustme.CA()
+    cert = ca.issue_cert("127.0.0.1", "localhost")
+    d = Path(tempfile.mkdtemp(prefix="kvflow-bench-tls-"))
+    ca.cert_pem.write_to_path(str(d / "ca.pem"))
+    cert.private_key_pem.write_to_path(str(d / "server.key"))
+    cert.cert_chain_pems[0].write_to_path(str(d / "server.pem"))
+    return [
+        "--nats-server-tls-cert",
+        str(d / "server.pem"),
+        "--nats-server-tls-key",
+        str(d / "server.key"),
+        "--nats-tls-ca",
+        str(d / "ca.pem"),
+    ]
 
 
 def main(args: argparse.Namespace) -> int:
@@ -249,7 +280,8 @@ def main(args: argparse.Namespace) -> int:
     steps = [float(s) for s in args.sim_step_ms.split(",") if s.strip()]
     extra = args.serve_args.split()
     results: dict[str, list[dict]] = {}
-    for step_ms in steps:
+    tls_modes = {"off": [False], "on": [True], "both": [False, True]}[args.nats_tls]
+    for step_ms, tls in [(s, t) for s in steps for t in tls_modes]:
         serve_args = [
             "--worker-backend",
             "sim",
@@ -257,6 +289,7 @@ def main(args: argparse.Namespace) -> int:
             str(step_ms),
             "--max-num-seqs",
             str(max(levels)),
+            *(tls_serve_args() if tls else []),
             *extra,
         ]
         print(f"starting kvflow serve {' '.join(serve_args)} ...", flush=True)
@@ -282,8 +315,9 @@ def main(args: argparse.Namespace) -> int:
         finally:
             os.killpg(proc.pid, signal.SIGTERM)
             proc.wait(60)
-        print_runs(f"simulated worker, {step_ms:g} ms per step ({platform.machine()})", runs)
-        results[f"sim_step_ms={step_ms:g}"] = [asdict(r) for r in runs]
+        bus = ", NATS over TLS" if tls else ""
+        print_runs(f"simulated worker, {step_ms:g} ms per step{bus} ({platform.machine()})", runs)
+        results[f"sim_step_ms={step_ms:g}" + (",tls" if tls else "")] = [asdict(r) for r in runs]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     path = out / f"pipeline-{time.strftime('%Y%m%d-%H%M%S')}.json"

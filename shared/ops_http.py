@@ -67,6 +67,13 @@ class _OpsCollector(Collector):
         bus = self.ops.bus
         dropped.add_metric([self.ops.service], float(bus.dropped_messages if bus else 0))
         yield dropped
+        denied = CounterMetricFamily(
+            "kvflow_bus_permission_denied",
+            "Publishes and subscriptions NATS refused this service's role (shared/access)",
+            labels=labels,
+        )
+        denied.add_metric([self.ops.service], float(getattr(bus, "permission_denied", 0)))
+        yield denied
 
 
 class OpsServer:
