@@ -7,7 +7,8 @@ import os
 
 import pytest
 
-from kvflow.cli.launcher import Topology, plan, share_cores
+from kvflow.cli.launcher import Process, Topology, _supervise, plan, share_cores
+from shared.access.connect import EXIT_REFUSED
 from shared.config import Settings
 
 
@@ -67,3 +68,39 @@ def test_cores_are_divided_once_among_workers() -> None:
     assert share_cores(Settings(), 1).worker.threads == 0  # one worker takes all cores
     assert share_cores(Settings(), 2).worker.threads == max(1, cores // 2)
     assert share_cores(Settings.of(threads=3), 4).worker.threads == 3  # asked for: kept
+
+
+class _FakeStack:
+    """What the supervisor sees of a Stack: children exiting with given codes, one by one."""
+
+    def __init__(self, codes: list[int]) -> None:
+        self.codes = codes
+        self.restarted: list[int] = []
+        self.notes: list[str] = []
+
+    def exited(self) -> tuple[int, Process, int] | None:
+        if not self.codes:
+            raise KeyboardInterrupt  # ends _supervise's loop once every exit was seen
+        return 0, Process("tokenizer", "tokenizer"), self.codes.pop(0)
+
+    def restart(self, index: int) -> None:
+        self.restarted.append(index)
+
+    def note(self, message: str) -> None:
+        self.notes.append(message)
+
+
+def test_a_child_refused_its_credentials_is_not_restarted() -> None:
+    stack = _FakeStack([EXIT_REFUSED])
+    with pytest.raises(RuntimeError, match="refused its credentials"):
+        _supervise(stack)  # type: ignore[arg-type]
+    assert stack.restarted == []
+
+
+def test_a_child_that_crashes_is_restarted_until_it_keeps_crashing() -> None:
+    stack = _FakeStack([1])
+    with pytest.raises(KeyboardInterrupt):
+        _supervise(stack)  # type: ignore[arg-type]
+    assert stack.restarted == [0]
+    with pytest.raises(RuntimeError, match="times within a minute"):
+        _supervise(_FakeStack([1, 1, 1, 1]))  # type: ignore[arg-type]

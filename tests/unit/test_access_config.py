@@ -1,0 +1,86 @@
+"""shared/access without servers: what `kvflow auth init` writes (layout, modes, every role's
+files, a password per file that the configurations' hashes accept) and when it refuses; the
+settings a role is given; connection options from settings."""
+
+from __future__ import annotations
+
+import hashlib
+import re
+import stat
+from pathlib import Path
+
+import bcrypt
+import pytest
+
+from kvflow.cli.main import main
+from shared.access.connect import AccessError, nats_auth, redis_options
+from shared.access.credentials import Credentials
+from shared.access.grants import NATS_ROLES, REDIS_ROLES
+from shared.config import BusSettings
+
+
+def test_auth_init_writes_every_roles_files_that_the_configs_accept(tmp_path: Path) -> None:
+    assert main(["auth", "init", str(tmp_path / "c")]) == 0
+    creds = Credentials(tmp_path / "c")
+    conf = creds.nats_conf.read_text()
+    acl = creds.redis_acl.read_text()
+    hashes = dict(re.findall(r'user: "(\w+)"\s+password: "([^"]+)"', conf))
+    assert set(hashes) == set(NATS_ROLES)
+    for role in NATS_ROLES:
+        password = creds.nats_password_file(role).read_text().strip()
+        assert bcrypt.checkpw(password.encode(), hashes[role].encode())
+        others = [creds.nats_password_file(r).read_text().strip() for r in NATS_ROLES]
+        assert others.count(password) == 1  # a password per role
+    for role in REDIS_ROLES:
+        password = creds.redis_password_file(role).read_text().strip()
+        line = next(x for x in acl.splitlines() if x.startswith(f"user {role} "))
+        assert f"#{hashlib.sha256(password.encode()).hexdigest()}" in line
+    assert not creds.redis_password_file("tokenizer").exists()  # no Redis user: no file
+    assert "user default on nopass resetkeys resetchannels -@all +ping" in acl
+    for f in (creds.nats_conf, creds.redis_acl, creds.nats_password_file("worker")):
+        assert stat.S_IMODE(f.stat().st_mode) == 0o600
+
+
+def test_auth_init_keeps_or_refuses_existing_credentials(tmp_path: Path, capsys) -> None:
+    d = str(tmp_path)
+    assert main(["auth", "init", d]) == 0
+    before = Credentials(tmp_path).nats_password_file("gateway").read_text()
+    assert main(["auth", "init", d]) == 2  # never replaced by accident
+    assert "--force" in capsys.readouterr().err
+    assert main(["auth", "init", d, "--if-missing"]) == 0
+    assert Credentials(tmp_path).nats_password_file("gateway").read_text() == before
+    assert main(["auth", "init", d, "--force", "--mode", "644"]) == 0
+    after = Credentials(tmp_path).nats_password_file("gateway")
+    assert after.read_text() != before and stat.S_IMODE(after.stat().st_mode) == 0o644
+
+
+def test_a_role_is_given_only_its_own_files(tmp_path: Path) -> None:
+    creds = Credentials(tmp_path)
+    assert creds.service_settings("tokenizer") == {
+        "nats_user": "tokenizer",
+        "nats_password_file": str(tmp_path / "tokenizer" / "nats-password"),
+    }
+    worker = creds.service_settings("worker")
+    assert set(worker) == {"nats_user", "nats_password_file", "redis_user", "redis_password_file"}
+    assert all("worker" in v for v in worker.values())
+
+
+def test_connection_options_from_settings(tmp_path: Path) -> None:
+    assert nats_auth(BusSettings(), "worker").options() == {"inbox_prefix": "_INBOX.worker"}
+    assert redis_options(BusSettings(), "worker") == {}
+    pw = tmp_path / "pw"
+    pw.write_text("s3cret\n")
+    bus = BusSettings(nats_password_file=str(pw), redis_password_file=str(pw), redis_user="x")
+    assert nats_auth(bus, "worker").options() == {
+        "inbox_prefix": "_INBOX.worker",
+        "user": "worker",
+        "password": "s3cret",
+    }
+    assert redis_options(bus, "worker") == {"username": "x", "password": "s3cret"}
+    with pytest.raises(AccessError, match="cannot read the NATS password file"):
+        nats_auth(BusSettings(nats_password_file=str(tmp_path / "missing")), "worker")
+    (tmp_path / "empty").write_text("\n")
+    with pytest.raises(AccessError, match="is empty"):
+        redis_options(BusSettings(redis_password_file=str(tmp_path / "empty")), "worker")
+    with pytest.raises(AccessError, match="TLS"):
+        nats_auth(BusSettings(nats_tls_ca=str(tmp_path / "no-ca.pem")), "worker")
