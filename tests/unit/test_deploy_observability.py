@@ -77,7 +77,11 @@ def test_dashboard_covers_each_concern_with_exported_series(dashboard) -> None:
             "kvflow:worker_plans_queued",
             "kvflow:bus_pending_messages",
         },
-        "errors": {"vllm:request_success_total", "kvflow_bus_dropped_messages_total"},
+        "errors": {
+            "vllm:request_success_total",
+            "kvflow_bus_dropped_messages_total",
+            "kvflow_bus_permission_denied_total",
+        },
         "request phases": {
             "vllm:request_queue_time_seconds_bucket",
             "vllm:request_prefill_time_seconds_bucket",
