@@ -38,7 +38,7 @@ class Auth:
     def __init__(self, settings: Settings, redis: Any = None) -> None:
         self.static_key = settings.gateway.api_key
         self.store: KeyStore | None = None
-        self._verify: tuple[Any, str] | None = None  # (client, url) to log in at start
+        self._own_login = ""  # the Redis URL of a key store this gateway logs in to itself
         if settings.gateway.key_store not in ("", "redis"):
             raise ValueError(
                 f"--key-store must be '' or 'redis', not {settings.gateway.key_store!r}"
@@ -48,14 +48,14 @@ class Auth:
                 if not settings.bus.redis_url:
                     raise ValueError("--key-store redis needs --redis-url")
                 redis = redis_client(settings.bus, "gateway", decode_responses=True)
-                self._verify = (redis, settings.bus.redis_url)
+                self._own_login = settings.bus.redis_url
             self.store = KeyStore(redis)
         self._tasks: set[asyncio.Task[Any]] = set()
 
     async def start(self) -> None:
         """Log in to the key store once: refused credentials stop the gateway (AccessError)."""
-        if self._verify is not None:
-            await verify_redis(self._verify[0], "gateway", self._verify[1])
+        if self.store is not None and self._own_login:
+            await verify_redis(self.store.redis, "gateway", self._own_login)
 
     @property
     def enabled(self) -> bool:
