@@ -51,6 +51,14 @@ class ModelSettings:
             "weights per channel and activations per token through torch._scaled_mm)"
         },
     )
+    chat_template: str = field(
+        default="",
+        metadata={
+            "help": "Jinja chat template file used instead of the model's own (vLLM's "
+            "--chat-template); with tools in a request and a model template that has none, the "
+            "project's hermes tool template is used"
+        },
+    )
 
 
 @dataclass
@@ -222,6 +230,23 @@ class GatewaySettings:
         metadata={
             "help": "salt every request's prefix-cache keys with its API key (and any "
             "cache_salt it gives), so tenants never share cached blocks (multi-tenant)"
+        },
+    )
+    enable_auto_tool_choice: bool = field(
+        default=True,
+        metadata={
+            "help": "let the model decide to call tools (tool_choice 'auto', the default when a "
+            "request has tools) and parse its calls with --tool-call-parser; false: 'auto' is a "
+            "400, as vLLM without the flag ('required' and named functions always work)"
+        },
+    )
+    tool_call_parser: str = field(
+        default="hermes",
+        metadata={
+            "help": "how tool calls are found in the model's text under 'auto': hermes "
+            '(<tool_call>{"name": ..., "arguments": ...}</tool_call>) | llama3_json (a JSON '
+            'object {"name": ..., "parameters": ...}, several joined by \';\')',
+            "choices": ("hermes", "llama3_json"),  # services/detokenizer/tool_parsers' PARSERS
         },
     )
     max_n: int = field(default=16, metadata={"help": "largest n / best_of per request"})

@@ -24,8 +24,21 @@ import msgspec
 from shared.messages.base import FinishReason
 from shared.messages.kv import KvChunk, KvChunkRequest, KvLoad, KvLoadDone, KvPull, KvTransferDone
 from shared.messages.ops import MetricsReport, MetricsRequest, Ping, Pong
-from shared.messages.outputs import Delta, DeltaBatch, PromptTokenLogprob, TokenLogprob
-from shared.messages.params import ChatMessage, SamplingParams, StructuredOutput
+from shared.messages.outputs import (
+    Delta,
+    DeltaBatch,
+    PromptTokenLogprob,
+    TokenLogprob,
+    ToolCallDelta,
+)
+from shared.messages.params import (
+    ChatMessage,
+    SamplingParams,
+    StructuredOutput,
+    ToolCall,
+    ToolParsing,
+    ToolSpec,
+)
 from shared.messages.requests import (
     Abort,
     Accepted,
@@ -89,6 +102,10 @@ __all__ = [
     "StepResult",
     "StructuredOutput",
     "TokenLogprob",
+    "ToolCall",
+    "ToolCallDelta",
+    "ToolParsing",
+    "ToolSpec",
     "TokenizeRequest",
     "TokenizeResult",
     "TokenizedRequest",

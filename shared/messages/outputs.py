@@ -32,6 +32,20 @@ class Delta(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     # the ids of the tokens generated since the previous delta (one with text held back or
     # without text of its own comes with the next delta sent)
     token_ids: list[int] = []
+    # tool calls found in the text (``params.ToolParsing``): pieces by call index, the first
+    # piece of a call with its id and name; the text they came from is not in ``text``
+    tool_calls: list[ToolCallDelta] = []
+
+
+class ToolCallDelta(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """A piece of the ``index``-th tool call of a sequence: ``id`` and ``name`` on its first
+    piece, ``arguments`` (JSON text) appended piece by piece (OpenAI's streamed
+    ``delta.tool_calls``)."""
+
+    index: int
+    id: str | None = None
+    name: str | None = None
+    arguments: str = ""
 
 
 class PromptTokenLogprob(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):

@@ -57,6 +57,40 @@ class SamplingParams(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
         return _needs_token_history(self)
 
 
+class ToolCall(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """A function call an assistant message made (OpenAI's ``tool_calls`` entry); ``arguments``
+    is JSON text, as the API carries it."""
+
+    id: str
+    name: str
+    arguments: str = "{}"
+
+
 class ChatMessage(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     role: str
     content: str
+    tool_calls: list[ToolCall] = []  # an assistant message's calls
+    tool_call_id: str | None = None  # a ``tool`` message: the call it answers
+    name: str | None = None  # a ``tool`` message: the function's name (from its call)
+
+
+class ToolSpec(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """A function tool offered to the model (OpenAI's ``tools`` entry, function only);
+    ``parameters`` is its JSON schema as text."""
+
+    name: str
+    description: str | None = None
+    parameters: str | None = None
+
+
+class ToolParsing(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """How the detokenizer turns a request's text into tool calls.
+
+    ``mode``: "auto" (the model may write calls in ``parser``'s format, e.g. hermes
+    ``<tool_call>{...}</tool_call>``; other text stays content), "required" (the grammar made the
+    text a JSON array of ``{"name", "parameters"}``: every element is a call) or "named" (the
+    grammar made the text the arguments of the function ``name``)."""
+
+    mode: str
+    parser: str = ""
+    name: str = ""

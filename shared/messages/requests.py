@@ -4,7 +4,7 @@ and the tokenizer's request/reply endpoints."""
 from __future__ import annotations
 
 from shared.messages.base import FinishReason, _Msg
-from shared.messages.params import ChatMessage, SamplingParams
+from shared.messages.params import ChatMessage, SamplingParams, ToolParsing, ToolSpec
 
 # gateway -> tokenizer
 
@@ -28,6 +28,8 @@ class GenerateRequest(_Msg, tag=1):
     # the same salt share prefix-cache (and KV tier) blocks; with --cache-salt-per-key the
     # gateway puts the API key's tenant id in front ("<tenant>:<salt>")
     cache_salt: str | None = None
+    tools: list[ToolSpec] = []  # offered to the model: the chat template renders them
+    tool_parsing: ToolParsing | None = None  # how the detokenizer finds calls in the text
 
 
 # ---------------------------------------------------------------------------------------------
@@ -43,6 +45,7 @@ class TokenizedRequest(_Msg, tag=2):
     eos_token_ids: list[int] = []
     priority: int = 0
     cache_salt: str | None = None  # GenerateRequest's, carried on to the scheduler
+    tool_parsing: ToolParsing | None = None  # GenerateRequest's, for the detokenizer
 
 
 # ---------------------------------------------------------------------------------------------

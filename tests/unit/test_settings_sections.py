@@ -73,6 +73,9 @@ OLD_FLAT = {
     "redis_password_file": ("bus.redis_password_file", "/s/rp", "/s/rp", ""),
     "redis_tls_ca": ("bus.redis_tls_ca", "/s/rca", "/s/rca", ""),
     "cache_salt_per_key": ("gateway.cache_salt_per_key", "true", True, False),
+    "chat_template": ("model.chat_template", "/t/x.jinja", "/t/x.jinja", ""),
+    "enable_auto_tool_choice": ("gateway.enable_auto_tool_choice", "false", False, True),
+    "tool_call_parser": ("gateway.tool_call_parser", "llama3_json", "llama3_json", "hermes"),
 }
 
 
