@@ -175,6 +175,7 @@ class TokenizerService:
             eos_token_ids=self.eos_ids,
             priority=msg.priority,
             cache_salt=msg.cache_salt,
+            tool_parsing=msg.tool_parsing,
         )
         await self.bus.publish(subjects.REQUESTS, out, inject())
         return "ok"
