@@ -6,25 +6,21 @@ from __future__ import annotations
 
 from typing import Any
 
-from services.tokenizer.prompts import PromptError
+from services.tokenizer.prompts import PromptError, render_chat
 from shared.messages import DetokenizeRequest, DetokenizeResult, TokenizeRequest, TokenizeResult
 
 
 def tokenize(tokenizer: Any, req: TokenizeRequest, max_model_len: int) -> TokenizeResult:
     """Token ids of ``req.prompt`` or of ``req.messages`` through the chat template."""
     if req.messages is not None:
-        if not req.messages:
-            raise PromptError("messages must not be empty", "messages")
-        convo = [{"role": m.role, "content": m.content} for m in req.messages]
-        try:
-            text = tokenizer.apply_chat_template(
-                convo,
-                add_generation_prompt=req.add_generation_prompt,
-                continue_final_message=req.continue_final_message,
-                tokenize=False,
-            )
-        except Exception as e:  # template errors (e.g. role order) are the client's to fix
-            raise PromptError(f"chat template failed: {e}", "messages") from e
+        text = render_chat(
+            tokenizer,
+            req.messages,
+            req.tools,
+            req.add_generation_prompt,
+            req.continue_final_message,
+            tokenize=False,
+        )
         # as vLLM: the rendered text, tokenized (the template has its own special tokens)
         ids = list(tokenizer(text, add_special_tokens=req.add_special_tokens)["input_ids"])
     elif req.prompt is not None:

@@ -26,6 +26,7 @@ from services.tokenizer.prompts import (
     check_length,
     check_logit_bias,
     prompt_token_ids,
+    read_chat_template,
     truncate,
 )
 from services.tokenizer.rpc import detokenize, tokenize
@@ -190,6 +191,8 @@ async def run(settings: Settings) -> None:
     src = resolve_model(settings.model.path, settings.model.served_model_name)
     cfg = load_config(src)
     tok = load_tokenizer(src)
+    if settings.model.chat_template:
+        tok.chat_template = read_chat_template(settings.model.chat_template)
     max_len = min(settings.model.max_model_len, cfg.max_position_embeddings)
     service = TokenizerService(settings, tok, max_len, list(cfg.eos_token_ids), cfg.vocab_size)
     await service.start()

@@ -91,6 +91,7 @@ class TokenizeRequest(_Msg, tag=20):
     add_special_tokens: bool = True
     return_token_strs: bool = False
     continue_final_message: bool = False
+    tools: list[ToolSpec] = []  # vLLM's /tokenize takes a chat request's tools too
 
 
 class TokenizeResult(_Msg, tag=21):
