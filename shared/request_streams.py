@@ -14,11 +14,24 @@ import logging
 from collections import deque
 from typing import Any
 
-from shared.messages import Accepted, Delta, DeltaBatch, Message, RequestError
+from shared.messages import Accepted, Delta, DeltaBatch, Message, RequestError, ToolCallDelta
 
 log = logging.getLogger("kvflow.streams")
 
 Item = Delta | RequestError
+
+
+def join_tool_calls(pieces: list[ToolCallDelta]) -> list[ToolCallDelta]:
+    """Consecutive pieces of the same call as one (its id and name from the first, the
+    arguments joined); the pieces are not changed."""
+    out: list[ToolCallDelta] = []
+    for p in pieces:
+        last = out[-1] if out else None
+        if last is not None and last.index == p.index and p.id is None and p.name is None:
+            out[-1] = ToolCallDelta(last.index, last.id, last.name, last.arguments + p.arguments)
+        else:
+            out.append(p)
+    return out
 
 
 def merge_delta(into: Delta, later: Delta) -> None:
@@ -34,6 +47,8 @@ def merge_delta(into: Delta, later: Delta) -> None:
         into.prompt_logprobs = later.prompt_logprobs
     if later.token_ids:
         into.token_ids = [*into.token_ids, *later.token_ids]
+    if later.tool_calls:
+        into.tool_calls = join_tool_calls([*into.tool_calls, *later.tool_calls])
 
 
 class DeltaQueue:

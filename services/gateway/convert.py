@@ -16,14 +16,14 @@ from services.gateway.errors import APIError, validation_error
 from services.gateway.guided import structured_output
 from services.gateway.protocol import (
     ChatCompletionRequest,
-    ChatMessageIn,
     CompletionRequest,
     SamplingBody,
     TokenizeChatRequest,
 )
+from services.gateway.tools import chat_messages, tool_setup
 from shared.config import Settings
 from shared.fan_out import ranks, sequences_per_prompt
-from shared.messages import ChatMessage, GenerateRequest, SamplingParams
+from shared.messages import GenerateRequest, SamplingParams
 from shared.model_source import DEFAULT_NAME, ModelNotFoundError, gguf_model_name, resolve_model
 from shared.sampling import (
     FIELDS,
@@ -220,11 +220,7 @@ def chat_job(
     _check_max_tokens(req.max_completion_tokens, "max_completion_tokens")
     if req.top_logprobs is not None and not req.logprobs:
         raise bad("top_logprobs", "needs logprobs to be true")
-    if req.tools and req.tool_choice != "none":
-        raise bad(
-            "tool_choice",
-            "tool calls are not supported: send tool_choice 'none' (or no tools)",
-        )
+    tools = tool_setup(req.tools, req.tool_choice, req.parallel_tool_calls, settings)
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
     names = {"logprobs": "top_logprobs"}
     if req.max_completion_tokens is not None:
@@ -233,6 +229,13 @@ def chat_job(
     params = sampling_params(
         req, chat_max_tokens(req), logprobs, req.prompt_logprobs, n, None, settings, names
     )
+    if tools.constraint is not None:
+        if params.structured_output is not None:
+            p = params.structured_output.param
+            raise bad(p, f"cannot be combined with tool_choice {_choice_name(req)}")
+        if params.allowed_token_ids:
+            raise bad("allowed_token_ids", "cannot be combined with a forced tool call")
+        params = msgspec.structs.replace(params, structured_output=tools.constraint)
     add_generation_prompt, continue_final = chat_template_flags(req)
     messages = chat_messages(req.messages)
     # vLLM's rule: the answer's role is the assistant's when a generation prompt opens one,
@@ -249,6 +252,8 @@ def chat_job(
         truncate_prompt_tokens=req.truncate_prompt_tokens,
         continue_final_message=continue_final,
         cache_salt=req.cache_salt,
+        tools=tools.specs,
+        tool_parsing=tools.parsing,
     )
     return Job(
         [gen],
@@ -265,10 +270,9 @@ def chat_job(
     )
 
 
-def chat_messages(messages: list[ChatMessageIn]) -> list[ChatMessage]:
-    """The conversation as the tokenizer's chat template takes it ("developer" is OpenAI's new
-    name for "system")."""
-    return [ChatMessage("system" if m.role == "developer" else m.role, m.text()) for m in messages]
+def _choice_name(req: ChatCompletionRequest) -> str:
+    c = req.tool_choice
+    return repr(c) if isinstance(c, str) else f"naming {c.function.name!r}" if c else "'auto'"
 
 
 def chat_template_flags(req: ChatCompletionRequest | TokenizeChatRequest) -> tuple[bool, bool]:

@@ -188,7 +188,9 @@ async def sse_events(
                 started.add(i)
                 echo = _echo(job, echo_texts, i // job.best_of, delta)
                 plps = delta.prompt_logprobs or None
-            chunks = fmt.text_chunk(delta.text, delta.finish_reason, i, delta.logprobs, echo, plps)
+            chunks = fmt.text_chunk(
+                delta.text, delta.finish_reason, i, delta.logprobs, echo, plps, delta.tool_calls
+            )
             for chunk in chunks:
                 if job.continuous_usage:
                     chunk["usage"] = usage(*choices.usage_so_far())

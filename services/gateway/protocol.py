@@ -4,7 +4,7 @@ The models check types and shapes only; the sampling fields are declared from th
 (shared/sampling/features.py), whose checks run when the request is converted (convert.py). Bodies are parsed
 by hand from these models (for OpenAI-shaped 400s) and the OpenAPI document carries them
 (openapi.py). Unknown fields are ignored, as OpenAI clients send fields kvflow does not use
-(``parallel_tool_calls``, ``store``, ``metadata``...)."""
+(``store``, ``metadata``...)."""
 
 from __future__ import annotations
 
@@ -31,10 +31,51 @@ class TextPart(_Body):
     text: str
 
 
+class FunctionCallIn(_Body):
+    name: str
+    arguments: str | dict[str, Any]  # JSON text (OpenAI); an object is taken too
+
+
+class ToolCallIn(_Body):
+    """An assistant message's earlier call, sent back in the conversation."""
+
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCallIn
+
+
+class FunctionDef(_Body):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema; none: no arguments
+    strict: bool | None = None  # accepted: the arguments always follow the schema when forced
+
+
+class ChatTool(_Body):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class NamedFunction(_Body):
+    name: str
+
+
+class NamedToolChoice(_Body):
+    """``tool_choice`` naming the one function the model must call."""
+
+    type: Literal["function"]
+    function: NamedFunction
+
+
+ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
+
+
 class ChatMessageIn(_Body):
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCallIn] | None = None  # assistant: the calls it made
+    tool_call_id: str | None = None  # tool: the call this message answers
 
     def text(self) -> str:
         """The content as one string (text parts joined by newlines, as vLLM does)."""
@@ -123,9 +164,9 @@ class ChatCompletionRequest(SamplingBody):
     # final message's content when it has the answer's role
     continue_final_message: bool | None = False
     echo: bool | None = False
-    # accepted only without tool calls (as vLLM without a tool parser): none are generated
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: str | dict[str, Any] | None = None
+    tools: list[ChatTool] | None = None
+    tool_choice: ToolChoice | None = None  # default: "auto" with tools, "none" without
+    parallel_tool_calls: bool | None = None  # false: at most one call
 
 
 # A string, a list of strings (a batch), token ids, or a list of token-id lists (a batch).
@@ -157,6 +198,7 @@ class TokenizeChatRequest(_Body):
     add_generation_prompt: bool | None = True
     continue_final_message: bool | None = False
     add_special_tokens: bool | None = False
+    tools: list[ChatTool] | None = None  # rendered by the chat template as in generation
     return_token_strs: bool | None = False
 
 

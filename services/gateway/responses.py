@@ -15,7 +15,8 @@ from typing import Any
 import msgspec
 
 from shared.fan_out import cumulative_logprob
-from shared.messages import Delta, PromptTokenLogprob, TokenLogprob
+from shared.messages import Delta, PromptTokenLogprob, TokenLogprob, ToolCallDelta
+from shared.request_streams import join_tool_calls
 
 DONE = b"data: [DONE]\n\n"
 
@@ -34,6 +35,7 @@ class Outcome:
     completion_tokens: int
     logprobs: list[TokenLogprob] | None = None  # None: not asked for
     prompt_logprobs: list[PromptTokenLogprob] | None = None
+    tool_calls: list[ToolCallDelta] = field(default_factory=list)  # one per call, joined
 
     @property
     def cumulative_logprob(self) -> float:
@@ -69,6 +71,7 @@ def outcome_of(deltas: list[Delta]) -> Outcome:
         last.completion_tokens,
         lps or None,
         plps,
+        join_tool_calls([t for d in deltas for t in d.tool_calls]),
     )
 
 
@@ -170,6 +173,18 @@ def vllm_prompt_logprobs(prompt: list[PromptTokenLogprob] | None) -> list[Any] |
     return out
 
 
+def tool_call_json(call: ToolCallDelta, streamed: bool = False) -> dict[str, Any]:
+    """OpenAI's ``tool_calls`` entry; a stream's pieces carry ``index``, and ``id``, ``type``
+    and the name only on a call's first piece."""
+    fn: dict[str, Any] = {"arguments": call.arguments}
+    if call.name is not None:
+        fn = {"name": call.name, **fn}
+    out: dict[str, Any] = {"index": call.index} if streamed else {}
+    if call.id is not None:
+        out |= {"id": call.id, "type": "function"}
+    return out | {"function": fn}
+
+
 @dataclass
 class Format:
     """Shapes shared by both endpoints; subclasses fill in the choice contents."""
@@ -221,9 +236,10 @@ class Format:
         lps: list[TokenLogprob] | None = None,
         echo: Echo | None = None,
         prompt_lps: list[PromptTokenLogprob] | None = None,
+        tool_calls: list[ToolCallDelta] | None = None,
     ) -> list[dict[str, Any]]:
         """Chunks for one delta of choice ``index``; a choice's first delta brings its ``echo``
-        and (vLLM's extra) ``prompt_lps``."""
+        and (vLLM's extra) ``prompt_lps``; chat deltas may bring ``tool_calls`` pieces."""
         raise NotImplementedError
 
     def response(
@@ -278,15 +294,20 @@ class ChatFormat(Format):
         lps: list[TokenLogprob] | None = None,
         echo: Echo | None = None,
         prompt_lps: list[PromptTokenLogprob] | None = None,
+        tool_calls: list[ToolCallDelta] | None = None,
     ) -> list[dict[str, Any]]:
-        """Content, then (as OpenAI) the finish reason in its own chunk with an empty delta. A
-        choice's ``echo`` (vLLM's chat echo: the final message's content) comes first, in its
-        own chunk."""
+        """Content, then tool call pieces, then (as OpenAI) the finish reason in its own chunk
+        with an empty delta. A choice's ``echo`` (vLLM's chat echo: the final message's
+        content) comes first, in its own chunk."""
         chunks = []
         if echo is not None and echo.text:
             chunks.append(self._chunk([self._choice({"content": echo.text}, None, index)]))
-        if text or lps:
+        if text or (lps and not tool_calls):
             chunks.append(self._chunk([self._choice({"content": text}, None, index, lps)]))
+        if tool_calls:
+            calls = [tool_call_json(t, streamed=True) for t in join_tool_calls(tool_calls)]
+            lps = None if text else lps
+            chunks.append(self._chunk([self._choice({"tool_calls": calls}, None, index, lps)]))
         if finish_reason is not None:
             chunks.append(self._chunk([self._choice({}, finish_reason, index)]))
         return chunks
@@ -300,9 +321,16 @@ class ChatFormat(Format):
         return out
 
     def _full_choice(self, out: Outcome, index: int, echo: Echo | None) -> dict[str, Any]:
+        message: dict[str, Any] = {
+            "role": self.role,
+            "content": (echo.text if echo else "") + out.text,
+        }
+        if out.tool_calls:  # as OpenAI: no content is null, not ""
+            message["content"] = message["content"] or None
+            message["tool_calls"] = [tool_call_json(t) for t in out.tool_calls]
         return {
             "index": index,
-            "message": {"role": self.role, "content": (echo.text if echo else "") + out.text},
+            "message": message,
             "logprobs": chat_logprobs(out.logprobs or [], self.tokens_as_ids)
             if self.with_logprobs
             else None,
@@ -336,6 +364,7 @@ class CompletionFormat(Format):
         lps: list[TokenLogprob] | None = None,
         echo: Echo | None = None,
         prompt_lps: list[PromptTokenLogprob] | None = None,
+        tool_calls: list[ToolCallDelta] | None = None,  # chat only: completions have no tools
     ) -> list[dict[str, Any]]:
         if echo is not None:
             text = echo.text + text

@@ -4,8 +4,9 @@ A request becomes a chat request (``instructions`` as the system message, then `
 runs through the same job, pipeline and serving loop as /v1/chat/completions; only the shapes
 differ: the answer is one ``message`` output item, and a stream is the typed events
 ``response.created`` ... ``response.completed`` (named in each SSE ``event:`` line too). What
-kvflow cannot do here is refused by name: stored responses (``previous_response_id``), tools,
-reasoning, background runs, ``truncation: "auto"``, logprobs."""
+kvflow cannot do here is refused by name: stored responses (``previous_response_id``), tools
+other than functions, reasoning, background runs, ``truncation: "auto"``, logprobs. Function
+tools are served as on chat (``function_call`` output items; services/gateway/responses_tools.py)."""
 
 from __future__ import annotations
 
@@ -19,7 +20,17 @@ from services.gateway.convert import Job, bad, chat_job, validate_body
 from services.gateway.errors import APIError
 from services.gateway.protocol import ChatCompletionRequest, _Body
 from services.gateway.responses import Echo, Format, Outcome, sse
+from services.gateway.responses_tools import (
+    FunctionCallItem,
+    FunctionCallOutputItem,
+    FunctionCalls,
+    chat_messages,
+    chat_tool_choice,
+    chat_tools,
+    renamed_param,
+)
 from shared.config import Settings
+from shared.messages import ToolCallDelta
 from shared.sampling import FIELDS
 
 # vLLM's sampling extras a Responses request may carry too (validated as in chat): the
@@ -68,7 +79,9 @@ class ResponsesRequest(_Body):
     model_config = ConfigDict(extra="allow", populate_by_name=True)
 
     model: str | None = None
-    input: str | list[InputMessage] = Field(min_length=1)
+    input: str | list[InputMessage | FunctionCallItem | FunctionCallOutputItem] = Field(
+        min_length=1
+    )
     instructions: str | None = None
     max_output_tokens: int | None = None
     temperature: float | None = None
@@ -81,7 +94,7 @@ class ResponsesRequest(_Body):
     parallel_tool_calls: bool | None = None
     tool_choice: str | dict[str, Any] | None = None
     tools: list[dict[str, Any]] | None = None
-    # refused when set: kvflow keeps no responses, runs no tools and no reasoning model
+    # refused when set: kvflow keeps no responses, runs no hosted tools, no reasoning model
     previous_response_id: str | None = None
     reasoning: dict[str, Any] | None = None
     include: list[str] | None = None
@@ -98,8 +111,6 @@ def _refusal(req: ResponsesRequest) -> APIError | None:
             "previous_response_id",
             "kvflow does not store responses: send the whole conversation in input",
         )
-    if req.tools and req.tool_choice != "none":
-        return bad("tools", "tool calls are not supported: send no tools (or tool_choice 'none')")
     if req.reasoning:
         return bad("reasoning", "the served model is not a reasoning model")
     if req.include:
@@ -125,6 +136,12 @@ def _response_format(fmt: TextFormat | None) -> dict[str, Any] | None:
 def renamed(e: APIError) -> APIError:
     """``e`` naming the Responses field where a chat field was checked."""
     new = PARAM_NAMES.get(e.param or "")
+    if (
+        new is None
+        and e.param
+        and (e.param.startswith("tools[") or e.param.startswith("messages["))
+    ):
+        new = renamed_param(e.param)
     if new is not None:
         e.message = new + e.message.removeprefix(e.param or "")
         e.param = new
@@ -142,13 +159,13 @@ def responses_job(
     refusal = _refusal(req)
     if refusal is not None:
         raise refusal
-    messages: list[dict[str, str]] = []
+    messages: list[dict[str, Any]] = []
     if req.instructions:
         messages.append({"role": "system", "content": req.instructions})
     if isinstance(req.input, str):
         messages.append({"role": "user", "content": req.input})
     else:
-        messages += [{"role": m.role, "content": m.text()} for m in req.input]
+        messages += chat_messages(req.input)
     chat: dict[str, Any] = {
         k: v for k, v in (req.model_extra or {}).items() if k in EXTRAS and v is not None
     }
@@ -162,6 +179,9 @@ def responses_job(
         "user": req.user,
         "response_format": _response_format(req.text.format if req.text else None),
         "cache_salt": req.cache_salt,
+        "tools": chat_tools(req.tools),
+        "tool_choice": chat_tool_choice(req.tool_choice),
+        "parallel_tool_calls": req.parallel_tool_calls,
     }
     try:
         job = chat_job(
@@ -183,16 +203,21 @@ def _usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
 
 @dataclass
 class ResponsesFormat(Format):
-    """The Response object and its stream events for a one-output chat job."""
+    """The Response object and its stream events for a one-output chat job: a ``message`` item
+    for the text (opened when text first comes) and a ``function_call`` item per tool call."""
 
     done: bytes = b""  # a Responses stream ends with response.completed, no [DONE]
     _req: ResponsesRequest | None = None
     _text: list[str] = field(default_factory=list)
     _finish: str | None = None
     _seq: int = 0
+    _msg_index: int | None = None  # the message item's output_index, once opened
+    _calls: FunctionCalls | None = None
+    _call_index: dict[int, int] = field(default_factory=dict)  # call index -> output_index
 
     def take_request(self, req: Any) -> None:
         self._req = req
+        self._calls = FunctionCalls(self.request_id)
 
     def encode(self, chunk: dict[str, Any]) -> bytes:
         return f"event: {chunk['type']}\n".encode() + sse(chunk)
@@ -243,8 +268,8 @@ class ResponsesFormat(Format):
             "store": False,
             "temperature": req.temperature,
             "text": {"format": fmt.model_dump(by_alias=True) if fmt else {"type": "text"}},
-            "tool_choice": req.tool_choice or "auto",
-            "tools": [],
+            "tool_choice": req.tool_choice or ("auto" if req.tools else "none"),
+            "tools": req.tools or [],
             "top_p": req.top_p,
             "truncation": "disabled",
             "usage": usage,
@@ -261,17 +286,80 @@ class ResponsesFormat(Format):
         return [
             self._event("response.created", response=started),
             self._event("response.in_progress", response=started),
+        ]
+
+    def _open_message(self) -> list[dict[str, Any]]:
+        self._msg_index = self._next_index()
+        return [
             self._event(
-                "response.output_item.added", output_index=0, item=self._item(None, "in_progress")
+                "response.output_item.added",
+                output_index=self._msg_index,
+                item=self._item(None, "in_progress"),
             ),
             self._event(
                 "response.content_part.added",
                 item_id=self._item_id,
-                output_index=0,
+                output_index=self._msg_index,
                 content_index=0,
                 part=self._part(""),
             ),
         ]
+
+    def _next_index(self) -> int:
+        return len(self._call_index) + (self._msg_index is not None)
+
+    def _call_events(self, pieces: list[ToolCallDelta]) -> list[dict[str, Any]]:
+        assert self._calls is not None, "take_request() first"
+        events = []
+        for piece in pieces:
+            added = self._calls.add(piece)
+            if added is not None:
+                self._call_index[piece.index] = self._next_index()
+                out = self._call_index[piece.index]
+                events.append(
+                    self._event("response.output_item.added", output_index=out, item=added)
+                )
+            if piece.arguments:
+                events.append(
+                    self._event(
+                        "response.function_call_arguments.delta",
+                        item_id=self._calls.item_id(piece.index),
+                        output_index=self._call_index.get(piece.index, 0),
+                        delta=piece.arguments,
+                    )
+                )
+        return events
+
+    def _finish_events(self, finish_reason: str) -> list[dict[str, Any]]:
+        assert self._calls is not None, "take_request() first"
+        status = self._status(finish_reason)
+        events = []
+        if self._msg_index is None and not self._call_index:
+            events += self._open_message()  # no output at all: an empty message
+        if self._msg_index is not None:
+            where = {"item_id": self._item_id, "output_index": self._msg_index, "content_index": 0}
+            full = "".join(self._text)
+            events += [
+                self._event("response.output_text.done", **where, text=full, logprobs=[]),
+                self._event("response.content_part.done", **where, part=self._part(full)),
+                self._event(
+                    "response.output_item.done",
+                    output_index=self._msg_index,
+                    item=self._item(full, status),
+                ),
+            ]
+        for i, item in enumerate(self._calls.finished(status)):
+            out = self._call_index.get(i, 0)
+            events += [
+                self._event(
+                    "response.function_call_arguments.done",
+                    item_id=item["id"],
+                    output_index=out,
+                    arguments=item["arguments"],
+                ),
+                self._event("response.output_item.done", output_index=out, item=item),
+            ]
+        return events
 
     def text_chunk(
         self,
@@ -281,36 +369,42 @@ class ResponsesFormat(Format):
         lps: Any = None,
         echo: Echo | None = None,
         prompt_lps: Any = None,
+        tool_calls: list[ToolCallDelta] | None = None,
     ) -> list[dict[str, Any]]:
-        where = {"item_id": self._item_id, "output_index": 0, "content_index": 0}
         events = []
         if text:
+            if self._msg_index is None:
+                events += self._open_message()
             self._text.append(text)
+            where = {"item_id": self._item_id, "output_index": self._msg_index, "content_index": 0}
             events.append(
                 self._event("response.output_text.delta", **where, delta=text, logprobs=[])
             )
+        events += self._call_events(tool_calls or [])
         if finish_reason is not None:
             self._finish = finish_reason
-            full = "".join(self._text)
-            item = self._item(full, self._status(finish_reason))
-            events += [
-                self._event("response.output_text.done", **where, text=full, logprobs=[]),
-                self._event("response.content_part.done", **where, part=self._part(full)),
-                self._event("response.output_item.done", output_index=0, item=item),
-            ]
+            events += self._finish_events(finish_reason)
         return events
 
+    def _output(self, text: str, status: str, calls: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """The message item (when there is text, or nothing else), then the calls."""
+        items = [self._item(text, status)] if text or not calls else []
+        return items + [dict(c, status=status) for c in calls]
+
     def usage_chunk(self, prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
+        assert self._calls is not None, "take_request() first"
         status = self._status(self._finish)
-        item = self._item("".join(self._text), status)
-        body = self._response(status, [item], _usage(prompt_tokens, completion_tokens))
+        output = self._output("".join(self._text), status, self._calls.calls)
+        body = self._response(status, output, _usage(prompt_tokens, completion_tokens))
         return self._event(f"response.{status}", response=body)
 
     def response(
         self, outs: list[Outcome], prompt_tokens: int, echoes: list[Echo | None] | None = None
     ) -> dict[str, Any]:
         [out] = outs
+        calls = FunctionCalls(self.request_id)
+        for piece in out.tool_calls:
+            calls.add(piece)
         status = self._status(out.finish_reason)
-        return self._response(
-            status, [self._item(out.text, status)], _usage(prompt_tokens, out.completion_tokens)
-        )
+        output = self._output(out.text, status, calls.calls)
+        return self._response(status, output, _usage(prompt_tokens, out.completion_tokens))

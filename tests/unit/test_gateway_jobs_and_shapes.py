@@ -252,10 +252,12 @@ def test_vllm_extras_mapped_or_refused_by_name() -> None:
     assert refused(cjob, bad_words=[" "]).param == "bad_words"
     both = refused(cjob, allowed_token_ids=[1], guided_regex="a")
     assert both.param == "allowed_token_ids" and "guided_regex" in both.message
+    # tools: a forced call cannot also follow another output constraint
     tools = [{"type": "function", "function": {"name": "f", "parameters": {}}}]
-    assert refused(chjob, tools=tools).param == "tool_choice"
-    assert refused(chjob, tools=tools, tool_choice="required").param == "tool_choice"
-    assert chjob(tools=tools, tool_choice="none").prompts[0].messages
+    both = refused(chjob, tools=tools, tool_choice="required", guided_regex="a")
+    assert both.param == "guided_regex" and "tool_choice" in both.message
+    assert refused(chjob, tool_choice="required").param == "tool_choice"  # no tools
+    assert chjob(tools=tools, tool_choice="none").prompts[0].tool_parsing is None
 
 
 def test_chat_echo_and_continue_final_message_follow_vllm() -> None:

@@ -43,7 +43,7 @@ def test_instructions_and_input_become_the_chat_conversation() -> None:
     ("body", "param"),
     [
         ({"previous_response_id": "resp-0"}, "previous_response_id"),
-        ({"tools": [{"type": "function", "name": "f"}]}, "tools"),
+        ({"tools": [{"type": "web_search_preview"}]}, "tools[0].type"),
         ({"reasoning": {"effort": "low"}}, "reasoning"),
         ({"include": ["message.output_text.logprobs"]}, "include"),
         ({"background": True}, "background"),

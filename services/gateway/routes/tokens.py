@@ -25,6 +25,7 @@ from services.gateway.protocol import (
 )
 from services.gateway.routes.common import Gateway, authorized_body, json_response
 from services.gateway.schemas import DetokenizeResponse, TokenizeResponse, error_responses
+from services.gateway.tools import check_tools
 from shared.messages import DetokenizeRequest, DetokenizeResult, TokenizeRequest, TokenizeResult
 
 router = APIRouter()
@@ -62,6 +63,7 @@ def tokenize_message(req: Any, is_chat: bool) -> TokenizeRequest:
         add_generation_prompt, continue_final = chat_template_flags(req)
         return TokenizeRequest(
             messages=chat_messages(req.messages),
+            tools=check_tools(req.tools or []),
             add_generation_prompt=add_generation_prompt,
             add_special_tokens=bool(req.add_special_tokens),
             return_token_strs=bool(req.return_token_strs),
