@@ -59,6 +59,15 @@ class ModelSettings:
             "project's hermes tool template is used"
         },
     )
+    pooling_type: str = field(
+        default="LAST",
+        metadata={
+            "help": "how /v1/embeddings and LLM.embed pool the final hidden states (vLLM's "
+            "--pooling-type): LAST (the last token's, vLLM's default for decoder models) | MEAN "
+            "(the mean of every token's) | CLS (the first token's); vectors are L2-normalized",
+            "choices": ("LAST", "MEAN", "CLS"),  # shared/messages/params.py's POOLING_TYPES
+        },
+    )
 
 
 @dataclass

@@ -8,6 +8,9 @@ all, and each keeps only its own. On SIGTERM a detokenizer leaves the queue grou
 requests) and finishes the ones it has, then exits. Should a request ever reach two (a
 resubmission landing elsewhere), both send the same deltas and the gateway keeps one.
 
+Embedding requests (``TokenizedRequest.pooling``) have no text: the one StepResult entry of
+their vector (``StepResult.embeddings``) passes through as the request's only, final Delta.
+
 Each request has a ``detokenize`` span from its registration to its last token (the child of
 the tokenizer's span, whose context the TokenizedRequest's NATS headers carry)."""
 
@@ -36,6 +39,7 @@ from shared.messages import (
     DeltaBatch,
     FinishReason,
     Message,
+    PooledOutput,
     PromptLogprobs,
     SampleLogprobs,
     StepResult,
@@ -62,6 +66,8 @@ class DetokenizerService:
         self.duplicates_dropped = 0
         self.early: dict[str, tuple[float, list[tuple[int, int, SampleLogprobs | None]]]] = {}
         self.early_prompt: dict[str, tuple[float, list[PromptLogprobs]]] = {}
+        self.embeds: dict[str, tuple[str, int]] = {}  # embedding: id -> (reply_to, prompt len)
+        self.early_embeds: dict[str, tuple[float, PooledOutput]] = {}
         self._requests_sub: Any = None
         self.draining = False
         self.stopped = asyncio.Event()
@@ -88,6 +94,8 @@ class DetokenizerService:
                 await self._on_result(msg)
                 self.metrics.steps.observe(time.perf_counter() - t0)
             case Abort():
+                if self.embeds.pop(msg.request_id, None) is not None:
+                    self._mark_done(msg.request_id)
                 if self.states.pop(msg.request_id, None) is not None:
                     self._end_span(msg.request_id, "abort")
                     self._mark_done(msg.request_id)
@@ -97,6 +105,12 @@ class DetokenizerService:
     async def _register(self, req: TokenizedRequest, headers: dict[str, str] | None = None) -> None:
         if req.request_id in self.states or req.request_id in self.done:
             return  # a resubmission (the gateway retries until acknowledged): already known
+        if req.pooling is not None:  # an embedding: its vector passes through (_send_vectors)
+            self.embeds[req.request_id] = (req.reply_to, len(req.prompt_token_ids))
+            early = self.early_embeds.pop(req.request_id, None)
+            if early is not None:
+                await self._send_vectors([early[1]])
+            return
         self.spans[req.request_id] = _tracer.start_span(
             "detokenize",
             context=extract(headers),
@@ -114,6 +128,8 @@ class DetokenizerService:
             await self._apply([(req.request_id, t, r, lp) for t, r, lp in early[1]])
 
     async def _on_result(self, res: StepResult) -> None:
+        if res.embeddings:
+            await self._send_vectors(res.embeddings)
         for piece in res.prompt_logprobs:  # before the tokens: a first delta carries them
             st = self.states.get(piece.request_id)
             if st is not None:
@@ -163,6 +179,30 @@ class DetokenizerService:
         for rid in stopped:
             await self.bus.publish(subjects.ABORT, Abort(rid, FinishReason.STOP))
 
+    async def _send_vectors(self, outs: list[PooledOutput]) -> None:
+        """Each vector of an embedding request held here goes to its gateway as the final
+        Delta; vectors of requests not registered yet wait (as early tokens do)."""
+        out: dict[str, list[Delta]] = defaultdict(list)
+        for pooled in outs:
+            dest = self.embeds.pop(pooled.request_id, None)
+            if dest is None:
+                if pooled.request_id not in self.done:
+                    self.early_embeds[pooled.request_id] = (time.monotonic(), pooled)
+                continue
+            reply_to, prompt_tokens = dest
+            out[reply_to].append(
+                Delta(
+                    pooled.request_id,
+                    "",
+                    finish_reason="stop",
+                    prompt_tokens=prompt_tokens,
+                    embedding=pooled.data,
+                )
+            )
+            self._mark_done(pooled.request_id)
+        for reply_to, deltas in out.items():
+            await self.bus.publish(reply_to, DeltaBatch(deltas))
+
     def _end_span(self, rid: str, reason: str | None, tokens: int = 0) -> None:
         span = self.spans.pop(rid, None)
         if span is not None:
@@ -189,7 +229,7 @@ class DetokenizerService:
         log.info("detokenizer draining: %d requests to finish", len(self.states))
         if self._requests_sub is not None:
             await self._requests_sub.unsubscribe()
-        if self.states:
+        if self.states or self.embeds:
             self._emptied.clear()
             try:
                 await asyncio.wait_for(self._emptied.wait(), self.settings.ops.drain_timeout)
@@ -202,7 +242,7 @@ class DetokenizerService:
         self.stopped.set()
 
     def _mark_done(self, rid: str) -> None:
-        if not self.states:
+        if not self.states and not self.embeds:
             self._emptied.set()
         self.done[rid] = None
         while len(self.done) > 100_000:
@@ -214,6 +254,8 @@ class DetokenizerService:
             del self.early[rid]
         for rid in [r for r, (t, _) in self.early_prompt.items() if now - t > EARLY_RESULT_TTL_S]:
             del self.early_prompt[rid]
+        for rid in [r for r, (t, _) in self.early_embeds.items() if now - t > EARLY_RESULT_TTL_S]:
+            del self.early_embeds[rid]
 
 
 async def run(settings: Settings) -> None:

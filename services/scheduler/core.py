@@ -159,6 +159,7 @@ class SchedulerCore:
             arrival_time=req.arrival_time,
             priority=priority,
             cache_salt=req.cache_salt,
+            pooling=req.pooling,
         )
         self.requests[seq.request_id] = seq
         self.waiting.push(seq)

@@ -31,7 +31,7 @@ class Admission:
     tier: list[BlockHash]
     need: int
     num_new: int
-    count_prefix: bool  # a prefix-cache lookup (not for prompt_logprobs, which recomputes)
+    count_prefix: bool  # a prefix-cache lookup (not for sequences computing their whole prompt)
 
 
 @dataclass
@@ -120,8 +120,8 @@ def _admit_waiting(ws: WorkerState, chosen: dict[Sequence, _Chosen], budget: int
 
 def _fit(ws: WorkerState, seq: Sequence, budget: int) -> Admission | None:
     """How ``seq`` would be admitted on ``ws`` now, or None when its blocks do not fit. With
-    prompt_logprobs the whole prompt is computed (no cache, no tier)."""
-    use_cache = seq.params.prompt_logprobs is None
+    prompt_logprobs or MEAN/CLS pooling the whole prompt is computed (no cache, no tier)."""
+    use_cache = not seq.computes_whole_prompt
     cached = ws.bm.lookup_prefix(seq.token_ids, cache_salt=seq.cache_salt) if use_cache else []
     tier = ws.router.tier_lookup(seq, ws, len(cached)) if use_cache else []
     if tier:
@@ -183,4 +183,5 @@ def _announce(seq: Sequence) -> NewRequest:
         num_output_tokens=seq.num_output_tokens,
         eos_token_ids=seq.eos_token_ids,
         token_history=list(seq.token_ids) if seq.params.needs_token_history() else [],
+        pooling=seq.pooling,
     )

@@ -91,7 +91,7 @@ class Router:
             if not (ws.can_prefill if prefill else ws.can_decode):
                 continue
             hits: list[int] = []
-            if not (prefill and seq.params.prompt_logprobs is not None):
+            if not (prefill and seq.computes_whole_prompt):
                 limit = None if prefill else seq.num_tokens // ws.bm.block_size
                 hits = ws.bm.lookup_prefix(seq.token_ids, limit, seq.cache_salt)
             # cached hits that sit in the free list stop being free once taken
@@ -103,11 +103,12 @@ class Router:
     def route(self, seq: Sequence, here: WorkerState) -> Route | None:
         """Admit ``seq`` on ``here`` now? Only if ``here`` is the cheapest prefill worker that
         can take it (when none can take the whole prompt, any may start it) and, for a
-        prefill-only worker, a decode worker has room: its blocks are reserved now."""
+        prefill-only worker, a decode worker has room: its blocks are reserved now. An
+        embedding request ends with its prefill: it never goes to a decode worker."""
         prefill = self._candidates(seq, prefill=True)
         if prefill and min(prefill, key=lambda c: c[0])[1] is not here:
             return None
-        if here.can_decode:
+        if here.can_decode or seq.pooling is not None:
             return Route()
         layout = self.kv_layout.get(here.worker_id, "")
         decode = [

@@ -10,7 +10,7 @@ import itertools
 from dataclasses import dataclass, field
 
 from services.scheduler.block_manager import BlockHash
-from shared.messages import SamplingParams
+from shared.messages import PoolingParams, SamplingParams
 
 _order = itertools.count()
 
@@ -78,6 +78,7 @@ class Sequence:
     arrival_time: float = 0.0
     priority: int = 0
     cache_salt: str | None = None  # vLLM's: in the root of its block hashes (block_manager.py)
+    pooling: PoolingParams | None = None  # an embedding request: prefill only, then finished
     status: SeqStatus = SeqStatus.WAITING
     num_computed: int = 0
     blocks: list[int] = field(default_factory=list)
@@ -95,6 +96,14 @@ class Sequence:
     @property
     def num_tokens(self) -> int:
         return len(self.token_ids)
+
+    @property
+    def computes_whole_prompt(self) -> bool:
+        """No prefix-cache or tier hits: prompt_logprobs and MEAN/CLS pooling need a row for
+        every prompt token (vLLM skips the cache for them too)."""
+        return self.params.prompt_logprobs is not None or (
+            self.pooling is not None and self.pooling.needs_whole_prompt()
+        )
 
     @property
     def num_output_tokens(self) -> int:

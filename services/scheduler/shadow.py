@@ -58,3 +58,5 @@ class ShadowState:
             live.output_ids.append(tok)
             if reason != FinishReason.NONE:
                 self.end(rid)
+        for pooled in result.embeddings:  # an embedding request ends with its vector
+            self.end(pooled.request_id)

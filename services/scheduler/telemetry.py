@@ -151,8 +151,8 @@ class SchedulerTelemetry:
                 chunk = live.chunks.pop(result.step_id, None)
                 if chunk is not None:
                     chunk.end()
-        if not result.error:
-            for rid in result.request_ids:
+        if not result.error:  # a first token, or an embedding request's vector
+            for rid in [*result.request_ids, *(e.request_id for e in result.embeddings)]:
                 live = self.live.get(rid)
                 if live is not None and not live.first_token and live.first_scheduled:
                     live.first_token = now

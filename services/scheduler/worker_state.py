@@ -138,7 +138,7 @@ class WorkerState:
         seq.announced = False
         self.running.append(seq)
         self.num_prefills += 1
-        if route.reservation is None:
+        if route.reservation is None and seq.pooling is None:
             self.num_decodes += 1
 
     def requeue(self, seq: Sequence, reason: RequeueReason) -> None:
@@ -240,6 +240,11 @@ class WorkerState:
                 outcome.finished.append((seq, FinishReason(reason)))
             elif seq.reservation is not None:
                 outcome.prefilled.append(seq)
+        for pooled in result.embeddings:  # an embedding request ends with its vector
+            seq = by_id.get(pooled.request_id)
+            if seq is not None and pooled.request_id in scheduled:
+                self.finish(seq)
+                outcome.finished.append((seq, FinishReason.STOP))
         return outcome
 
     def on_failed_step(self, removing: bool = False) -> list[Sequence]:

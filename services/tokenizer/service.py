@@ -40,6 +40,7 @@ from shared.messages import (
     GenerateRequest,
     Message,
     RequestError,
+    SamplingParams,
     StructuredOutput,
     TokenizedRequest,
     TokenizeRequest,
@@ -147,7 +148,10 @@ class TokenizerService:
         try:
             ids = prompt_token_ids(self.tokenizer, msg)
             ids = truncate(ids, msg.truncate_prompt_tokens, self.max_model_len)
-            params = check_length(ids, msg.params, self.max_model_len)
+            if msg.pooling is not None:  # an embedding: the whole context, no output token
+                params = check_embedding_length(ids, msg.params, self.max_model_len)
+            else:
+                params = check_length(ids, msg.params, self.max_model_len)
             check_logit_bias(params, len(self.tokenizer))
             if params.bad_words:
                 words = bad_words_token_ids(self.tokenizer, params.bad_words)
@@ -156,6 +160,8 @@ class TokenizerService:
                 await asyncio.to_thread(self.check_structured_output, params.structured_output)
         except PromptError as e:
             span.set_status(Status(StatusCode.ERROR, str(e)))
+            if msg.pooling is not None:  # /v1/embeddings has one field for its prompts
+                e.param = "input"
             await self.bus.publish(msg.reply_to, e.to_message(msg.request_id))
             return "rejected"
         except Exception as e:  # noqa: BLE001 - the request fails, the service goes on
@@ -177,9 +183,26 @@ class TokenizerService:
             priority=msg.priority,
             cache_salt=msg.cache_salt,
             tool_parsing=msg.tool_parsing,
+            pooling=msg.pooling,
         )
         await self.bus.publish(subjects.REQUESTS, out, inject())
         return "ok"
+
+
+def check_embedding_length(
+    ids: list[int], params: SamplingParams, max_model_len: int
+) -> SamplingParams:
+    """An embedding input may fill the whole context (no room for an output token needed);
+    its ``params`` are unused and pass unchanged."""
+    if not ids:
+        raise PromptError("the input is empty", "input")
+    if len(ids) > max_model_len:
+        raise PromptError(
+            f"This model's maximum context length is {max_model_len} tokens. However, the "
+            f"input has {len(ids)} tokens. Please reduce the length of the input.",
+            "input",
+        )
+    return params
 
 
 async def run(settings: Settings) -> None:

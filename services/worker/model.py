@@ -34,6 +34,7 @@ class ForwardBatch:
     attn: K.AttentionPlan  # gathers for paged attention
     rows: K.RowLayout | None  # how rows go through GEMMs (None: one plain GEMM)
     sample_rows: torch.Tensor  # [S] indices into T whose logits are wanted
+    hidden_rows: torch.Tensor | None = None  # [P] rows whose final hidden states are wanted
 
 
 def _fuse(parts: list, dtype: torch.dtype) -> torch.Tensor | K.Weight:
@@ -140,7 +141,6 @@ class LlamaModel(torch.nn.Module):
             for _ in range(self.cfg.num_layers)
         ]
 
-    @torch.inference_mode()
     def forward(
         self,
         input_ids: torch.Tensor,
@@ -150,6 +150,19 @@ class LlamaModel(torch.nn.Module):
     ) -> torch.Tensor:
         """Run ``input_ids`` [T] at ``positions`` [T]; returns logits [S, vocab] (fp32) for
         ``batch.sample_rows`` only."""
+        return self.forward_pooled(input_ids, positions, batch, kv_caches)[0]
+
+    @torch.inference_mode()
+    def forward_pooled(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        batch: ForwardBatch,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``forward``'s logits, and the final hidden states (after the last RMSNorm, fp32)
+        [P, hidden] of ``batch.hidden_rows`` (None when there are none): what embedding
+        requests pool."""
         cfg, rows = self.cfg, batch.rows
         native = self.native_layer_ops
         norm = cpu_layer_ops.add_rms_norm if native else K.rms_norm
@@ -179,10 +192,11 @@ class LlamaModel(torch.nn.Module):
             h = K.linear(o.view(-1, self.q_size), layer["o"], rows)
             x, residual = norm(h, layer["post_norm"], eps, residual)
             h = K.linear(silu_and_mul(K.linear(x, layer["gate_up"], rows)), layer["down"], rows)
-        s = batch.sample_rows
+        s, p = batch.sample_rows, batch.hidden_rows
+        hidden = None if p is None else norm(h[p], self.norm, eps, residual[p])[0].float()
         x, _ = norm(h[s], self.norm, eps, residual[s])
         head_rows = None if rows is None else K.RowLayout(s.numel(), (), rows.tile, rows.pad)
-        return K.linear(x, self.lm_head, head_rows).float()
+        return K.linear(x, self.lm_head, head_rows).float(), hidden
 
     def _rope_write_kv(
         self,
@@ -201,18 +215,30 @@ class LlamaModel(torch.nn.Module):
         K.write_kv_cache(k, v, k_cache, v_cache, slot_mapping)
         return q
 
-    @torch.inference_mode()
     def forward_device(
         self,
         ops: KernelBackend,
         batch: DeviceBatch,
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
     ) -> torch.Tensor:
+        """``forward_device_pooled`` without hidden rows: fp32 logits [S, vocab]."""
+        return self.forward_device_pooled(ops, batch, kv_caches)[0]
+
+    @torch.inference_mode()
+    def forward_device_pooled(
+        self,
+        ops: KernelBackend,
+        batch: DeviceBatch,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        hidden_rows: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """One step through ``ops``, linear layers through ``K.linear`` (``F.linear``, cuBLAS on CUDA,
         for dense weights; a quantized weight's own kernel otherwise);
         returns fp32 logits [S, vocab] for ``batch.sample_rows`` (every row when None). No
         host synchronisation: safe to capture in a CUDA graph when ``batch`` holds static
-        tensors and, for decode, a fixed ``num_splits``."""
+        tensors and, for decode, a fixed ``num_splits``. With ``hidden_rows`` (a device
+        tensor of row indices) also the final hidden states of those rows (fp32), which
+        embedding requests pool."""
         cfg = self.cfg
         t, d = batch.input_ids.shape[0], cfg.head_dim
         h = F.embedding(batch.input_ids, self.embed)
@@ -251,11 +277,15 @@ class LlamaModel(torch.nn.Module):
             x, residual = ops.rms_norm(h, layer["post_norm"], cfg.rms_norm_eps, residual)
             h = K.linear(ops.silu_and_mul(K.linear(x, layer["gate_up"])), layer["down"])
         assert residual is not None
+        hidden = None
+        if hidden_rows is not None:  # before the head's norm, which may update in place
+            hr = (h.index_select(0, hidden_rows), residual.index_select(0, hidden_rows))
+            hidden = ops.rms_norm(hr[0], self.norm, cfg.rms_norm_eps, hr[1])[0].float()
         if batch.sample_rows is not None:
             h = h.index_select(0, batch.sample_rows)
             residual = residual.index_select(0, batch.sample_rows)
         x, _ = ops.rms_norm(h, self.norm, cfg.rms_norm_eps, residual)
-        return K.linear(x, self.lm_head).float()
+        return K.linear(x, self.lm_head).float(), hidden
 
 
 _LAYER_NAMES = (

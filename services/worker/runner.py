@@ -38,11 +38,13 @@ from services.worker.model_setup import (
     max_model_len,
     specs_from_keywords,
 )
+from services.worker.pooling import PoolState, pooled_output
 from services.worker.step_inputs import HostStep, pack
 from services.worker.step_rows import StepRows, host_batch, lay_out
 from shared.messages import (
     FinishReason,
     NewRequest,
+    PooledOutput,
     PromptLogprobs,
     SampleLogprobs,
     SamplingParams,
@@ -84,6 +86,7 @@ class RequestState:
     # log-softmax of a chunk's last row, which predicts the next chunk's first token
     prompt_logprobs_k: int | None = None
     pending_prompt_row: tuple[int, torch.Tensor] | None = None
+    pool: PoolState | None = None  # an embedding request: pooled, never sampled (pooling.py)
     # what the parameters decide for sampling, once (shared/sampling/derived.py)
     processors: tuple[LogitsProcessor, ...] = field(init=False, default=())
     host_params: bool = field(init=False, default=False)
@@ -121,6 +124,7 @@ class ModelRunner:
         self.kv_caches = self.model.make_kv_caches(self._num_blocks, kv.block_size)
         self._max_model_len = max_model_len(self.config, self._num_blocks, kv)
         self.requests: dict[str, RequestState] = {}
+        self._pooled: list[PooledOutput] = []  # the step's finished embeddings (pooling.py)
         self.total_computed_tokens = 0
         self.graphs: DecodeGraphs | None = None
         graphs = device.cuda_graphs
@@ -184,6 +188,7 @@ class ModelRunner:
     def execute(self, plan: StepPlan) -> StepResult:
         """Run one step; never raises (errors come back in ``StepResult.error``)."""
         t0 = time.perf_counter()
+        self._pooled = []
         try:
             with torch.inference_mode():
                 ids, tokens, reasons, n, lps, plps = self._execute(plan)
@@ -191,7 +196,7 @@ class ModelRunner:
         except Exception as e:  # noqa: BLE001 - the worker loop must survive a bad step
             log.exception("step %d failed", plan.step_id)
             ids, tokens, reasons, n, lps, plps = [], [], [], 0, [], []
-            err = f"{type(e).__name__}: {e}"
+            self._pooled, err = [], f"{type(e).__name__}: {e}"
         counts = [self.requests[r].num_output_tokens if r in self.requests else 0 for r in ids]
         return StepResult(
             worker_id=self.worker_id,
@@ -206,6 +211,7 @@ class ModelRunner:
             prompt_logprobs=plps,
             num_output_tokens=counts,
             epoch=plan.epoch,
+            embeddings=self._pooled,
         )
 
     def reset(self) -> None:
@@ -231,6 +237,7 @@ class ModelRunner:
             prompt_logprobs_k=p.prompt_logprobs if r.num_output_tokens == 0 else None,
             prompt_tokens=list(r.token_history[: r.prompt_len]),
             output_tokens=list(r.token_history[r.prompt_len :]),
+            pool=PoolState(r.pooling, r.prompt_len) if r.pooling is not None else None,
         )
         if p.structured_output is not None:
             stops = set(eos) | set(p.stop_token_ids)
@@ -261,18 +268,24 @@ class ModelRunner:
         seqs, prompt_rows, sample_rows = step.seqs, step.prompt_rows, step.sample_rows
         n_tokens = len(step.ids)
         if self.ops is not None:
-            logits = self._forward_device(step)
+            logits, hidden = self._forward_device(step)
             states = [self.requests[s.request_id] for s in seqs if s.sample]
+            states = [st for st in states if st.pool is None]
             if logits.device.type != "cpu" and (prompt_rows.rows or needs_host_sampling(states)):
                 logits = logits.cpu()
         else:
             batch = host_batch(step, self._block_size, self.decode_fn, self.gemm_rows)
             ids, pos = torch.tensor(step.ids), torch.tensor(step.pos)
-            logits = self.model(ids, pos, batch, self.kv_caches)
+            if step.pool_rows:
+                logits, hidden = self.model.forward_pooled(ids, pos, batch, self.kv_caches)
+            else:
+                logits, hidden = self.model(ids, pos, batch, self.kv_caches), None
         self.total_computed_tokens += n_tokens
+        if step.pool_pieces:
+            self._pool(plan.seqs, step, hidden)
         prompt_lps = prompt_rows.collect(logits[len(sample_rows) :]) if prompt_rows.rows else []
         logits = logits[: len(sample_rows)]
-        sampled = [s for s in seqs if s.sample]
+        sampled = [s for s in seqs if s.sample and self.requests[s.request_id].pool is None]
         want_lp = [self.requests[s.request_id].params.logprobs is not None for s in sampled]
         raw = logits[torch.tensor(want_lp)].clone() if any(want_lp) else None
         tokens = self._sample(logits, sampled).tolist() if sampled else []
@@ -285,7 +298,7 @@ class ModelRunner:
         out_ids, out_tokens, reasons = [], [], []
         out_lps: list[SampleLogprobs | None] = []
         for s in plan.seqs:  # results in the plan's order
-            if s.sample:
+            if s.request_id in by_id:
                 tok = by_id[s.request_id]
                 out_ids.append(s.request_id)
                 out_tokens.append(tok)
@@ -293,9 +306,10 @@ class ModelRunner:
                 out_lps.append(lp_by_id.get(s.request_id))
         return out_ids, out_tokens, reasons, n_tokens, out_lps if lp_by_id else [], prompt_lps
 
-    def _forward_device(self, step: StepRows) -> torch.Tensor:
+    def _forward_device(self, step: StepRows) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The step through the device path: logits [len(rows), vocab] (on the device) of the
-        step's logits rows. Decode-only steps that fit go through the decode graphs."""
+        step's logits rows, and the final hidden states of its pooled rows (None without).
+        Decode-only steps that fit, with nothing to pool, go through the decode graphs."""
         assert self.ops is not None
         seqs, ids, pos, slots, rows = step.seqs, step.ids, step.pos, step.slots, step.logits_rows
         bs = self._block_size
@@ -304,16 +318,36 @@ class ModelRunner:
         g = self.graphs
         if (
             g is not None
+            and not step.pool_rows
             and len(ids) == len(seqs)
             and g.fits(len(seqs), max(len(t) for t in tables))
         ):
             logits = g.run(ids, pos, slots, ends, tables)
             if rows == list(range(len(seqs))):
-                return logits
-            return logits.index_select(0, torch.tensor(rows, device=self.device))
+                return logits, None
+            return logits.index_select(0, torch.tensor(rows, device=self.device)), None
         qlens = [len(s.token_ids) for s in seqs]
         batch = pack(HostStep(ids, pos, slots, tables, ends, qlens, rows), self.device)
-        return self.model.forward_device(self.ops, batch, self.kv_caches)
+        pool = torch.tensor(step.pool_rows, device=self.device) if step.pool_rows else None
+        return self.model.forward_device_pooled(self.ops, batch, self.kv_caches, pool)
+
+    def _pool(
+        self, plan_seqs: list[ScheduledSeq], step: StepRows, hidden: torch.Tensor | None
+    ) -> None:
+        """Give each embedding request its rows of ``hidden`` (``step.pool_rows``' order) and
+        finish the vectors of those whose prompt this step completed (into ``_pooled``)."""
+        at = 0
+        for rid, n in step.pool_pieces:
+            st = self.requests[rid].pool
+            assert st is not None
+            if n:
+                assert hidden is not None
+                st.add(hidden[at : at + n])
+            at += n
+        for s in plan_seqs:  # the plan's order
+            st = self.requests[s.request_id].pool
+            if s.sample and st is not None:
+                self._pooled.append(pooled_output(s.request_id, st.finish()))
 
     def _sample(self, logits: torch.Tensor, sampled: list[ScheduledSeq]) -> torch.Tensor:
         """Every feature's logits processor over the rows, then one batched draw."""

@@ -1,6 +1,6 @@
 """A step's inputs as the runner lays them out: single-token sequences (decode) first, then one
 GEMM segment per longer chunk; the flat token rows with their positions and KV slots, the rows
-to sample and the prompt-logprob rows (``lay_out``), and the CPU path's ForwardBatch over them
+to sample, the prompt-logprob rows and the rows embedding requests pool (``lay_out``), and the CPU path's ForwardBatch over them
 (``host_batch``; the device path packs the same rows in services/worker/step_inputs.py)."""
 
 from __future__ import annotations
@@ -29,6 +29,10 @@ class StepRows:
     sample_rows: list[int] = field(default_factory=list)  # last row of each sampled chunk
     segments: list[tuple[int, int]] = field(default_factory=list)  # chunks of 2+ rows
     prompt_rows: PromptRows = field(default_factory=PromptRows)  # rows for prompt logprobs
+    # embedding requests (services/worker/pooling.py): rows whose final hidden states are
+    # pooled, and per request of them (in order) how many of those rows are its
+    pool_rows: list[int] = field(default_factory=list)
+    pool_pieces: list[tuple[str, int]] = field(default_factory=list)
 
     @property
     def logits_rows(self) -> list[int]:
@@ -67,9 +71,14 @@ def lay_out(
         step.pos += range(s.start_pos, end)
         if n > 1:
             step.segments.append((start_row, len(step.ids)))
-        if s.sample:
-            step.sample_rows.append(len(step.ids) - 1)
         st = requests.get(s.request_id)
+        pool = getattr(st, "pool", None)
+        if pool is not None:  # an embedding request: pooled rows, nothing sampled
+            rows = pool.rows_of(s)
+            step.pool_rows += [start_row + r for r in rows]
+            step.pool_pieces.append((s.request_id, len(rows)))
+        elif s.sample:
+            step.sample_rows.append(len(step.ids) - 1)
         if st is not None:
             if st.guide is not None:  # tokens generated before a preemption
                 st.guide.replay(s, st.prompt_len)
@@ -98,4 +107,5 @@ def host_batch(
         attn=K.plan_attention(tables, seq_lens, qlens, block_size, decode_fn=decode_fn),
         rows=rows,
         sample_rows=torch.tensor(step.logits_rows, dtype=torch.long),
+        hidden_rows=torch.tensor(step.pool_rows, dtype=torch.long) if step.pool_rows else None,
     )

@@ -35,6 +35,8 @@ class Delta(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     # tool calls found in the text (``params.ToolParsing``): pieces by call index, the first
     # piece of a call with its id and name; the text they came from is not in ``text``
     tool_calls: list[ToolCallDelta] = []
+    # an embedding request's one (final) delta: its vector as little-endian float32 bytes
+    embedding: bytes = b""
 
 
 class ToolCallDelta(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):

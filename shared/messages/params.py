@@ -57,6 +57,26 @@ class SamplingParams(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
         return _needs_token_history(self)
 
 
+class PoolingParams(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """Marks an embedding request (vLLM's pooling task ``embed``): the prompt is computed and
+    its final hidden states (after the model's last norm) are pooled into one vector instead of
+    sampling a token. ``pooling_type``: "LAST" (the last prompt token's row, vLLM's default for
+    decoder models), "MEAN" (the mean of every prompt row) or "CLS" (the first row);
+    ``normalize``: L2-normalized, as vLLM's embed task gives by default."""
+
+    pooling_type: str = "LAST"
+    normalize: bool = True
+
+    def needs_whole_prompt(self) -> bool:
+        """MEAN and CLS read rows a prefix-cache hit would skip: such requests compute their
+        whole prompt (as prompt_logprobs requests do); LAST reads only the last row, which is
+        always computed."""
+        return self.pooling_type != "LAST"
+
+
+POOLING_TYPES = ("LAST", "MEAN", "CLS")
+
+
 class ToolCall(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     """A function call an assistant message made (OpenAI's ``tool_calls`` entry); ``arguments``
     is JSON text, as the API carries it."""

@@ -4,7 +4,13 @@ and the tokenizer's request/reply endpoints."""
 from __future__ import annotations
 
 from shared.messages.base import FinishReason, _Msg
-from shared.messages.params import ChatMessage, SamplingParams, ToolParsing, ToolSpec
+from shared.messages.params import (
+    ChatMessage,
+    PoolingParams,
+    SamplingParams,
+    ToolParsing,
+    ToolSpec,
+)
 
 # gateway -> tokenizer
 
@@ -30,6 +36,9 @@ class GenerateRequest(_Msg, tag=1):
     cache_salt: str | None = None
     tools: list[ToolSpec] = []  # offered to the model: the chat template renders them
     tool_parsing: ToolParsing | None = None  # how the detokenizer finds calls in the text
+    # set: an embedding request (/v1/embeddings, LLM.embed): the prompt's pooled hidden state
+    # comes back (Delta.embedding) instead of generated tokens; ``params`` is unused
+    pooling: PoolingParams | None = None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -46,6 +55,7 @@ class TokenizedRequest(_Msg, tag=2):
     priority: int = 0
     cache_salt: str | None = None  # GenerateRequest's, carried on to the scheduler
     tool_parsing: ToolParsing | None = None  # GenerateRequest's, for the detokenizer
+    pooling: PoolingParams | None = None  # GenerateRequest's: an embedding request
 
 
 # ---------------------------------------------------------------------------------------------

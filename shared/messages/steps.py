@@ -5,7 +5,7 @@ from __future__ import annotations
 import msgspec
 
 from shared.messages.base import _Msg
-from shared.messages.params import SamplingParams
+from shared.messages.params import PoolingParams, SamplingParams
 
 # scheduler <-> worker
 
@@ -26,6 +26,9 @@ class NewRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     # a worker computes only part of them (prefix-cache hits, KV moved in from a prefill
     # worker or a tier), but penalties and bad words depend on all of them
     token_history: list[int] = []
+    # an embedding request: pool the prompt's hidden states instead of sampling (its chunk
+    # with ``sample`` set is the one that completes the prompt)
+    pooling: PoolingParams | None = None
 
 
 class ScheduledSeq(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
@@ -88,6 +91,9 @@ class StepResult(_Msg, tag=5):
     num_output_tokens: list[int] = []
     epoch: int = 0  # the plan's
     host_tier_evicted: list[bytes] = []  # block hashes the host tier dropped (LRU) this step
+    # embedding requests whose prompt this step completed: their pooled vectors (such
+    # requests have no entry in ``request_ids``; a vector ends its request)
+    embeddings: list[PooledOutput] = []
 
 
 # StepResult.error of a plan from an older scheduler term (the deposed leader stops on it)
@@ -107,6 +113,15 @@ class PromptLogprobs(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
     ranks: list[int]  # 1 = the most likely token
     top_ids: list[list[int]] = []
     top_logprobs: list[list[float]] = []
+
+
+class PooledOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """An embedding request's vector: ``data`` is little-endian float32 (``dim`` values), the
+    layout of OpenAI's base64 encoding, so it passes to the client without conversion."""
+
+    request_id: str
+    data: bytes
+    dim: int = 0
 
 
 class WorkerHeartbeat(_Msg, tag=6):

@@ -76,6 +76,7 @@ OLD_FLAT = {
     "chat_template": ("model.chat_template", "/t/x.jinja", "/t/x.jinja", ""),
     "enable_auto_tool_choice": ("gateway.enable_auto_tool_choice", "false", False, True),
     "tool_call_parser": ("gateway.tool_call_parser", "llama3_json", "llama3_json", "hermes"),
+    "pooling_type": ("model.pooling_type", "MEAN", "MEAN", "LAST"),
 }
 
 
