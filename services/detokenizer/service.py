@@ -28,6 +28,7 @@ from opentelemetry.trace import Span, SpanKind
 
 from services.detokenizer.state import DetokState
 from services.detokenizer.telemetry import DetokenizerMetrics
+from services.detokenizer.tool_parsers import ToolParserErrors
 from shared import subjects
 from shared.access.connect import nats_auth
 from shared.bus import Bus
@@ -62,6 +63,7 @@ class DetokenizerService:
         self.states: dict[str, DetokState] = {}
         self.spans: dict[str, Span] = {}  # request id -> its detokenize span, while here
         self.metrics = DetokenizerMetrics(lambda: len(self.states))
+        self.metrics.registry.register(ToolParserErrors())
         self.done: OrderedDict[str, None] = OrderedDict()  # recently ended, to ignore late results
         self.duplicates_dropped = 0
         self.early: dict[str, tuple[float, list[tuple[int, int, SampleLogprobs | None]]]] = {}
@@ -117,7 +119,13 @@ class DetokenizerService:
             kind=SpanKind.CONSUMER,
             attributes={"kvflow.request_id": req.request_id},
         )
-        st = DetokState(req.request_id, req.reply_to, req.params, len(req.prompt_token_ids))
+        st = DetokState(
+            req.request_id,
+            req.reply_to,
+            req.params,
+            len(req.prompt_token_ids),
+            tool_parsing=req.tool_parsing,
+        )
         if req.params.prompt_logprobs is not None and req.prompt_token_ids:
             st.first_prompt_token = req.prompt_token_ids[0]
         self.states[req.request_id] = st
@@ -164,7 +172,13 @@ class DetokenizerService:
             mine += 1
             if st.completion_tokens == 1 and rid in self.spans:
                 self.spans[rid].add_event("first_token")
-            if delta.text or delta.finish_reason or delta.logprobs or delta.prompt_logprobs:
+            if (
+                delta.text
+                or delta.finish_reason
+                or delta.logprobs
+                or delta.prompt_logprobs
+                or delta.tool_calls
+            ):
                 out[st.reply_to].append(delta)
                 st.sent_delta()
             if st.finished:

@@ -3,15 +3,22 @@
 Text is decoded token by token with ``tokenizers.decoders.DecodeStream`` (which holds back
 incomplete UTF-8). Text that could be the start of a stop string is held back until it either
 completes the stop string (the request ends there, the stop string itself is not sent unless
-asked) or stops being a possible start (then it is sent)."""
+asked) or stops being a possible start (then it is sent).
+
+A request with ``tool_parsing`` has the text it would send go through its tool-call parser
+(services/detokenizer/tool_parsers): content stays ``Delta.text``, calls become
+``Delta.tool_calls``; the final delta flushes the parser and may say "tool_calls"."""
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from typing import Any
 
 from tokenizers.decoders import DecodeStream
 
+from services.detokenizer.tool_parsers import GuardedParser, make_parser
+from services.detokenizer.tool_parsers.guard import count_error
 from shared.messages import (
     Delta,
     FinishReason,
@@ -20,7 +27,10 @@ from shared.messages import (
     SampleLogprobs,
     SamplingParams,
     TokenLogprob,
+    ToolParsing,
 )
+
+log = logging.getLogger("kvflow.detokenizer")
 
 
 @dataclass
@@ -39,9 +49,19 @@ class DetokState:
     prompt_lps: dict[int, PromptTokenLogprob] = field(default_factory=dict)
     prompt_lps_sent: bool = False
     pending_ids: list[int] = field(default_factory=list)  # generated, not yet in a delta
+    tool_parsing: ToolParsing | None = None
+    tools: GuardedParser | None = field(init=False, default=None)
 
     def __post_init__(self) -> None:
         self.stream = DecodeStream(skip_special_tokens=self.params.skip_special_tokens)
+        if self.tool_parsing is not None:
+            try:
+                self.tools = GuardedParser(make_parser(self.tool_parsing), self.request_id)
+            except ValueError:
+                log.exception(
+                    "request %s: no tool-call parsing, its text is content", self.request_id
+                )
+                count_error()
 
     @property
     def wants_prompt_logprobs(self) -> bool:
@@ -111,6 +131,8 @@ class DetokState:
         if self.finished:
             self.text = self.text[:end]
         delta = self._delta(out, finish)
+        if self.tools is not None:
+            self._parse_tools(delta, finish)
         delta.logprobs = lps
         if self.wants_prompt_logprobs:
             delta.prompt_logprobs = self._take_prompt_logprobs(tokenizer)
@@ -153,9 +175,31 @@ class DetokState:
             token_ids=self.pending_ids,
         )
 
+    def _parse_tools(self, delta: Delta, finish: FinishReason) -> None:
+        """The delta's text through the tool-call parser (flushed on the final delta)."""
+        assert self.tools is not None and self.tool_parsing is not None
+        content, calls = self.tools.feed(delta.text)
+        if finish != FinishReason.NONE:
+            rest, more = self.tools.finish()
+            content, calls = content + rest, calls + more
+            delta.finish_reason = tool_finish_reason(
+                self.tool_parsing.mode, self.tools.tools_called, finish
+            )
+        delta.text, delta.tool_calls = content, calls
+
     def sent_delta(self) -> None:
         """The last delta went out: its token ids are delivered."""
         self.pending_ids = []
+
+
+def tool_finish_reason(mode: str, called: bool, finish: FinishReason) -> str | None:
+    """vLLM's rule: "tool_calls" when "auto" found calls or a "required" sequence ended by
+    stopping; otherwise (a named function, a sequence cut by length) the reason as it is."""
+    if mode == "auto" and called and finish in (FinishReason.STOP, FinishReason.LENGTH):
+        return "tool_calls"
+    if mode == "required" and finish == FinishReason.STOP:
+        return "tool_calls"
+    return finish.openai()
 
 
 def token_logprob(tokenizer: Any, token_id: int, lp: SampleLogprobs) -> TokenLogprob:
