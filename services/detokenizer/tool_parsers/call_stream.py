@@ -43,9 +43,8 @@ class CallStream:
             raise RuntimeError("feed after the call ended")
         self.text += text
         self._scan.scan(self.text)
-        head = self.text.lstrip()
-        if head and head[0] != "{":
-            self.state = CallState.BAD
+        if not self._scan.members and self.text.lstrip()[:1] not in ("", "{"):
+            self.state = CallState.BAD  # not an object
             return []
         out: list[ToolCallDelta] = []
         if not self.started and not self._start(out):
