@@ -56,6 +56,8 @@ def check_tools(tools: list[ChatTool]) -> list[ToolSpec]:
                 jsonschema.validators.validator_for(fn.parameters).check_schema(fn.parameters)
             except jsonschema.SchemaError as e:
                 raise _bad(param, f"is not a valid JSON schema: {e.message}") from None
+            except RecursionError:
+                raise _bad(param, "is nested too deeply") from None
             if fn.parameters.get("type", "object") != "object":
                 raise _bad(param, "must describe an object (the call's arguments)")
             params = json.dumps(fn.parameters, ensure_ascii=False)
