@@ -341,3 +341,14 @@ def test_responses_stream_and_object_have_function_call_items() -> None:
         ("function_call", "now"),
     ]
     assert full["output"][1]["id"] != full["output"][2]["id"]
+
+
+def test_the_documented_schemas_take_the_call_shapes() -> None:
+    from services.gateway.schemas import ChatCompletionResponse, ResponsesResponse
+
+    out = outcome_of([Delta("r", "", 4, "tool_calls", tool_calls=PIECES)])
+    ChatCompletionResponse.model_validate(ChatFormat("chatcmpl-1", "m").response([out], 5))
+    req, _ = rjob(tools=RTOOLS)
+    fmt = ResponsesFormat("resp-1", "m")
+    fmt.take_request(req)
+    ResponsesResponse.model_validate(fmt.response([out], 5))
