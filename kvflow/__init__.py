@@ -14,6 +14,8 @@ _WHERE = {
     "BeamSearchOutput": "kvflow.outputs",
     "BeamSearchSequence": "kvflow.outputs",
     "CompletionOutput": "kvflow.outputs",
+    "EmbeddingOutput": "kvflow.outputs",
+    "EmbeddingRequestOutput": "kvflow.outputs",
     "Logprob": "kvflow.outputs",
     "RequestOutput": "kvflow.outputs",
     "BeamSearchParams": "kvflow.sampling_params",

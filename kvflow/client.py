@@ -48,6 +48,8 @@ class Completion:
     logprobs: list[TokenLogprob] = field(default_factory=list)
     prompt_logprobs: list[PromptTokenLogprob] = field(default_factory=list)
     finish_reason: str | None = None
+    embedding: bytes = b""  # an embedding request's vector (little-endian float32)
+    prompt_tokens: int = 0
 
 
 class PipelineClient:
@@ -133,3 +135,6 @@ def _add(got: Completion, delta: Delta) -> None:
     if delta.prompt_logprobs:
         got.prompt_logprobs = delta.prompt_logprobs
     got.finish_reason = delta.finish_reason
+    got.prompt_tokens = max(got.prompt_tokens, delta.prompt_tokens)
+    if delta.embedding:
+        got.embedding = delta.embedding

@@ -28,12 +28,15 @@ from typing import Any, TypeVar
 
 from kvflow.cli.launcher import Stack, start_pipeline
 from kvflow.client import Completion, PipelineClient, PipelineError
+from kvflow.embedding import embed_all
 from kvflow.outputs import (
     BeamSearchOutput,
     BeamSearchSequence,
     CompletionOutput,
-    Logprob,
+    EmbeddingRequestOutput,
     RequestOutput,
+    prompt_logprobs_of,
+    token_logprobs,
 )
 from kvflow.sampling_params import (
     BeamSearchParams,
@@ -47,7 +50,7 @@ from shared.access.connect import nats_auth
 from shared.beam_search import beam_search as run_beam_search
 from shared.config import Settings
 from shared.fan_out import best, expand, ranks, sequences_per_prompt
-from shared.messages import GenerateRequest, PromptTokenLogprob, TokenLogprob
+from shared.messages import GenerateRequest
 from shared.messages import SamplingParams as WireParams
 from shared.model_source import ModelNotFoundError, load_tokenizer, resolve_model
 
@@ -303,15 +306,9 @@ class LLM:
     ) -> RequestOutput:
         rid = f"{self._client.client_id}-{next(self._ids)}"
         rank = ranks(sp.n, sp.best_of)
-        seed = (
-            sp.seed
-            if sp.seed is not None
-            else (
-                None
-                if self.default_seed is None
-                else self.default_seed + int(rid.rsplit("-", 1)[1])
-            )
-        )
+        seed = sp.seed
+        if seed is None and self.default_seed is not None:
+            seed = self.default_seed + int(rid.rsplit("-", 1)[1])
         req = GenerateRequest(
             request_id=rid,
             reply_to="",
@@ -329,7 +326,7 @@ class LLM:
             for j, o in enumerate(outputs):
                 o.index = j
         prompt_lps = (
-            _prompt_logprobs(done[0].prompt_logprobs) if sp.prompt_logprobs is not None else None
+            prompt_logprobs_of(done[0].prompt_logprobs) if sp.prompt_logprobs is not None else None
         )
         return RequestOutput(rid, text, ids, prompt_lps, outputs)
 
@@ -341,9 +338,18 @@ class LLM:
             text=c.text,
             token_ids=list(c.token_ids),
             cumulative_logprob=cumulative,
-            logprobs=[_token_logprobs(lp) for lp in c.logprobs] if asked else None,
+            logprobs=[token_logprobs(lp) for lp in c.logprobs] if asked else None,
             finish_reason=c.finish_reason,
         )
+
+    def embed(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        truncate_prompt_tokens: int | None = None,
+        use_tqdm: bool = True,
+    ) -> list[EmbeddingRequestOutput]:
+        """vLLM's ``LLM.embed``: each prompt's pooled, normalized vector (kvflow/embedding.py)."""
+        return self._loop.run(embed_all(self, prompts, truncate_prompt_tokens, use_tqdm))
 
     # -- beam search ------------------------------------------------------------------------
 
@@ -416,28 +422,6 @@ def _text(content: Any) -> str:
     if isinstance(content, str):
         return content
     return "".join(part.get("text", "") for part in content if isinstance(part, dict))
-
-
-def _token_logprobs(lp: TokenLogprob) -> dict[int, Logprob]:
-    out = {
-        tid: Logprob(v, r + 1, text)
-        for r, (tid, (text, v)) in enumerate(zip(lp.top_ids, lp.top, strict=True))
-    }
-    if lp.token_id not in out:
-        out[lp.token_id] = Logprob(lp.logprob, None, lp.token)
-    return out
-
-
-def _prompt_logprobs(lps: list[PromptTokenLogprob]) -> list[dict[int, Logprob] | None]:
-    out: list[dict[int, Logprob] | None] = []
-    for p in lps:
-        if p.logprob is None:
-            out.append(None)
-            continue
-        entry = {tid: Logprob(v, r + 1, text) for r, (tid, text, v) in enumerate(p.top)}
-        entry.setdefault(p.token_id, Logprob(p.logprob, p.rank, p.token))
-        out.append(entry)
-    return out
 
 
 def _as_user_error(e: BaseException) -> BaseException:

@@ -1,8 +1,11 @@
-"""What ``LLM.generate`` / ``chat`` / ``beam_search`` return, with vLLM's class and field names."""
+"""What ``LLM.generate`` / ``chat`` / ``beam_search`` / ``embed`` return, with vLLM's class and
+field names."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
+from shared.messages import PromptTokenLogprob, TokenLogprob
 
 
 @dataclass
@@ -50,3 +53,49 @@ class BeamSearchSequence:
 @dataclass
 class BeamSearchOutput:
     sequences: list[BeamSearchSequence] = field(default_factory=list)
+
+
+@dataclass
+class EmbeddingOutput:
+    """One prompt's vector (vLLM's ``EmbeddingOutput``)."""
+
+    embedding: list[float]
+
+    @property
+    def hidden_size(self) -> int:
+        return len(self.embedding)
+
+
+@dataclass
+class EmbeddingRequestOutput:
+    """What ``LLM.embed`` returns per prompt (vLLM's ``EmbeddingRequestOutput``)."""
+
+    request_id: str
+    outputs: EmbeddingOutput
+    prompt_token_ids: list[int]
+    finished: bool = True
+
+
+# wire logprobs -> vLLM's output shapes
+
+
+def token_logprobs(lp: TokenLogprob) -> dict[int, Logprob]:
+    out = {
+        tid: Logprob(v, r + 1, text)
+        for r, (tid, (text, v)) in enumerate(zip(lp.top_ids, lp.top, strict=True))
+    }
+    if lp.token_id not in out:
+        out[lp.token_id] = Logprob(lp.logprob, None, lp.token)
+    return out
+
+
+def prompt_logprobs_of(lps: list[PromptTokenLogprob]) -> list[dict[int, Logprob] | None]:
+    out: list[dict[int, Logprob] | None] = []
+    for p in lps:
+        if p.logprob is None:
+            out.append(None)
+            continue
+        entry = {tid: Logprob(v, r + 1, text) for r, (tid, text, v) in enumerate(p.top)}
+        entry.setdefault(p.token_id, Logprob(p.logprob, p.rank, p.token))
+        out.append(entry)
+    return out

@@ -77,9 +77,21 @@ class ChatLogprobs(BaseModel):
     content: list[ChatTokenLogprob] | None
 
 
+class FunctionCallOut(BaseModel):
+    name: str
+    arguments: str  # JSON text
+
+
+class ToolCallOut(BaseModel):
+    id: str
+    type: Literal["function"]
+    function: FunctionCallOut
+
+
 class ChatMessageOut(BaseModel):
     role: Literal["assistant"]
     content: str | None
+    tool_calls: list[ToolCallOut] | None = None
 
 
 class ChatChoice(BaseModel):
@@ -169,6 +181,15 @@ class ResponseOutputMessage(BaseModel):
     content: list[ResponseOutputText]
 
 
+class ResponseFunctionCall(BaseModel):
+    type: Literal["function_call"]
+    id: str
+    call_id: str
+    name: str
+    arguments: str
+    status: Literal["in_progress", "completed", "incomplete"]
+
+
 class ResponseUsage(BaseModel):
     input_tokens: int
     output_tokens: int
@@ -176,7 +197,7 @@ class ResponseUsage(BaseModel):
 
 
 class ResponsesResponse(BaseModel):
-    """OpenAI's Response object (text output only)."""
+    """OpenAI's Response object (text and function calls)."""
 
     id: str
     object: Literal["response"]
@@ -187,7 +208,7 @@ class ResponsesResponse(BaseModel):
     instructions: str | None
     max_output_tokens: int | None
     model: str
-    output: list[ResponseOutputMessage]
+    output: list[ResponseOutputMessage | ResponseFunctionCall]
     parallel_tool_calls: bool
     previous_response_id: str | None
     reasoning: Any
@@ -201,3 +222,25 @@ class ResponsesResponse(BaseModel):
     usage: ResponseUsage | None
     user: str | None
     metadata: dict[str, str]
+
+
+class EmbeddingData(BaseModel):
+    object: Literal["embedding"]
+    embedding: list[float] | str  # a string with encoding_format "base64"
+    index: int
+
+
+class EmbeddingUsage(BaseModel):
+    prompt_tokens: int
+    total_tokens: int
+
+
+class EmbeddingResponse(BaseModel):
+    """OpenAI's embeddings list (vLLM adds ``id`` and ``created``)."""
+
+    id: str
+    object: Literal["list"]
+    created: int
+    model: str
+    data: list[EmbeddingData]
+    usage: EmbeddingUsage

@@ -1,7 +1,8 @@
 """The gateway's HTTP routes as module-level handlers over the app's GatewayState (reached
 through the ``Gateway`` dependency, routes/common.py), one module per kind of work:
 completions.py (chat, completions, legacy /generate), responses.py (/v1/responses), tokens.py
-(/tokenize, /detokenize), status.py (models, version, health, stats, metrics)."""
+(/tokenize, /detokenize), status.py (models, version, health, stats, metrics), embeddings.py
+(/v1/embeddings)."""
 
 from __future__ import annotations
 
@@ -15,9 +16,9 @@ from services.gateway.protocol import (
     TokenizeCompletionRequest,
 )
 from services.gateway.responses_api import ResponsesRequest
-from services.gateway.routes import completions, responses, status, tokens
+from services.gateway.routes import completions, embeddings, responses, status, tokens
 
-ROUTERS = (completions.router, responses.router, tokens.router, status.router)
+ROUTERS = (completions.router, responses.router, tokens.router, status.router, embeddings.router)
 
 # route path -> the model(s) its POST body may be, for the OpenAPI document (openapi.py): the
 # routes read their bodies by hand, so FastAPI cannot see these
@@ -27,4 +28,5 @@ BODY_MODELS: dict[str, list[type[BaseModel]]] = {
     "/v1/responses": [ResponsesRequest],
     "/tokenize": [TokenizeCompletionRequest, TokenizeChatRequest],
     "/detokenize": [DetokenizeRequestBody],
+    "/v1/embeddings": [embeddings.EmbeddingRequest],
 }
