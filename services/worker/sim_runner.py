@@ -20,6 +20,10 @@ What it keeps real:
   model's special tokens, so EOS never comes unless a stop id is asked for);
 - logprobs come back in the usual shape, as a point-mass distribution (logprob 0.0).
 
+Embedding requests get a vector of ``SIM_EMBEDDING_DIM`` values, a deterministic function of
+the last two tokens in the cache and the prompt length (normalized), so they flow through the
+pipeline as with a model.
+
 What it does not do: structured output (no logits to mask: such requests end with an error
 finish), prompt logprobs (none are sent), penalties and bias (nothing to apply them to).
 
@@ -38,10 +42,12 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from services.worker.pooling import pooled_output
 from services.worker.runner import finish_rule
 from shared.messages import (
     FinishReason,
     NewRequest,
+    PooledOutput,
     SampleLogprobs,
     SamplingParams,
     ScheduledSeq,
@@ -63,6 +69,10 @@ class SimRequest:
     eos_token_ids: frozenset[int]
     stop_token_ids: frozenset[int]
     salt: int  # 0 for greedy; the seed, or a hash of the request id, when sampling is random
+    embedding: bool = False  # an embedding request: a vector, not a token
+
+
+SIM_EMBEDDING_DIM = 64
 
 
 def step_time_fn(step_ms: float, cost_model: str) -> Callable[[StepPlan], float]:
@@ -107,6 +117,7 @@ class SimRunner:
         self._v = v.numpy().reshape(-1)
         self.requests: dict[str, SimRequest] = {}
         self.total_computed_tokens = 0
+        self._pooled: list[PooledOutput] = []  # the step's embedding vectors
         log.info(
             "simulated worker: %d KV blocks x %d tokens, max_model_len %d, %d token ids",
             num_blocks,
@@ -133,6 +144,7 @@ class SimRunner:
             eos_token_ids=frozenset(r.eos_token_ids) or self.eos_token_ids,
             stop_token_ids=frozenset(p.stop_token_ids),
             salt=salt,
+            embedding=r.pooling is not None,
         )
 
     def execute(self, plan: StepPlan) -> StepResult:
@@ -143,6 +155,7 @@ class SimRunner:
         reasons: list[int] = []
         counts: list[int] = []
         lps: list[SampleLogprobs | None] = []
+        self._pooled = []
         n_tokens = 0
         err = None
         try:
@@ -150,6 +163,7 @@ class SimRunner:
         except Exception as e:  # noqa: BLE001 - the worker loop must survive a bad step
             log.exception("step %d failed", plan.step_id)
             ids, tokens, reasons, counts, lps, n_tokens = [], [], [], [], [], 0
+            self._pooled = []
             err = f"{type(e).__name__}: {e}"
         model_s = self.step_time(plan) if plan.seqs and err is None else 0.0
         if model_s > 0:
@@ -166,6 +180,7 @@ class SimRunner:
             logprobs=lps if any(lp is not None for lp in lps) else [],
             num_output_tokens=counts,
             epoch=plan.epoch,
+            embeddings=self._pooled,
         )
 
     def _execute(
@@ -185,6 +200,11 @@ class SimRunner:
         for s in sampled:
             st = self.requests[s.request_id]
             tok = self._next_token(s, st.salt)
+            if st.embedding:  # a vector from the same context hash: no token
+                rng = np.random.default_rng(tok)
+                v = torch.from_numpy(rng.standard_normal(SIM_EMBEDDING_DIM))
+                self._pooled.append(pooled_output(s.request_id, v / v.norm()))
+                continue
             st.num_output_tokens += 1
             if st.params.structured_output is not None:  # no logits to mask
                 reason = FinishReason.ERROR
