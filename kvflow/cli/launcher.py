@@ -226,8 +226,9 @@ class Stack:
         """Stop children in order. Graceful (SIGTERM to `kvflow serve`): the gateway first,
         with SIGTERM, so it takes no new request and finishes the open ones while the rest of
         the pipeline still runs; then the others. Quick (Ctrl-C): everyone at once. A second
-        Ctrl-C meanwhile is ignored, so the servers and the credentials always go too."""
-        with _ignoring_sigint():
+        Ctrl-C or SIGTERM meanwhile is ignored, so the children, the servers and the
+        credentials always go too (a second SIGTERM used to leave the children running)."""
+        with _ignoring_stop_signals():
             try:
                 self._stop_children(graceful)
             finally:
@@ -259,16 +260,18 @@ class Stack:
 
 
 @contextlib.contextmanager
-def _ignoring_sigint() -> Iterator[None]:
-    """SIGINT ignored inside the block (main thread only: elsewhere signals cannot be set)."""
+def _ignoring_stop_signals() -> Iterator[None]:
+    """SIGINT and SIGTERM ignored inside the block (main thread only: elsewhere signals cannot
+    be set)."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    previous = {s: signal.signal(s, signal.SIG_IGN) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
         yield
     finally:
-        signal.signal(signal.SIGINT, previous)
+        for s, handler in previous.items():
+            signal.signal(s, handler)
 
 
 class _Stop(Exception):
