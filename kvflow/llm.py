@@ -48,6 +48,7 @@ from kvflow.sampling_params import (
 )
 from shared.access.connect import nats_auth
 from shared.beam_search import beam_search as run_beam_search
+from shared.chat_template import from_openai, read_chat_template, render_chat
 from shared.config import Settings
 from shared.fan_out import best, expand, ranks, sequences_per_prompt
 from shared.messages import GenerateRequest
@@ -117,6 +118,8 @@ class LLM:
         except ModelNotFoundError as e:
             raise ValueError(f"{e} (kvflow never downloads weights: pass a local path)") from e
         self.tokenizer = load_tokenizer(self.source)
+        if self.settings.model.chat_template:
+            self.tokenizer.chat_template = read_chat_template(self.settings.model.chat_template)
         from shared.model_loader import load_config
 
         self.eos_token_ids = list(load_config(self.source).eos_token_ids)
@@ -217,9 +220,14 @@ class LLM:
         use_tqdm: bool = True,
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
+        chat_template: str | None = None,
+        tools: list[dict[str, Any]] | None = None,
     ) -> list[RequestOutput]:
-        """Conversations (lists of {"role", "content"}) through the model's chat template;
-        ``continue_final_message`` leaves the final (assistant) message open to be carried on."""
+        """Conversations (lists of OpenAI-shaped messages: {"role", "content"}, an assistant's
+        "tool_calls", a tool's "tool_call_id") through the chat template (``chat_template``'s
+        text, else the model's; with ``tools``, kvflow's hermes template for a model whose own
+        has none); ``continue_final_message`` leaves the final (assistant) message open to be
+        carried on. As vLLM's ``LLM.chat``, the outputs are text: calls are not parsed."""
         if not messages:
             raise ValueError("messages must not be empty")
         if add_generation_prompt and continue_final_message:
@@ -231,14 +239,16 @@ class LLM:
         params = as_list(sampling_params, len(convos))
         jobs = []
         for convo, sp in zip(convos, params, strict=True):
-            convo = [{"role": m["role"], "content": _text(m["content"])} for m in convo]
-            ids = self.tokenizer.apply_chat_template(
-                convo,
-                add_generation_prompt=add_generation_prompt,
-                continue_final_message=continue_final_message,
+            msgs, specs = from_openai(list(convo), tools)
+            ids = render_chat(
+                self.tokenizer,
+                msgs,
+                specs,
+                add_generation_prompt,
+                continue_final_message,
                 tokenize=True,
+                template=chat_template,
             )
-            ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
             text = self.tokenizer.decode(ids, skip_special_tokens=False)
             jobs.append(((text, ids, None), sp, 0))
         return self._run_all(jobs, use_tqdm)
@@ -416,12 +426,6 @@ class LLM:
             return list(await asyncio.gather(*(one(ids, salt) for _, ids, salt in items)))
         except PipelineError as e:
             raise _as_user_error(e) from None
-
-
-def _text(content: Any) -> str:
-    if isinstance(content, str):
-        return content
-    return "".join(part.get("text", "") for part in content if isinstance(part, dict))
 
 
 def _as_user_error(e: BaseException) -> BaseException:

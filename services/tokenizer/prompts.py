@@ -3,17 +3,12 @@ Hugging Face tokenizer, so tests run it without NATS."""
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
 from typing import Any
 
 import msgspec
 
-from shared.messages import ChatMessage, GenerateRequest, RequestError, SamplingParams, ToolSpec
-
-# Hermes-style tool calling for ChatML models whose own template has no tools (SmolLM2): used
-# when a conversation has tools, tool calls or tool results and the template would drop them
-TOOL_TEMPLATE = Path(__file__).parent / "templates" / "hermes_tools.jinja"
+from shared.chat_template import ChatTemplateError, render_chat
+from shared.messages import GenerateRequest, RequestError, SamplingParams
 
 
 class PromptError(ValueError):
@@ -26,91 +21,19 @@ class PromptError(ValueError):
         return RequestError(request_id, str(self), "BadRequestError", self.param, self.code)
 
 
-def read_chat_template(value: str) -> str:
-    """``--chat-template``: a Jinja file, or (as vLLM accepts) the template text itself."""
-    path = Path(value).expanduser()
-    if path.is_file():
-        return path.read_text()
-    if "{{" in value or "{%" in value:
-        return value
-    raise FileNotFoundError(
-        f"--chat-template {value}: no such file (give a Jinja template file or its text)"
-    )
-
-
-def _convo(messages: list[ChatMessage]) -> list[dict[str, Any]]:
-    """Messages as Hugging Face chat templates take them: a call's arguments as an object."""
-    out: list[dict[str, Any]] = []
-    for i, m in enumerate(messages):
-        d: dict[str, Any] = {"role": m.role, "content": m.content}
-        if m.tool_calls:
-            calls = []
-            for j, c in enumerate(m.tool_calls):
-                try:
-                    args = json.loads(c.arguments)
-                except ValueError:
-                    param = f"messages[{i}].tool_calls[{j}].function.arguments"
-                    raise PromptError(f"{param} is not valid JSON", param) from None
-                fn = {"name": c.name, "arguments": args}
-                calls.append({"id": c.id, "type": "function", "function": fn})
-            d["tool_calls"] = calls
-        if m.tool_call_id is not None:
-            d["tool_call_id"] = m.tool_call_id
-        if m.name is not None:
-            d["name"] = m.name
-        out.append(d)
-    return out
-
-
-def _tools(tools: list[ToolSpec]) -> list[dict[str, Any]]:
-    out = []
-    for t in tools:
-        fn: dict[str, Any] = {"name": t.name}
-        if t.description is not None:
-            fn["description"] = t.description
-        if t.parameters is not None:
-            fn["parameters"] = json.loads(t.parameters)
-        out.append({"type": "function", "function": fn})
-    return out
-
-
-def render_chat(
-    tokenizer: Any,
-    messages: list[ChatMessage],
-    tools: list[ToolSpec],
-    add_generation_prompt: bool,
-    continue_final_message: bool,
-    tokenize: bool,
-) -> Any:
-    """The conversation through the chat template (token ids, or the text). A conversation with
-    tools or tool messages goes through kvflow's hermes template when the model's own template
-    knows nothing of tools (it would drop them)."""
-    if not messages:
-        raise PromptError("messages must not be empty", "messages")
-    has_tools = bool(tools) or any(m.tool_calls or m.role == "tool" for m in messages)
-    template = None
-    if has_tools and "tool" not in (tokenizer.chat_template or ""):
-        template = TOOL_TEMPLATE.read_text()
+def chat_prompt(*args: Any, **kw: Any) -> Any:
+    """``shared.chat_template.render_chat`` with its errors as a PromptError (a 400)."""
     try:
-        return tokenizer.apply_chat_template(
-            _convo(messages),
-            tools=_tools(tools) or None,
-            chat_template=template,
-            add_generation_prompt=add_generation_prompt,
-            continue_final_message=continue_final_message,
-            tokenize=tokenize,
-        )
-    except PromptError:
-        raise
-    except Exception as e:  # template errors (e.g. role order) are the client's to fix
-        raise PromptError(f"chat template failed: {e}", "messages") from e
+        return render_chat(*args, **kw)
+    except ChatTemplateError as e:
+        raise PromptError(str(e), e.param) from e
 
 
 def prompt_token_ids(tokenizer: Any, req: GenerateRequest) -> list[int]:
     """Token ids of the request's prompt: chat messages through the model's chat template, a
     text prompt through the tokenizer, or token ids as given."""
     if req.messages is not None:
-        out = render_chat(
+        return chat_prompt(
             tokenizer,
             req.messages,
             req.tools,
@@ -118,8 +41,6 @@ def prompt_token_ids(tokenizer: Any, req: GenerateRequest) -> list[int]:
             req.continue_final_message,
             tokenize=True,
         )
-        ids = out["input_ids"] if hasattr(out, "keys") else out
-        return list(ids)
     if req.prompt_token_ids is not None:
         vocab = len(tokenizer)
         bad = [t for t in req.prompt_token_ids if not 0 <= t < vocab]

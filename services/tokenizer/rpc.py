@@ -6,14 +6,14 @@ from __future__ import annotations
 
 from typing import Any
 
-from services.tokenizer.prompts import PromptError, render_chat
+from services.tokenizer.prompts import PromptError, chat_prompt
 from shared.messages import DetokenizeRequest, DetokenizeResult, TokenizeRequest, TokenizeResult
 
 
 def tokenize(tokenizer: Any, req: TokenizeRequest, max_model_len: int) -> TokenizeResult:
     """Token ids of ``req.prompt`` or of ``req.messages`` through the chat template."""
     if req.messages is not None:
-        text = render_chat(
+        text = chat_prompt(
             tokenizer,
             req.messages,
             req.tools,

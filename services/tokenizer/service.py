@@ -26,13 +26,13 @@ from services.tokenizer.prompts import (
     check_length,
     check_logit_bias,
     prompt_token_ids,
-    read_chat_template,
     truncate,
 )
 from services.tokenizer.rpc import detokenize, tokenize
 from shared import subjects
 from shared.access.connect import nats_auth
 from shared.bus import Bus
+from shared.chat_template import read_chat_template
 from shared.config import Settings
 from shared.logs import request_scope
 from shared.messages import (

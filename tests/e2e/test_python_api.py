@@ -219,3 +219,24 @@ def test_an_llm_starts_its_own_pipeline_and_stops_it() -> None:
     while service_pids(nats_url) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert service_pids(nats_url) == {}
+
+
+def test_chat_with_tools_renders_them_and_equals_the_http_api(llm, stack) -> None:
+    """LLM.chat(tools=...) (vLLM's): the hermes template shows the tools and an earlier call;
+    the greedy text (calls are not parsed by LLM.chat) is the call the HTTP API parses."""
+    from tests.e2e.test_tool_calling import TOOLS, one_shot
+
+    sp = SamplingParams(temperature=0, max_tokens=40)
+    out = llm.chat(one_shot("Tokyo"), sp, use_tqdm=False, tools=TOOLS)[0]
+    assert "<tools>" in out.prompt and "<tool_call>" in out.prompt
+    text = out.outputs[0].text
+    assert text.startswith("<tool_call>")
+    r = openai_client(stack).chat.completions.create(
+        model=MODEL, messages=one_shot("Tokyo"), tools=TOOLS, max_tokens=40, temperature=0
+    )
+    [call] = r.choices[0].message.tool_calls
+    body = json.loads(text.removeprefix("<tool_call>").split("</tool_call>")[0])
+    assert (call.function.name, json.loads(call.function.arguments)) == (
+        body["name"],
+        body["arguments"],
+    )

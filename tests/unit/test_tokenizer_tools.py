@@ -8,14 +8,9 @@ import json
 
 import pytest
 
-from services.tokenizer.prompts import (
-    TOOL_TEMPLATE,
-    PromptError,
-    prompt_token_ids,
-    read_chat_template,
-    render_chat,
-)
+from services.tokenizer.prompts import PromptError, chat_prompt, prompt_token_ids
 from services.tokenizer.rpc import tokenize
+from shared.chat_template import TOOL_TEMPLATE, read_chat_template
 from shared.messages import (
     ChatMessage,
     GenerateRequest,
@@ -133,7 +128,7 @@ def test_bad_arguments_and_templates_are_named(tokenizer, tmp_path) -> None:
         ChatMessage("assistant", "", tool_calls=[ToolCall("c1", "f", "{nope")]),
     ]
     with pytest.raises(PromptError) as e:
-        render_chat(tokenizer, convo, [], True, False, tokenize=True)
+        chat_prompt(tokenizer, convo, [], True, False, tokenize=True)
     assert e.value.param == "messages[1].tool_calls[0].function.arguments"
     path = tmp_path / "t.jinja"
     path.write_text("{{ messages[0]['content'] }}")
@@ -143,3 +138,39 @@ def test_bad_arguments_and_templates_are_named(tokenizer, tmp_path) -> None:
     )
     with pytest.raises(FileNotFoundError, match="--chat-template"):
         read_chat_template(str(tmp_path / "missing.jinja"))
+
+
+def test_the_python_api_renders_the_prompt_the_http_api_does(tokenizer) -> None:
+    """LLM.chat's messages and tools (OpenAI dicts, through shared.chat_template.from_openai)
+    give the same token ids as a chat request's GenerateRequest in the tokenizer service."""
+    from services.gateway.convert import chat_job, parse_request
+    from services.gateway.protocol import ChatCompletionRequest
+    from shared.chat_template import from_openai, render_chat
+
+    tools = [
+        {
+            "type": "function",
+            "function": {
+                "name": "get_weather",
+                "description": "Current weather",
+                "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+            },
+        }
+    ]
+    call = {
+        "id": "c1",
+        "type": "function",
+        "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'},
+    }
+    messages = [
+        {"role": "system", "content": [{"type": "text", "text": "Be brief."}]},
+        {"role": "user", "content": "Weather in Oslo?"},
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "c1", "content": "3 C"},
+    ]
+    body = json.dumps({"messages": messages, "tools": tools}).encode()
+    gen = chat_job(parse_request(ChatCompletionRequest, body), "r", "inbox", 0.0).prompts[0]
+    msgs, specs = from_openai(messages, tools)
+    assert render_chat(tokenizer, msgs, specs, True, False, tokenize=True) == prompt_token_ids(
+        tokenizer, gen
+    )
