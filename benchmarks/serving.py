@@ -139,12 +139,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "what",
         nargs="?",
-        choices=["compare", "pipeline", "quality", "llamacpp"],
+        choices=["compare", "pipeline", "quality", "llamacpp", "embeddings"],
         default="compare",
         help="compare (default): kvflow vs Hugging Face; pipeline: the stack with a simulated "
         "worker at several concurrencies, with CPU per token of each service; quality: "
         "perplexity and top-1 agreement of each --quantization against fp32; llamacpp: "
-        "kvflow and llama.cpp's llama-server on the same GGUF at 1, 16 and 64 in flight",
+        "kvflow and llama.cpp's llama-server on the same GGUF at 1, 16 and 64 in flight; "
+        "embeddings: /v1/embeddings per second, one input per request and batched",
     )
     p.add_argument("--url", default=None, help="a running kvflow (default: start one)")
     p.add_argument("--model", default="", help="model path (default: SmolLM2 from the wheel)")
@@ -169,6 +170,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     from benchmarks import llamacpp as bench_llamacpp
 
     bench_llamacpp.add_arguments(p.add_argument_group("llamacpp"))
+    from benchmarks import embeddings as bench_embeddings
+
+    bench_embeddings.add_arguments(p.add_argument_group("embeddings"))
 
 
 def main(args: argparse.Namespace) -> int:
@@ -184,6 +188,10 @@ def main(args: argparse.Namespace) -> int:
         from benchmarks import llamacpp as bench_llamacpp
 
         return bench_llamacpp.main(args)
+    if args.what == "embeddings":
+        from benchmarks import embeddings as bench_embeddings
+
+        return bench_embeddings.main(args)
     src = resolve_model(args.model)
     tok = load_tokenizer(src)
     span = lambda s: tuple(int(x) for x in s.split(":"))  # noqa: E731

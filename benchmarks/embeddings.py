@@ -1,0 +1,110 @@
+"""``kvflow bench embeddings``: embeddings per second through /v1/embeddings for inputs of a fixed
+length (64 tokens by default, given as token ids so every input is exactly that long), three
+ways: one input per request, sent one after another (batch 1); one request of ``--embed-batch``
+inputs; and ``--embed-batch`` single-input requests in flight at once. Against a running stack
+(``--url``) or a ``kvflow serve`` it starts (``--serve-args`` for its flags)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import signal
+import statistics
+import time
+from dataclasses import dataclass
+
+import httpx
+
+from shared.model_source import load_tokenizer, resolve_model
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--embed-len", type=int, default=64, help="tokens per input")
+    p.add_argument("--embed-batch", type=int, default=64, help="inputs per batched request")
+    p.add_argument("--embed-rounds", type=int, default=3, help="repetitions of each mode")
+
+
+@dataclass
+class Mode:
+    name: str
+    embeddings: int
+    seconds: float
+    latencies: list[float]
+
+    @property
+    def per_s(self) -> float:
+        return self.embeddings / self.seconds
+
+    def row(self) -> str:
+        p50 = statistics.median(self.latencies) * 1000
+        return f"{self.name:<34} {self.embeddings:>6} {self.per_s:>10.1f} {p50:>14.0f}"
+
+
+def inputs(tokenizer, n: int, length: int) -> list[list[int]]:
+    """``n`` different inputs of ``length`` token ids, slices of ordinary English text."""
+    words = (
+        "the river stone garden lamp winter market letter cloud bridge quiet morning city "
+        "train book window light music story friend road sea mountain forest bird"
+    ).split()
+    text = " ".join(words[(i * 7) % len(words)] + f" {i}" for i in range(n * length))
+    ids = tokenizer(text)["input_ids"]
+    return [ids[i * length : (i + 1) * length] for i in range(n)]
+
+
+async def _post(client: httpx.AsyncClient, model: str, inp: list[list[int]]) -> float:
+    t0 = time.perf_counter()
+    r = await client.post("/v1/embeddings", json={"model": model, "input": inp})
+    r.raise_for_status()
+    assert len(r.json()["data"]) == len(inp)
+    return time.perf_counter() - t0
+
+
+async def measure(url: str, model: str, data: list[list[int]], rounds: int) -> list[Mode]:
+    n = len(data)
+    async with httpx.AsyncClient(base_url=url, timeout=600) as client:
+        await _post(client, model, data[:4])  # warm-up
+        modes = []
+        lat: list[float] = []
+        t0 = time.perf_counter()
+        for _ in range(rounds):
+            for x in data:
+                lat.append(await _post(client, model, [x]))
+        modes.append(
+            Mode("1 input per request, sequential", n * rounds, time.perf_counter() - t0, lat)
+        )
+        lat = []
+        t0 = time.perf_counter()
+        for _ in range(rounds):
+            lat.append(await _post(client, model, data))
+        modes.append(Mode(f"{n} inputs in one request", n * rounds, time.perf_counter() - t0, lat))
+        lat = []
+        t0 = time.perf_counter()
+        for _ in range(rounds):
+            lat += await asyncio.gather(*(_post(client, model, [x]) for x in data))
+        modes.append(
+            Mode(f"{n} concurrent 1-input requests", n * rounds, time.perf_counter() - t0, lat)
+        )
+    return modes
+
+
+def main(args: argparse.Namespace) -> int:
+    from benchmarks.serving import start_stack
+
+    src = resolve_model(args.model)
+    data = inputs(load_tokenizer(src), args.embed_batch, args.embed_len)
+    proc, url = None, args.url
+    if url is None:
+        print("starting kvflow serve ...", flush=True)
+        proc, url = start_stack(args.serve_args.split())
+    try:
+        modes = asyncio.run(measure(url, src.name, data, args.embed_rounds))
+    finally:
+        if proc is not None:
+            os.killpg(proc.pid, signal.SIGTERM)
+            proc.wait(30)
+    print(f"\ninputs of {args.embed_len} tokens, {args.embed_rounds} rounds per mode")
+    print(f"{'mode':<34} {'inputs':>6} {'embeds/s':>10} {'p50 latency ms':>14}")
+    for m in modes:
+        print(m.row())
+    return 0
