@@ -1,7 +1,7 @@
 """Disaggregated serving through the whole stack: `kvflow serve --prefill-workers 1
 --decode-workers 2`. Greedy output equals the aggregated stack's (a prompt whose KV is ~45 MB,
 many times one NATS message, included); shared prefixes land on the decode worker that holds
-them while unrelated requests spread; a worker that joins gets work, one that leaves cleanly
+them while unrelated requests spread; embeddings stay on the prefill worker; a worker that joins gets work, one that leaves cleanly
 gets no more and exits."""
 
 from __future__ import annotations
@@ -116,6 +116,32 @@ def test_shared_prefixes_follow_their_blocks_and_others_spread(disagg_stack, tok
         if after[w]["role"] == "decode"
     ]
     assert sum(spread) == 6 and min(spread) >= 1, spread
+    wait_all_blocks_free(disagg_stack)
+
+
+def test_embeddings_run_on_the_prefill_worker_and_never_move(
+    stack, disagg_stack, tokenizer
+) -> None:
+    """An embedding request is a prefill that ends with its vector: the prefill worker
+    computes it and it is never handed to a decode worker (no transfer, no decode); the vector
+    equals the aggregated stack's."""
+    inputs = [long_prompt(tokenizer, 200, seed=20), tokenizer("The capital is Paris.")["input_ids"]]
+    before, transfers = workers(disagg_stack), stats(disagg_stack)["kv_transfers"]
+    got = openai_client(disagg_stack).embeddings.create(
+        model=MODEL, input=inputs, encoding_format="float"
+    )
+    want = openai_client(stack).embeddings.create(
+        model=MODEL, input=inputs, encoding_format="float"
+    )
+    for g, w in zip(got.data, want.data, strict=True):
+        dot = sum(a * b for a, b in zip(g.embedding, w.embedding, strict=True))
+        assert dot >= 0.9999  # both unit vectors: the cosine
+    after = workers(disagg_stack)
+    for wid, w in after.items():
+        grew = w["num_prefills"] - before[wid]["num_prefills"]
+        assert grew == (len(inputs) if w["role"] == "prefill" else 0), wid
+        assert w["num_decodes"] == before[wid]["num_decodes"], wid
+    assert stats(disagg_stack)["kv_transfers"] == transfers
     wait_all_blocks_free(disagg_stack)
 
 
