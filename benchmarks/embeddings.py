@@ -2,7 +2,9 @@
 length (64 tokens by default, given as token ids so every input is exactly that long), three
 ways: one input per request, sent one after another (batch 1); one request of ``--embed-batch``
 inputs; and ``--embed-batch`` single-input requests in flight at once. Against a running stack
-(``--url``) or a ``kvflow serve`` it starts (``--serve-args`` for its flags)."""
+(``--url``) or a ``kvflow serve`` it starts (``--serve-args`` for its flags). For reference,
+``--embed-hf`` also times Hugging Face transformers' LlamaModel forward (the same pooled state,
+in process, no server) on the same inputs, one at a time and as one batch."""
 
 from __future__ import annotations
 
@@ -23,6 +25,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--embed-len", type=int, default=64, help="tokens per input")
     p.add_argument("--embed-batch", type=int, default=64, help="inputs per batched request")
     p.add_argument("--embed-rounds", type=int, default=3, help="repetitions of each mode")
+    p.add_argument(
+        "--embed-hf", action="store_true", help="also time HF transformers' forward in process"
+    )
 
 
 @dataclass
@@ -88,6 +93,32 @@ async def measure(url: str, model: str, data: list[list[int]], rounds: int) -> l
     return modes
 
 
+def hf_modes(src, data: list[list[int]], rounds: int) -> list[Mode]:  # noqa: ANN001
+    """HF LlamaModel's forward on the same inputs: one at a time, then all as one batch (equal
+    lengths: no padding), last_hidden_state[:, -1] normalized, as the server pools."""
+    import torch
+
+    from benchmarks.hf import load_hf
+
+    model = load_hf(src).model
+    n = len(data)
+
+    def pooled(batch: list[list[int]]) -> float:
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            h = model(torch.tensor(batch)).last_hidden_state[:, -1]
+            torch.nn.functional.normalize(h, dim=-1)
+        return time.perf_counter() - t0
+
+    pooled(data[:4])  # warm-up
+    one = [pooled([x]) for _ in range(rounds) for x in data]
+    batched = [pooled(data) for _ in range(rounds)]
+    return [
+        Mode("HF forward, 1 input at a time", n * rounds, sum(one), one),
+        Mode(f"HF forward, batch of {n}", n * rounds, sum(batched), batched),
+    ]
+
+
 def main(args: argparse.Namespace) -> int:
     from benchmarks.serving import start_stack
 
@@ -103,6 +134,8 @@ def main(args: argparse.Namespace) -> int:
         if proc is not None:
             os.killpg(proc.pid, signal.SIGTERM)
             proc.wait(30)
+    if args.embed_hf:
+        modes += hf_modes(src, data, args.embed_rounds)
     print(f"\ninputs of {args.embed_len} tokens, {args.embed_rounds} rounds per mode")
     print(f"{'mode':<34} {'inputs':>6} {'embeds/s':>10} {'p50 latency ms':>14}")
     for m in modes:
