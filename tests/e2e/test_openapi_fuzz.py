@@ -5,7 +5,8 @@ serves a normal request afterwards.
 
 Generation is capped so the run stays short: ``max_tokens`` / ``max_completion_tokens`` are
 required and at most 4, ``n`` / ``best_of`` at most 2 (a copy of the document is changed, not
-the server)."""
+the server); /v1/embeddings is fuzzed like the rest (its valid inputs: short strings and
+token-id lists inside the vocabulary)."""
 
 from __future__ import annotations
 
@@ -108,6 +109,27 @@ def narrowed(doc: dict[str, Any]) -> dict[str, Any]:
         }
     )
     schemas["CompletionRequest"]["properties"]["best_of"] = num(2, 2, "integer")
+    embedding = schemas["EmbeddingRequest"]["properties"]
+    embedding.pop("dimensions")  # always refused: no matryoshka model is served
+    embedding["truncate_prompt_tokens"] = num(1, 50, "integer")
+    embedding["input"] = {
+        "anyOf": [
+            {"type": "string", "minLength": 1},
+            {"type": "array", "items": token, "minItems": 1, "maxItems": 8},
+            {
+                "type": "array",
+                "items": {"type": "array", "items": token, "minItems": 1, "maxItems": 8},
+                "minItems": 1,
+                "maxItems": 4,
+            },
+            {
+                "type": "array",
+                "items": {"type": "string", "minLength": 1},
+                "minItems": 1,
+                "maxItems": 4,
+            },
+        ]
+    }
     return doc
 
 
@@ -120,7 +142,8 @@ def fuzz(stack: str, doc: dict[str, Any]) -> None:
     """Each operation as a plain hypothesis test (schemathesis' pytest plugin needs the schema
     at collection time; this one comes from a stack a fixture starts)."""
     ops = operations(doc)
-    assert len(ops) >= 9
+    assert len(ops) >= 10
+    assert any(op.path == "/v1/embeddings" for op in ops)
     for op in ops:
 
         @given(case=op.as_strategy())
@@ -163,6 +186,14 @@ def test_openapi_carries_the_request_models(stack) -> None:
     }
     assert "text/event-stream" in ok
     assert set(doc["paths"]) >= {"/tokenize", "/detokenize", "/version", "/v1/models"}
+    embeddings = doc["paths"]["/v1/embeddings"]["post"]
+    body = embeddings["requestBody"]["content"]["application/json"]["schema"]
+    assert body == {"$ref": "#/components/schemas/EmbeddingRequest"}
+    props = doc["components"]["schemas"]["EmbeddingRequest"]["properties"]
+    for field in ("input", "model", "encoding_format", "dimensions", "truncate_prompt_tokens"):
+        assert field in props, field
+    ok = embeddings["responses"]["200"]["content"]["application/json"]["schema"]
+    assert ok == {"$ref": "#/components/schemas/EmbeddingResponse"}
 
 
 def test_still_serving_after_the_fuzzing(stack) -> None:
