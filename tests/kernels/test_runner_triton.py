@@ -340,3 +340,47 @@ def test_quantized_weights_on_the_device_path_match_the_cpu_path(model, scheme: 
     # whose weights of std 0.2 make it far more sensitive than a trained one)
     cos = F.cosine_similarity(got_logits[0], dense_logits[0], dim=-1)
     assert bool((cos >= (0.999 if scheme == "int8" else 0.95)).all()), cos
+
+
+def _embed_steps(runner: ModelRunner, kind: str) -> tuple[bytes, list[int]]:
+    """A's prompt as an embedding request in two chunks, beside C generating (its prefill,
+    then decode rows; one-row steps of the embedding itself: E's pattern); returns the vector's
+    bytes and C's tokens."""
+    from shared.messages import PoolingParams
+
+    new = [
+        NewRequest("a", SamplingParams(max_tokens=1), len(A), pooling=PoolingParams(kind)),
+        NewRequest("c", GREEDY, len(C)),
+    ]
+    c_tokens = list(C)
+    steps = [(0, 6), (6, 10), (10, 11)]  # the last chunk is one row (a graph-shaped step)
+    out = b""
+    for i, (a, b) in enumerate(steps):
+        c_start = 0 if i == 0 else len(c_tokens) - 1
+        seqs = [
+            ScheduledSeq("c", c_tokens[c_start:], c_start, TABLES["c"], True),
+            ScheduledSeq("a", A[a:b], a, TABLES["a"], b == len(A)),
+        ]
+        res = runner.execute(StepPlan(i, seqs, new if i == 0 else []))
+        assert res.error is None, res.error
+        assert res.request_ids == ["c"]
+        c_tokens.append(res.token_ids[0])
+        if res.embeddings:
+            out = res.embeddings[0].data
+    return out, c_tokens
+
+
+@requires_interpreter
+@pytest.mark.parametrize("kind", ["LAST", "MEAN"])
+def test_triton_worker_pools_embeddings_as_the_cpu_path(model, kind: str) -> None:
+    """forward_device_pooled: the pooled final-norm states of the device path equal the CPU
+    path's, with decode rows in the same steps, and the decode graphs are not used for a step
+    that pools (its last step has single-token rows only)."""
+    want, want_c = _embed_steps(make(model), kind)
+    runner = make(model, backend="triton", cuda_graphs=True, max_num_seqs=4)
+    got, got_c = _embed_steps(runner, kind)
+    assert got_c == want_c and runner.graphs.replays == 0
+    g = torch.frombuffer(bytearray(got), dtype=torch.float32)
+    w = torch.frombuffer(bytearray(want), dtype=torch.float32)
+    assert g.numel() == 64 and abs(float(w.norm()) - 1) < 1e-5
+    torch.testing.assert_close(g, w, atol=2e-4, rtol=1e-4)
