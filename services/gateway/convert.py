@@ -122,6 +122,9 @@ class Job:
     # add_generation_prompt)
     tokens_as_ids: bool = False  # vLLM's return_tokens_as_token_ids
     prompt_logprobs: bool = False  # vLLM's extra: choices carry ``prompt_logprobs``
+    # parallel_tool_calls false under "auto": only a choice's first call is answered (as
+    # vLLM's maybe_filter_parallel_tool_calls; a forced call's grammar allows only one)
+    first_tool_call_only: bool = False
 
     @property
     def num_sequences(self) -> int:
@@ -267,6 +270,7 @@ def chat_job(
         role=role,
         prompt_logprobs=req.prompt_logprobs is not None,
         tokens_as_ids=bool(req.return_tokens_as_token_ids),
+        first_tool_call_only=req.parallel_tool_calls is False,
     )
 
 

@@ -188,8 +188,11 @@ async def sse_events(
                 started.add(i)
                 echo = _echo(job, echo_texts, i // job.best_of, delta)
                 plps = delta.prompt_logprobs or None
+            calls = delta.tool_calls
+            if job.first_tool_call_only:
+                calls = [t for t in calls if t.index == 0]
             chunks = fmt.text_chunk(
-                delta.text, delta.finish_reason, i, delta.logprobs, echo, plps, delta.tool_calls
+                delta.text, delta.finish_reason, i, delta.logprobs, echo, plps, calls
             )
             for chunk in chunks:
                 if job.continuous_usage:
@@ -216,6 +219,9 @@ def full_response(job: Job, outs: list[Outcome], fmt: Format, echo_texts: list[s
     chosen: list[Outcome] = []
     echoes: list[Echo | None] = []
     prompt_tokens = 0
+    if job.first_tool_call_only:
+        for out in outs:
+            out.tool_calls = out.tool_calls[:1]
     ranked = best_per_prompt(outs, job.best_of, job.n, lambda o: o.cumulative_logprob)
     for p, group in enumerate(ranked):
         prompt_tokens += outs[p * job.best_of].prompt_tokens

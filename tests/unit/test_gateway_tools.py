@@ -352,3 +352,15 @@ def test_the_documented_schemas_take_the_call_shapes() -> None:
     fmt = ResponsesFormat("resp-1", "m")
     fmt.take_request(req)
     ResponsesResponse.model_validate(fmt.response([out], 5))
+
+
+def test_parallel_tool_calls_false_answers_only_the_first_call() -> None:
+    from services.gateway.generation import full_response
+
+    assert not chjob(tools=TOOLS).first_tool_call_only
+    job = chjob(tools=TOOLS, parallel_tool_calls=False)
+    assert job.first_tool_call_only
+    out = outcome_of([Delta("r", "", 4, "tool_calls", tool_calls=PIECES)])
+    [choice] = full_response(job, [out], ChatFormat("chatcmpl-1", "m"), None)["choices"]
+    assert [c["function"]["name"] for c in choice["message"]["tool_calls"]] == ["get_weather"]
+    assert choice["finish_reason"] == "tool_calls"
