@@ -292,29 +292,31 @@ def chat_template_flags(req: ChatCompletionRequest | TokenizeChatRequest) -> tup
     return add, cont
 
 
-def completion_prompts(req: CompletionRequest) -> list[tuple[str | None, list[int] | None]]:
-    """``(prompt, prompt_token_ids)`` per prompt of the request (one of each pair set)."""
-    p = req.prompt
-    if isinstance(p, str):
-        items: list[Any] = [p]
-    elif p and isinstance(p[0], int):
-        items = [p]  # one prompt of token ids
+def prompt_items(value: Any, param: str) -> list[tuple[str | None, list[int] | None]]:
+    """``(text, token ids)`` per prompt of a completions ``prompt`` or an embeddings ``input``
+    (a string, strings, token ids or token-id lists; one of each pair set); an empty one, an
+    empty item and ids outside [0, 2^31) are 400s naming ``param`` (the tokenizer checks the
+    vocabulary)."""
+    if isinstance(value, str):
+        items: list[Any] = [value]
+    elif value and isinstance(value[0], int):
+        items = [value]  # one prompt of token ids
     else:
-        items = list(p)  # a batch of strings or of token-id lists
+        items = list(value)  # a batch of strings or of token-id lists
     if not items:
-        raise bad("prompt", "must not be empty")
+        raise bad(param, "must not be empty")
     out: list[tuple[str | None, list[int] | None]] = []
     for item in items:
         if isinstance(item, str):
             if not item:
-                raise bad("prompt", "must not be empty")
+                raise bad(param, "must not be empty")
             out.append((item, None))
             continue
         ids = list(item)
         if not ids:
-            raise bad("prompt", "must not be empty")
+            raise bad(param, "must not be empty")
         if any(not 0 <= t <= MAX_TOKEN_ID for t in ids):
-            raise bad("prompt", "token ids must be in [0, 2^31)")
+            raise bad(param, "token ids must be in [0, 2^31)")
         out.append((None, ids))
     return out
 
@@ -342,7 +344,7 @@ def completion_job(
     logprobs = req.logprobs if req.logprobs is not None or not ranks(n, best_of) else 0
     max_tokens = COMPLETION_DEFAULT_MAX_TOKENS if req.max_tokens is None else req.max_tokens
     params = sampling_params(req, max_tokens, logprobs, plp, n, best_of, settings)
-    prompts = completion_prompts(req)
+    prompts = prompt_items(req.prompt, "prompt")
     limit = settings.gateway.max_request_sequences if settings else None
     if limit and len(prompts) * best_of > limit:
         raise bad(

@@ -24,9 +24,9 @@ from services.gateway.responses_tools import (
     FunctionCallItem,
     FunctionCallOutputItem,
     FunctionCalls,
-    chat_messages,
     chat_tool_choice,
     chat_tools,
+    input_messages,
     renamed_param,
 )
 from shared.config import Settings
@@ -165,7 +165,7 @@ def responses_job(
     if isinstance(req.input, str):
         messages.append({"role": "user", "content": req.input})
     else:
-        messages += chat_messages(req.input)
+        messages += input_messages(req.input)
     chat: dict[str, Any] = {
         k: v for k, v in (req.model_extra or {}).items() if k in EXTRAS and v is not None
     }

@@ -67,7 +67,7 @@ def chat_message(item: Any) -> dict[str, Any]:
     return {"role": item.role, "content": item.text()}
 
 
-def chat_messages(items: list[Any]) -> list[dict[str, Any]]:
+def input_messages(items: list[Any]) -> list[dict[str, Any]]:
     """Input items as chat messages; consecutive calls become one assistant message."""
     out: list[dict[str, Any]] = []
     for item in items:

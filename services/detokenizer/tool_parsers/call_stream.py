@@ -6,6 +6,7 @@ exactly as the model wrote it, so ``json.loads`` of it gives the model's object)
 from __future__ import annotations
 
 import json
+import logging
 from enum import Enum
 
 from services.detokenizer.tool_parsers.base import new_call_id
@@ -13,6 +14,7 @@ from services.detokenizer.tool_parsers.json_scan import JsonScanner
 from shared.messages import ToolCallDelta
 
 ARGUMENT_KEYS = ("arguments", "parameters")
+log = logging.getLogger("kvflow.detokenizer")
 
 
 class CallState(Enum):
@@ -37,6 +39,17 @@ class CallStream:
         """The text after the object (DONE) or from where it broke (BROKEN)."""
         stop = self._scan.end if self._scan.end is not None else self._scan.error
         return self.text[stop:] if stop is not None else ""
+
+    def take(self, text: str, out: list[ToolCallDelta]) -> CallState:
+        """Feed ``text`` (if any), appending its pieces to ``out``; the state after it. A call
+        that broke off in its arguments is logged here (its parser drops the rest)."""
+        if text:
+            out += self.feed(text)
+            if self.state == CallState.BROKEN:
+                log.warning(
+                    "tool call %d broke off in its arguments; its rest is dropped", self.index
+                )
+        return self.state
 
     def feed(self, text: str) -> list[ToolCallDelta]:
         if self.state != CallState.OPEN:

@@ -9,14 +9,11 @@ ends there (its arguments are what was sent) and its text up to ``</tool_call>``
 
 from __future__ import annotations
 
-import logging
 from enum import Enum
 
 from services.detokenizer.tool_parsers.base import Parsed, ToolParser, partial_suffix
 from services.detokenizer.tool_parsers.call_stream import CallState, CallStream
 from shared.messages import ToolCallDelta
-
-log = logging.getLogger("kvflow.detokenizer")
 
 START, END = "<tool_call>", "</tool_call>"
 
@@ -92,23 +89,18 @@ class HermesParser(ToolParser):
     def _in_call(self, content: list[str], calls: list[ToolCallDelta]) -> bool:
         call = self._call
         assert call is not None
-        if self._buf:
-            calls += call.feed(self._buf)
-            self._buf = ""
+        state = call.take(self._buf, calls)
+        self._buf = ""
         self.tools_called = self.tools_called or call.started
-        if call.state == CallState.OPEN:
+        if state == CallState.OPEN:
             return False
-        if call.state == CallState.BAD:
+        if state == CallState.BAD:
             content.append(START)
             self._buf, self._mode, self._strip = call.text, _Mode.BAD, False
             return True
         self._calls += 1
         self._buf = call.rest
-        if call.state == CallState.DONE:
-            self._mode = _Mode.AFTER
-        else:
-            log.warning("tool call %d broke off in its arguments; its rest is dropped", call.index)
-            self._mode = _Mode.SKIP
+        self._mode = _Mode.AFTER if state == CallState.DONE else _Mode.SKIP  # BROKEN: drop
         return True
 
     def _after(self) -> bool:

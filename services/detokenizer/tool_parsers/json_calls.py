@@ -10,14 +10,11 @@ its first piece ends there and the rest of the text is dropped."""
 
 from __future__ import annotations
 
-import logging
 from enum import Enum
 
 from services.detokenizer.tool_parsers.base import Parsed, ToolParser
 from services.detokenizer.tool_parsers.call_stream import CallState, CallStream
 from shared.messages import ToolCallDelta
-
-log = logging.getLogger("kvflow.detokenizer")
 
 PYTHON_TAG = "<|python_tag|>"
 
@@ -108,24 +105,19 @@ class JsonCallsParser(ToolParser):
     def _in_call(self, calls: list[ToolCallDelta]) -> bool:
         call = self._call
         assert call is not None
-        if self._buf:
-            calls += call.feed(self._buf)
-            self._buf = ""
+        state = call.take(self._buf, calls)
+        self._buf = ""
         self.tools_called = self.tools_called or call.started
         if call.started:
             self._raw = None
-        if call.state == CallState.OPEN:
+        if state == CallState.OPEN:
             return False
-        if call.state == CallState.BAD:
+        if state == CallState.BAD:
             self._buf, self._mode = self._given_back(call), _Mode.CONTENT
             return True
         self._calls += 1
         self._buf = call.rest
-        if call.state == CallState.DONE:
-            self._mode = _Mode.SEP
-        else:
-            log.warning("tool call %d broke off in its arguments; the rest is dropped", call.index)
-            self._mode = _Mode.DROP
+        self._mode = _Mode.SEP if state == CallState.DONE else _Mode.DROP  # BROKEN: drop
         return True
 
     def _given_back(self, call: CallStream) -> str:

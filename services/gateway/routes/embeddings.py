@@ -24,7 +24,7 @@ from fastapi.responses import Response
 from pydantic import BaseModel, ConfigDict
 
 from services.gateway.cancel import run_or_disconnect
-from services.gateway.convert import check_model, parse_request, tenant_salt
+from services.gateway.convert import check_model, parse_request, prompt_items, tenant_salt
 from services.gateway.errors import APIError
 from services.gateway.generation import CLIENT_CLOSED
 from services.gateway.metrics import RequestTimer
@@ -61,32 +61,9 @@ def _bad(param: str, message: str) -> APIError:
 
 
 def embedding_inputs(req: EmbeddingRequest) -> list[tuple[str | None, list[int] | None]]:
-    """``(text, token ids)`` per input, one of each pair set; 400 naming ``input`` for an empty
-    input (or an empty item) and for ids outside [0, 2^31) (the tokenizer checks the
-    vocabulary)."""
-    x = req.input
-    if isinstance(x, str):
-        items: list[Any] = [x]
-    elif x and isinstance(x[0], int):
-        items = [x]  # one input of token ids
-    else:
-        items = list(x)
-    if not items:
-        raise _bad("input", "must not be empty")
-    out: list[tuple[str | None, list[int] | None]] = []
-    for item in items:
-        if isinstance(item, str):
-            if not item:
-                raise _bad("input", "must not contain empty strings")
-            out.append((item, None))
-            continue
-        ids = list(item)
-        if not ids:
-            raise _bad("input", "must not contain empty token lists")
-        if any(not 0 <= t <= MAX_TOKEN_ID for t in ids):
-            raise _bad("input", "token ids must be in [0, 2^31)")
-        out.append((None, ids))
-    return out
+    """``(text, token ids)`` per input, as completions read ``prompt`` (400s naming
+    ``input``)."""
+    return prompt_items(req.input, "input")
 
 
 def embedding_requests(
