@@ -13,6 +13,7 @@ from services.scheduler.block_manager import BlockManager
 from services.scheduler.policy import SchedulingPolicy, make_policy
 from services.scheduler.router import Router
 from services.scheduler.sequence import RequeueReason, SeqStatus, Sequence
+from services.scheduler.speculation import Speculator
 from services.scheduler.waiting import WaitingQueue
 from services.scheduler.worker_state import (
     SchedulerLimits,
@@ -32,6 +33,7 @@ from shared.messages import (
     WorkerHeartbeat,
     WorkerStats,
 )
+from shared.speculative import SpeculativeConfig
 
 
 class QueueFullError(RuntimeError):
@@ -53,8 +55,11 @@ class SchedulerCore:
         max_waiting: int = 1024,
         model: str = "",
         kv_connector: KvConnectorScheduler | None = None,
+        speculative: SpeculativeConfig | None = None,
     ) -> None:
         self.limits = limits
+        # speculative decoding: one proposer for every worker (its counters are the metrics')
+        self.speculator = Speculator(speculative) if speculative is not None else None
         self.policy = policy or make_policy("priority")
         self.max_waiting = max_waiting
         self.model = model
@@ -89,6 +94,7 @@ class SchedulerCore:
             role=role,
             host_tier=host_tier,
             redis_tier=redis_tier,
+            speculator=self.speculator,
         )
         self.workers[worker_id] = ws
         self.router.add_worker(worker_id, kv_address, kv_layout)

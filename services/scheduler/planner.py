@@ -5,7 +5,9 @@ known tokens under a token budget, so prefill, chunked prefill, prefix hits and 
 path. Running sequences go first (decodes keep flowing while long prompts are chunked in), then
 waiting ones join, in the policy's queue order, while budget, sequence slots and blocks allow.
 When blocks run out, the policy's victim is preempted by recompute (WorkerState.requeue); a
-step that had to preempt admits nothing new.
+step that had to preempt admits nothing new. With speculative decoding a decoding sequence also
+computes draft tokens (speculation.py): they take budget and blocks like known tokens, but are
+dropped before anything is preempted for them.
 """
 
 from __future__ import annotations
@@ -36,10 +38,12 @@ class Admission:
 
 @dataclass
 class _Chosen:
-    """Tokens a sequence computes in the plan being built, and the blocks registered for it."""
+    """Tokens a sequence computes in the plan being built (known ones, then ``drafts``), and
+    the blocks registered for it."""
 
     num_new: int
     registered: list[int] = field(default_factory=list)
+    drafts: list[int] = field(default_factory=list)
 
 
 def plan_step(ws: WorkerState) -> StepPlan | None:
@@ -52,7 +56,7 @@ def plan_step(ws: WorkerState) -> StepPlan | None:
         _admit_waiting(ws, chosen, budget)
     if not chosen and not ws.to_forget:
         return None
-    return _build_plan(ws, [(s, c.num_new) for s, c in chosen.items()])
+    return _build_plan(ws, chosen)
 
 
 def _schedule_running(
@@ -69,7 +73,11 @@ def _schedule_running(
         num_new = min(seq.num_tokens - seq.num_computed, budget)
         if num_new <= 0:
             continue
-        need = ws.bm.blocks_needed(seq.num_computed + num_new) - len(seq.blocks)
+        drafts = ws.propose(seq, budget - 1) if num_new == 1 else []
+        need = ws.bm.blocks_needed(seq.num_computed + num_new + len(drafts)) - len(seq.blocks)
+        if drafts and need > ws.bm.num_free_blocks:  # drafts never cost a preemption
+            drafts = []
+            need = ws.bm.blocks_needed(seq.num_computed + num_new) - len(seq.blocks)
         while need > ws.bm.num_free_blocks:
             victim = ws.policy.choose_victim(ws.running)
             if victim is None:
@@ -82,8 +90,8 @@ def _schedule_running(
         if seq.status is not SeqStatus.RUNNING or need > ws.bm.num_free_blocks:
             continue
         seq.blocks += ws.bm.allocate(max(need, 0))
-        chosen[seq] = _Chosen(num_new, ws.register(seq, num_new))
-        budget -= num_new
+        chosen[seq] = _Chosen(num_new, ws.register(seq, num_new), drafts)
+        budget -= num_new + len(drafts)
     return budget, preempted
 
 
@@ -95,7 +103,7 @@ def _unschedule(ws: WorkerState, chosen: dict[Sequence, _Chosen], seq: Sequence)
     if c is None:
         return 0
     ws.unregister(c.registered)
-    return c.num_new
+    return c.num_new + len(c.drafts)
 
 
 def _admit_waiting(ws: WorkerState, chosen: dict[Sequence, _Chosen], budget: int) -> None:
@@ -135,13 +143,13 @@ def _fit(ws: WorkerState, seq: Sequence, budget: int) -> Admission | None:
     return Admission(cached, tier, need, num_new, count_prefix=use_cache)
 
 
-def _build_plan(ws: WorkerState, chosen: list[tuple[Sequence, int]]) -> StepPlan:
+def _build_plan(ws: WorkerState, chosen: dict[Sequence, _Chosen]) -> StepPlan:
     """The StepPlan message for ``chosen``; from here on that plan is in flight."""
     ws.step_id += 1
     # Evicted blocks go to the host tier only when this plan's step is what overwrites them:
     # the worker copies them first. Blocks taken for a tier load or a reservation are written
     # by other paths, which might get there before the copy: not offloaded.
-    written = {b for s, _ in chosen for b in s.blocks}
+    written = {b for s in chosen for b in s.blocks}
     offload = [
         BlockRef(b, h) for b, h in ws.bm.take_evicted() if ws.offload_enabled and b in written
     ]
@@ -152,26 +160,31 @@ def _build_plan(ws: WorkerState, chosen: list[tuple[Sequence, int]]) -> StepPlan
     )
     plan = StepPlan(
         step_id=ws.step_id,
-        seqs=[
-            ScheduledSeq(
-                request_id=s.request_id,
-                token_ids=s.token_ids[s.num_computed : s.num_computed + n],
-                start_pos=s.num_computed,
-                block_table=list(s.blocks),
-                sample=s.num_computed + n == s.num_tokens,
-            )
-            for s, n in chosen
-        ],
-        new_requests=[_announce(s) for s, _ in chosen if not s.announced],
+        seqs=[_scheduled(s, c) for s, c in chosen.items()],
+        new_requests=[_announce(s) for s in chosen if not s.announced],
         finished_request_ids=ws.to_forget,
         offload=offload,
         store=store,
     )
-    for s, _ in chosen:
+    for s in chosen:
         s.announced = True
     ws.to_forget = []
-    ws.in_flight = {s.request_id: n for s, n in chosen}
+    ws.in_flight = {s.request_id: c.num_new for s, c in chosen.items()}
+    ws.in_flight_drafts = {s.request_id: c.drafts for s, c in chosen.items() if c.drafts}
     return plan
+
+
+def _scheduled(s: Sequence, c: _Chosen) -> ScheduledSeq:
+    """A sequence's share of the plan: its next known tokens, then its drafts."""
+    end = s.num_computed + c.num_new
+    return ScheduledSeq(
+        request_id=s.request_id,
+        token_ids=s.token_ids[s.num_computed : end] + c.drafts,
+        start_pos=s.num_computed,
+        block_table=list(s.blocks),
+        sample=end == s.num_tokens,
+        num_draft=len(c.drafts),
+    )
 
 
 def _announce(seq: Sequence) -> NewRequest:

@@ -8,9 +8,13 @@ from __future__ import annotations
 import enum
 import itertools
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from services.scheduler.block_manager import BlockHash
 from shared.messages import PoolingParams, SamplingParams
+
+if TYPE_CHECKING:
+    from services.scheduler.speculation import SpecState
 
 _order = itertools.count()
 
@@ -91,6 +95,7 @@ class Sequence:
     announced: bool = False  # the current worker has had this sequence's NewRequest
     aborted: bool = False  # aborted while its K/V was in flight: freed when the transfer ends
     num_preemptions: int = 0
+    spec: SpecState | None = None  # its draft proposer (speculative decoding), once it decodes
     order: int = field(default_factory=lambda: next(_order))  # arrival order, kept on preemption
 
     @property

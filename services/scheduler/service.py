@@ -53,6 +53,7 @@ from shared.messages import (
     WorkerHeartbeat,
     WorkerRelease,
 )
+from shared.speculative import parse_speculative_config
 
 log = logging.getLogger("kvflow.scheduler")
 
@@ -139,7 +140,8 @@ class SchedulerService:
     def _new_core(self) -> SchedulerCore:
         kv = create_scheduler_connector(self.settings.cache.kv_connector)  # its scheduler half
         max_waiting = self.settings.scheduler.max_waiting
-        return SchedulerCore(self.limits, self.policy, max_waiting, self.model_name, kv)
+        spec = parse_speculative_config(self.settings.scheduler.speculative_config)
+        return SchedulerCore(self.limits, self.policy, max_waiting, self.model_name, kv, spec)
 
     def _may_plan(self) -> bool:
         return self.leading and (self.lease is None or self.lease.valid())

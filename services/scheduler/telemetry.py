@@ -159,6 +159,10 @@ class SchedulerTelemetry:
                     self.prefill_time.labels(self.model).observe(now - live.first_scheduled)
                     live.span.add_event("first_token")
         for seq, reason in finished:
+            live = self.live.get(seq.request_id)
+            if live is not None and seq.spec is not None:  # speculative decoding's share
+                live.span.set_attribute("kvflow.spec_draft_tokens", seq.spec.drafted)
+                live.span.set_attribute("kvflow.spec_accepted_tokens", seq.spec.accepted)
             self._finish(seq.request_id, FinishReason(reason), now)
 
     def on_abort(self, request_id: str, reason: FinishReason) -> None:
@@ -253,6 +257,8 @@ class _EngineCollector(Collector):
         yield leader
         yield from self._workers(workers)
         yield from self._kv_moves(core)
+        if core.speculator is not None:
+            yield from _spec_decode(core.speculator.stats, model)
 
     def _workers(self, workers: list[Any]) -> Iterator[Metric]:
         labels = ["worker", "role"]
@@ -310,3 +316,27 @@ class _EngineCollector(Collector):
             "Evicted KV blocks copied to host tiers",
             value=tiers.offloaded,
         )
+
+
+def _spec_decode(stats: Any, model: str) -> Iterator[Metric]:
+    """vLLM's speculative decoding counters (a ``SpecStats``)."""
+    for name, doc, value in (
+        ("vllm:spec_decode_num_drafts", "Verification steps with drafts", stats.num_drafts),
+        ("vllm:spec_decode_num_draft_tokens", "Draft tokens verified", stats.num_draft_tokens),
+        (
+            "vllm:spec_decode_num_accepted_tokens",
+            "Draft tokens accepted",
+            stats.num_accepted_tokens,
+        ),
+    ):
+        c = CounterMetricFamily(name, doc, labels=["model_name"])
+        c.add_metric([model], float(value))
+        yield c
+    per_pos = CounterMetricFamily(
+        "vllm:spec_decode_num_accepted_tokens_per_pos",
+        "Draft tokens accepted, by position in the draft (0 = first)",
+        labels=["model_name", "position"],
+    )
+    for pos, n in enumerate(list(stats.accepted_per_pos)):
+        per_pos.add_metric([model, str(pos)], float(n))
+    yield per_pos

@@ -20,6 +20,7 @@ from services.scheduler.block_manager import BlockHash, BlockManager
 from services.scheduler.planner import Admission, plan_step
 from services.scheduler.policy import SchedulingPolicy
 from services.scheduler.sequence import RequeueReason, Reservation, SeqStatus, Sequence, TierLoad
+from services.scheduler.speculation import Speculator
 from services.scheduler.waiting import WaitingQueue
 from shared.messages import FinishReason, StepPlan, StepResult
 
@@ -75,6 +76,7 @@ class WorkerState:
         role: str = "both",
         host_tier: bool = False,
         redis_tier: bool = False,
+        speculator: Speculator | None = None,
     ) -> None:
         if role not in ROLES:
             raise ValueError(f"unknown worker role {role!r} (one of {', '.join(ROLES)})")
@@ -91,7 +93,9 @@ class WorkerState:
         self.loads: list[TierLoad] = []  # tier loads ordered by the last schedule()
         self.running: list[Sequence] = []  # admission order: the last is the newest
         self.to_forget: list[str] = []  # request ids the worker should drop at the next step
-        self.in_flight: dict[str, int] | None = None  # request_id -> tokens scheduled
+        self.in_flight: dict[str, int] | None = None  # request_id -> known tokens scheduled
+        self.in_flight_drafts: dict[str, list[int]] = {}  # request_id -> its draft tokens
+        self.speculator = speculator  # speculative decoding (None: off)
         self.in_flight_cached: list[int] = []  # blocks whose hashes the plan in flight registered
         self.num_reserved = 0  # sequences prefilled elsewhere that will decode here
         self.step_id = 0
@@ -109,6 +113,18 @@ class WorkerState:
 
     def has_room_for_one_more(self) -> bool:
         return len(self.running) + self.num_reserved < self.limits.max_num_seqs
+
+    def propose(self, seq: Sequence, budget: int) -> list[int]:
+        """Draft tokens for a decoding ``seq`` (speculative decoding), within ``budget``, its
+        max_tokens and the model length; [] when off or nothing to propose."""
+        if self.speculator is None:
+            return []
+        limit = min(
+            budget,
+            seq.params.max_tokens - seq.num_output_tokens - 1,
+            self.limits.max_model_len - seq.num_tokens - 1,
+        )
+        return self.speculator.propose(seq, limit, len(self.running))
 
     def schedule(self) -> StepPlan | None:
         """This worker's next plan (planner.py), or None when there is nothing to run."""
@@ -220,6 +236,7 @@ class WorkerState:
     def on_result(self, result: StepResult) -> StepOutcome:
         """Apply a worker's StepResult to the plan in flight."""
         scheduled = self.in_flight or {}
+        drafts, self.in_flight_drafts = self.in_flight_drafts, {}
         self.in_flight = None
         by_id = {s.request_id: s for s in self.running}
         for rid, n in scheduled.items():
@@ -228,18 +245,23 @@ class WorkerState:
                 continue
             seq.num_computed += n
         outcome = StepOutcome()
+        emitted: dict[str, list[int]] = {rid: [] for rid in drafts}
         for rid, tok, reason in zip(
             result.request_ids, result.token_ids, result.finish_reasons, strict=True
         ):
             seq = by_id.get(rid)
-            if seq is None or rid not in scheduled:
+            if seq is None or rid not in scheduled or seq.status is SeqStatus.FINISHED:
                 continue
             seq.token_ids.append(tok)
+            if rid in emitted:
+                emitted[rid].append(tok)
             if reason != FinishReason.NONE:
                 self.finish(seq)
                 outcome.finished.append((seq, FinishReason(reason)))
             elif seq.reservation is not None:
                 outcome.prefilled.append(seq)
+        for rid, toks in emitted.items():
+            self._verified(by_id.get(rid), drafts[rid], toks)
         for pooled in result.embeddings:  # an embedding request ends with its vector
             seq = by_id.get(pooled.request_id)
             if seq is not None and pooled.request_id in scheduled:
@@ -247,11 +269,27 @@ class WorkerState:
                 outcome.finished.append((seq, FinishReason.STOP))
         return outcome
 
+    def _verified(self, seq: Sequence | None, drafts: list[int], emitted: list[int]) -> None:
+        """A sequence's drafts were verified: the K/V of every token it got but the last is
+        now computed (its accepted drafts' included), and blocks taken only for rejected
+        drafts go back to the free list."""
+        if seq is None or self.speculator is None or not emitted:
+            return
+        self.speculator.verified(seq, drafts, emitted)
+        if seq.status is not SeqStatus.RUNNING:  # finished on one of them
+            return
+        seq.num_computed = seq.num_tokens - 1
+        keep = self.bm.blocks_needed(seq.num_tokens)
+        if len(seq.blocks) > keep:
+            self.bm.free_blocks(seq.blocks[keep:])
+            del seq.blocks[keep:]
+
     def on_failed_step(self, removing: bool = False) -> list[Sequence]:
         """The step failed (worker error or lost): every sequence of it is re-queued from its
         tokens so far (recompute), nothing is lost. When the worker is being removed, the ones
         waiting for their K/V go too. Returns the re-queued sequences."""
         self.in_flight = None
+        self.in_flight_drafts = {}
         self.bm.uncache(self.in_flight_cached)
         self.in_flight_cached = []
         reason = RequeueReason.WORKER_LEFT if removing else RequeueReason.STEP_FAILED

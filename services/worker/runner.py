@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from services.worker import sampler, structured
+from services.worker import sampler, speculation, structured
 from services.worker.cuda_graphs import DecodeGraphs
 from services.worker.model_setup import (
     CpuPathSpec,
@@ -63,6 +63,36 @@ from shared.sampling import (
 )
 
 log = logging.getLogger("kvflow.worker")
+
+# a step's entries: request ids, tokens, finish reasons, tokens computed, logprobs, prompt
+# logprobs, and each entry's output-token count
+_StepOut = tuple[
+    list[str],
+    list[int],
+    list[int],
+    int,
+    list["SampleLogprobs | None"],
+    list[PromptLogprobs],
+    list[int],
+]
+
+
+@dataclass
+class _Emitted:
+    """The StepResult's columns, built entry by entry."""
+
+    ids: list[str] = field(default_factory=list)
+    tokens: list[int] = field(default_factory=list)
+    reasons: list[int] = field(default_factory=list)
+    counts: list[int] = field(default_factory=list)
+    logprobs: list[SampleLogprobs | None] = field(default_factory=list)
+
+    def add(self, rid: str, tok: int, reason: int, count: int, lp: SampleLogprobs | None) -> None:
+        self.ids.append(rid)
+        self.tokens.append(tok)
+        self.reasons.append(reason)
+        self.counts.append(count)
+        self.logprobs.append(lp)
 
 
 @dataclass
@@ -191,13 +221,12 @@ class ModelRunner:
         self._pooled = []
         try:
             with torch.inference_mode():
-                ids, tokens, reasons, n, lps, plps = self._execute(plan)
+                ids, tokens, reasons, n, lps, plps, counts = self._execute(plan)
             err = None
         except Exception as e:  # noqa: BLE001 - the worker loop must survive a bad step
             log.exception("step %d failed", plan.step_id)
-            ids, tokens, reasons, n, lps, plps = [], [], [], 0, [], []
+            ids, tokens, reasons, n, lps, plps, counts = [], [], [], 0, [], [], []
             self._pooled, err = [], f"{type(e).__name__}: {e}"
-        counts = [self.requests[r].num_output_tokens if r in self.requests else 0 for r in ids]
         return StepResult(
             worker_id=self.worker_id,
             step_id=plan.step_id,
@@ -247,19 +276,15 @@ class ModelRunner:
             )
             st.guide_failed = st.guide is None
 
-    def _execute(
-        self, plan: StepPlan
-    ) -> tuple[
-        list[str], list[int], list[int], int, list[SampleLogprobs | None], list[PromptLogprobs]
-    ]:
+    def _execute(self, plan: StepPlan) -> _StepOut:
         for rid in plan.finished_request_ids:
             self.requests.pop(rid, None)
         for r in plan.new_requests:
             self._add_request(r)
         if not plan.seqs:
-            return [], [], [], 0, [], []
+            return [], [], [], 0, [], [], []
         step = lay_out(
-            plan.seqs,
+            speculation.expand(plan.seqs),
             self.requests,
             self._block_size,
             self._num_blocks,
@@ -289,22 +314,33 @@ class ModelRunner:
         want_lp = [self.requests[s.request_id].params.logprobs is not None for s in sampled]
         raw = logits[torch.tensor(want_lp)].clone() if any(want_lp) else None
         tokens = self._sample(logits, sampled).tolist() if sampled else []
-        by_id = dict(zip([s.request_id for s in sampled], tokens, strict=True))
-        lp_by_id: dict[str, SampleLogprobs] = {}
+        row_lps: list[SampleLogprobs | None] = [None] * len(sampled)
         if raw is not None:
-            asking = [(s, t) for s, t, w in zip(sampled, tokens, want_lp, strict=True) if w]
-            for (s, _tok), lp in zip(asking, _logprobs(raw, asking, self.requests), strict=True):
-                lp_by_id[s.request_id] = lp
-        out_ids, out_tokens, reasons = [], [], []
-        out_lps: list[SampleLogprobs | None] = []
+            asking = [i for i, w in enumerate(want_lp) if w]
+            pairs = [(sampled[i], tokens[i]) for i in asking]
+            for i, lp in zip(asking, _logprobs(raw, pairs, self.requests), strict=True):
+                row_lps[i] = lp
+        # each request's sampled rows in position order (several when it verifies drafts)
+        rows: dict[str, list[tuple[int, SampleLogprobs | None]]] = {}
+        for s, tok, lp in zip(sampled, tokens, row_lps, strict=True):
+            rows.setdefault(s.request_id, []).append((tok, lp))
+        out = _Emitted()
         for s in plan.seqs:  # results in the plan's order
-            if s.request_id in by_id:
-                tok = by_id[s.request_id]
-                out_ids.append(s.request_id)
-                out_tokens.append(tok)
-                reasons.append(int(self._finish(self.requests[s.request_id], tok)))
-                out_lps.append(lp_by_id.get(s.request_id))
-        return out_ids, out_tokens, reasons, n_tokens, out_lps if lp_by_id else [], prompt_lps
+            got = rows.get(s.request_id)
+            if got is None or not s.sample:
+                continue
+            if s.num_draft:
+                picked = speculation.accept(s.token_ids[-s.num_draft :], [t for t, _ in got])
+            else:
+                picked = [got[0][0]]
+            st = self.requests[s.request_id]
+            for tok, (_, lp) in zip(picked, got, strict=False):
+                reason = self._finish(st, tok)
+                out.add(s.request_id, tok, int(reason), st.num_output_tokens, lp)
+                if reason != FinishReason.NONE:
+                    break
+        lps = out.logprobs if raw is not None else []
+        return out.ids, out.tokens, out.reasons, n_tokens, lps, prompt_lps, out.counts
 
     def _forward_device(self, step: StepRows) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The step through the device path: logits [len(rows), vocab] (on the device) of the

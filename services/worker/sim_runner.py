@@ -42,6 +42,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from services.worker import speculation
 from services.worker.pooling import pooled_output
 from services.worker.runner import finish_rule
 from shared.messages import (
@@ -196,39 +197,55 @@ class SimRunner:
             self.requests.pop(rid, None)
         for r in plan.new_requests:
             self._add_request(r)
-        sampled, written = self._write_chunks(plan.seqs)
+        sampled, written = self._write_chunks(speculation.expand(plan.seqs))
+        rows: dict[str, list[int]] = {}  # each request's sampled rows' tokens, in order
         for s in sampled:
+            rows.setdefault(s.request_id, []).append(
+                self._next_token(s, self.requests[s.request_id].salt)
+            )
+        for s in plan.seqs:
+            got = rows.get(s.request_id)
+            if got is None:
+                continue
             st = self.requests[s.request_id]
-            tok = self._next_token(s, st.salt)
             if st.embedding:  # a vector from the same context hash: no token
-                rng = np.random.default_rng(tok)
+                rng = np.random.default_rng(got[0])
                 v = torch.from_numpy(rng.standard_normal(SIM_EMBEDDING_DIM))
                 self._pooled.append(pooled_output(s.request_id, v / v.norm()))
                 continue
-            st.num_output_tokens += 1
-            if st.params.structured_output is not None:  # no logits to mask
-                reason = FinishReason.ERROR
-            else:
-                reason = finish_rule(
-                    st.params,
-                    tok,
-                    st.num_output_tokens,
-                    st.prompt_len,
-                    st.stop_token_ids,
-                    st.eos_token_ids,
-                    self.max_model_len,
-                )
-            ids.append(s.request_id)
-            tokens.append(tok)
-            reasons.append(int(reason))
-            counts.append(st.num_output_tokens)
-            if st.params.logprobs is not None:
-                k_top = min(int(st.params.logprobs), 1)
-                lps.append(SampleLogprobs(0.0, [tok] * k_top, [0.0] * k_top))
-            else:
-                lps.append(None)
+            picked = (
+                speculation.accept(s.token_ids[-s.num_draft :], got) if s.num_draft else got[:1]
+            )
+            for tok in picked:
+                reason = self._finish(st, tok)
+                ids.append(s.request_id)
+                tokens.append(tok)
+                reasons.append(int(reason))
+                counts.append(st.num_output_tokens)
+                if st.params.logprobs is not None:
+                    k_top = min(int(st.params.logprobs), 1)
+                    lps.append(SampleLogprobs(0.0, [tok] * k_top, [0.0] * k_top))
+                else:
+                    lps.append(None)
+                if reason != FinishReason.NONE:
+                    break
         self.total_computed_tokens += written
         return written
+
+    def _finish(self, st: SimRequest, tok: int) -> FinishReason:
+        """Count the token and say whether the request ends with it (as the model runner)."""
+        st.num_output_tokens += 1
+        if st.params.structured_output is not None:  # no logits to mask
+            return FinishReason.ERROR
+        return finish_rule(
+            st.params,
+            tok,
+            st.num_output_tokens,
+            st.prompt_len,
+            st.stop_token_ids,
+            st.eos_token_ids,
+            self.max_model_len,
+        )
 
     def _write_chunks(self, seqs: list[ScheduledSeq]) -> tuple[list[ScheduledSeq], int]:
         """Check each chunk's block table and write its tokens (K) and positions (V) into the

@@ -41,6 +41,10 @@ class ScheduledSeq(msgspec.Struct, array_like=True, omit_defaults=True, gc=False
     start_pos: int
     block_table: list[int]
     sample: bool = True
+    # speculative decoding: the last ``num_draft`` of ``token_ids`` are proposed tokens, not
+    # known ones; the worker samples after every token of the chunk and returns the drafts its
+    # model agrees with plus its own next token (several StepResult entries for the request)
+    num_draft: int = 0
 
 
 class SampleLogprobs(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
@@ -74,7 +78,9 @@ class BlockRef(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
 
 class StepResult(_Msg, tag=5):
     """One message per worker step for the whole batch, columnar: entry i of each list belongs to
-    ``request_ids[i]`` (only sequences that sampled a token appear)."""
+    ``request_ids[i]`` (only sequences that sampled a token appear). A request that verified
+    draft tokens (speculative decoding) has one entry per token it got, consecutive and in
+    order; only its last entry may carry a finish reason."""
 
     worker_id: str
     step_id: int

@@ -53,6 +53,12 @@ OLD_FLAT = {
     "step_timeout": ("scheduler.step_timeout", "12", 12.0, 30.0),
     "scheduler_ha": ("scheduler.scheduler_ha", "1", True, False),
     "scheduler_id": ("scheduler.scheduler_id", "s1", "s1", ""),
+    "speculative_config": (
+        "scheduler.speculative_config",
+        '{"method": "ngram", "num_speculative_tokens": 2}',
+        '{"method": "ngram", "num_speculative_tokens": 2}',
+        "",
+    ),
     "drain_timeout": ("ops.drain_timeout", "7", 7.0, 30.0),
     "request_timeout": ("gateway.request_timeout", "60", 60.0, 600.0),
     "log_level": ("ops.log_level", "debug", "debug", "info"),

@@ -1,0 +1,137 @@
+"""Speculative decoding, the scheduler's half: n-gram (prompt lookup) draft tokens proposed
+where every sequence's tokens already are, how many to propose, and the acceptance counters.
+
+A decoding sequence's next step computes its last token plus up to ``num_speculative_tokens``
+drafts: the tokens that followed the latest earlier occurrence of its last n tokens (n from
+``prompt_lookup_max`` down to ``prompt_lookup_min``, longest match first). The worker verifies
+them in the same forward pass (services/worker/speculation.py) and returns every accepted
+token plus the one its model chose after them, so a step yields 1 to k + 1 tokens.
+
+Drafts cost compute (one row each) whether accepted or not, so each sequence adapts: after a
+step that accepted nothing it stops proposing for 1, 2, 4, ... steps (up to 64), and after a
+partial acceptance it proposes one more than were accepted. Free-form text, where lookups
+rarely match or match wrongly, thus pays for a handful of rows; quoting or editing a given
+text runs at full depth.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from services.scheduler.sequence import Sequence
+from shared.speculative import SpeculativeConfig, can_speculate
+
+MAX_COOLDOWN = 64  # steps without proposals after repeated misses, at most
+
+
+class NgramIndex:
+    """For each n in ``lo..hi``, the latest position that followed each n-gram of a
+    sequence's tokens; brought up to date on each lookup (tokens are only ever appended)."""
+
+    def __init__(self, lo: int, hi: int) -> None:
+        self.lo, self.hi = lo, hi
+        self.maps: dict[int, dict[tuple[int, ...], int]] = {n: {} for n in range(lo, hi + 1)}
+        self.indexed = 0  # n-grams ending before this position (exclusive) are in the maps
+
+    def propose(self, tokens: list[int], k: int) -> list[int]:
+        """``k`` tokens that followed the latest earlier occurrence of the longest suffix of
+        ``tokens`` (of ``lo..hi`` tokens) seen before; [] when none."""
+        end = len(tokens)
+        # an n-gram ending at e (exclusive) is followed by tokens[e]: index e < end only (the
+        # suffix itself has no continuation yet)
+        for e in range(self.indexed, end):
+            for n, m in self.maps.items():
+                if e >= n:
+                    m[tuple(tokens[e - n : e])] = e
+        self.indexed = max(self.indexed, end)
+        for n in range(self.hi, self.lo - 1, -1):
+            if end < n:
+                continue
+            at = self.maps[n].get(tuple(tokens[end - n :]))
+            if at is not None:
+                # a continuation that runs into the suffix repeats it (an LZ77-style copy)
+                out: list[int] = []
+                for j in range(at, at + k):
+                    out.append(tokens[j] if j < end else out[j - end])
+                return out
+        return []
+
+
+@dataclass
+class SpecState:
+    """One sequence's proposer: its n-gram index, the drafts to propose next and the
+    back-off after misses."""
+
+    index: NgramIndex
+    depth: int  # drafts to propose at most next time
+    cooldown: int = 0  # steps left without proposals
+    misses: int = 0  # verifications in a row that accepted nothing
+    drafted: int = 0  # draft tokens verified, over the request's life (for its trace)
+    accepted: int = 0  # of which accepted
+
+
+@dataclass
+class SpecStats:
+    """vLLM's spec-decode counters: drafts (verification steps with at least one draft), draft
+    tokens, accepted tokens, and accepted tokens by draft position."""
+
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_pos: list[int] = field(default_factory=list)
+
+
+class Speculator:
+    """Proposes drafts for sequences and learns from what their verification accepted."""
+
+    def __init__(self, config: SpeculativeConfig) -> None:
+        self.config = config
+        self.stats = SpecStats(accepted_per_pos=[0] * config.num_speculative_tokens)
+
+    def propose(self, seq: Sequence, limit: int, batch_size: int) -> list[int]:
+        """Drafts for ``seq`` (whose next step computes only its last token), at most
+        ``limit``; [] when it should decode one token."""
+        cfg = self.config
+        if limit <= 0 or seq.pooling is not None or seq.reservation is not None:
+            return []
+        if cfg.disable_by_batch_size and batch_size >= cfg.disable_by_batch_size:
+            return []
+        if not can_speculate(seq.params, seq.num_output_tokens):
+            return []
+        st = seq.spec
+        if st is None:
+            index = NgramIndex(cfg.prompt_lookup_min, cfg.prompt_lookup_max)
+            st = seq.spec = SpecState(index, cfg.num_speculative_tokens)
+        if st.cooldown > 0:
+            st.cooldown -= 1
+            return []
+        return st.index.propose(seq.token_ids, min(limit, st.depth))
+
+    def verified(self, seq: Sequence, drafts: list[int], emitted: list[int]) -> int:
+        """Record a verification: ``emitted`` are the tokens the step returned for ``seq``
+        (accepted drafts, then the model's own token unless the sequence ended on a draft).
+        Returns how many drafts were accepted."""
+        accepted = 0
+        for d, t in zip(drafts, emitted, strict=False):
+            if d != t:
+                break
+            accepted += 1
+        s = self.stats
+        s.num_drafts += 1
+        s.num_draft_tokens += len(drafts)
+        s.num_accepted_tokens += accepted
+        for i in range(accepted):
+            s.accepted_per_pos[i] += 1
+        st = seq.spec
+        if st is not None:
+            st.drafted += len(drafts)
+            st.accepted += accepted
+            k = self.config.num_speculative_tokens
+            if accepted == 0:
+                st.misses += 1
+                st.cooldown = min(2 ** (st.misses - 1), MAX_COOLDOWN)
+                st.depth = 1
+            else:
+                st.misses = 0
+                st.depth = k if accepted == len(drafts) else min(k, accepted + 1)
+        return accepted

@@ -1,0 +1,125 @@
+"""Speculative decoding settings (vLLM's ``--speculative-config`` JSON) and which requests may
+speculate. Shared by the launcher and ``LLM`` (which check the setting before starting
+anything), the scheduler (which proposes draft tokens) and the worker (which verifies them).
+
+Only the ``ngram`` method (prompt lookup: the continuation of the latest earlier occurrence of
+the sequence's last n tokens) is served; a ``draft_model`` config is refused with a message
+saying so."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from shared.messages.params import SamplingParams
+
+METHODS = ("ngram",)
+_KNOWN_KEYS = {
+    "method",
+    "model",
+    "num_speculative_tokens",
+    "prompt_lookup_max",
+    "prompt_lookup_min",
+    "disable_by_batch_size",
+}
+MAX_SPECULATIVE_TOKENS = 16
+
+
+class SpeculativeConfigError(ValueError):
+    """A ``--speculative-config`` that cannot be served; the message names the key."""
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """``num_speculative_tokens`` drafts at most per step; n-grams of ``prompt_lookup_min`` to
+    ``prompt_lookup_max`` tokens are looked up (longest first); with ``disable_by_batch_size``
+    a worker whose running batch reaches that size stops speculating (0: never)."""
+
+    method: str = "ngram"
+    num_speculative_tokens: int = 4
+    prompt_lookup_min: int = 2
+    prompt_lookup_max: int = 4
+    disable_by_batch_size: int = 0
+
+    def to_json(self) -> str:
+        return json.dumps(
+            {
+                "method": self.method,
+                "num_speculative_tokens": self.num_speculative_tokens,
+                "prompt_lookup_min": self.prompt_lookup_min,
+                "prompt_lookup_max": self.prompt_lookup_max,
+                "disable_by_batch_size": self.disable_by_batch_size,
+            }
+        )
+
+
+def parse_speculative_config(raw: str | dict[str, Any] | None) -> SpeculativeConfig | None:
+    """The config a ``--speculative-config`` value (JSON text, or a dict from the Python API)
+    asks for; None for an empty value. Raises SpeculativeConfigError naming what is wrong."""
+    if raw is None or (isinstance(raw, str) and not raw.strip()):
+        return None
+    if isinstance(raw, str):
+        try:
+            raw = json.loads(raw)
+        except json.JSONDecodeError as e:
+            raise SpeculativeConfigError(f"--speculative-config is not valid JSON: {e}") from e
+    if not isinstance(raw, dict):
+        raise SpeculativeConfigError("--speculative-config must be a JSON object")
+    unknown = sorted(set(raw) - _KNOWN_KEYS)
+    if unknown:
+        raise SpeculativeConfigError(
+            f"--speculative-config: unknown key(s) {', '.join(unknown)} "
+            f"(known: {', '.join(sorted(_KNOWN_KEYS))})"
+        )
+    method = raw.get("method") or ("ngram" if raw.get("model") in ("ngram", "[ngram]") else None)
+    if method is None:
+        raise SpeculativeConfigError('--speculative-config needs "method" (e.g. "ngram")')
+    if method not in METHODS:
+        raise SpeculativeConfigError(
+            f"--speculative-config: method {method!r} is not served by kvflow yet "
+            f"(served: {', '.join(METHODS)}); draft models are planned"
+        )
+    k = _int(raw, "num_speculative_tokens", None)
+    if k is None:
+        raise SpeculativeConfigError('--speculative-config needs "num_speculative_tokens"')
+    if not 1 <= k <= MAX_SPECULATIVE_TOKENS:
+        raise SpeculativeConfigError(
+            f"--speculative-config: num_speculative_tokens must be 1..{MAX_SPECULATIVE_TOKENS}"
+        )
+    lo, hi = _int(raw, "prompt_lookup_min", None), _int(raw, "prompt_lookup_max", None)
+    if lo is None and hi is None:  # vLLM's defaults
+        lo = hi = 5
+    lo = hi if lo is None else lo
+    hi = lo if hi is None else hi
+    assert lo is not None and hi is not None
+    if not 1 <= lo <= hi:
+        raise SpeculativeConfigError(
+            "--speculative-config: need 1 <= prompt_lookup_min <= prompt_lookup_max"
+        )
+    off = _int(raw, "disable_by_batch_size", 0) or 0
+    if off < 0:
+        raise SpeculativeConfigError("--speculative-config: disable_by_batch_size must be >= 0")
+    return SpeculativeConfig(method, k, lo, hi, off)
+
+
+def _int(raw: dict[str, Any], key: str, default: int | None) -> int | None:
+    value = raw.get(key, default)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise SpeculativeConfigError(f"--speculative-config: {key} must be an integer")
+    return value
+
+
+def can_speculate(p: SamplingParams, num_output_tokens: int) -> bool:
+    """Whether a request's next tokens may be drafted and verified in one step. Requests whose
+    sampling depends on the tokens before each position (penalties, bad words: the history;
+    grammars: the matcher's state; min_tokens still holding back EOS) are decoded one token a
+    step: they work as without speculation, only not faster. Temperature, top-k/top-p/min-p,
+    seeds, logit bias, allowed tokens and logprobs all speculate."""
+    return (
+        p.structured_output is None
+        and not p.needs_token_history()
+        and num_output_tokens >= p.min_tokens
+    )

@@ -1,0 +1,207 @@
+"""Speculative decoding through the real scheduler core and model runner (no network): greedy
+output with n-gram drafts equals output without them (and Hugging Face's), alone, batched and
+under preemption; every block is free afterwards; the sampled distribution is the target's
+(chi-square); drafts never cause a preemption."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from transformers import LlamaForCausalLM
+
+from services.scheduler.core import SchedulerCore
+from services.scheduler.worker_state import SchedulerLimits
+from services.worker.runner import ModelRunner
+from services.worker.sim_runner import SimRunner
+from shared.messages import (
+    NewRequest,
+    SamplingParams,
+    ScheduledSeq,
+    StepPlan,
+    StepResult,
+    TokenizedRequest,
+)
+from shared.speculative import SpeculativeConfig
+from tests.unit.test_runner_tiny import hf_model, make_runner  # noqa: F401
+
+NGRAM = SpeculativeConfig("ngram", num_speculative_tokens=4, prompt_lookup_min=1,
+                          prompt_lookup_max=3)  # fmt: skip
+
+
+def run_core(
+    core: SchedulerCore,
+    runner: ModelRunner | SimRunner,
+    prompts: list[list[int]],
+    params: SamplingParams,
+    max_steps: int = 2000,
+) -> tuple[dict[str, list[int]], list[StepPlan]]:
+    """Every prompt through ``core`` and ``runner`` to its end: the tokens each got, and the
+    plans sent."""
+    ws = next(iter(core.workers.values()))
+    for i, p in enumerate(prompts):
+        core.add_request(TokenizedRequest(f"r{i}", "", p, params))
+    out: dict[str, list[int]] = {f"r{i}": [] for i in range(len(prompts))}
+    plans = []
+    for _ in range(max_steps):
+        plan, loads = core.schedule(ws)
+        assert not loads
+        if plan is None:
+            break
+        plans.append(plan)
+        res: StepResult = runner.execute(plan)
+        assert res.error is None, res.error
+        for rid, tok in zip(res.request_ids, res.token_ids, strict=True):
+            out[rid].append(tok)
+        core.on_result(res)
+    assert not core.requests, "requests left unfinished"
+    assert ws.bm.num_free_blocks == ws.bm.num_blocks
+    return out, plans
+
+
+def _steps_of(plans: list[StepPlan], rid: str) -> int:
+    return sum(any(s.request_id == rid for s in p.seqs) for p in plans)
+
+
+def hf_argmax(hf: LlamaForCausalLM, prompt: list[int], n: int) -> list[int]:
+    """HF's greedy tokens, EOS included (as ``ignore_eos`` generates them; HF's generate with
+    min_new_tokens would forbid EOS instead)."""
+    toks = list(prompt)
+    with torch.no_grad():
+        for _ in range(n):
+            toks.append(int(hf(torch.tensor([toks])).logits[0, -1].argmax()))
+    return toks[len(prompt) :]
+
+
+def _core(spec: SpeculativeConfig | None, blocks: int, block_size: int, **limits) -> SchedulerCore:
+    core = SchedulerCore(SchedulerLimits(**limits), speculative=spec)
+    core.add_worker("w", blocks, block_size)
+    return core
+
+
+# prompts that repeat themselves (lookups find continuations) and one that does not
+PROMPTS = [
+    [5, 17, 99, 3, 42, 8, 5, 17, 99, 3, 42, 8, 5, 17],
+    [120, 6, 6, 90, 12, 120, 6, 6, 90],
+    [7, 11, 7, 11, 7],
+    [11, 22, 33, 44, 55, 66, 77, 88, 99, 100, 101],
+]
+
+
+@pytest.mark.parametrize("batched", [False, True])
+def test_greedy_equals_hf_and_plain_decoding(hf_model: LlamaForCausalLM, batched: bool) -> None:  # noqa: F811
+    greedy = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    groups = [PROMPTS] if batched else [[p] for p in PROMPTS]
+    for group in groups:
+        runner = make_runner(hf_model, worker_id="w")
+        plain, plain_plans = run_core(_core(None, 64, 4), runner, group, greedy)
+        core = _core(NGRAM, 64, 4)
+        spec, plans = run_core(core, make_runner(hf_model, worker_id="w"), group, greedy)
+        assert spec == plain
+        for i, p in enumerate(group):
+            assert spec[f"r{i}"] == hf_argmax(hf_model, p, 24)
+        assert core.speculator is not None
+        stats = core.speculator.stats
+        assert stats.num_draft_tokens == sum(s.num_draft for plan in plans for s in plan.seqs)
+        if group is PROMPTS or group == [PROMPTS[2]]:  # [2] outputs runs (4, 4, 4, 4)
+            assert stats.num_accepted_tokens > 0  # the lookups paid off: fewer steps
+            assert _steps_of(plans, "r2" if batched else "r0") < _steps_of(
+                plain_plans, "r2" if batched else "r0"
+            )
+
+
+def test_preemption_and_chunked_prefill_keep_greedy_output(hf_model: LlamaForCausalLM) -> None:  # noqa: F811
+    """16 KV blocks of 4 tokens for 4 sequences of up to 54 tokens: preemptions happen, drafts
+    are dropped before anything is preempted for them, and blocks all come back."""
+    greedy = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    lim = {"max_num_batched_tokens": 8, "max_model_len": 128}
+    plain, _ = run_core(
+        _core(None, 16, 4, **lim), make_runner(hf_model, worker_id="w"), PROMPTS, greedy
+    )
+    core = _core(NGRAM, 16, 4, **lim)
+    spec, plans = run_core(core, make_runner(hf_model, worker_id="w"), PROMPTS, greedy)
+    assert spec == plain
+    assert core.workers["w"].num_preemptions > 0
+    assert any(s.num_draft for plan in plans for s in plan.seqs)
+    assert all(sum(len(s.token_ids) for s in plan.seqs) <= 8 for plan in plans)
+
+
+def test_max_tokens_and_model_length_bound_the_drafts(hf_model: LlamaForCausalLM) -> None:  # noqa: F811
+    for max_tokens in (1, 2, 5, 9):
+        params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+        out, plans = run_core(
+            _core(NGRAM, 64, 4), make_runner(hf_model, worker_id="w"), PROMPTS, params
+        )
+        assert all(len(v) == max_tokens for v in out.values())
+    params = SamplingParams(max_tokens=100, temperature=0.0, ignore_eos=True)
+    runner = make_runner(hf_model, worker_id="w", max_model_len=20)
+    out, plans = run_core(_core(NGRAM, 64, 4, max_model_len=20), runner, [PROMPTS[0]], params)
+    assert len(PROMPTS[0]) + len(out["r0"]) == 20  # the model length, exactly
+    assert max(s.start_pos + len(s.token_ids) for p in plans for s in p.seqs) <= 20
+
+
+def test_simulated_worker_speculates_the_same_way() -> None:
+    vocab, eos = list(range(100, 1100)), [2]
+    greedy = SamplingParams(max_tokens=30, temperature=0.0)
+    prompts = [[(i * 7 + j) % 13 + 100 for j in range(9 + i)] for i in range(6)]
+
+    def sim() -> SimRunner:
+        return SimRunner(vocab, eos, 4, 48, 512, worker_id="w")
+
+    lim = {"max_num_batched_tokens": 16}
+    plain, _ = run_core(_core(None, 48, 4, **lim), sim(), prompts, greedy)
+    spec, plans = run_core(_core(NGRAM, 48, 4, **lim), sim(), prompts, greedy)
+    assert spec == plain
+    assert any(s.num_draft for plan in plans for s in plan.seqs)
+
+
+def test_sampled_tokens_keep_the_target_distribution(hf_model: LlamaForCausalLM) -> None:  # noqa: F811
+    """One verification step with draft d, repeated: the first token follows p(. | prompt)
+    and, when it equals d, the second follows p(. | prompt, d); chi-square at 0.1 %."""
+    torch.manual_seed(1234)
+    temp = 1.5
+    prompt = [5, 17, 99, 3, 42, 8]
+    with torch.no_grad():
+        p0 = torch.softmax(hf_model(torch.tensor([prompt])).logits[0, -1].double() / temp, -1)
+        d = int(p0.argmax())
+        p1 = torch.softmax(hf_model(torch.tensor([[*prompt, d]])).logits[0, -1].double() / temp, -1)
+    runner = make_runner(hf_model, worker_id="w")
+    params = SamplingParams(max_tokens=10_000, temperature=temp)
+    n_req, table = 500, [0, 1, 2]  # every request writes the same K/V into the same slots
+    rids = [f"s{i}" for i in range(n_req)]
+    new = [NewRequest(r, params, len(prompt)) for r in rids]
+    head = ScheduledSeq("s0", prompt[:-1], 0, table, sample=False)
+    assert runner.execute(StepPlan(0, [head], new)).error is None
+    firsts, seconds = [], []
+    for step in range(1, 9):
+        seqs = [ScheduledSeq(r, [prompt[-1], d], len(prompt) - 1, table, num_draft=1) for r in rids]
+        res = runner.execute(StepPlan(step, seqs))
+        assert res.error is None, res.error
+        got: dict[str, list[int]] = {}
+        for rid, tok in zip(res.request_ids, res.token_ids, strict=True):
+            got.setdefault(rid, []).append(tok)
+        for toks in got.values():
+            firsts.append(toks[0])
+            assert (len(toks) == 2) == (toks[0] == d)  # a second token exactly when accepted
+            if len(toks) == 2:
+                seconds.append(toks[1])
+    assert _chi2_ok(firsts, p0) and _chi2_ok(seconds, p1)
+    assert 100 < len(seconds) < len(firsts)
+
+
+def _chi2_ok(samples: list[int], p: torch.Tensor) -> bool:
+    """Pearson's chi-square of ``samples`` against ``p`` (bins with expected count < 5 pooled)
+    below the 99.9 % quantile (Wilson-Hilferty approximation)."""
+    n = len(samples)
+    counts = torch.bincount(torch.tensor(samples), minlength=len(p)).double()
+    expected = p * n
+    big = expected >= 5
+    obs = torch.cat([counts[big], counts[~big].sum()[None]])
+    exp = torch.cat([expected[big], expected[~big].sum()[None]])
+    keep = exp > 0
+    stat = float(((obs[keep] - exp[keep]) ** 2 / exp[keep]).sum())
+    df = int(keep.sum()) - 1
+    z = 3.09  # 99.9 %
+    q = df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
+    return stat < q
