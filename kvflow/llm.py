@@ -20,6 +20,7 @@ import atexit
 import dataclasses
 import functools
 import itertools
+import json
 import sys
 import threading
 import weakref
@@ -101,6 +102,8 @@ class LLM:
         names = {opt.name for opt in Settings.options()}
         kwargs: dict[str, Any] = {}
         for key, value in engine_args.items():
+            if key == "speculative_config" and isinstance(value, dict):  # vLLM takes a dict
+                value = json.dumps(value)
             if key in names:
                 kwargs[key] = value
             elif key in _VLLM_NOOP_ARGS:

@@ -34,6 +34,7 @@ from shared.config import Settings
 from shared.infra import Server, port_is_free, start_nats, start_redis
 from shared.model_source import ModelNotFoundError, resolve_model
 from shared.processes import spawn_service, stop_processes
+from shared.speculative import parse_speculative_config
 
 STARTUP_TIMEOUT_S = 300.0
 MAX_RESTARTS_PER_MINUTE = 3
@@ -134,7 +135,9 @@ class Stack:
         nats_tls: tuple[str, str] | None = None,
     ) -> None:
         """``nats_tls``: (certificate, key) files for nats-server: every client connection is
-        then TLS (the services verify it with ``--nats-tls-ca``)."""
+        then TLS (the services verify it with ``--nats-tls-ca``). Settings that cannot be
+        served raise ValueError here, before anything starts."""
+        parse_speculative_config(settings.scheduler.speculative_config)
         self.topology = topology
         self.plan = plan(topology, settings.ops.ops_port)
         self.settings = share_cores(settings, topology.num_workers)

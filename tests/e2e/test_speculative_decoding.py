@@ -1,0 +1,160 @@
+"""Speculative decoding (n-gram drafts) on the whole stack through the openai SDK: greedy output
+equals Hugging Face's, alone and in a shared batch, on text the model quotes (drafts accepted)
+and free-form text; vLLM's spec_decode counters move; every block is free afterwards; sampling,
+logprobs, n > 1, stop strings and penalties still work; a bad config is refused at start."""
+
+from __future__ import annotations
+
+import json
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+import torch
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.e2e.conftest import openai_client, running_stack, wait_all_blocks_free
+
+pytestmark = pytest.mark.e2e
+MODEL = "SmolLM2-135M-Instruct"
+NEW_TOKENS = 48
+SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4,
+        "prompt_lookup_min": 2}  # fmt: skip
+
+QUOTING = [
+    "Here is a list:\n1. apple\n2. banana\n3. cherry\n4. grape\n5. lemon\n\n"
+    "The same list again:\n1. apple\n2.",
+    "def add(a, b):\n    return a + b\n\n\ndef sub(a, b):\n    return a - b\n\n\ndef mul(a, b):\n",
+]
+PROSE = ["Once upon a time, in a small village by the sea,", "The capital of France is"]
+
+
+@pytest.fixture(scope="module")
+def spec_stack():
+    args = ["--max-model-len", "2048", "--speculative-config", json.dumps(SPEC)]
+    with running_stack("speculative", *args) as base:
+        yield base
+
+
+@pytest.fixture(scope="module")
+def hf_texts(hf_model, tokenizer) -> dict[str, tuple[str, int]]:
+    out = {}
+    for p in QUOTING + PROSE:
+        ids = tokenizer(p, return_tensors="pt")["input_ids"]
+        with torch.no_grad():
+            gen = hf_model.generate(ids, max_new_tokens=NEW_TOKENS, do_sample=False)
+        new = gen[0, ids.shape[1] :].tolist()
+        out[p] = (tokenizer.decode(new, skip_special_tokens=True), len(new))
+    return out
+
+
+def _complete(client, prompt: str) -> tuple[str, int]:
+    r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=NEW_TOKENS, temperature=0)
+    return r.choices[0].text, r.usage.completion_tokens
+
+
+def _spec_counters(base: str) -> dict[str, float]:
+    text = httpx.get(f"{base}/metrics", timeout=30).text
+    out: dict[str, float] = {}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            if s.name.startswith("vllm:spec_decode"):
+                key = s.name + (f"[{s.labels['position']}]" if "position" in s.labels else "")
+                out[key] = out.get(key, 0.0) + s.value
+    return out
+
+
+def test_greedy_equals_hf_alone_and_drafts_are_accepted(spec_stack, hf_texts) -> None:
+    client = openai_client(spec_stack)
+    before = _spec_counters(spec_stack)
+    for p in QUOTING + PROSE:
+        assert _complete(client, p) == hf_texts[p], p
+    after = _spec_counters(spec_stack)
+    drafts = after["vllm:spec_decode_num_draft_tokens_total"]
+    accepted = after["vllm:spec_decode_num_accepted_tokens_total"]
+    assert after["vllm:spec_decode_num_drafts_total"] > before.get(
+        "vllm:spec_decode_num_drafts_total", 0
+    )
+    assert 0 < accepted <= drafts
+    assert after["vllm:spec_decode_num_accepted_tokens_per_pos_total[0]"] > 0
+    per_pos = [after[f"vllm:spec_decode_num_accepted_tokens_per_pos_total[{i}]"] for i in range(4)]
+    assert per_pos == sorted(per_pos, reverse=True)  # a later draft only after the earlier
+    assert sum(per_pos) == accepted
+    stats = wait_all_blocks_free(spec_stack)
+    assert stats["num_free_blocks"] == stats["num_total_blocks"]
+
+
+def test_greedy_equals_hf_in_a_shared_batch(spec_stack, hf_texts) -> None:
+    client = openai_client(spec_stack)
+    extra = ["Write a haiku about rain.", "2 + 2 =", "The quick brown fox"]
+    with ThreadPoolExecutor(8) as ex:
+        futures = {p: ex.submit(_complete, client, p) for p in QUOTING + PROSE + extra}
+        results = {p: f.result() for p, f in futures.items()}
+    for p in QUOTING + PROSE:
+        assert results[p] == hf_texts[p], p
+    stats = wait_all_blocks_free(spec_stack)
+    assert stats["num_free_blocks"] == stats["num_total_blocks"]
+
+
+def test_other_features_keep_working(spec_stack) -> None:
+    client = openai_client(spec_stack)
+    prompt = QUOTING[0]
+    # sampled, seeded: the same seed gives the same text
+    a, b = (
+        client.completions.create(
+            model=MODEL, prompt=prompt, max_tokens=24, temperature=0.8, seed=7
+        )
+        .choices[0]
+        .text
+        for _ in range(2)
+    )
+    assert a == b and a
+    # logprobs: one per token, every token
+    r = client.completions.create(
+        model=MODEL, prompt=prompt, max_tokens=20, temperature=0, logprobs=2
+    )
+    lp = r.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == r.usage.completion_tokens == 20
+    assert all(len(t) >= 1 for t in lp.top_logprobs)
+    # stop strings end inside a step that returned several tokens
+    plain = client.completions.create(model=MODEL, prompt=prompt, max_tokens=30, temperature=0)
+    text = plain.choices[0].text
+    cut = text.find("4.")
+    assert cut > 0, text
+    r = client.completions.create(
+        model=MODEL, prompt=prompt, max_tokens=30, temperature=0, stop=["4."]
+    )
+    assert r.choices[0].text == text[:cut] and r.choices[0].finish_reason == "stop"
+    # max_tokens exact, n > 1, penalties (decoded without drafts)
+    r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=7, temperature=0, n=3)
+    assert [c.text for c in r.choices] == [r.choices[0].text] * 3
+    assert r.usage.completion_tokens == 21
+    r = client.completions.create(
+        model=MODEL,
+        prompt=prompt,
+        max_tokens=16,
+        temperature=0,
+        frequency_penalty=1.0,
+        extra_body={"ignore_eos": True},
+    )
+    assert r.usage.completion_tokens == 16
+    # streamed chat: the chunks add up to the non-streamed text
+    msgs = [{"role": "user", "content": "Repeat exactly: red, green, blue, red, green, blue."}]
+    whole = (
+        client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=32, temperature=0)
+        .choices[0]
+        .message.content
+    )
+    stream = client.chat.completions.create(
+        model=MODEL, messages=msgs, max_tokens=32, temperature=0, stream=True
+    )
+    assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == whole
+    stats = wait_all_blocks_free(spec_stack)
+    assert stats["num_free_blocks"] == stats["num_total_blocks"]
+
+
+def test_a_config_kvflow_cannot_serve_is_refused_at_start() -> None:
+    bad = json.dumps({"method": "draft_model", "model": "/m", "num_speculative_tokens": 4})
+    with pytest.raises(RuntimeError, match="'draft_model' is not served"):
+        with running_stack("speculative-bad", "--speculative-config", bad):
+            pass
