@@ -139,13 +139,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "what",
         nargs="?",
-        choices=["compare", "pipeline", "quality", "llamacpp", "embeddings"],
+        choices=["compare", "pipeline", "quality", "llamacpp", "embeddings", "speculative"],
         default="compare",
         help="compare (default): kvflow vs Hugging Face; pipeline: the stack with a simulated "
         "worker at several concurrencies, with CPU per token of each service; quality: "
         "perplexity and top-1 agreement of each --quantization against fp32; llamacpp: "
         "kvflow and llama.cpp's llama-server on the same GGUF at 1, 16 and 64 in flight; "
-        "embeddings: /v1/embeddings per second, one input per request and batched",
+        "embeddings: /v1/embeddings per second, one input per request and batched; "
+        "speculative: n-gram speculative decoding against plain decoding (TPOT, tok/s, "
+        "acceptance) on quoting and free-form prose workloads",
     )
     p.add_argument("--url", default=None, help="a running kvflow (default: start one)")
     p.add_argument("--model", default="", help="model path (default: SmolLM2 from the wheel)")
@@ -173,6 +175,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     from benchmarks import embeddings as bench_embeddings
 
     bench_embeddings.add_arguments(p.add_argument_group("embeddings"))
+    from benchmarks import speculative as bench_speculative
+
+    bench_speculative.add_arguments(p.add_argument_group("speculative"))
 
 
 def main(args: argparse.Namespace) -> int:
@@ -192,6 +197,10 @@ def main(args: argparse.Namespace) -> int:
         from benchmarks import embeddings as bench_embeddings
 
         return bench_embeddings.main(args)
+    if args.what == "speculative":
+        from benchmarks import speculative as bench_speculative
+
+        return bench_speculative.main(args)
     src = resolve_model(args.model)
     tok = load_tokenizer(src)
     span = lambda s: tuple(int(x) for x in s.split(":"))  # noqa: E731

@@ -384,3 +384,31 @@ def test_triton_worker_pools_embeddings_as_the_cpu_path(model, kind: str) -> Non
     w = torch.frombuffer(bytearray(want), dtype=torch.float32)
     assert g.numel() == 64 and abs(float(w.norm()) - 1) < 1e-5
     torch.testing.assert_close(g, w, atol=2e-4, rtol=1e-4)
+
+
+@requires_interpreter
+@pytest.mark.parametrize("graphs", [False, True], ids=["eager", "padded-static-buffers"])
+def test_speculative_decoding_on_the_device_path(model, graphs: bool) -> None:
+    """n-gram drafts verified on the device path (each draft a decode row; decode-only steps
+    through the padded graph buffers) give the CPU path's plain greedy tokens."""
+    from services.scheduler.core import SchedulerCore
+    from services.scheduler.worker_state import SchedulerLimits
+    from shared.speculative import SpeculativeConfig
+    from tests.unit.test_speculative_engine import run_core
+
+    prompts = [[5, 17, 99, 5, 17, 99, 5, 17], [7, 7, 7, 7, 7]]
+    params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+
+    def core(spec: SpeculativeConfig | None) -> SchedulerCore:
+        c = SchedulerCore(SchedulerLimits(max_num_seqs=4, max_model_len=128), speculative=spec)
+        c.add_worker("w", NUM_BLOCKS, BLOCK)
+        return c
+
+    want, _ = run_core(core(None), make(model, worker_id="w"), prompts, params)
+    spec = SpeculativeConfig("ngram", 3, 1, 3)
+    runner = make(model, worker_id="w", backend="triton", cuda_graphs=graphs, max_num_seqs=8)
+    got, plans = run_core(core(spec), runner, prompts, params)
+    assert got == want
+    assert any(s.num_draft for p in plans for s in p.seqs)
+    if graphs:
+        assert runner.graphs is not None and runner.graphs.replays > 0

@@ -41,6 +41,7 @@ from shared.config import Settings
 from shared.messages import KvPull, ScheduledSeq, StepPlan, StepResult
 from shared.metrics import BusCollector
 from shared.ops_http import OpsServer
+from shared.speculative import SpeculativeConfig
 
 ROOT = Path(__file__).resolve().parents[2]
 SCHEMAS = ROOT / "tests" / "data" / "schemas"
@@ -175,7 +176,8 @@ class _Scheduler:
     """What the scheduler's telemetry reads: a core with one worker."""
 
     def __init__(self) -> None:
-        self.core = SchedulerCore(SchedulerLimits(), model="m")
+        spec = SpeculativeConfig("ngram", 2, 1, 2)  # the spec_decode series are exported too
+        self.core = SchedulerCore(SchedulerLimits(), model="m", speculative=spec)
         self.core.add_worker("w0", 8, 16)
         self.leading = True
         self.scheduler_id = "s0"
