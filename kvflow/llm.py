@@ -55,6 +55,7 @@ from shared.fan_out import best, expand, ranks, sequences_per_prompt
 from shared.messages import GenerateRequest
 from shared.messages import SamplingParams as WireParams
 from shared.model_source import ModelNotFoundError, load_tokenizer, resolve_model
+from shared.speculative import parse_speculative_config
 
 T = TypeVar("T")
 _Tokenized = tuple[str | None, list[int], str | None]  # text, token ids, cache salt
@@ -115,6 +116,7 @@ class LLM:
         if "dtype" in kwargs and kwargs["dtype"] == "auto":
             del kwargs["dtype"]
         self.settings = Settings.of(model=model or "", **kwargs)
+        parse_speculative_config(self.settings.scheduler.speculative_config)  # ValueError early
         try:
             model_settings = self.settings.model
             self.source = resolve_model(model_settings.path, model_settings.served_model_name)

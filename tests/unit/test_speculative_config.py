@@ -154,3 +154,24 @@ def test_speculator_limits() -> None:
     assert sp.propose(_seq([1, 2, 1, 2, 1]), 0, 1) == []
     assert sp.propose(_seq([1, 2, 1, 2, 1]), 8, 4) == []  # the batch is large: off
     assert sp.propose(_seq([1, 2, 1, 2, 1], repetition_penalty=1.1), 8, 1) == []
+
+
+def test_llm_takes_vllms_dict_and_refuses_what_it_cannot_serve(monkeypatch) -> None:
+    import kvflow.llm
+
+    with pytest.raises(ValueError, match="'draft_model' is not served"):
+        kvflow.llm.LLM(speculative_config={"method": "draft_model", "num_speculative_tokens": 2})
+    seen = {}
+
+    class Started(Exception):
+        pass
+
+    def start_pipeline(settings, workers):  # noqa: ANN001, ANN202
+        seen["settings"] = settings
+        raise Started
+
+    monkeypatch.setattr(kvflow.llm, "start_pipeline", start_pipeline)
+    with pytest.raises(Started):
+        kvflow.llm.LLM(speculative_config={"method": "ngram", "num_speculative_tokens": 3})
+    cfg = parse_speculative_config(seen["settings"].scheduler.speculative_config)
+    assert cfg == SpeculativeConfig("ngram", 3, 5, 5, 0)
