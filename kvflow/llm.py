@@ -116,7 +116,7 @@ class LLM:
         if "dtype" in kwargs and kwargs["dtype"] == "auto":
             del kwargs["dtype"]
         self.settings = Settings.of(model=model or "", **kwargs)
-        parse_speculative_config(self.settings.scheduler.speculative_config)  # ValueError early
+        parse_speculative_config(self.settings.model.speculative_config)  # ValueError early
         try:
             model_settings = self.settings.model
             self.source = resolve_model(model_settings.path, model_settings.served_model_name)

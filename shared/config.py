@@ -59,6 +59,16 @@ class ModelSettings:
             "project's hermes tool template is used"
         },
     )
+    speculative_config: str = field(
+        default="",
+        metadata={
+            "help": 'speculative decoding, vLLM\'s JSON: \'{"method": "ngram", '
+            '"num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": '
+            "2}' (draft tokens from the request's own earlier text, verified in one step; greedy "
+            'output unchanged); optional "disable_by_batch_size": N stops it on a worker '
+            "running N sequences ('': off)"
+        },
+    )
     pooling_type: str = field(
         default="LAST",
         metadata={
@@ -137,16 +147,6 @@ class SchedulerSettings:
         metadata={"help": "compete for the leader lease in Redis (run two or more schedulers)"},
     )
     scheduler_id: str = field(default="", metadata={"help": "scheduler id (default: random)"})
-    speculative_config: str = field(
-        default="",
-        metadata={
-            "help": 'speculative decoding, vLLM\'s JSON: \'{"method": "ngram", '
-            '"num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": '
-            "2}' (draft tokens from the request's own earlier text, verified in one step; greedy "
-            'output unchanged); optional "disable_by_batch_size": N stops it on a worker '
-            "running N sequences ('': off)"
-        },
-    )
 
 
 @dataclass

@@ -2,9 +2,11 @@
 speculate. Shared by the launcher and ``LLM`` (which check the setting before starting
 anything), the scheduler (which proposes draft tokens) and the worker (which verifies them).
 
-Only the ``ngram`` method (prompt lookup: the continuation of the latest earlier occurrence of
-the sequence's last n tokens) is served; a ``draft_model`` config is refused with a message
-saying so."""
+Two methods: ``ngram`` (prompt lookup: the continuation of the latest earlier occurrence of the
+sequence's last n tokens, proposed by the scheduler) and ``draft_model`` (a smaller Llama with
+the same vocabulary, in the worker, with its own paged KV cache; ``num_draft_layers``, kvflow's
+own key, keeps only its first N layers: the target's own first layers make a self-speculative
+draft without a second checkpoint)."""
 
 from __future__ import annotations
 
@@ -14,7 +16,7 @@ from typing import Any
 
 from shared.messages.params import SamplingParams
 
-METHODS = ("ngram",)
+METHODS = ("ngram", "draft_model")
 _KNOWN_KEYS = {
     "method",
     "model",
@@ -22,6 +24,7 @@ _KNOWN_KEYS = {
     "prompt_lookup_max",
     "prompt_lookup_min",
     "disable_by_batch_size",
+    "num_draft_layers",
 }
 MAX_SPECULATIVE_TOKENS = 16
 
@@ -34,13 +37,21 @@ class SpeculativeConfigError(ValueError):
 class SpeculativeConfig:
     """``num_speculative_tokens`` drafts at most per step; n-grams of ``prompt_lookup_min`` to
     ``prompt_lookup_max`` tokens are looked up (longest first); with ``disable_by_batch_size``
-    a worker whose running batch reaches that size stops speculating (0: never)."""
+    a worker whose running batch reaches that size stops speculating (0: never). A draft
+    model: ``model`` (a GGUF file or HF directory), its first ``num_draft_layers`` (0: all)."""
 
     method: str = "ngram"
     num_speculative_tokens: int = 4
     prompt_lookup_min: int = 2
     prompt_lookup_max: int = 4
     disable_by_batch_size: int = 0
+    model: str = ""
+    num_draft_layers: int = 0
+
+    @property
+    def proposed_by_worker(self) -> bool:
+        """Drafts come from a model in the worker, not from the scheduler's lookup."""
+        return self.method == "draft_model"
 
     def to_json(self) -> str:
         return json.dumps(
@@ -51,6 +62,11 @@ class SpeculativeConfig:
                 "prompt_lookup_max": self.prompt_lookup_max,
                 "disable_by_batch_size": self.disable_by_batch_size,
             }
+            | (
+                {"model": self.model, "num_draft_layers": self.num_draft_layers}
+                if self.model
+                else {}
+            )
         )
 
 
@@ -78,7 +94,7 @@ def parse_speculative_config(raw: str | dict[str, Any] | None) -> SpeculativeCon
     if method not in METHODS:
         raise SpeculativeConfigError(
             f"--speculative-config: method {method!r} is not served by kvflow yet "
-            f"(served: {', '.join(METHODS)}); draft models are planned"
+            f"(served: {', '.join(METHODS)})"
         )
     k = _int(raw, "num_speculative_tokens", None)
     if k is None:
@@ -100,6 +116,16 @@ def parse_speculative_config(raw: str | dict[str, Any] | None) -> SpeculativeCon
     off = _int(raw, "disable_by_batch_size", 0) or 0
     if off < 0:
         raise SpeculativeConfigError("--speculative-config: disable_by_batch_size must be >= 0")
+    layers = _int(raw, "num_draft_layers", 0) or 0
+    model = raw.get("model") or ""
+    if method == "draft_model":
+        if not isinstance(model, str) or not model:
+            raise SpeculativeConfigError(
+                '--speculative-config: "draft_model" needs "model" (a GGUF file or HF directory)'
+            )
+        if layers < 0:
+            raise SpeculativeConfigError("--speculative-config: num_draft_layers must be >= 0")
+        return SpeculativeConfig(method, k, lo, hi, off, model, layers)
     return SpeculativeConfig(method, k, lo, hi, off)
 
 

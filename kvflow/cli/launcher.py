@@ -137,7 +137,7 @@ class Stack:
         """``nats_tls``: (certificate, key) files for nats-server: every client connection is
         then TLS (the services verify it with ``--nats-tls-ca``). Settings that cannot be
         served raise ValueError here, before anything starts."""
-        parse_speculative_config(settings.scheduler.speculative_config)
+        parse_speculative_config(settings.model.speculative_config)
         self.topology = topology
         self.plan = plan(topology, settings.ops.ops_port)
         self.settings = share_cores(settings, topology.num_workers)

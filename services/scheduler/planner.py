@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 
 from services.scheduler.block_manager import BlockHash
 from services.scheduler.sequence import RequeueReason, SeqStatus, Sequence
+from services.scheduler.speculation import Drafts
 from shared.messages import BlockRef, NewRequest, ScheduledSeq, StepPlan
 
 if TYPE_CHECKING:
@@ -43,7 +44,7 @@ class _Chosen:
 
     num_new: int
     registered: list[int] = field(default_factory=list)
-    drafts: list[int] = field(default_factory=list)
+    drafts: Drafts | None = None
 
 
 def plan_step(ws: WorkerState) -> StepPlan | None:
@@ -73,10 +74,11 @@ def _schedule_running(
         num_new = min(seq.num_tokens - seq.num_computed, budget)
         if num_new <= 0:
             continue
-        drafts = ws.propose(seq, budget - 1) if num_new == 1 else []
-        need = ws.bm.blocks_needed(seq.num_computed + num_new + len(drafts)) - len(seq.blocks)
+        drafts = ws.propose(seq, budget - 1) if num_new == 1 else None
+        extra = drafts.count if drafts else 0
+        need = ws.bm.blocks_needed(seq.num_computed + num_new + extra) - len(seq.blocks)
         if drafts and need > ws.bm.num_free_blocks:  # drafts never cost a preemption
-            drafts = []
+            drafts, extra = None, 0
             need = ws.bm.blocks_needed(seq.num_computed + num_new) - len(seq.blocks)
         while need > ws.bm.num_free_blocks:
             victim = ws.policy.choose_victim(ws.running)
@@ -91,7 +93,7 @@ def _schedule_running(
             continue
         seq.blocks += ws.bm.allocate(max(need, 0))
         chosen[seq] = _Chosen(num_new, ws.register(seq, num_new), drafts)
-        budget -= num_new + len(drafts)
+        budget -= num_new + extra
     return budget, preempted
 
 
@@ -103,7 +105,7 @@ def _unschedule(ws: WorkerState, chosen: dict[Sequence, _Chosen], seq: Sequence)
     if c is None:
         return 0
     ws.unregister(c.registered)
-    return c.num_new + len(c.drafts)
+    return c.num_new + (c.drafts.count if c.drafts else 0)
 
 
 def _admit_waiting(ws: WorkerState, chosen: dict[Sequence, _Chosen], budget: int) -> None:
@@ -177,13 +179,15 @@ def _build_plan(ws: WorkerState, chosen: dict[Sequence, _Chosen]) -> StepPlan:
 def _scheduled(s: Sequence, c: _Chosen) -> ScheduledSeq:
     """A sequence's share of the plan: its next known tokens, then its drafts."""
     end = s.num_computed + c.num_new
+    tokens, num_worker = c.drafts if c.drafts else ([], 0)
     return ScheduledSeq(
         request_id=s.request_id,
-        token_ids=s.token_ids[s.num_computed : end] + c.drafts,
+        token_ids=s.token_ids[s.num_computed : end] + tokens,
         start_pos=s.num_computed,
         block_table=list(s.blocks),
         sample=end == s.num_tokens,
-        num_draft=len(c.drafts),
+        num_draft=len(tokens),
+        num_propose=num_worker,
     )
 
 

@@ -140,7 +140,7 @@ class SchedulerService:
     def _new_core(self) -> SchedulerCore:
         kv = create_scheduler_connector(self.settings.cache.kv_connector)  # its scheduler half
         max_waiting = self.settings.scheduler.max_waiting
-        spec = parse_speculative_config(self.settings.scheduler.speculative_config)
+        spec = parse_speculative_config(self.settings.model.speculative_config)
         return SchedulerCore(self.limits, self.policy, max_waiting, self.model_name, kv, spec)
 
     def _may_plan(self) -> bool:

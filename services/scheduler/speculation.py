@@ -17,11 +17,24 @@ text runs at full depth.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from services.scheduler.sequence import Sequence
 from shared.speculative import SpeculativeConfig, can_speculate
 
 MAX_COOLDOWN = 64  # steps without proposals after repeated misses, at most
+
+
+class Drafts(NamedTuple):
+    """A step's drafts for one sequence: the scheduler's own (n-gram ``tokens``), or a number
+    the worker's draft model proposes (``num_worker``)."""
+
+    tokens: list[int]
+    num_worker: int = 0
+
+    @property
+    def count(self) -> int:
+        return len(self.tokens) + self.num_worker
 
 
 class NgramIndex:
@@ -88,43 +101,51 @@ class Speculator:
         self.config = config
         self.stats = SpecStats(accepted_per_pos=[0] * config.num_speculative_tokens)
 
-    def propose(self, seq: Sequence, limit: int, batch_size: int) -> list[int]:
+    def propose(self, seq: Sequence, limit: int, batch_size: int) -> Drafts | None:
         """Drafts for ``seq`` (whose next step computes only its last token), at most
-        ``limit``; [] when it should decode one token."""
+        ``limit``; None when it should decode one token."""
         cfg = self.config
         if limit <= 0 or seq.pooling is not None or seq.reservation is not None:
-            return []
+            return None
         if cfg.disable_by_batch_size and batch_size >= cfg.disable_by_batch_size:
-            return []
+            return None
         if not can_speculate(seq.params, seq.num_output_tokens):
-            return []
+            return None
         st = seq.spec
         if st is None:
             index = NgramIndex(cfg.prompt_lookup_min, cfg.prompt_lookup_max)
             st = seq.spec = SpecState(index, cfg.num_speculative_tokens)
         if st.cooldown > 0:
             st.cooldown -= 1
-            return []
-        return st.index.propose(seq.token_ids, min(limit, st.depth))
+            return None
+        n = min(limit, st.depth)
+        if cfg.proposed_by_worker:
+            return Drafts([], n)
+        tokens = st.index.propose(seq.token_ids, n)
+        return Drafts(tokens) if tokens else None
 
-    def verified(self, seq: Sequence, drafts: list[int], emitted: list[int]) -> int:
+    def verified(self, seq: Sequence, drafts: Drafts, emitted: list[int]) -> int:
         """Record a verification: ``emitted`` are the tokens the step returned for ``seq``
         (accepted drafts, then the model's own token unless the sequence ended on a draft).
-        Returns how many drafts were accepted."""
+        Returns how many drafts were accepted (the worker's own drafts are not sent back: a
+        sequence that ended on one of them counts it as not accepted)."""
         accepted = 0
-        for d, t in zip(drafts, emitted, strict=False):
+        for d, t in zip(drafts.tokens, emitted, strict=False):
             if d != t:
                 break
             accepted += 1
+        if drafts.num_worker:
+            accepted = max(0, min(drafts.num_worker, len(emitted) - 1))
+        count = drafts.count
         s = self.stats
         s.num_drafts += 1
-        s.num_draft_tokens += len(drafts)
+        s.num_draft_tokens += count
         s.num_accepted_tokens += accepted
         for i in range(accepted):
             s.accepted_per_pos[i] += 1
         st = seq.spec
         if st is not None:
-            st.drafted += len(drafts)
+            st.drafted += count
             st.accepted += accepted
             k = self.config.num_speculative_tokens
             if accepted == 0:
@@ -133,5 +154,5 @@ class Speculator:
                 st.depth = 1
             else:
                 st.misses = 0
-                st.depth = k if accepted == len(drafts) else min(k, accepted + 1)
+                st.depth = k if accepted == count else min(k, accepted + 1)
         return accepted

@@ -20,7 +20,7 @@ from services.scheduler.block_manager import BlockHash, BlockManager
 from services.scheduler.planner import Admission, plan_step
 from services.scheduler.policy import SchedulingPolicy
 from services.scheduler.sequence import RequeueReason, Reservation, SeqStatus, Sequence, TierLoad
-from services.scheduler.speculation import Speculator
+from services.scheduler.speculation import Drafts, Speculator
 from services.scheduler.waiting import WaitingQueue
 from shared.messages import FinishReason, StepPlan, StepResult
 
@@ -94,7 +94,7 @@ class WorkerState:
         self.running: list[Sequence] = []  # admission order: the last is the newest
         self.to_forget: list[str] = []  # request ids the worker should drop at the next step
         self.in_flight: dict[str, int] | None = None  # request_id -> known tokens scheduled
-        self.in_flight_drafts: dict[str, list[int]] = {}  # request_id -> its draft tokens
+        self.in_flight_drafts: dict[str, Drafts] = {}  # request_id -> its drafts
         self.speculator = speculator  # speculative decoding (None: off)
         self.in_flight_cached: list[int] = []  # blocks whose hashes the plan in flight registered
         self.num_reserved = 0  # sequences prefilled elsewhere that will decode here
@@ -114,11 +114,11 @@ class WorkerState:
     def has_room_for_one_more(self) -> bool:
         return len(self.running) + self.num_reserved < self.limits.max_num_seqs
 
-    def propose(self, seq: Sequence, budget: int) -> list[int]:
-        """Draft tokens for a decoding ``seq`` (speculative decoding), within ``budget``, its
-        max_tokens and the model length; [] when off or nothing to propose."""
+    def propose(self, seq: Sequence, budget: int) -> Drafts | None:
+        """Drafts for a decoding ``seq`` (speculative decoding), within ``budget``, its
+        max_tokens and the model length; None when off or nothing to propose."""
         if self.speculator is None:
-            return []
+            return None
         limit = min(
             budget,
             seq.params.max_tokens - seq.num_output_tokens - 1,
@@ -269,7 +269,7 @@ class WorkerState:
                 outcome.finished.append((seq, FinishReason.STOP))
         return outcome
 
-    def _verified(self, seq: Sequence | None, drafts: list[int], emitted: list[int]) -> None:
+    def _verified(self, seq: Sequence | None, drafts: Drafts, emitted: list[int]) -> None:
         """A sequence's drafts were verified: the K/V of every token it got but the last is
         now computed (its accepted drafts' included), and blocks taken only for rejected
         drafts go back to the free list."""

@@ -27,10 +27,12 @@ import torch
 
 from services.worker import sampler, speculation, structured
 from services.worker.cuda_graphs import DecodeGraphs
+from services.worker.draft import DraftProposer
 from services.worker.model_setup import (
     CpuPathSpec,
     DeviceSpec,
     KvSpec,
+    LoadedModel,
     kv_cache_blocks,
     load_model,
     log_ready,
@@ -40,12 +42,12 @@ from services.worker.model_setup import (
 )
 from services.worker.pooling import PoolState, pooled_output
 from services.worker.step_inputs import HostStep, pack
+from services.worker.step_output import Emitted, StepOut
 from services.worker.step_rows import StepRows, host_batch, lay_out
 from shared.messages import (
     FinishReason,
     NewRequest,
     PooledOutput,
-    PromptLogprobs,
     SampleLogprobs,
     SamplingParams,
     ScheduledSeq,
@@ -63,36 +65,6 @@ from shared.sampling import (
 )
 
 log = logging.getLogger("kvflow.worker")
-
-# a step's entries: request ids, tokens, finish reasons, tokens computed, logprobs, prompt
-# logprobs, and each entry's output-token count
-_StepOut = tuple[
-    list[str],
-    list[int],
-    list[int],
-    int,
-    list["SampleLogprobs | None"],
-    list[PromptLogprobs],
-    list[int],
-]
-
-
-@dataclass
-class _Emitted:
-    """The StepResult's columns, built entry by entry."""
-
-    ids: list[str] = field(default_factory=list)
-    tokens: list[int] = field(default_factory=list)
-    reasons: list[int] = field(default_factory=list)
-    counts: list[int] = field(default_factory=list)
-    logprobs: list[SampleLogprobs | None] = field(default_factory=list)
-
-    def add(self, rid: str, tok: int, reason: int, count: int, lp: SampleLogprobs | None) -> None:
-        self.ids.append(rid)
-        self.tokens.append(tok)
-        self.reasons.append(reason)
-        self.counts.append(count)
-        self.logprobs.append(lp)
 
 
 @dataclass
@@ -139,9 +111,11 @@ class ModelRunner:
         config: ModelConfig | None = None,
         weights: dict[str, torch.Tensor] | None = None,
         worker_id: str = "w0",
+        draft: LoadedModel | None = None,
     ) -> None:
         """Load ``src`` (or in-memory ``config`` + ``weights``) as ``device`` says and
-        allocate the KV cache ``kv`` describes (services/worker/model_setup.py)."""
+        allocate the KV cache ``kv`` describes (services/worker/model_setup.py); ``draft``: a
+        loaded draft model for speculative decoding (services/worker/draft.py)."""
         t0 = time.perf_counter()
         device = device or DeviceSpec()
         loaded = load_model(src, device, cpu or CpuPathSpec(), config, weights)
@@ -153,6 +127,7 @@ class ModelRunner:
         self._num_blocks = kv_cache_blocks(self.model, kv)
         self.kv_caches = self.model.make_kv_caches(self._num_blocks, kv.block_size)
         self._max_model_len = max_model_len(self.config, self._num_blocks, kv)
+        self.draft = DraftProposer(draft, self._num_blocks, kv.block_size) if draft else None
         self.requests: dict[str, RequestState] = {}
         self._pooled: list[PooledOutput] = []  # the step's finished embeddings (pooling.py)
         self.total_computed_tokens = 0
@@ -178,12 +153,15 @@ class ModelRunner:
         config: ModelConfig | None = None,
         weights: dict[str, torch.Tensor] | None = None,
         worker_id: str = "w0",
+        draft: LoadedModel | None = None,
         **options: Any,
     ) -> ModelRunner:
         """A runner from flat option names (``dtype=``, ``max_model_len=``, ``gemm_rows=``:
         the fields of KvSpec, DeviceSpec and CpuPathSpec), for tests and benchmarks."""
         kv, device, cpu = specs_from_keywords(block_size, num_blocks, **options)
-        return cls(src, kv, device, cpu, config=config, weights=weights, worker_id=worker_id)
+        return cls(
+            src, kv, device, cpu, config=config, weights=weights, worker_id=worker_id, draft=draft
+        )
 
     @classmethod
     def from_weights(
@@ -276,15 +254,19 @@ class ModelRunner:
             )
             st.guide_failed = st.guide is None
 
-    def _execute(self, plan: StepPlan) -> _StepOut:
+    def _execute(self, plan: StepPlan) -> StepOut:
         for rid in plan.finished_request_ids:
             self.requests.pop(rid, None)
+            if self.draft is not None:
+                self.draft.forget(rid)
         for r in plan.new_requests:
             self._add_request(r)
         if not plan.seqs:
             return [], [], [], 0, [], [], []
+        # a draft model runs the step's tokens and appends its drafts (services/worker/draft.py)
+        plan_seqs = self.draft.step(plan.seqs) if self.draft is not None else plan.seqs
         step = lay_out(
-            speculation.expand(plan.seqs),
+            speculation.expand(plan_seqs),
             self.requests,
             self._block_size,
             self._num_blocks,
@@ -324,8 +306,8 @@ class ModelRunner:
         rows: dict[str, list[tuple[int, SampleLogprobs | None]]] = {}
         for s, tok, lp in zip(sampled, tokens, row_lps, strict=True):
             rows.setdefault(s.request_id, []).append((tok, lp))
-        out = _Emitted()
-        for s in plan.seqs:  # results in the plan's order
+        out = Emitted()
+        for s in plan_seqs:  # results in the plan's order
             got = rows.get(s.request_id)
             if got is None or not s.sample:
                 continue
@@ -333,6 +315,8 @@ class ModelRunner:
                 picked = speculation.accept(s.token_ids[-s.num_draft :], [t for t, _ in got])
             else:
                 picked = [got[0][0]]
+            if self.draft is not None:
+                self.draft.verified(s, picked)
             st = self.requests[s.request_id]
             for tok, (_, lp) in zip(picked, got, strict=False):
                 reason = self._finish(st, tok)

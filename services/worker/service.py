@@ -20,6 +20,7 @@ from typing import TypeVar
 
 from nats.aio.msg import Msg
 
+from services.worker.draft import load_draft
 from services.worker.kv_blocks import KvBlockIO
 from services.worker.kv_connectors.base import connector_spec, create_worker_connector
 from services.worker.kv_connectors.tiers import KvTiers
@@ -43,7 +44,9 @@ from shared.messages import (
     WorkerHeartbeat,
     WorkerRelease,
 )
-from shared.model_source import ModelSource
+from shared.model_loader import load_config
+from shared.model_source import ModelNotFoundError, ModelSource
+from shared.speculative import parse_speculative_config
 
 log = logging.getLogger("kvflow.worker")
 
@@ -270,7 +273,14 @@ def _load_model(settings: Settings, src: ModelSource) -> ModelRunner:
         check_quantization(device.quantization, src, torch.device(device.device), device.dtype)
     except ValueError as e:
         raise SystemExit(f"worker: {e}") from None
-    return ModelRunner(src, kv, device, worker_id=settings.worker.worker_id)
+    draft = None
+    try:
+        spec = parse_speculative_config(settings.model.speculative_config)
+        if spec is not None and spec.proposed_by_worker:
+            draft = load_draft(spec, device, load_config(src))
+    except (ValueError, ModelNotFoundError) as e:
+        raise SystemExit(f"worker: draft model: {e}") from None
+    return ModelRunner(src, kv, device, worker_id=settings.worker.worker_id, draft=draft)
 
 
 def _load_sim(settings: Settings, src: ModelSource) -> SimRunner:

@@ -45,6 +45,9 @@ class ScheduledSeq(msgspec.Struct, array_like=True, omit_defaults=True, gc=False
     # known ones; the worker samples after every token of the chunk and returns the drafts its
     # model agrees with plus its own next token (several StepResult entries for the request)
     num_draft: int = 0
+    # speculative decoding with a draft model: the worker's draft model proposes this many
+    # tokens after ``token_ids`` (the block table has room for them), then verifies them
+    num_propose: int = 0
 
 
 class SampleLogprobs(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):

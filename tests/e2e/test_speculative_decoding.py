@@ -153,8 +153,27 @@ def test_other_features_keep_working(spec_stack) -> None:
     assert stats["num_free_blocks"] == stats["num_total_blocks"]
 
 
+def test_a_draft_model_keeps_greedy_output(model_src, hf_texts) -> None:
+    """The served model's own first 10 layers as a draft model in the worker (its own paged
+    KV cache): greedy text equals HF's, its drafts are verified and counted, blocks come back."""
+    draft = {"method": "draft_model", "model": str(model_src.path), "num_speculative_tokens": 3,
+             "num_draft_layers": 10}  # fmt: skip
+    args = ["--max-model-len", "2048", "--speculative-config", json.dumps(draft)]
+    with running_stack("speculative-draft", *args) as base:
+        client = openai_client(base)
+        with ThreadPoolExecutor(4) as ex:
+            futures = {p: ex.submit(_complete, client, p) for p in QUOTING + PROSE}
+            for p, f in futures.items():
+                assert f.result() == hf_texts[p], p
+        counters = _spec_counters(base)
+        assert counters["vllm:spec_decode_num_draft_tokens_total"] > 0
+        assert counters["vllm:spec_decode_num_accepted_tokens_total"] > 0
+        stats = wait_all_blocks_free(base)
+        assert stats["num_free_blocks"] == stats["num_total_blocks"]
+
+
 def test_a_config_kvflow_cannot_serve_is_refused_at_start() -> None:
-    bad = json.dumps({"method": "draft_model", "model": "/m", "num_speculative_tokens": 4})
-    with pytest.raises(RuntimeError, match="'draft_model' is not served"):
+    bad = json.dumps({"method": "eagle", "model": "/m", "num_speculative_tokens": 4})
+    with pytest.raises(RuntimeError, match="'eagle' is not served"):
         with running_stack("speculative-bad", "--speculative-config", bad):
             pass

@@ -54,7 +54,7 @@ OLD_FLAT = {
     "scheduler_ha": ("scheduler.scheduler_ha", "1", True, False),
     "scheduler_id": ("scheduler.scheduler_id", "s1", "s1", ""),
     "speculative_config": (
-        "scheduler.speculative_config",
+        "model.speculative_config",
         '{"method": "ngram", "num_speculative_tokens": 2}',
         '{"method": "ngram", "num_speculative_tokens": 2}',
         "",

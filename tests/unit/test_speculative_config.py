@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from services.scheduler.sequence import Sequence
-from services.scheduler.speculation import MAX_COOLDOWN, NgramIndex, Speculator
+from services.scheduler.speculation import MAX_COOLDOWN, Drafts, NgramIndex, Speculator
 from services.worker.speculation import accept, expand
 from shared.messages import SamplingParams, ScheduledSeq, StructuredOutput
 from shared.speculative import (
@@ -53,10 +53,7 @@ def test_parse_vllm_shapes() -> None:
             "prompt_lookup_min <= prompt_lookup_max",
         ),
         ('{"method": "ngram", "num_speculative_tokens": 2, "typo": 1}', "unknown key(s) typo"),
-        (
-            '{"method": "draft_model", "model": "/m", "num_speculative_tokens": 4}',
-            "'draft_model' is not served",
-        ),
+        ('{"method": "draft_model", "num_speculative_tokens": 4}', '"draft_model" needs "model"'),
         ('{"method": "eagle", "num_speculative_tokens": 4}', "'eagle' is not served"),
     ],
 )
@@ -129,19 +126,19 @@ def _seq(tokens: list[int], **params) -> Sequence:
 def test_speculator_backs_off_after_misses_and_counts() -> None:
     sp = Speculator(SpeculativeConfig("ngram", 3, 1, 2, 0))
     seq = _seq([1, 2, 1, 2, 1])  # suffix [2, 1] -> followed by 2, 1, ...
-    assert sp.propose(seq, 8, 1) == [2, 1, 2]
-    assert sp.verified(seq, [2, 1, 2], [2, 1, 2, 1]) == 3
+    assert sp.propose(seq, 8, 1) == Drafts([2, 1, 2])
+    assert sp.verified(seq, Drafts([2, 1, 2]), [2, 1, 2, 1]) == 3
     assert seq.spec is not None and seq.spec.depth == 3
-    assert sp.verified(seq, [2, 1, 2], [2, 7]) == 1
+    assert sp.verified(seq, Drafts([2, 1, 2]), [2, 7]) == 1
     assert seq.spec.depth == 2  # one more than accepted
     cooldowns = []
     for _ in range(8):  # misses in a row: 1, 2, 4, ... steps without proposals
-        sp.verified(seq, [2], [5])
+        sp.verified(seq, Drafts([2]), [5])
         cooldowns.append(seq.spec.cooldown)
     assert cooldowns == [1, 2, 4, 8, 16, 32, 64, MAX_COOLDOWN]
     assert seq.spec.depth == 1
-    skipped = sum(sp.propose(seq, 8, 1) == [] for _ in range(MAX_COOLDOWN))
-    assert skipped == MAX_COOLDOWN and sp.propose(seq, 8, 1) == [2]
+    skipped = sum(sp.propose(seq, 8, 1) is None for _ in range(MAX_COOLDOWN))
+    assert skipped == MAX_COOLDOWN and sp.propose(seq, 8, 1) == Drafts([2])
     st = sp.stats
     assert (st.num_drafts, st.num_draft_tokens, st.num_accepted_tokens) == (10, 14, 4)
     assert st.accepted_per_pos == [2, 1, 1]
@@ -150,17 +147,36 @@ def test_speculator_backs_off_after_misses_and_counts() -> None:
 
 def test_speculator_limits() -> None:
     sp = Speculator(SpeculativeConfig("ngram", 4, 1, 2, disable_by_batch_size=4))
-    assert sp.propose(_seq([1, 2, 1, 2, 1]), 2, 1) == [2, 1]  # the limit
-    assert sp.propose(_seq([1, 2, 1, 2, 1]), 0, 1) == []
-    assert sp.propose(_seq([1, 2, 1, 2, 1]), 8, 4) == []  # the batch is large: off
-    assert sp.propose(_seq([1, 2, 1, 2, 1], repetition_penalty=1.1), 8, 1) == []
+    assert sp.propose(_seq([1, 2, 1, 2, 1]), 2, 1) == Drafts([2, 1])  # the limit
+    assert sp.propose(_seq([1, 2, 1, 2, 1]), 0, 1) is None
+    assert sp.propose(_seq([1, 2, 1, 2, 1]), 8, 4) is None  # the batch is large: off
+    assert sp.propose(_seq([1, 2, 1, 2, 1], repetition_penalty=1.1), 8, 1) is None
+    assert sp.propose(_seq([1, 2, 3]), 8, 1) is None  # nothing to look up
+
+
+def test_draft_model_proposals_are_counts_for_the_worker() -> None:
+    cfg = parse_speculative_config(
+        {"method": "draft_model", "model": "/m.gguf", "num_speculative_tokens": 3,
+         "num_draft_layers": 4}
+    )  # fmt: skip
+    assert cfg is not None and cfg.proposed_by_worker
+    assert (cfg.model, cfg.num_draft_layers) == ("/m.gguf", 4)
+    assert parse_speculative_config(cfg.to_json()) == cfg
+    sp = Speculator(cfg)
+    seq = _seq([1, 2, 3])
+    assert sp.propose(seq, 8, 1) == Drafts([], 3)
+    assert sp.propose(seq, 2, 1) == Drafts([], 2)
+    assert sp.verified(seq, Drafts([], 3), [9, 9, 9, 9]) == 3  # all three and the bonus
+    assert sp.verified(seq, Drafts([], 3), [9, 9]) == 1
+    assert sp.verified(seq, Drafts([], 3), [9]) == 0
+    assert sp.stats.accepted_per_pos == [2, 1, 1]
 
 
 def test_llm_takes_vllms_dict_and_refuses_what_it_cannot_serve(monkeypatch) -> None:
     import kvflow.llm
 
-    with pytest.raises(ValueError, match="'draft_model' is not served"):
-        kvflow.llm.LLM(speculative_config={"method": "draft_model", "num_speculative_tokens": 2})
+    with pytest.raises(ValueError, match="'eagle' is not served"):
+        kvflow.llm.LLM(speculative_config={"method": "eagle", "num_speculative_tokens": 2})
     seen = {}
 
     class Started(Exception):
@@ -173,5 +189,5 @@ def test_llm_takes_vllms_dict_and_refuses_what_it_cannot_serve(monkeypatch) -> N
     monkeypatch.setattr(kvflow.llm, "start_pipeline", start_pipeline)
     with pytest.raises(Started):
         kvflow.llm.LLM(speculative_config={"method": "ngram", "num_speculative_tokens": 3})
-    cfg = parse_speculative_config(seen["settings"].scheduler.speculative_config)
+    cfg = parse_speculative_config(seen["settings"].model.speculative_config)
     assert cfg == SpeculativeConfig("ngram", 3, 5, 5, 0)

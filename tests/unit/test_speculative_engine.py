@@ -205,3 +205,47 @@ def _chi2_ok(samples: list[int], p: torch.Tensor) -> bool:
     z = 3.09  # 99.9 %
     q = df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
     return stat < q
+
+
+def _draft_of(hf: LlamaForCausalLM, layers: int):  # noqa: ANN202
+    """The tiny model's first ``layers`` layers, loaded as the worker loads a draft."""
+    from dataclasses import replace
+
+    from services.worker.model_setup import CpuPathSpec, DeviceSpec, load_model
+
+    cfg = make_runner(hf).config
+    weights = {k: v.detach().clone() for k, v in hf.state_dict().items()}
+    spec = CpuPathSpec(batch_invariant=False)
+    return load_model(None, DeviceSpec(), spec, replace(cfg, num_layers=layers), weights)
+
+
+@pytest.mark.parametrize("layers", [2, 1])
+def test_draft_model_keeps_greedy_output(hf_model: LlamaForCausalLM, layers: int) -> None:  # noqa: F811
+    """A draft model in the worker (the target itself, or its first layer): greedy output
+    equals plain decoding's, alone and batched, under chunked prefill and preemption; the
+    whole-model draft is accepted (nearly) always."""
+    greedy = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    draft = SpeculativeConfig("draft_model", 3, model="tiny")
+    lim = {"max_num_batched_tokens": 12, "max_model_len": 128}
+    plain, _ = run_core(
+        _core(None, 20, 4, **lim), make_runner(hf_model, worker_id="w"), PROMPTS, greedy
+    )
+    core = _core(draft, 20, 4, **lim)
+    runner = make_runner(hf_model, worker_id="w", draft=_draft_of(hf_model, layers))
+    spec, plans = run_core(core, runner, PROMPTS, greedy)
+    assert spec == plain
+    assert core.workers["w"].num_preemptions > 0
+    assert any(s.num_propose for p in plans for s in p.seqs)
+    assert not any(s.num_draft for p in plans for s in p.seqs)  # the worker makes them
+    stats = core.speculator.stats
+    assert stats.num_draft_tokens > 0
+    if layers == 2:  # the target as its own draft
+        assert stats.num_accepted_tokens >= 0.9 * stats.num_draft_tokens
+    for i, p in enumerate(PROMPTS):
+        alone, _ = run_core(
+            _core(draft, 64, 4),
+            make_runner(hf_model, worker_id="w", draft=_draft_of(hf_model, layers)),
+            [p],
+            greedy,
+        )
+        assert alone["r0"] == plain[f"r{i}"]

@@ -1,0 +1,175 @@
+"""Speculative decoding with a draft model: a smaller Llama with the target's vocabulary that
+lives in the worker beside the target, with a paged KV cache of its own laid out like the
+target's (the same block ids and block size), so the scheduler's block tables serve both and
+its bookkeeping (preemption, prefix caching, freed drafts) covers the draft's cache too.
+
+Every step, before the target runs, the draft model runs the step's known tokens (prefill
+chunks and decode rows alike: its cache holds what the target's holds), then, for each sequence
+the scheduler asked drafts of (``ScheduledSeq.num_propose``), proposes them greedily one
+position at a time, all such sequences batched per position. The drafts are appended to the
+chunk (``num_draft``) and verified by the target exactly as n-gram drafts are
+(services/worker/speculation.py): a greedy draft is a one-hot proposal, so output keeps the
+target's distribution.
+
+The draft's cache is written for the known token and drafts 1..k-1; when all k drafts are
+accepted the k-th has no draft K/V yet, so it is run in front of that sequence's next chunk.
+K/V that reaches the worker another way (from a prefill worker, a KV tier) is target K/V only:
+the draft then proposes from a cache with holes, which costs acceptance, not correctness.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, replace
+
+import msgspec
+import torch
+
+from services.worker.model_setup import CpuPathSpec, DeviceSpec, LoadedModel, load_model
+from services.worker.step_inputs import HostStep, pack
+from services.worker.step_rows import StepRows, host_batch, lay_out
+from shared.messages import ScheduledSeq
+from shared.model_loader import ModelConfig, load_config, load_weights
+from shared.model_source import resolve_model
+from shared.speculative import SpeculativeConfig
+
+log = logging.getLogger("kvflow.worker")
+
+
+@dataclass
+class _Bare:
+    """What ``lay_out`` reads of a request's state, for the draft's rows (nothing to replay,
+    no prompt logprobs, no pooling)."""
+
+    guide: None = None
+    pool: None = None
+    prompt_logprobs_k: None = None
+
+
+_BARE = _Bare()
+
+
+def load_draft(cfg: SpeculativeConfig, device: DeviceSpec, target: ModelConfig) -> LoadedModel:
+    """The draft model ``cfg`` names, on the target's device and dtype (its first
+    ``num_draft_layers`` layers when set); ValueError when its vocabulary is not the
+    target's."""
+    src = resolve_model(cfg.model)
+    full = load_config(src)
+    config = full
+    if cfg.num_draft_layers:
+        config = replace(full, num_layers=min(cfg.num_draft_layers, full.num_layers))
+    if config.vocab_size != target.vocab_size:
+        raise ValueError(
+            f"draft model {src.name} has a vocabulary of {config.vocab_size} tokens, the served "
+            f"model {target.vocab_size}: a draft must share the served model's tokenizer"
+        )
+    log.info("loading draft model %s (%d layers) from %s", src.name, config.num_layers, src.path)
+    quant = device.quantization if device.quantization in ("gguf", "int8") else ""
+    weights = load_weights(src, full, device.dtype, quant)  # the model keeps its first layers
+    spec = replace(device, quantization="")
+    return load_model(None, spec, CpuPathSpec(batch_invariant=False), config, weights)
+
+
+class DraftProposer:
+    """A draft model and its KV cache (``num_blocks`` x ``block_size``, the target's)."""
+
+    def __init__(self, loaded: LoadedModel, num_blocks: int, block_size: int) -> None:
+        self.loaded = loaded
+        self.model = loaded.model
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        self.kv_caches = self.model.make_kv_caches(num_blocks, block_size)
+        # request id -> (position, token): an accepted last draft whose draft K/V is missing
+        self.holes: dict[str, tuple[int, int]] = {}
+
+    def forget(self, request_id: str) -> None:
+        self.holes.pop(request_id, None)
+
+    def step(self, seqs: list[ScheduledSeq]) -> list[ScheduledSeq]:
+        """Run the step's known tokens through the draft and return ``seqs`` with the drafts
+        of each sequence that asks for them appended (``num_draft`` set, ``num_propose`` 0)."""
+        rows = [self._with_hole(s) for s in seqs]
+        proposing = [i for i, s in enumerate(seqs) if s.num_propose > 0]
+        draft_seqs = [
+            ScheduledSeq(s.request_id, s.token_ids, s.start_pos, s.block_table, i in proposing)
+            for i, s in enumerate(rows)
+        ]
+        firsts = self._run(draft_seqs)  # argmax after each proposing chunk, in chunk order
+        drafts = {seqs[i].request_id: [t] for i, t in zip(proposing, firsts, strict=True)}
+        for n in range(1, max((seqs[i].num_propose for i in proposing), default=0)):
+            more = [seqs[i] for i in proposing if seqs[i].num_propose > n]
+            step = [
+                ScheduledSeq(
+                    s.request_id,
+                    [drafts[s.request_id][-1]],
+                    s.start_pos + len(s.token_ids) + n - 1,
+                    s.block_table,
+                )
+                for s in more
+            ]
+            for s, t in zip(more, self._run(step), strict=True):
+                drafts[s.request_id].append(t)
+        out = []
+        for s in seqs:
+            d = drafts.get(s.request_id)
+            if d is None:
+                out.append(s)
+                continue
+            out.append(
+                ScheduledSeq(
+                    s.request_id,
+                    s.token_ids + d,
+                    s.start_pos,
+                    s.block_table,
+                    s.sample,
+                    num_draft=len(d),
+                )
+            )
+        return out
+
+    def verified(self, s: ScheduledSeq, picked: list[int]) -> None:
+        """The target kept ``picked`` for ``s`` (a chunk with drafts): when every draft was
+        accepted, the last one's draft K/V is missing; run it before the next chunk."""
+        k = s.num_draft
+        if k and len(picked) == k + 1:
+            self.holes[s.request_id] = (s.start_pos + len(s.token_ids) - 1, s.token_ids[-1])
+        else:
+            self.holes.pop(s.request_id, None)
+
+    def _with_hole(self, s: ScheduledSeq) -> ScheduledSeq:
+        hole = self.holes.pop(s.request_id, None)
+        if hole is None or hole[0] != s.start_pos - 1:
+            return s
+        return msgspec.structs.replace(s, token_ids=[hole[1], *s.token_ids], start_pos=hole[0])
+
+    def _run(self, seqs: list[ScheduledSeq]) -> list[int]:
+        """One draft forward over ``seqs``; the greedy token after each sampled chunk, in the
+        order of ``seqs``."""
+        sampled = [s for s in seqs if s.sample]
+        step = lay_out(
+            seqs,
+            {s.request_id: _BARE for s in sampled},
+            self.block_size,
+            self.num_blocks,
+            self.model.cfg.max_position_embeddings,
+        )
+        logits = self._forward(step)
+        if not sampled:
+            return []
+        order = [s.request_id for s in step.seqs if s.sample]  # lay_out's order
+        by_id = dict(zip(order, logits.argmax(dim=-1).tolist(), strict=True))
+        return [by_id[s.request_id] for s in sampled]
+
+    def _forward(self, step: StepRows) -> torch.Tensor:
+        ld = self.loaded
+        if ld.ops is None:
+            batch = host_batch(step, self.block_size, ld.decode_fn, ld.gemm_rows)
+            ids, pos = torch.tensor(step.ids), torch.tensor(step.pos)
+            return self.model(ids, pos, batch, self.kv_caches)
+        bs = self.block_size
+        ends = [s.start_pos + len(s.token_ids) for s in step.seqs]
+        tables = [s.block_table[: -(-e // bs)] for s, e in zip(step.seqs, ends, strict=True)]
+        qlens = [len(s.token_ids) for s in step.seqs]
+        host = HostStep(step.ids, step.pos, step.slots, tables, ends, qlens, step.logits_rows)
+        batch = pack(host, ld.device)
+        return self.model.forward_device_pooled(ld.ops, batch, self.kv_caches, None)[0]
