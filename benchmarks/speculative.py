@@ -37,7 +37,12 @@ TOPICS = (
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--spec-config", default=DEFAULT_SPEC, help="the --speculative-config to test")
+    p.add_argument(
+        "--spec-config",
+        action="append",
+        default=None,
+        help="a --speculative-config to test (repeat for several; default: n-gram, k=4)",
+    )
     p.add_argument("--spec-streams", type=int, default=8, help="streams of the concurrent runs")
     p.add_argument("--spec-requests", type=int, default=8, help="requests per run and stream count")
     p.add_argument("--spec-max-tokens", type=int, default=160, help="max_tokens of each request")
@@ -122,7 +127,12 @@ def main(args: argparse.Namespace) -> int:
         "quoting": [_chat(tok, p) for p in quoting_prompts(max(n, streams * 2))],
         "prose": [_chat(tok, p) for p in prose_prompts(max(n, streams * 2))],
     }
-    configs = {"off": [], "ngram": ["--speculative-config", args.spec_config]}
+    configs: dict[str, list[str]] = {"off": []}
+    for i, raw in enumerate(args.spec_config or [DEFAULT_SPEC]):
+        configs[f"{json.loads(raw)['method'].split('_')[0]}{i or ''}"] = [
+            "--speculative-config",
+            raw,
+        ]
     rows = []
     for cname, flags in configs.items():
         print(f"starting kvflow serve (speculation {cname}) ...", flush=True)
@@ -136,15 +146,17 @@ def main(args: argparse.Namespace) -> int:
         finally:
             os.killpg(proc.pid, signal.SIGTERM)
             proc.wait(30)
-    print(f"\nspeculative config: {args.spec_config}")
-    head = f"{'workload':<9} {'streams':>7} {'spec':>5} {'tokens':>7} {'tok/s':>8} "
+    print()
+    for cname, flags in configs.items():
+        print(f"{cname}: {flags[1] if flags else 'no speculation'}")
+    head = f"{'workload':<9} {'streams':>7} {'spec':>6} {'tokens':>7} {'tok/s':>8} "
     print(head + f"{'TPOT p50 ms':>12} {'accept':>7} {'TPOT vs off':>12}")
     off = {(w, c): s for w, c, cn, s, _ in rows if cn == "off"}
     for w, c, cn, s, acc in rows:
         base = off[(w, c)]
         ratio = base.tpot_p50_s / s.tpot_p50_s if s.tpot_p50_s else float("nan")
         print(
-            f"{w:<9} {c:>7} {cn:>5} {s.output_tokens:>7} {s.output_tokens_per_s:>8.1f} "
+            f"{w:<9} {c:>7} {cn:>6} {s.output_tokens:>7} {s.output_tokens_per_s:>8.1f} "
             f"{s.tpot_p50_s * 1000:>12.1f} {acc:>7.2f} {ratio:>11.2f}x"
         )
     return 0

@@ -387,10 +387,15 @@ def test_triton_worker_pools_embeddings_as_the_cpu_path(model, kind: str) -> Non
 
 
 @requires_interpreter
-@pytest.mark.parametrize("graphs", [False, True], ids=["eager", "padded-static-buffers"])
-def test_speculative_decoding_on_the_device_path(model, graphs: bool) -> None:
-    """n-gram drafts verified on the device path (each draft a decode row; decode-only steps
-    through the padded graph buffers) give the CPU path's plain greedy tokens."""
+@pytest.mark.parametrize(
+    ("graphs", "method"),
+    [(False, "ngram"), (True, "ngram"), (False, "draft_model")],
+    ids=["eager", "padded-static-buffers", "draft-model"],
+)
+def test_speculative_decoding_on_the_device_path(model, graphs: bool, method: str) -> None:
+    """n-gram drafts, or a draft model's (the tiny model itself, on the device path too),
+    verified on the device path (each draft a decode row; decode-only steps through the padded
+    graph buffers) give the CPU path's plain greedy tokens."""
     from services.scheduler.core import SchedulerCore
     from services.scheduler.worker_state import SchedulerLimits
     from shared.speculative import SpeculativeConfig
@@ -405,10 +410,23 @@ def test_speculative_decoding_on_the_device_path(model, graphs: bool) -> None:
         return c
 
     want, _ = run_core(core(None), make(model, worker_id="w"), prompts, params)
-    spec = SpeculativeConfig("ngram", 3, 1, 3)
-    runner = make(model, worker_id="w", backend="triton", cuda_graphs=graphs, max_num_seqs=8)
-    got, plans = run_core(core(spec), runner, prompts, params)
+    spec = SpeculativeConfig(method, 3, 1, 3, model="tiny" if method == "draft_model" else "")
+    draft = None
+    if method == "draft_model":
+        from services.worker.model_setup import CpuPathSpec, DeviceSpec, load_model
+
+        cfg, weights = model
+        clone = {k: v.clone() for k, v in weights.items()}
+        draft = load_model(None, DeviceSpec(backend="triton"), CpuPathSpec(), cfg, clone)
+        assert draft.ops is not None
+    runner = make(
+        model, worker_id="w", backend="triton", cuda_graphs=graphs, max_num_seqs=8, draft=draft
+    )
+    c = core(spec)
+    got, plans = run_core(c, runner, prompts, params)
     assert got == want
-    assert any(s.num_draft for p in plans for s in p.seqs)
+    assert any(s.num_draft or s.num_propose for p in plans for s in p.seqs)
+    if draft is not None:  # the target as its own draft: accepted
+        assert c.speculator is not None and c.speculator.stats.num_accepted_tokens > 0
     if graphs:
         assert runner.graphs is not None and runner.graphs.replays > 0
