@@ -3,18 +3,20 @@ lives in the worker beside the target, with a paged KV cache of its own laid out
 target's (the same block ids and block size), so the scheduler's block tables serve both and
 its bookkeeping (preemption, prefix caching, freed drafts) covers the draft's cache too.
 
-Every step, before the target runs, the draft model runs the step's known tokens (prefill
-chunks and decode rows alike: its cache holds what the target's holds), then, for each sequence
-the scheduler asked drafts of (``ScheduledSeq.num_propose``), proposes them greedily one
-position at a time, all such sequences batched per position. The drafts are appended to the
+For each sequence the scheduler asks drafts of (``ScheduledSeq.num_propose``), the draft model
+first runs every known token of it that it has not run yet (the prompt, then whatever was
+decoded while the sequence was not speculating), then proposes greedily one position at a
+time, all such sequences batched per position. A sequence that does not speculate (backed off
+after misses, or never: penalties, grammars) costs the draft nothing. The drafts are appended to the
 chunk (``num_draft``) and verified by the target exactly as n-gram drafts are
 (services/worker/speculation.py): a greedy draft is a one-hot proposal, so output keeps the
 target's distribution.
 
-The draft's cache is written for the known token and drafts 1..k-1; when all k drafts are
-accepted the k-th has no draft K/V yet, so it is run in front of that sequence's next chunk.
-K/V that reaches the worker another way (from a prefill worker, a KV tier) is target K/V only:
-the draft then proposes from a cache with holes, which costs acceptance, not correctness.
+The draft's cache is written for the known tokens and drafts 1..k-1; when all k drafts are
+accepted the k-th has no draft K/V yet, so it waits with the next known tokens. K/V that reaches
+the worker another way (a prefix-cache hit on blocks whose draft K/V was never computed, a
+prefill worker, a KV tier) is target K/V only: the draft then proposes from a cache with holes,
+which costs acceptance, never correctness.
 """
 
 from __future__ import annotations
@@ -22,7 +24,6 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, replace
 
-import msgspec
 import torch
 
 from services.worker.model_setup import CpuPathSpec, DeviceSpec, LoadedModel, load_model
@@ -79,25 +80,27 @@ class DraftProposer:
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.kv_caches = self.model.make_kv_caches(num_blocks, block_size)
-        # request id -> (position, token): an accepted last draft whose draft K/V is missing
-        self.holes: dict[str, tuple[int, int]] = {}
+        # request id -> (position, tokens): known tokens the target has computed and the draft
+        # not yet, contiguous from that position; run in front of the request's next proposal
+        self.pending: dict[str, tuple[int, list[int]]] = {}
 
     def forget(self, request_id: str) -> None:
-        self.holes.pop(request_id, None)
+        self.pending.pop(request_id, None)
 
     def step(self, seqs: list[ScheduledSeq]) -> list[ScheduledSeq]:
-        """Run the step's known tokens through the draft and return ``seqs`` with the drafts
-        of each sequence that asks for them appended (``num_draft`` set, ``num_propose`` 0)."""
-        rows = [self._with_hole(s) for s in seqs]
-        proposing = [i for i, s in enumerate(seqs) if s.num_propose > 0]
-        draft_seqs = [
-            ScheduledSeq(s.request_id, s.token_ids, s.start_pos, s.block_table, i in proposing)
-            for i, s in enumerate(rows)
-        ]
-        firsts = self._run(draft_seqs)  # argmax after each proposing chunk, in chunk order
-        drafts = {seqs[i].request_id: [t] for i, t in zip(proposing, firsts, strict=True)}
-        for n in range(1, max((seqs[i].num_propose for i in proposing), default=0)):
-            more = [seqs[i] for i in proposing if seqs[i].num_propose > n]
+        """Return ``seqs`` with the drafts of each sequence that asks for them appended
+        (``num_draft`` set); the draft runs only for those, over every known token it has
+        not run yet (so a sequence that is not speculating costs the draft nothing)."""
+        for s in seqs:
+            self._remember(s)
+        proposing = [s for s in seqs if s.num_propose > 0]
+        catch_up = []
+        for s in proposing:
+            start, toks = self.pending.pop(s.request_id)
+            catch_up.append(ScheduledSeq(s.request_id, toks, start, s.block_table))
+        drafts = {s.request_id: [t] for s, t in zip(proposing, self._run(catch_up), strict=True)}
+        for n in range(1, max((s.num_propose for s in proposing), default=0)):
+            more = [s for s in proposing if s.num_propose > n]
             step = [
                 ScheduledSeq(
                     s.request_id,
@@ -128,37 +131,38 @@ class DraftProposer:
         return out
 
     def verified(self, s: ScheduledSeq, picked: list[int]) -> None:
-        """The target kept ``picked`` for ``s`` (a chunk with drafts): when every draft was
-        accepted, the last one's draft K/V is missing; run it before the next chunk."""
+        """The target kept ``picked`` for ``s`` (a chunk with drafts; the draft ran its known
+        tokens and drafts 1..k-1): when every draft was accepted, the last one has no draft
+        K/V yet and waits for the next proposal."""
         k = s.num_draft
         if k and len(picked) == k + 1:
-            self.holes[s.request_id] = (s.start_pos + len(s.token_ids) - 1, s.token_ids[-1])
-        else:
-            self.holes.pop(s.request_id, None)
+            self.pending[s.request_id] = (s.start_pos + len(s.token_ids) - 1, [s.token_ids[-1]])
 
-    def _with_hole(self, s: ScheduledSeq) -> ScheduledSeq:
-        hole = self.holes.pop(s.request_id, None)
-        if hole is None or hole[0] != s.start_pos - 1:
-            return s
-        return msgspec.structs.replace(s, token_ids=[hole[1], *s.token_ids], start_pos=hole[0])
+    def _remember(self, s: ScheduledSeq) -> None:
+        """Add a chunk's known tokens to what the draft has to run: after what is pending when
+        it follows on, else instead of it (a recompute, or K/V the draft never saw)."""
+        known = s.token_ids[: len(s.token_ids) - s.num_draft]
+        got = self.pending.get(s.request_id)
+        if got is not None and got[0] + len(got[1]) == s.start_pos:
+            got[1].extend(known)
+        else:
+            self.pending[s.request_id] = (s.start_pos, list(known))
 
     def _run(self, seqs: list[ScheduledSeq]) -> list[int]:
-        """One draft forward over ``seqs``; the greedy token after each sampled chunk, in the
-        order of ``seqs``."""
-        sampled = [s for s in seqs if s.sample]
+        """One draft forward over ``seqs`` (each sampled); the greedy token after each."""
+        if not seqs:
+            return []
         step = lay_out(
             seqs,
-            {s.request_id: _BARE for s in sampled},
+            {s.request_id: _BARE for s in seqs},
             self.block_size,
             self.num_blocks,
             self.model.cfg.max_position_embeddings,
         )
         logits = self._forward(step)
-        if not sampled:
-            return []
-        order = [s.request_id for s in step.seqs if s.sample]  # lay_out's order
+        order = [s.request_id for s in step.seqs]  # lay_out's order
         by_id = dict(zip(order, logits.argmax(dim=-1).tolist(), strict=True))
-        return [by_id[s.request_id] for s in sampled]
+        return [by_id[s.request_id] for s in seqs]
 
     def _forward(self, step: StepRows) -> torch.Tensor:
         ld = self.loaded

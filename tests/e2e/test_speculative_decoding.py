@@ -138,6 +138,20 @@ def test_other_features_keep_working(spec_stack) -> None:
         extra_body={"ignore_eos": True},
     )
     assert r.usage.completion_tokens == 16
+    # structured output (decoded one token a step: the grammar's state is per position)
+    schema = {
+        "type": "object",
+        "properties": {"fruit": {"type": "string"}},
+        "required": ["fruit"],
+    }
+    r = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "Name a fruit as JSON."}],
+        max_tokens=40,
+        temperature=0,
+        response_format={"type": "json_schema", "json_schema": {"name": "f", "schema": schema}},
+    )
+    assert isinstance(json.loads(r.choices[0].message.content)["fruit"], str)
     # streamed chat: the chunks add up to the non-streamed text
     msgs = [{"role": "user", "content": "Repeat exactly: red, green, blue, red, green, blue."}]
     whole = (
