@@ -128,3 +128,17 @@ def hf_model(model_src):
         str(model_src.directory), gguf_file=model_src.path.name, dtype=torch.float32
     )
     return model.eval()
+
+
+def hf_greedy_texts(hf_model, tokenizer, prompts: list[str], new_tokens: int) -> dict:
+    """Hugging Face's greedy continuation of each prompt: {prompt: (text, token count)}."""
+    import torch
+
+    out = {}
+    for p in prompts:
+        ids = tokenizer(p, return_tensors="pt")["input_ids"]
+        with torch.no_grad():
+            gen = hf_model.generate(ids, max_new_tokens=new_tokens, do_sample=False)
+        new = gen[0, ids.shape[1] :].tolist()
+        out[p] = (tokenizer.decode(new, skip_special_tokens=True), len(new))
+    return out

@@ -9,7 +9,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
-from tests.e2e.conftest import wait_all_blocks_free
+from tests.e2e.conftest import hf_greedy_texts, wait_all_blocks_free
 
 pytestmark = pytest.mark.e2e
 MODEL = "SmolLM2-135M-Instruct"
@@ -26,15 +26,7 @@ PROMPTS = [
 
 @pytest.fixture(scope="module")
 def hf_greedy(hf_model, tokenizer):
-    model = hf_model
-    out = {}
-    for p in PROMPTS:
-        ids = tokenizer(p, return_tensors="pt")["input_ids"]
-        with torch.no_grad():
-            gen = model.generate(ids, max_new_tokens=NEW_TOKENS, do_sample=False)
-        new = gen[0, ids.shape[1] :].tolist()
-        out[p] = (tokenizer.decode(new, skip_special_tokens=True), len(new))
-    return out
+    return hf_greedy_texts(hf_model, tokenizer, PROMPTS, NEW_TOKENS)
 
 
 def complete(client, prompt: str):

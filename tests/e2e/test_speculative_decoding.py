@@ -10,10 +10,14 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
-import torch
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.e2e.conftest import openai_client, running_stack, wait_all_blocks_free
+from tests.e2e.conftest import (
+    hf_greedy_texts,
+    openai_client,
+    running_stack,
+    wait_all_blocks_free,
+)
 
 pytestmark = pytest.mark.e2e
 MODEL = "SmolLM2-135M-Instruct"
@@ -38,14 +42,7 @@ def spec_stack():
 
 @pytest.fixture(scope="module")
 def hf_texts(hf_model, tokenizer) -> dict[str, tuple[str, int]]:
-    out = {}
-    for p in QUOTING + PROSE:
-        ids = tokenizer(p, return_tensors="pt")["input_ids"]
-        with torch.no_grad():
-            gen = hf_model.generate(ids, max_new_tokens=NEW_TOKENS, do_sample=False)
-        new = gen[0, ids.shape[1] :].tolist()
-        out[p] = (tokenizer.decode(new, skip_special_tokens=True), len(new))
-    return out
+    return hf_greedy_texts(hf_model, tokenizer, QUOTING + PROSE, NEW_TOKENS)
 
 
 def _complete(client, prompt: str) -> tuple[str, int]:

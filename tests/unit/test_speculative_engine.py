@@ -249,3 +249,70 @@ def test_draft_model_keeps_greedy_output(hf_model: LlamaForCausalLM, layers: int
             greedy,
         )
         assert alone["r0"] == plain[f"r{i}"]
+
+
+def test_prefix_cache_hits_on_blocks_filled_by_accepted_drafts(hf_model: LlamaForCausalLM) -> None:  # noqa: F811
+    """A follow-up whose prompt is the first request's prompt and output hits the blocks the
+    first filled (many through accepted drafts) and generates what plain decoding does."""
+    greedy = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    core = _core(NGRAM, 64, 4)
+    runner = make_runner(hf_model, worker_id="w")
+    first, _ = run_core(core, runner, [PROMPTS[2]], greedy)
+    assert core.speculator is not None and core.speculator.stats.num_accepted_tokens > 0
+    follow = PROMPTS[2] + first["r0"]
+    second, _ = run_core(core, runner, [follow], greedy)
+    assert core.workers["w"].bm.prefix_hits >= (len(follow) - 1) // 4
+    plain, _ = run_core(_core(None, 64, 4), make_runner(hf_model, worker_id="w"), [follow], greedy)
+    assert second == plain
+
+
+def test_disaggregated_decode_workers_speculate() -> None:
+    """A prefill worker and a decode worker (simulated, K/V copied slot by slot): drafts are
+    proposed on the decode worker only and the output equals the run without speculation."""
+    from shared.messages import KvTransferDone
+
+    vocab, eos = list(range(100, 1100)), [2]
+    prompts = [[(i * 7 + j) % 5 + 100 for j in range(9 + i)] for i in range(4)]
+    greedy = SamplingParams(max_tokens=20, temperature=0.0)
+
+    def run(spec: SpeculativeConfig | None) -> tuple[dict[str, list[int]], dict[str, int]]:
+        limits = SchedulerLimits(max_num_batched_tokens=16, max_model_len=512)
+        core = SchedulerCore(limits, model="m", speculative=spec)
+        sims = {}
+        for wid, role in (("p", "prefill"), ("d", "decode")):
+            core.add_worker(wid, 64, 4, role=role, kv_address=f"kv.{wid}")
+            sims[wid] = SimRunner(vocab, eos, 4, 64, 512, worker_id=wid)
+        for i, p in enumerate(prompts):
+            core.add_request(TokenizedRequest(f"r{i}", "", p, greedy))
+        out: dict[str, list[int]] = {f"r{i}": [] for i in range(len(prompts))}
+        drafted = {"p": 0, "d": 0}
+        for _ in range(500):
+            pulls, ran = [], False
+            for wid, ws in core.workers.items():
+                plan, _loads = core.schedule(ws)
+                if plan is None:
+                    continue
+                ran = True
+                drafted[wid] += sum(s.num_draft for s in plan.seqs)
+                res = sims[wid].execute(plan)
+                for rid, tok in zip(res.request_ids, res.token_ids, strict=True):
+                    out[rid].append(tok)
+                pulls += core.on_result(res).pulls
+            for dst, pull in pulls:
+                src, dsim = sims[pull.src_worker], sims[dst]
+                for sb, db in zip(pull.src_blocks, pull.dst_blocks, strict=True):
+                    s_, d_ = slice(sb * 4, sb * 4 + 4), slice(db * 4, db * 4 + 4)
+                    dsim._k[d_], dsim._v[d_] = src._k[s_], src._v[s_]
+                core.on_transfer_done(
+                    KvTransferDone(pull.transfer_id, pull.request_id, dst, True, num_bytes=1)
+                )
+            if not ran and not pulls:
+                break
+        assert not core.requests
+        assert all(w.bm.num_free_blocks == w.bm.num_blocks for w in core.workers.values())
+        return out, drafted
+
+    plain, _ = run(None)
+    spec, drafted = run(NGRAM)
+    assert spec == plain
+    assert drafted["d"] > 0 and drafted["p"] == 0
