@@ -23,6 +23,7 @@ from services.scheduler.sequence import Sequence
 from shared.speculative import SpeculativeConfig, can_speculate
 
 MAX_COOLDOWN = 64  # steps without proposals after repeated misses, at most
+MAX_CANDIDATES = 16  # latest occurrences of a suffix's shortest n-gram a lookup extends
 
 
 class Drafts(NamedTuple):
@@ -38,36 +39,48 @@ class Drafts(NamedTuple):
 
 
 class NgramIndex:
-    """For each n in ``lo..hi``, the latest position that followed each n-gram of a
-    sequence's tokens; brought up to date on each lookup (tokens are only ever appended)."""
+    """Every position that followed each n-gram of ``lo`` tokens in a sequence, brought up to
+    date on each lookup (tokens are only ever appended); a lookup extends the match of the
+    latest candidates backwards up to ``hi`` tokens. One tuple and one dict operation per token
+    and per lookup: text with no repeats costs next to nothing."""
 
     def __init__(self, lo: int, hi: int) -> None:
         self.lo, self.hi = lo, hi
-        self.maps: dict[int, dict[tuple[int, ...], int]] = {n: {} for n in range(lo, hi + 1)}
-        self.indexed = 0  # n-grams ending before this position (exclusive) are in the maps
+        self.after: dict[tuple[int, ...], list[int]] = {}
+        self.indexed = 0  # n-grams ending before this position (exclusive) are indexed
 
     def propose(self, tokens: list[int], k: int) -> list[int]:
-        """``k`` tokens that followed the latest earlier occurrence of the longest suffix of
-        ``tokens`` (of ``lo..hi`` tokens) seen before; [] when none."""
-        end = len(tokens)
-        # an n-gram ending at e (exclusive) is followed by tokens[e]: index e < end only (the
+        """``k`` tokens that followed the earlier occurrence of the longest suffix of
+        ``tokens`` (``lo..hi`` tokens; the latest among equally long) seen before; [] when
+        none."""
+        end, lo = len(tokens), self.lo
+        # the n-gram ending at e (exclusive) is followed by tokens[e]: index e < end only (the
         # suffix itself has no continuation yet)
-        for e in range(self.indexed, end):
-            for n, m in self.maps.items():
-                if e >= n:
-                    m[tuple(tokens[e - n : e])] = e
+        for e in range(max(self.indexed, lo), end):
+            key = tuple(tokens[e - lo : e])
+            seen = self.after.get(key)
+            if seen is None:
+                self.after[key] = [e]
+            else:
+                seen.append(e)
         self.indexed = max(self.indexed, end)
-        for n in range(self.hi, self.lo - 1, -1):
-            if end < n:
-                continue
-            at = self.maps[n].get(tuple(tokens[end - n :]))
-            if at is not None:
-                # a continuation that runs into the suffix repeats it (an LZ77-style copy)
-                out: list[int] = []
-                for j in range(at, at + k):
-                    out.append(tokens[j] if j < end else out[j - end])
-                return out
-        return []
+        cands = self.after.get(tuple(tokens[end - lo :])) if end >= lo else None
+        if not cands:
+            return []
+        best, best_n = -1, 0
+        for at in reversed(cands[-MAX_CANDIDATES:]):
+            n = lo
+            while n < self.hi and at - n - 1 >= 0 and tokens[at - n - 1] == tokens[end - n - 1]:
+                n += 1
+            if n > best_n:
+                best, best_n = at, n
+                if n == self.hi:
+                    break
+        # a continuation that runs into the suffix repeats it (an LZ77-style copy)
+        out: list[int] = []
+        for j in range(best, best + k):
+            out.append(tokens[j] if j < end else out[j - end])
+        return out
 
 
 @dataclass
@@ -77,6 +90,7 @@ class SpecState:
 
     index: NgramIndex
     depth: int  # drafts to propose at most next time
+    eligible: bool = True  # the request's parameters allow speculation (can_speculate)
     cooldown: int = 0  # steps left without proposals
     misses: int = 0  # verifications in a row that accepted nothing
     drafted: int = 0  # draft tokens verified, over the request's life (for its trace)
@@ -101,28 +115,36 @@ class Speculator:
         self.config = config
         self.stats = SpecStats(accepted_per_pos=[0] * config.num_speculative_tokens)
 
-    def propose(self, seq: Sequence, limit: int, batch_size: int) -> Drafts | None:
-        """Drafts for ``seq`` (whose next step computes only its last token), at most
-        ``limit``; None when it should decode one token."""
-        cfg = self.config
-        if limit <= 0 or seq.pooling is not None or seq.reservation is not None:
-            return None
-        if cfg.disable_by_batch_size and batch_size >= cfg.disable_by_batch_size:
-            return None
-        if not can_speculate(seq.params, seq.num_output_tokens):
-            return None
+    def propose(
+        self, seq: Sequence, budget: int, max_model_len: int, batch_size: int
+    ) -> Drafts | None:
+        """Drafts for ``seq`` (whose next step computes only its last token) within
+        ``budget`` tokens, its max_tokens and ``max_model_len``; None when it should decode
+        one token. Runs for every decoding sequence every step: cheapest checks first."""
         st = seq.spec
-        if st is None:
+        cfg = self.config
+        if st is None:  # what the parameters allow is decided once (min_tokens aside)
             index = NgramIndex(cfg.prompt_lookup_min, cfg.prompt_lookup_max)
-            st = seq.spec = SpecState(index, cfg.num_speculative_tokens)
+            eligible = seq.pooling is None and can_speculate(seq.params, seq.params.min_tokens)
+            st = seq.spec = SpecState(index, cfg.num_speculative_tokens, eligible=eligible)
+        if not st.eligible or seq.reservation is not None:
+            return None
         if st.cooldown > 0:
             st.cooldown -= 1
             return None
-        n = min(limit, st.depth)
+        if cfg.disable_by_batch_size and batch_size >= cfg.disable_by_batch_size:
+            return None
+        p, tokens = seq.params, seq.token_ids
+        num_out = len(tokens) - seq.prompt_len
+        if num_out < p.min_tokens:
+            return None
+        n = min(budget, p.max_tokens - num_out - 1, max_model_len - len(tokens) - 1, st.depth)
+        if n <= 0:
+            return None
         if cfg.proposed_by_worker:
             return Drafts([], n)
-        tokens = st.index.propose(seq.token_ids, n)
-        return Drafts(tokens) if tokens else None
+        drafts = st.index.propose(tokens, n)
+        return Drafts(drafts) if drafts else None
 
     def verified(self, seq: Sequence, drafts: Drafts, emitted: list[int]) -> int:
         """Record a verification: ``emitted`` are the tokens the step returned for ``seq``

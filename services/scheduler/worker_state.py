@@ -119,12 +119,7 @@ class WorkerState:
         max_tokens and the model length; None when off or nothing to propose."""
         if self.speculator is None:
             return None
-        limit = min(
-            budget,
-            seq.params.max_tokens - seq.num_output_tokens - 1,
-            self.limits.max_model_len - seq.num_tokens - 1,
-        )
-        return self.speculator.propose(seq, limit, len(self.running))
+        return self.speculator.propose(seq, budget, self.limits.max_model_len, len(self.running))
 
     def schedule(self) -> StepPlan | None:
         """This worker's next plan (planner.py), or None when there is nothing to run."""

@@ -4,6 +4,8 @@ per-sequence back-off: pure logic, no model."""
 from __future__ import annotations
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from services.scheduler.sequence import Sequence
 from services.scheduler.speculation import MAX_COOLDOWN, Drafts, NgramIndex, Speculator
@@ -126,7 +128,7 @@ def _seq(tokens: list[int], **params) -> Sequence:
 def test_speculator_backs_off_after_misses_and_counts() -> None:
     sp = Speculator(SpeculativeConfig("ngram", 3, 1, 2, 0))
     seq = _seq([1, 2, 1, 2, 1])  # suffix [2, 1] -> followed by 2, 1, ...
-    assert sp.propose(seq, 8, 1) == Drafts([2, 1, 2])
+    assert sp.propose(seq, 8, 10_000, 1) == Drafts([2, 1, 2])
     assert sp.verified(seq, Drafts([2, 1, 2]), [2, 1, 2, 1]) == 3
     assert seq.spec is not None and seq.spec.depth == 3
     assert sp.verified(seq, Drafts([2, 1, 2]), [2, 7]) == 1
@@ -137,8 +139,8 @@ def test_speculator_backs_off_after_misses_and_counts() -> None:
         cooldowns.append(seq.spec.cooldown)
     assert cooldowns == [1, 2, 4, 8, 16, 32, 64, MAX_COOLDOWN]
     assert seq.spec.depth == 1
-    skipped = sum(sp.propose(seq, 8, 1) is None for _ in range(MAX_COOLDOWN))
-    assert skipped == MAX_COOLDOWN and sp.propose(seq, 8, 1) == Drafts([2])
+    skipped = sum(sp.propose(seq, 8, 10_000, 1) is None for _ in range(MAX_COOLDOWN))
+    assert skipped == MAX_COOLDOWN and sp.propose(seq, 8, 10_000, 1) == Drafts([2])
     st = sp.stats
     assert (st.num_drafts, st.num_draft_tokens, st.num_accepted_tokens) == (10, 14, 4)
     assert st.accepted_per_pos == [2, 1, 1]
@@ -147,11 +149,11 @@ def test_speculator_backs_off_after_misses_and_counts() -> None:
 
 def test_speculator_limits() -> None:
     sp = Speculator(SpeculativeConfig("ngram", 4, 1, 2, disable_by_batch_size=4))
-    assert sp.propose(_seq([1, 2, 1, 2, 1]), 2, 1) == Drafts([2, 1])  # the limit
-    assert sp.propose(_seq([1, 2, 1, 2, 1]), 0, 1) is None
-    assert sp.propose(_seq([1, 2, 1, 2, 1]), 8, 4) is None  # the batch is large: off
-    assert sp.propose(_seq([1, 2, 1, 2, 1], repetition_penalty=1.1), 8, 1) is None
-    assert sp.propose(_seq([1, 2, 3]), 8, 1) is None  # nothing to look up
+    assert sp.propose(_seq([1, 2, 1, 2, 1]), 2, 10_000, 1) == Drafts([2, 1])  # the limit
+    assert sp.propose(_seq([1, 2, 1, 2, 1]), 0, 10_000, 1) is None
+    assert sp.propose(_seq([1, 2, 1, 2, 1]), 8, 10_000, 4) is None  # the batch is large: off
+    assert sp.propose(_seq([1, 2, 1, 2, 1], repetition_penalty=1.1), 8, 10_000, 1) is None
+    assert sp.propose(_seq([1, 2, 3]), 8, 10_000, 1) is None  # nothing to look up
 
 
 def test_draft_model_proposals_are_counts_for_the_worker() -> None:
@@ -164,8 +166,8 @@ def test_draft_model_proposals_are_counts_for_the_worker() -> None:
     assert parse_speculative_config(cfg.to_json()) == cfg
     sp = Speculator(cfg)
     seq = _seq([1, 2, 3])
-    assert sp.propose(seq, 8, 1) == Drafts([], 3)
-    assert sp.propose(seq, 2, 1) == Drafts([], 2)
+    assert sp.propose(seq, 8, 10_000, 1) == Drafts([], 3)
+    assert sp.propose(seq, 2, 10_000, 1) == Drafts([], 2)
     assert sp.verified(seq, Drafts([], 3), [9, 9, 9, 9]) == 3  # all three and the bonus
     assert sp.verified(seq, Drafts([], 3), [9, 9]) == 1
     assert sp.verified(seq, Drafts([], 3), [9]) == 0
@@ -191,3 +193,30 @@ def test_llm_takes_vllms_dict_and_refuses_what_it_cannot_serve(monkeypatch) -> N
         kvflow.llm.LLM(speculative_config={"method": "ngram", "num_speculative_tokens": 3})
     cfg = parse_speculative_config(seen["settings"].model.speculative_config)
     assert cfg == SpeculativeConfig("ngram", 3, 5, 5, 0)
+
+
+def _naive_propose(tokens: list[int], lo: int, hi: int, k: int) -> list[int]:
+    """The longest suffix (hi down to lo tokens) seen before, its latest occurrence's
+    continuation, copied LZ77-style past the end."""
+    end = len(tokens)
+    for n in range(hi, lo - 1, -1):
+        for e in range(end - 1, n - 1, -1):
+            if tokens[e - n : e] == tokens[end - n :]:
+                out: list[int] = []
+                for j in range(e, e + k):
+                    out.append(tokens[j] if j < end else out[j - end])
+                return out
+    return []
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.lists(st.integers(0, 3), min_size=0, max_size=40),
+    st.integers(1, 3),
+    st.integers(0, 2),
+    st.integers(1, 5),
+)
+def test_ngram_index_equals_a_naive_search(tokens: list[int], lo: int, extra: int, k: int) -> None:
+    idx = NgramIndex(lo, lo + extra)
+    for n in range(len(tokens) + 1):  # appended one by one, as a sequence grows
+        assert idx.propose(tokens[:n], k) == _naive_propose(tokens[:n], lo, lo + extra, k)
