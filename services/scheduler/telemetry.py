@@ -159,16 +159,22 @@ class SchedulerTelemetry:
                     self.prefill_time.labels(self.model).observe(now - live.first_scheduled)
                     live.span.add_event("first_token")
         for seq, reason in finished:
-            live = self.live.get(seq.request_id)
-            if live is not None and seq.spec is not None:  # speculative decoding's share
-                live.span.set_attribute("kvflow.spec_draft_tokens", seq.spec.drafted)
-                live.span.set_attribute("kvflow.spec_accepted_tokens", seq.spec.accepted)
+            self._spec_attributes(seq)
             self._finish(seq.request_id, FinishReason(reason), now)
 
     def on_abort(self, request_id: str, reason: FinishReason) -> None:
         """An Abort: a stop string (reason STOP, from the detokenizer) ends a request as
         normally as EOS does; anything else is an abort."""
+        self._spec_attributes(self.service.core.requests.get(request_id))
         self._finish(request_id, reason, time.monotonic())
+
+    def _spec_attributes(self, seq: Any) -> None:
+        """Speculative decoding's share of a request that ends, on its span."""
+        spec = getattr(seq, "spec", None)
+        live = self.live.get(seq.request_id) if spec is not None else None
+        if live is not None:
+            live.span.set_attribute("kvflow.spec_draft_tokens", spec.drafted)
+            live.span.set_attribute("kvflow.spec_accepted_tokens", spec.accepted)
 
     def headers(self, request_id: str) -> dict[str, str]:
         """NATS headers with a request's span context (for orders about that request)."""

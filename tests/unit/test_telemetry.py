@@ -284,6 +284,56 @@ def test_scheduler_counts_a_stop_string_as_a_finish_and_an_abort_as_none(spans) 
     assert ends == {"a": "stop", "b": "abort"}
 
 
+def test_scheduler_spans_carry_speculative_decodings_share(spans) -> None:
+    """Draft tokens verified and accepted per request, on its schedule span: at a finish and
+    at a stop string's abort; the spec_decode series count the same."""
+    from shared.speculative import SpeculativeConfig
+
+    svc = _Service()
+    svc.core = SchedulerCore(
+        SchedulerLimits(), model="m", speculative=SpeculativeConfig("ngram", 3, 1, 2)
+    )
+    ws = svc.core.add_worker("w0", 16, 4)
+    tel = SchedulerTelemetry(svc, "m")
+    for rid in ("a", "b"):
+        req = TokenizedRequest(rid, "inbox", [7, 8, 7, 8, 7], SamplingParams(max_tokens=6))
+        svc.core.add_request(req)
+        tel.on_request(req, None)
+    plan, _ = svc.core.schedule(ws)
+    result = StepResult("w0", plan.step_id, ["a", "b"], [8, 8], [0, 0])
+    tel.on_result(plan, result, svc.core.on_result(result).finished)
+    plan, _ = svc.core.schedule(ws)  # both draft [7, 8, 7] after "7 8 7 8 7 8"
+    assert [s.token_ids for s in plan.seqs] == [[8, 7, 8, 7]] * 2
+    # a: two drafts accepted, then its own 5; b: all three and the bonus (max_tokens reached)
+    result = StepResult(
+        "w0", plan.step_id, ["a"] * 3 + ["b"] * 4, [7, 8, 5, 7, 8, 7, 8], [0, 0, 0, 0, 0, 0, 2]
+    )
+    tel.on_result(plan, result, svc.core.on_result(result).finished)
+    tel.on_abort("a", FinishReason.STOP)  # a stop string in a's text (then the core's abort)
+    assert svc.core.abort("a")
+    got = {
+        s.attributes["kvflow.request_id"]: (
+            s.attributes["kvflow.spec_draft_tokens"],
+            s.attributes["kvflow.spec_accepted_tokens"],
+        )
+        for s in spans.get_finished_spans()
+        if s.name == "schedule"
+    }
+    assert got == {"a": (3, 2), "b": (3, 3)}
+    r = tel.registry
+    assert _sample(r, "vllm:spec_decode_num_drafts_total", model_name="m") == 2
+    assert _sample(r, "vllm:spec_decode_num_draft_tokens_total", model_name="m") == 6
+    assert _sample(r, "vllm:spec_decode_num_accepted_tokens_total", model_name="m") == 5
+    per_pos = [
+        _sample(
+            r, "vllm:spec_decode_num_accepted_tokens_per_pos_total", model_name="m", position=str(i)
+        )
+        for i in range(3)
+    ]
+    assert per_pos == [2, 2, 1]
+    assert svc.core.workers["w0"].bm.num_free_blocks == 16
+
+
 # -- logs ---------------------------------------------------------------------------------------
 
 
