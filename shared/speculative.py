@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from shared.messages.params import SamplingParams
+from shared.sampling.spec import GREEDY_EPS
 
 METHODS = ("ngram", "draft_model")
 _KNOWN_KEYS = {
@@ -142,10 +143,15 @@ def can_speculate(p: SamplingParams, num_output_tokens: int) -> bool:
     """Whether a request's next tokens may be drafted and verified in one step. Requests whose
     sampling depends on the tokens before each position (penalties, bad words: the history;
     grammars: the matcher's state; min_tokens still holding back EOS) are decoded one token a
-    step: they work as without speculation, only not faster. Temperature, top-k/top-p/min-p,
-    seeds, logit bias, allowed tokens and logprobs all speculate."""
+    step: they work as without speculation, only not faster. So is seeded random sampling: how
+    many drafts a step verifies can depend on the batch (the step's token budget, free
+    blocks), and with it how much of the request's random stream each token uses, while a
+    seed promises the same text in any batch. Greedy requests (seeded or not), unseeded
+    temperature/top-k/top-p/min-p, logit bias, allowed tokens and logprobs all speculate."""
+    seeded_random = p.seed is not None and p.temperature >= GREEDY_EPS
     return (
         p.structured_output is None
+        and not seeded_random
         and not p.needs_token_history()
         and num_output_tokens >= p.min_tokens
     )

@@ -96,7 +96,7 @@ def test_greedy_equals_hf_in_a_shared_batch(spec_stack, hf_texts) -> None:
 def test_other_features_keep_working(spec_stack) -> None:
     client = openai_client(spec_stack)
     prompt = QUOTING[0]
-    # sampled, seeded: the same seed gives the same text
+    # sampled, seeded: the same seed gives the same text (seeded sampling does not speculate)
     a, b = (
         client.completions.create(
             model=MODEL, prompt=prompt, max_tokens=24, temperature=0.8, seed=7
@@ -106,6 +106,11 @@ def test_other_features_keep_working(spec_stack) -> None:
         for _ in range(2)
     )
     assert a == b and a
+    # sampled, unseeded: speculates, and every token is there
+    r = client.completions.create(
+        model=MODEL, prompt=prompt, max_tokens=24, temperature=0.8, extra_body={"ignore_eos": True}
+    )
+    assert r.usage.completion_tokens == 24 and r.choices[0].finish_reason == "length"
     # logprobs: one per token, every token
     r = client.completions.create(
         model=MODEL, prompt=prompt, max_tokens=20, temperature=0, logprobs=2
