@@ -28,6 +28,7 @@ from prometheus_client import CollectorRegistry, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from services.scheduler.sequence import Sequence
 from shared.messages import FinishReason, StepPlan, StepResult, TokenizedRequest
 from shared.telemetry import extract, inject, traceparent, tracer
 
@@ -168,13 +169,14 @@ class SchedulerTelemetry:
         self._spec_attributes(self.service.core.requests.get(request_id))
         self._finish(request_id, reason, time.monotonic())
 
-    def _spec_attributes(self, seq: Any) -> None:
+    def _spec_attributes(self, seq: Sequence | None) -> None:
         """Speculative decoding's share of a request that ends, on its span."""
-        spec = getattr(seq, "spec", None)
-        live = self.live.get(seq.request_id) if spec is not None else None
+        if seq is None or seq.spec is None:
+            return
+        live = self.live.get(seq.request_id)
         if live is not None:
-            live.span.set_attribute("kvflow.spec_draft_tokens", spec.drafted)
-            live.span.set_attribute("kvflow.spec_accepted_tokens", spec.accepted)
+            live.span.set_attribute("kvflow.spec_draft_tokens", seq.spec.drafted)
+            live.span.set_attribute("kvflow.spec_accepted_tokens", seq.spec.accepted)
 
     def headers(self, request_id: str) -> dict[str, str]:
         """NATS headers with a request's span context (for orders about that request)."""

@@ -268,8 +268,9 @@ class WorkerState:
         """A sequence's drafts were verified: the K/V of every token it got but the last is
         now computed (its accepted drafts' included), and blocks taken only for rejected
         drafts go back to the free list."""
-        if seq is None or self.speculator is None or not emitted:
+        if seq is None or not emitted:
             return
+        assert self.speculator is not None  # drafts were proposed by it
         self.speculator.verified(seq, drafts, emitted)
         if seq.status is not SeqStatus.RUNNING:  # finished on one of them
             return

@@ -311,10 +311,7 @@ class ModelRunner:
             got = rows.get(s.request_id)
             if got is None or not s.sample:
                 continue
-            if s.num_draft:
-                picked = speculation.accept(s.token_ids[-s.num_draft :], [t for t, _ in got])
-            else:
-                picked = [got[0][0]]
+            picked = speculation.kept(s, [t for t, _ in got])
             if self.draft is not None:
                 self.draft.verified(s, picked)
             st = self.requests[s.request_id]

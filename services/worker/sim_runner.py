@@ -213,10 +213,7 @@ class SimRunner:
                 v = torch.from_numpy(rng.standard_normal(SIM_EMBEDDING_DIM))
                 self._pooled.append(pooled_output(s.request_id, v / v.norm()))
                 continue
-            picked = (
-                speculation.accept(s.token_ids[-s.num_draft :], got) if s.num_draft else got[:1]
-            )
-            for tok in picked:
+            for tok in speculation.kept(s, got):
                 reason = self._finish(st, tok)
                 ids.append(s.request_id)
                 tokens.append(tok)

@@ -53,3 +53,11 @@ def accept(drafts: list[int], sampled: list[int]) -> list[int]:
             break
         out.append(sampled[i + 1])
     return out
+
+
+def kept(s: ScheduledSeq, sampled: list[int]) -> list[int]:
+    """The tokens chunk ``s`` yields from the tokens sampled after each of its rows: the one
+    sampled token of a plain chunk, or what ``accept`` keeps of a chunk with drafts."""
+    if not s.num_draft:
+        return sampled[:1]
+    return accept(s.token_ids[-s.num_draft :], sampled)
