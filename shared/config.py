@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import shlex
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -68,6 +69,26 @@ class ModelSettings:
             'output unchanged); optional "disable_by_batch_size": N stops it on a worker '
             "running N sequences ('': off)"
         },
+    )
+    enable_lora: bool = field(
+        default=False,
+        metadata={"help": "serve LoRA adapters (--lora-modules, and loaded at run time)"},
+    )
+    lora_modules: str = field(
+        default="",
+        metadata={
+            "help": "LoRA adapters served from the start, each NAME=PATH (a PEFT directory: "
+            'adapter_config.json + adapter_model.safetensors) or JSON {"name": ..., "path": '
+            "...}; requests choose one by `model` (needs --enable-lora)",
+            "nargs": "+",
+        },
+    )
+    max_loras: int = field(
+        default=1,
+        metadata={"help": "LoRA adapters a worker holds in memory, and so in one step, at most"},
+    )
+    max_lora_rank: int = field(
+        default=16, metadata={"help": "the highest LoRA rank served (adapters over it are refused)"}
     )
     pooling_type: str = field(
         default="LAST",
@@ -364,6 +385,8 @@ class Settings:
                 extra = {"nargs": "?", "const": True}
             if opt.choices:
                 extra["choices"] = opt.choices
+            if opt.nargs:  # `--lora-modules a=PATH b=PATH`: one shell-quoted string
+                extra["nargs"] = opt.nargs
             parser.add_argument(
                 opt.flag,
                 dest=opt.name,
@@ -376,6 +399,9 @@ class Settings:
     @classmethod
     def from_args(cls, ns: argparse.Namespace, environ: dict[str, str] | None = None) -> Settings:
         given = {n: getattr(ns, n) for n in _OPTIONS if getattr(ns, n, None) is not None}
+        for n, value in given.items():
+            if isinstance(value, list):
+                given[n] = shlex.join(value)
         return cls.from_env(environ).replace(**given)
 
     def to_env(self) -> dict[str, str]:
@@ -393,6 +419,7 @@ class Option:
     type: str  # "int" | "float" | "str" | "bool"
     help: str
     choices: tuple[str, ...] = ()  # the values allowed, when the option is one of a few names
+    nargs: str = ""  # "+": the flag takes several values, kept as one shell-quoted string
 
     @property
     def flag(self) -> str:
@@ -437,6 +464,7 @@ def _options() -> dict[str, Option]:
                 str(f.type),
                 f.metadata.get("help", ""),
                 tuple(f.metadata.get("choices", ())),
+                f.metadata.get("nargs", ""),
             )
     return out
 

@@ -11,6 +11,7 @@ from shared import event_loop
 from shared.access.connect import EXIT_REFUSED, AccessError
 from shared.config import Settings
 from shared.logs import setup_logging
+from shared.lora import LoRAError
 from shared.speculative import SpeculativeConfigError
 from shared.telemetry import setup_tracing
 
@@ -52,7 +53,7 @@ def _run_service(name: str, settings: Settings) -> int:
         event_loop.run(module.run(settings))
     except KeyboardInterrupt:
         pass
-    except (AccessError, SpeculativeConfigError) as e:  # restarting would not help
+    except (AccessError, SpeculativeConfigError, LoRAError) as e:  # restarting would not help
         print(f"kvflow: {name}: {e}", file=sys.stderr, flush=True)
         return EXIT_REFUSED
     return 0

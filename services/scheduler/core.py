@@ -21,6 +21,7 @@ from services.scheduler.worker_state import (
     WorkerState,
 )
 from services.worker.kv_connectors.base import KvConnectorScheduler
+from shared.lora import adapter_salt
 from shared.messages import (
     KvLoad,
     KvLoadDone,
@@ -164,8 +165,9 @@ class SchedulerCore:
             eos_token_ids=list(req.eos_token_ids),
             arrival_time=req.arrival_time,
             priority=priority,
-            cache_salt=req.cache_salt,
+            cache_salt=adapter_salt(req.cache_salt, req.lora),
             pooling=req.pooling,
+            lora=req.lora,
         )
         self.requests[seq.request_id] = seq
         self.waiting.push(seq)

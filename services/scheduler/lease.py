@@ -16,10 +16,13 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import redis.asyncio as aioredis
 from redis.exceptions import LockError, LockNotOwnedError, RedisError
+
+if TYPE_CHECKING:
+    from shared.config import Settings
 
 log = logging.getLogger("kvflow.scheduler.lease")
 
@@ -83,3 +86,17 @@ class Lease:
 
     async def close(self) -> None:
         await self.redis.aclose()
+
+
+async def lease_for(settings: Settings, model_name: str) -> Lease | None:
+    """The leader lease of ``--scheduler-ha`` (None without), its Redis login checked."""
+    from shared.access.connect import redis_options, verify_redis
+
+    if not settings.scheduler.scheduler_ha:
+        return None
+    if not settings.bus.redis_url:
+        raise SystemExit("--scheduler-ha needs --redis-url (the lease lives in Redis)")
+    opts = redis_options(settings.bus, "scheduler")
+    lease = Lease(settings.bus.redis_url, model_name, options=opts)
+    await verify_redis(lease.redis, "scheduler", settings.bus.redis_url)
+    return lease

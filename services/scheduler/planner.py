@@ -23,6 +23,8 @@ from shared.messages import BlockRef, NewRequest, ScheduledSeq, StepPlan
 if TYPE_CHECKING:
     from services.scheduler.worker_state import WorkerState
 
+MAX_PASSED_OVER = 64  # waiting sequences passed over per step for their LoRA adapter, at most
+
 
 @dataclass
 class Admission:
@@ -109,11 +111,29 @@ def _unschedule(ws: WorkerState, chosen: dict[Sequence, _Chosen], seq: Sequence)
 
 
 def _admit_waiting(ws: WorkerState, chosen: dict[Sequence, _Chosen], budget: int) -> None:
-    """Admit waiting sequences in queue order until one does not fit (it keeps its place)."""
+    """Admit waiting sequences in queue order until one does not fit (it keeps its place).
+    A sequence whose LoRA adapter would be one more than the worker may run is passed over
+    (as vLLM's), keeping its place for a later step."""
+    passed: list[Sequence] = []
+    try:
+        _admit_in_order(ws, chosen, budget, passed)
+    finally:
+        for seq in passed:
+            ws.waiting.push(seq)
+
+
+def _admit_in_order(
+    ws: WorkerState, chosen: dict[Sequence, _Chosen], budget: int, passed: list[Sequence]
+) -> None:
     while budget > 0 and ws.can_prefill and not ws.draining and ws.has_room_for_one_more():
         seq = ws.waiting.peek()
         if seq is None:
             break
+        if not ws.lora_fits(seq):
+            if len(passed) >= MAX_PASSED_OVER:
+                break
+            passed.append(ws.waiting.pop())
+            continue
         adm = _fit(ws, seq, budget)
         if adm is None:
             break
@@ -170,6 +190,7 @@ def _build_plan(ws: WorkerState, chosen: dict[Sequence, _Chosen]) -> StepPlan:
     )
     for s in chosen:
         s.announced = True
+    ws.used_loras([s.lora.name for s in chosen if s.lora is not None])
     ws.to_forget = []
     ws.in_flight = {s.request_id: c.num_new for s, c in chosen.items()}
     ws.in_flight_drafts = {s.request_id: c.drafts for s, c in chosen.items() if c.drafts}
@@ -201,4 +222,5 @@ def _announce(seq: Sequence) -> NewRequest:
         eos_token_ids=seq.eos_token_ids,
         token_history=list(seq.token_ids) if seq.params.needs_token_history() else [],
         pooling=seq.pooling,
+        lora=seq.lora,
     )

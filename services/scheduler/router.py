@@ -79,14 +79,18 @@ class Router:
     # -- routing --------------------------------------------------------------------------------
 
     def _cost(self, ws: WorkerState, seq: Sequence, cached: int) -> tuple[int, str]:
+        """Blocks to compute plus blocks in use; a worker without the sequence's LoRA adapter
+        in memory (it would load it, perhaps evicting another) counts 1/16 of its blocks more,
+        so requests of one adapter gather where it is loaded until that worker is busier."""
         new = ws.bm.blocks_needed(seq.num_tokens) - cached
         used = ws.bm.num_blocks - ws.bm.num_free_blocks
-        return new + used, ws.worker_id
+        load = 0 if ws.holds_lora(seq) else max(1, ws.bm.num_blocks // 16)
+        return new + used + load, ws.worker_id
 
     def _candidates(self, seq: Sequence, prefill: bool) -> list[Candidate]:
         out = []
         for ws in self.workers.values():
-            if ws.draining or not ws.has_room_for_one_more():
+            if ws.draining or not ws.has_room_for_one_more() or not ws.lora_fits(seq):
                 continue
             if not (ws.can_prefill if prefill else ws.can_decode):
                 continue

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from services.scheduler.block_manager import BlockHash
-from shared.messages import PoolingParams, SamplingParams
+from shared.messages import LoRARef, PoolingParams, SamplingParams
 
 if TYPE_CHECKING:
     from services.scheduler.speculation import SpecState
@@ -83,6 +83,7 @@ class Sequence:
     priority: int = 0
     cache_salt: str | None = None  # vLLM's: in the root of its block hashes (block_manager.py)
     pooling: PoolingParams | None = None  # an embedding request: prefill only, then finished
+    lora: LoRARef | None = None  # its LoRA adapter (its cache_salt then includes the adapter)
     status: SeqStatus = SeqStatus.WAITING
     num_computed: int = 0
     blocks: list[int] = field(default_factory=list)

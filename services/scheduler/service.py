@@ -27,24 +27,30 @@ import uuid
 
 from nats.aio.msg import Msg
 
+from services.scheduler import lora_control
 from services.scheduler.core import QueueFullError, SchedulerCore
-from services.scheduler.lease import Lease, LeaseLost
+from services.scheduler.lease import Lease, LeaseLost, lease_for
+from services.scheduler.lora_registry import LoraRegistry
 from services.scheduler.policy import make_policy
 from services.scheduler.shadow import ShadowState
 from services.scheduler.telemetry import SchedulerTelemetry
 from services.scheduler.worker_state import ROLES, SchedulerLimits, WorkerState
 from services.worker.kv_connectors.base import create_scheduler_connector
 from shared import subjects
-from shared.access.connect import nats_auth, redis_client, redis_options, verify_redis
+from shared.access.connect import nats_auth, redis_client, verify_redis
 from shared.bus import Bus
 from shared.config import Settings
 from shared.kv_tier import leading_present
+from shared.lora import adapter_salt, parse_lora_modules
 from shared.messages import (
     STALE_EPOCH_ERROR,
     Abort,
     Accepted,
     KvLoadDone,
     KvTransferDone,
+    LoraList,
+    LoraLoad,
+    LoraUnload,
     Message,
     RequestError,
     StatsRequest,
@@ -71,7 +77,12 @@ class SchedulerService:
         scheduler_id: str = "",
     ) -> None:
         sc = settings.scheduler
-        self.limits = SchedulerLimits(sc.max_num_seqs, sc.max_num_batched_tokens, max_model_len)
+        ms = settings.model
+        loras = ms.max_loras if ms.enable_lora else 0
+        self.limits = SchedulerLimits(
+            sc.max_num_seqs, sc.max_num_batched_tokens, max_model_len, loras
+        )
+        self.loras = LoraRegistry(parse_lora_modules(ms.lora_modules), ms.enable_lora)
         self.settings = settings
         self.model_name = model_name
         self.scheduler_id = scheduler_id or f"scheduler-{uuid.uuid4().hex[:8]}"
@@ -163,6 +174,7 @@ class SchedulerService:
         self.leading = True
         self.took_over_at = time.monotonic()
         await self.bus.subscribe(subjects.SCHEDULER_STATS, self._on_message)
+        await self.bus.subscribe(subjects.SCHEDULER_LORA, self._on_message)
         timeout = self.settings.scheduler.worker_timeout
         for hb in list(self.heartbeats.values()):  # the workers alive now join the new core
             if time.monotonic() - self.last_seen.get(hb.worker_id, 0) < timeout:
@@ -202,6 +214,9 @@ class SchedulerService:
                     stats = self.core.stats(self.heartbeats)
                     stats.scheduler_id, stats.epoch = self.scheduler_id, self.epoch
                     await self.bus.reply(raw, stats)
+            case LoraList() | LoraLoad() | LoraUnload():
+                if self.leading:
+                    self.bus.spawn(lora_control.serve(self, msg, raw))
             case _:
                 log.warning("scheduler: unexpected %s on %s", type(msg).__name__, raw.subject)
 
@@ -217,6 +232,8 @@ class SchedulerService:
             return
         if self.draining:
             await self._reject(req, "the scheduler is shutting down; retry", 503)
+            return
+        if not await lora_control.resolve(self, req):
             return
         redis_blocks = await self._redis_prefix(req)
         try:
@@ -235,7 +252,9 @@ class SchedulerService:
         than recomputed; bounded by a short timeout, and 0 without a tier)."""
         if self.tier_redis is None or req.params.prompt_logprobs is not None:
             return 0
-        keys = self.core.redis_keys_for(req.prompt_token_ids, req.cache_salt)
+        keys = self.core.redis_keys_for(
+            req.prompt_token_ids, adapter_salt(req.cache_salt, req.lora)
+        )
         return await leading_present(self.tier_redis, keys) if keys else 0
 
     async def _on_heartbeat(self, hb: WorkerHeartbeat) -> None:
@@ -267,13 +286,8 @@ class SchedulerService:
         self.wake[hb.worker_id] = asyncio.Event()
         self.wake[hb.worker_id].set()
         self.bus.spawn(self._worker_loop(ws))
-        log.info(
-            "worker %s joined (role %s): %d blocks of %d tokens",
-            hb.worker_id,
-            hb.role,
-            hb.num_blocks,
-            hb.block_size,
-        )
+        what = (hb.worker_id, hb.role, hb.num_blocks, hb.block_size)
+        log.info("worker %s joined (role %s): %d blocks of %d tokens", *what)
         self._wake_all()
 
     async def _release_drained(self) -> None:
@@ -338,13 +352,8 @@ class SchedulerService:
                 self.pending.pop(key, None)
                 if wid not in core.workers:
                     return
-                log.error(
-                    "worker %s: step %d got no result in %.0fs (%s); recomputing its sequences",
-                    wid,
-                    plan.step_id,
-                    self.settings.scheduler.step_timeout,
-                    type(e).__name__,
-                )
+                what = (wid, plan.step_id, self.settings.scheduler.step_timeout, type(e).__name__)
+                log.error("worker %s: step %d got no result in %.0fs (%s); recomputing", *what)
                 ws.on_failed_step()
                 self._wake_all()
                 continue
@@ -406,12 +415,8 @@ class SchedulerService:
     async def _drain_deadline(self) -> None:
         await asyncio.sleep(self.settings.ops.drain_timeout)
         if not self.stopped.is_set():
-            log.warning(
-                "%s: %d requests still running after %.0fs of draining; stopping",
-                self.scheduler_id,
-                len(self.core.requests),
-                self.settings.ops.drain_timeout,
-            )
+            what = (self.scheduler_id, len(self.core.requests), self.settings.ops.drain_timeout)
+            log.warning("%s: %d requests still running after %.0fs of draining; stopping", *what)
             self.stopped.set()
 
     async def close(self) -> None:
@@ -430,14 +435,7 @@ async def run(settings: Settings) -> None:
     src = resolve_model(settings.model.path, settings.model.served_model_name)
     cfg = load_config(src)
     max_len = min(settings.model.max_model_len, cfg.max_position_embeddings)
-    lease = None
-    if settings.scheduler.scheduler_ha:
-        if not settings.bus.redis_url:
-            raise SystemExit("--scheduler-ha needs --redis-url (the lease lives in Redis)")
-        lease = Lease(
-            settings.bus.redis_url, src.name, options=redis_options(settings.bus, "scheduler")
-        )
-        await verify_redis(lease.redis, "scheduler", settings.bus.redis_url)
+    lease = await lease_for(settings, src.name)
     service = SchedulerService(settings, src.name, max_len, lease, settings.scheduler.scheduler_id)
     await service.start()
     # a standby is ready too (healthy, just not planning); whether it leads is in its logs/stats

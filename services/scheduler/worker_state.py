@@ -13,6 +13,7 @@ once the K/V has arrived.
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -32,6 +33,7 @@ class SchedulerLimits:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     max_model_len: int = 8192
+    max_loras: int = 0  # distinct LoRA adapters running on a worker at most (0: LoRA off)
 
 
 @dataclass
@@ -102,6 +104,31 @@ class WorkerState:
         self.num_preemptions = 0
         self.num_prefills = 0  # sequences admitted here for their prefill
         self.num_decodes = 0  # sequences that decode here
+        # LoRA adapters the worker holds, least recently used first: the worker's own LRU
+        # (services/worker/lora.py) sees the same plans, so this mirrors it (for routing)
+        self.loras: OrderedDict[str, None] = OrderedDict()
+
+    def lora_fits(self, seq: Sequence) -> bool:
+        """Whether ``seq``'s adapter may run here now: it has none, an adapter already running
+        here, or fewer than ``max_loras`` distinct adapters run here (every running sequence
+        computes in every step, so this bounds the adapters of a step)."""
+        if seq.lora is None or not self.limits.max_loras:
+            return True
+        names = {s.lora.name for s in self.running if s.lora is not None}
+        return seq.lora.name in names or len(names) < self.limits.max_loras
+
+    def holds_lora(self, seq: Sequence) -> bool:
+        """Whether this worker has ``seq``'s adapter in memory (as far as plans tell)."""
+        return seq.lora is None or seq.lora.name in self.loras
+
+    def used_loras(self, names: list[str]) -> None:
+        """A plan ran these adapters: most recently used now, the oldest beyond
+        ``max_loras`` evicted (as the worker's own cache does)."""
+        for name in names:
+            self.loras[name] = None
+            self.loras.move_to_end(name)
+        while len(self.loras) > max(self.limits.max_loras, 1):
+            self.loras.popitem(last=False)
 
     @property
     def can_prefill(self) -> bool:

@@ -13,6 +13,7 @@ graph (services/worker/cuda_graphs.py).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -25,6 +26,9 @@ from kernels.ops import KernelBackend
 from services.worker.step_inputs import DeviceBatch
 from shared.model_loader import ModelConfig
 
+if TYPE_CHECKING:
+    from services.worker.lora import LoRAStep
+
 
 @dataclass
 class ForwardBatch:
@@ -35,6 +39,7 @@ class ForwardBatch:
     rows: K.RowLayout | None  # how rows go through GEMMs (None: one plain GEMM)
     sample_rows: torch.Tensor  # [S] indices into T whose logits are wanted
     hidden_rows: torch.Tensor | None = None  # [P] rows whose final hidden states are wanted
+    lora: LoRAStep | None = None  # the LoRA adapters of the step's rows (services/worker/lora.py)
 
 
 def _fuse(parts: list, dtype: torch.dtype) -> torch.Tensor | K.Weight:
@@ -168,11 +173,14 @@ class LlamaModel(torch.nn.Module):
         norm = cpu_layer_ops.add_rms_norm if native else K.rms_norm
         silu_and_mul = cpu_layer_ops.silu_and_mul if native else K.silu_and_mul
         eps = cfg.rms_norm_eps
+        lora = batch.lora
         h = self.embed[input_ids]
         residual: torch.Tensor | None = None
-        for layer, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):
+        for i, (layer, (k_cache, v_cache)) in enumerate(zip(self.layers, kv_caches, strict=True)):
             x, residual = norm(h, layer["in_norm"], eps, residual)
             qkv = K.linear(x, layer["qkv"], rows)
+            if lora is not None:
+                lora.apply(i, "qkv", x, qkv)
             if native:
                 q = cpu_layer_ops.rope_write_kv(
                     qkv,
@@ -189,9 +197,12 @@ class LlamaModel(torch.nn.Module):
             o = K.paged_attention(
                 q, k_cache, v_cache, None, None, None, self.scale, plan=batch.attn
             )
-            h = K.linear(o.view(-1, self.q_size), layer["o"], rows)
-            x, residual = norm(h, layer["post_norm"], eps, residual)
-            h = K.linear(silu_and_mul(K.linear(x, layer["gate_up"], rows)), layer["down"], rows)
+            o = o.view(-1, self.q_size)
+            h = K.linear(o, layer["o"], rows)
+            x, residual = norm(_lora(lora, i, "o", o, h), layer["post_norm"], eps, residual)
+            gate_up = _lora(lora, i, "gate_up", x, K.linear(x, layer["gate_up"], rows))
+            m = silu_and_mul(gate_up)
+            h = _lora(lora, i, "down", m, K.linear(m, layer["down"], rows))
         s, p = batch.sample_rows, batch.hidden_rows
         hidden = None if p is None else norm(h[p], self.norm, eps, residual[p])[0].float()
         x, _ = norm(h[s], self.norm, eps, residual[s])
@@ -231,6 +242,7 @@ class LlamaModel(torch.nn.Module):
         batch: DeviceBatch,
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
         hidden_rows: torch.Tensor | None = None,
+        lora: LoRAStep | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """One step through ``ops``, linear layers through ``K.linear`` (``F.linear``, cuBLAS on CUDA,
         for dense weights; a quantized weight's own kernel otherwise);
@@ -243,9 +255,9 @@ class LlamaModel(torch.nn.Module):
         t, d = batch.input_ids.shape[0], cfg.head_dim
         h = F.embedding(batch.input_ids, self.embed)
         residual: torch.Tensor | None = None
-        for layer, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):
+        for i, (layer, (k_cache, v_cache)) in enumerate(zip(self.layers, kv_caches, strict=True)):
             x, residual = ops.rms_norm(h, layer["in_norm"], cfg.rms_norm_eps, residual)
-            qkv = K.linear(x, layer["qkv"])
+            qkv = _lora(lora, i, "qkv", x, K.linear(x, layer["qkv"]))
             # strided views into qkv: the kernels take row/head strides, so no copies here
             q = qkv[:, : self.q_size].view(t, cfg.num_heads, d)
             k = qkv[:, self.q_size : self.q_size + self.kv_size].view(t, cfg.num_kv_heads, d)
@@ -273,9 +285,11 @@ class LlamaModel(torch.nn.Module):
                     batch.max_query_len,
                     self.scale,
                 )
-            h = K.linear(o.reshape(t, self.q_size), layer["o"])
+            o = o.reshape(t, self.q_size)
+            h = _lora(lora, i, "o", o, K.linear(o, layer["o"]))
             x, residual = ops.rms_norm(h, layer["post_norm"], cfg.rms_norm_eps, residual)
-            h = K.linear(ops.silu_and_mul(K.linear(x, layer["gate_up"])), layer["down"])
+            m = ops.silu_and_mul(_lora(lora, i, "gate_up", x, K.linear(x, layer["gate_up"])))
+            h = _lora(lora, i, "down", m, K.linear(m, layer["down"]))
         assert residual is not None
         hidden = None
         if hidden_rows is not None:  # before the head's norm, which may update in place
@@ -286,6 +300,15 @@ class LlamaModel(torch.nn.Module):
             residual = residual.index_select(0, batch.sample_rows)
         x, _ = ops.rms_norm(h, self.norm, cfg.rms_norm_eps, residual)
         return K.linear(x, self.lm_head).float(), hidden
+
+
+def _lora(
+    lora: LoRAStep | None, layer: int, group: str, x: torch.Tensor, out: torch.Tensor
+) -> torch.Tensor:
+    """``out`` (a projection of ``x``) plus its rows' LoRA deltas, in place."""
+    if lora is not None:
+        lora.apply(layer, group, x, out)
+    return out
 
 
 _LAYER_NAMES = (

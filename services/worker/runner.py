@@ -28,6 +28,7 @@ import torch
 from services.worker import sampler, speculation, structured
 from services.worker.cuda_graphs import DecodeGraphs
 from services.worker.draft import DraftProposer
+from services.worker.lora import LoRACache, LoRASpec, LoRAStep
 from services.worker.model_setup import (
     CpuPathSpec,
     DeviceSpec,
@@ -46,6 +47,7 @@ from services.worker.step_output import Emitted, StepOut
 from services.worker.step_rows import StepRows, host_batch, lay_out
 from shared.messages import (
     FinishReason,
+    LoRARef,
     NewRequest,
     PooledOutput,
     SampleLogprobs,
@@ -89,6 +91,7 @@ class RequestState:
     prompt_logprobs_k: int | None = None
     pending_prompt_row: tuple[int, torch.Tensor] | None = None
     pool: PoolState | None = None  # an embedding request: pooled, never sampled (pooling.py)
+    lora: LoRARef | None = None  # its LoRA adapter (None: the base model)
     # what the parameters decide for sampling, once (shared/sampling/derived.py)
     processors: tuple[LogitsProcessor, ...] = field(init=False, default=())
     host_params: bool = field(init=False, default=False)
@@ -112,10 +115,12 @@ class ModelRunner:
         weights: dict[str, torch.Tensor] | None = None,
         worker_id: str = "w0",
         draft: LoadedModel | None = None,
+        lora: LoRASpec | None = None,
     ) -> None:
         """Load ``src`` (or in-memory ``config`` + ``weights``) as ``device`` says and
         allocate the KV cache ``kv`` describes (services/worker/model_setup.py); ``draft``: a
-        loaded draft model for speculative decoding (services/worker/draft.py)."""
+        loaded draft model for speculative decoding (services/worker/draft.py); ``lora``:
+        serve LoRA adapters (services/worker/lora.py)."""
         t0 = time.perf_counter()
         device = device or DeviceSpec()
         loaded = load_model(src, device, cpu or CpuPathSpec(), config, weights)
@@ -128,6 +133,13 @@ class ModelRunner:
         self.kv_caches = self.model.make_kv_caches(self._num_blocks, kv.block_size)
         self._max_model_len = max_model_len(self.config, self._num_blocks, kv)
         self.draft = DraftProposer(draft, self._num_blocks, kv.block_size) if draft else None
+        self.loras = (
+            LoRACache(
+                self.config, lora.max_loras, lora.max_rank, self.model.dtype, self.device, self.ops
+            )
+            if lora is not None
+            else None
+        )
         self.requests: dict[str, RequestState] = {}
         self._pooled: list[PooledOutput] = []  # the step's finished embeddings (pooling.py)
         self.total_computed_tokens = 0
@@ -154,13 +166,22 @@ class ModelRunner:
         weights: dict[str, torch.Tensor] | None = None,
         worker_id: str = "w0",
         draft: LoadedModel | None = None,
+        lora: LoRASpec | None = None,
         **options: Any,
     ) -> ModelRunner:
         """A runner from flat option names (``dtype=``, ``max_model_len=``, ``gemm_rows=``:
         the fields of KvSpec, DeviceSpec and CpuPathSpec), for tests and benchmarks."""
         kv, device, cpu = specs_from_keywords(block_size, num_blocks, **options)
         return cls(
-            src, kv, device, cpu, config=config, weights=weights, worker_id=worker_id, draft=draft
+            src,
+            kv,
+            device,
+            cpu,
+            config=config,
+            weights=weights,
+            worker_id=worker_id,
+            draft=draft,
+            lora=lora,
         )
 
     @classmethod
@@ -245,7 +266,10 @@ class ModelRunner:
             prompt_tokens=list(r.token_history[: r.prompt_len]),
             output_tokens=list(r.token_history[r.prompt_len :]),
             pool=PoolState(r.pooling, r.prompt_len) if r.pooling is not None else None,
+            lora=r.lora,
         )
+        if r.lora is not None and self.loras is None:
+            raise ValueError(f"{r.request_id}: a LoRA adapter, but this worker has LoRA off")
         if p.structured_output is not None:
             stops = set(eos) | set(p.stop_token_ids)
             compiler = structured.compiler_for(self)
@@ -274,14 +298,16 @@ class ModelRunner:
         )
         seqs, prompt_rows, sample_rows = step.seqs, step.prompt_rows, step.sample_rows
         n_tokens = len(step.ids)
+        lora = self._lora_step(seqs)
         if self.ops is not None:
-            logits, hidden = self._forward_device(step)
+            logits, hidden = self._forward_device(step, lora)
             states = [self.requests[s.request_id] for s in seqs if s.sample]
             states = [st for st in states if st.pool is None]
             if logits.device.type != "cpu" and (prompt_rows.rows or needs_host_sampling(states)):
                 logits = logits.cpu()
         else:
             batch = host_batch(step, self._block_size, self.decode_fn, self.gemm_rows)
+            batch.lora = lora
             ids, pos = torch.tensor(step.ids), torch.tensor(step.pos)
             if step.pool_rows:
                 logits, hidden = self.model.forward_pooled(ids, pos, batch, self.kv_caches)
@@ -300,7 +326,7 @@ class ModelRunner:
         if raw is not None:
             asking = [i for i, w in enumerate(want_lp) if w]
             pairs = [(sampled[i], tokens[i]) for i in asking]
-            for i, lp in zip(asking, _logprobs(raw, pairs, self.requests), strict=True):
+            for i, lp in zip(asking, sampler.logprobs_of(raw, pairs, self.requests), strict=True):
                 row_lps[i] = lp
         # each request's sampled rows in position order (several when it verifies drafts)
         rows: dict[str, list[tuple[int, SampleLogprobs | None]]] = {}
@@ -323,10 +349,20 @@ class ModelRunner:
         lps = out.logprobs if raw is not None else []
         return out.ids, out.tokens, out.reasons, n_tokens, lps, prompt_lps, out.counts
 
-    def _forward_device(self, step: StepRows) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _lora_step(self, seqs: list[ScheduledSeq]) -> LoRAStep | None:
+        """The adapters of the step's rows (None: no row has one)."""
+        if self.loras is None:
+            return None
+        adapters = {s.request_id: st.lora for s in seqs if (st := self.requests.get(s.request_id))}
+        return self.loras.step(seqs, adapters)
+
+    def _forward_device(
+        self, step: StepRows, lora: LoRAStep | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The step through the device path: logits [len(rows), vocab] (on the device) of the
         step's logits rows, and the final hidden states of its pooled rows (None without).
-        Decode-only steps that fit, with nothing to pool, go through the decode graphs."""
+        Decode-only steps that fit, with nothing to pool and no LoRA adapter, go through the
+        decode graphs."""
         assert self.ops is not None
         seqs, ids, pos, slots, rows = step.seqs, step.ids, step.pos, step.slots, step.logits_rows
         bs = self._block_size
@@ -336,6 +372,7 @@ class ModelRunner:
         if (
             g is not None
             and not step.pool_rows
+            and lora is None
             and len(ids) == len(seqs)
             and g.fits(len(seqs), max(len(t) for t in tables))
         ):
@@ -346,7 +383,7 @@ class ModelRunner:
         qlens = [len(s.token_ids) for s in seqs]
         batch = pack(HostStep(ids, pos, slots, tables, ends, qlens, rows), self.device)
         pool = torch.tensor(step.pool_rows, device=self.device) if step.pool_rows else None
-        return self.model.forward_device_pooled(self.ops, batch, self.kv_caches, pool)
+        return self.model.forward_device_pooled(self.ops, batch, self.kv_caches, pool, lora)
 
     def _pool(
         self, plan_seqs: list[ScheduledSeq], step: StepRows, hidden: torch.Tensor | None
@@ -405,17 +442,3 @@ def finish_rule(
     if num_output_tokens >= p.max_tokens or prompt_len + num_output_tokens >= max_model_len:
         return FinishReason.LENGTH
     return FinishReason.NONE
-
-
-def _logprobs(
-    raw: torch.Tensor, asking: list[tuple[ScheduledSeq, int]], requests: dict[str, RequestState]
-) -> list[SampleLogprobs]:
-    """Log-probabilities of the model's raw distribution (before penalties, bias or
-    temperature, as vLLM reports them) for each sampled token, plus the top ``logprobs``."""
-    lp = torch.log_softmax(raw.float(), dim=-1)
-    out = []
-    for row, (s, tok) in enumerate(asking):
-        k = min(int(requests[s.request_id].params.logprobs or 0), 20)
-        top_v, top_i = lp[row].topk(k) if k else (lp[row][:0], lp[row][:0].long())
-        out.append(SampleLogprobs(float(lp[row, tok]), top_i.tolist(), top_v.tolist()))
-    return out

@@ -9,12 +9,13 @@ exponential race (``argmax(p / q)``, q ~ Exp(1)), which is exactly sampling from
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
-from shared.messages import SamplingParams
+from shared.messages import SampleLogprobs, SamplingParams, ScheduledSeq
 from shared.sampling import GREEDY_EPS
 
 
@@ -101,3 +102,17 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     q[greedy] = 1.0
     random_tokens = (probs / q.clamp_min(1e-20)).argmax(dim=-1)
     return torch.where(greedy, greedy_tokens, random_tokens)
+
+
+def logprobs_of(
+    raw: torch.Tensor, asking: list[tuple[ScheduledSeq, int]], requests: Mapping[str, Any]
+) -> list[SampleLogprobs]:
+    """Log-probabilities of the model's raw distribution (before penalties, bias or
+    temperature, as vLLM reports them) for each sampled token, plus the top ``logprobs``."""
+    lp = torch.log_softmax(raw.float(), dim=-1)
+    out = []
+    for row, (s, tok) in enumerate(asking):
+        k = min(int(requests[s.request_id].params.logprobs or 0), 20)
+        top_v, top_i = lp[row].topk(k) if k else (lp[row][:0], lp[row][:0].long())
+        out.append(SampleLogprobs(float(lp[row, tok]), top_i.tolist(), top_v.tolist()))
+    return out

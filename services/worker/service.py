@@ -24,6 +24,7 @@ from services.worker.draft import load_draft
 from services.worker.kv_blocks import KvBlockIO
 from services.worker.kv_connectors.base import connector_spec, create_worker_connector
 from services.worker.kv_connectors.tiers import KvTiers
+from services.worker.lora import LoRASpec
 from services.worker.model_setup import check_quantization, runner_specs
 from services.worker.runner import ModelRunner
 from services.worker.sim_runner import SimRunner, step_time_fn, vocab_for
@@ -32,12 +33,17 @@ from shared import subjects
 from shared.access.connect import nats_auth, redis_options, verify_redis
 from shared.bus import Bus
 from shared.config import Settings
+from shared.lora import LoRAError, parse_lora_modules, read_adapter_config
 from shared.messages import (
     STALE_EPOCH_ERROR,
     KvLoad,
     KvLoadDone,
     KvPull,
     KvTransferDone,
+    LoraAdapters,
+    LoraLoad,
+    LoRARef,
+    LoraUnload,
     Message,
     StepPlan,
     StepResult,
@@ -133,11 +139,33 @@ class WorkerService:
                 self.bus.spawn(self._pull(msg, raw.headers))
             case KvLoad():
                 self.bus.spawn(self._load(msg))
+            case LoraLoad():
+                await self.bus.reply(raw, await self._check_lora(msg))
+            case LoraUnload():
+                forget = getattr(self.runner, "loras", None)
+                if forget is not None:
+                    await self.model_thread.run(forget.forget, msg.name)
             case WorkerRelease() if msg.worker_id == self.worker_id:
                 log.info("worker %s released by the scheduler", self.worker_id)
                 self.stopped.set()
             case _:
                 log.warning("worker: unexpected %s", type(msg).__name__)
+
+    async def _check_lora(self, msg: LoraLoad) -> LoraAdapters:
+        """Whether this worker can serve the adapter (read and checked against the model off the
+        model thread; nothing kept: it loads when a step needs it)."""
+        cache = getattr(self.runner, "loras", None)
+        ref = LoRARef(msg.name, 0, msg.path)
+        try:
+            if not self.settings.model.enable_lora:
+                raise LoRAError("this worker runs without --enable-lora")
+            if cache is not None:
+                await asyncio.to_thread(cache.check, ref)
+            else:  # the simulated worker has no weights: the adapter's config only
+                read_adapter_config(msg.path)
+        except LoRAError as e:
+            return LoraAdapters(error=str(e), code=e.status, param=e.param)
+        return LoraAdapters()
 
     async def _pull(self, order: KvPull, headers: dict[str, str] | None = None) -> None:
         """Copy a sequence's K/V from its prefill worker into our blocks, then tell the
@@ -280,7 +308,17 @@ def _load_model(settings: Settings, src: ModelSource) -> ModelRunner:
             draft = load_draft(spec, device, load_config(src))
     except (ValueError, ModelNotFoundError) as e:
         raise SystemExit(f"worker: draft model: {e}") from None
-    return ModelRunner(src, kv, device, worker_id=settings.worker.worker_id, draft=draft)
+    lora = None
+    ms = settings.model
+    if ms.enable_lora:
+        lora = LoRASpec(ms.max_loras, ms.max_lora_rank)
+    runner = ModelRunner(
+        src, kv, device, worker_id=settings.worker.worker_id, draft=draft, lora=lora
+    )
+    if runner.loras is not None:  # --lora-modules that cannot be served stop the worker here
+        for ref in parse_lora_modules(ms.lora_modules):
+            runner.loras.check(ref)
+    return runner
 
 
 def _load_sim(settings: Settings, src: ModelSource) -> SimRunner:

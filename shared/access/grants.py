@@ -60,6 +60,7 @@ NATS_GRANTS: dict[str, NatsGrant] = {
             S.ABORT,
             S.TOKENIZER_RPC,
             S.SCHEDULER_STATS,
+            S.SCHEDULER_LORA,
             S.METRICS,
             S.ping("*"),
         ),
@@ -86,6 +87,7 @@ NATS_GRANTS: dict[str, NatsGrant] = {
             S.HEARTBEAT,
             S.KV_DONE,
             S.SCHEDULER_STATS,
+            S.SCHEDULER_LORA,
         ),
     ),
     # runs steps; serves and pulls KV blocks (worker to worker)

@@ -11,7 +11,7 @@ Subjects (see ``shared/subjects.py``) and the flow:
     detokenizer --DeltaBatch--> gateway inbox;  tokenizer --RequestError--> gateway inbox
     gateway/detokenizer --Abort--> scheduler + detokenizer
 
-One module per part of the flow (base, params, requests, steps, outputs, kv, ops); this package
+One module per part of the flow (base, params, requests, steps, outputs, kv, ops, lora); this package
 re-exports every message and holds the one decoder.
 """
 
@@ -23,6 +23,7 @@ import msgspec
 
 from shared.messages.base import FinishReason
 from shared.messages.kv import KvChunk, KvChunkRequest, KvLoad, KvLoadDone, KvPull, KvTransferDone
+from shared.messages.lora import LoraAdapters, LoraList, LoraLoad, LoraUnload
 from shared.messages.ops import MetricsReport, MetricsRequest, Ping, Pong
 from shared.messages.outputs import (
     Delta,
@@ -34,6 +35,7 @@ from shared.messages.outputs import (
 from shared.messages.params import (
     POOLING_TYPES,
     ChatMessage,
+    LoRARef,
     PoolingParams,
     SamplingParams,
     StructuredOutput,
@@ -86,6 +88,11 @@ __all__ = [
     "KvLoadDone",
     "KvPull",
     "KvTransferDone",
+    "LoRARef",
+    "LoraAdapters",
+    "LoraList",
+    "LoraLoad",
+    "LoraUnload",
     "Message",
     "MetricsReport",
     "MetricsRequest",
@@ -149,6 +156,10 @@ Message = (
     | MetricsReport
     | Ping
     | Pong
+    | LoraLoad
+    | LoraUnload
+    | LoraList
+    | LoraAdapters
 )
 
 _encoder = msgspec.msgpack.Encoder()

@@ -19,6 +19,16 @@ class StructuredOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=F
     param: str = "response_format"  # the request field it came from, for error messages
 
 
+class LoRARef(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, frozen=True):
+    """A LoRA adapter a request runs with (vLLM's ``LoRARequest``): its served ``name`` (what
+    the request's ``model`` says), a positive ``id`` and the ``path`` of its PEFT directory
+    (adapter_config.json + adapter_model.safetensors), which every worker reads itself."""
+
+    name: str
+    id: int
+    path: str
+
+
 class SamplingParams(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     """Per-request sampling and stopping parameters (vLLM names), as the pipeline carries them:
     each field is a feature's (shared/sampling/features.py maps the API's values onto it).

@@ -6,6 +6,7 @@ from __future__ import annotations
 from shared.messages.base import FinishReason, _Msg
 from shared.messages.params import (
     ChatMessage,
+    LoRARef,
     PoolingParams,
     SamplingParams,
     ToolParsing,
@@ -39,6 +40,7 @@ class GenerateRequest(_Msg, tag=1):
     # set: an embedding request (/v1/embeddings, LLM.embed): the prompt's pooled hidden state
     # comes back (Delta.embedding) instead of generated tokens; ``params`` is unused
     pooling: PoolingParams | None = None
+    lora: LoRARef | None = None  # the adapter the request's ``model`` names (None: the base)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -56,6 +58,7 @@ class TokenizedRequest(_Msg, tag=2):
     cache_salt: str | None = None  # GenerateRequest's, carried on to the scheduler
     tool_parsing: ToolParsing | None = None  # GenerateRequest's, for the detokenizer
     pooling: PoolingParams | None = None  # GenerateRequest's: an embedding request
+    lora: LoRARef | None = None  # GenerateRequest's
 
 
 # ---------------------------------------------------------------------------------------------

@@ -5,7 +5,7 @@ from __future__ import annotations
 import msgspec
 
 from shared.messages.base import _Msg
-from shared.messages.params import PoolingParams, SamplingParams
+from shared.messages.params import LoRARef, PoolingParams, SamplingParams
 
 # scheduler <-> worker
 
@@ -29,6 +29,8 @@ class NewRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     # an embedding request: pool the prompt's hidden states instead of sampling (its chunk
     # with ``sample`` set is the one that completes the prompt)
     pooling: PoolingParams | None = None
+    # the LoRA adapter every chunk of this request runs with (None: the base model alone)
+    lora: LoRARef | None = None
 
 
 class ScheduledSeq(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):

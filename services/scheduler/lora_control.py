@@ -1,0 +1,97 @@
+"""The scheduler's LoRA requests: list, load and unload adapters for the gateways (request/reply
+on ``kvflow.scheduler.lora``, answered by the leader), and the adapter check of each incoming
+request. Loading asks every live worker to read and check the adapter first (``LoraLoad`` on its
+step subject, request/reply): the adapter exists only when all of them can serve it, so every
+worker agrees on which adapters exist; unloading tells them all to forget it."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import TYPE_CHECKING
+
+from nats.aio.msg import Msg
+
+from shared.lora import LoRAError
+from shared.messages import (
+    LoraAdapters,
+    LoraList,
+    LoraLoad,
+    LoraUnload,
+    RequestError,
+    TokenizedRequest,
+)
+
+if TYPE_CHECKING:
+    from services.scheduler.service import SchedulerService
+
+log = logging.getLogger("kvflow.scheduler")
+
+WORKER_CHECK_TIMEOUT_S = 60.0  # a worker reads and checks an adapter's files within this
+
+
+async def serve(svc: SchedulerService, msg: LoraList | LoraLoad | LoraUnload, raw: Msg) -> None:
+    """Answer one gateway LoRA request (the leader only)."""
+    reg = svc.loras
+    try:
+        match msg:
+            case LoraLoad():
+                ref = reg.check_new(msg.name, msg.path, svc.model_name)
+                if ref is not None:
+                    await _check_on_workers(svc, msg)
+                    if msg.name in reg.adapters:  # a concurrent load won the race
+                        ref = reg.check_new(msg.name, msg.path, svc.model_name)
+                    if ref is not None:
+                        reg.add(ref)
+                        log.info(
+                            "LoRA adapter %s (id %d) loaded from %s", ref.name, ref.id, ref.path
+                        )
+            case LoraUnload():
+                ref = reg.remove(msg.name)
+                for wid in svc.core.workers:
+                    if wid in svc.step_subject:
+                        await svc.bus.publish(svc.step_subject[wid], LoraUnload(ref.name))
+                log.info("LoRA adapter %s unloaded", ref.name)
+        answer = LoraAdapters(reg.list())
+    except LoRAError as e:
+        answer = LoraAdapters(reg.list(), str(e), e.status, e.param)
+    await svc.bus.reply(raw, answer)
+
+
+async def _check_on_workers(svc: SchedulerService, msg: LoraLoad) -> None:
+    """Have every live worker read and check the adapter; raises LoRAError with the first
+    refusal (or 503 when no worker answers)."""
+    wids = [w for w in svc.core.workers if w in svc.step_subject]
+    if not wids:
+        raise LoRAError("no worker is up to check the adapter; retry", None, 503)
+
+    async def ask(wid: str) -> LoraAdapters:
+        try:
+            got = await svc.bus.request(
+                svc.step_subject[wid], LoraLoad(msg.name, msg.path), WORKER_CHECK_TIMEOUT_S
+            )
+        except Exception as e:  # noqa: BLE001 - a worker that cannot answer refuses
+            return LoraAdapters(error=f"worker {wid} did not answer ({type(e).__name__})", code=503)
+        if not isinstance(got, LoraAdapters):
+            return LoraAdapters(error=f"worker {wid} answered {type(got).__name__}", code=500)
+        return got
+
+    answers = await asyncio.gather(*(ask(w) for w in wids))
+    for wid, a in zip(wids, answers, strict=True):
+        if a.error:
+            log.warning("LoRA adapter %s refused by worker %s: %s", msg.name, wid, a.error)
+            raise LoRAError(a.error, a.param or "lora_path", a.code)
+
+
+async def resolve(svc: SchedulerService, req: TokenizedRequest) -> bool:
+    """Give ``req`` the registry's adapter for the one it names; False (and a 404 to its
+    gateway) when that adapter does not exist."""
+    if req.lora is None:
+        return True
+    try:
+        req.lora = svc.loras.resolve(req.lora)
+        return True
+    except LoRAError as e:
+        err = RequestError(req.request_id, str(e), "NotFoundError", e.param, e.status)
+        await svc.bus.publish(req.reply_to, err)
+        return False

@@ -1,0 +1,63 @@
+"""The LoRA adapters that exist: ``--lora-modules`` from the start, plus those loaded at run
+time (``POST /v1/load_lora_adapter`` -> gateway -> scheduler). The scheduler leader is the one
+authority: an adapter exists once every live worker has read and checked it, a request naming
+one that does not exist is refused (404 naming ``model``), and the adapter a request runs with
+is the registry's (name, id, path), whatever the asking gateway had cached."""
+
+from __future__ import annotations
+
+import itertools
+
+from shared.lora import LoRAError
+from shared.messages import LoRARef
+
+
+class LoraRegistry:
+    """Adapters by name; ids are given in load order and never reused."""
+
+    def __init__(self, static: list[LoRARef], enabled: bool) -> None:
+        self.enabled = enabled
+        self.adapters: dict[str, LoRARef] = {a.name: a for a in static}
+        self._ids = itertools.count(max((a.id for a in static), default=0) + 1)
+
+    def list(self) -> list[LoRARef]:
+        return list(self.adapters.values())
+
+    def resolve(self, ref: LoRARef) -> LoRARef:
+        """The registered adapter a request names; raises LoRAError (404) when there is none."""
+        got = self.adapters.get(ref.name)
+        if got is None:
+            raise LoRAError(f"The model `{ref.name}` does not exist.", "model", 404)
+        return got
+
+    def check_new(self, name: str, path: str, base_model: str) -> LoRARef | None:
+        """Whether ``name`` may be loaded from ``path``: None when it already is (from the same
+        path: loading is idempotent), else the adapter it would be; raises LoRAError (400)."""
+        if not self.enabled:
+            raise LoRAError("LoRA adapters are off: start the server with --enable-lora", None)
+        if not name or not path:
+            raise LoRAError("both lora_name and lora_path are required", "lora_name")
+        if name == base_model:
+            raise LoRAError(f"`{name}` is the base model's name", "lora_name")
+        have = self.adapters.get(name)
+        if have is not None:
+            if have.path == path:
+                return None
+            raise LoRAError(
+                f"The lora adapter '{name}' has already been loaded (from {have.path}); "
+                "unload it first",
+                "lora_name",
+            )
+        return LoRARef(name, next(self._ids), path)
+
+    def add(self, ref: LoRARef) -> None:
+        self.adapters[ref.name] = ref
+
+    def remove(self, name: str) -> LoRARef:
+        """Forget ``name``; raises LoRAError (404) when there is no such adapter."""
+        if not self.enabled:
+            raise LoRAError("LoRA adapters are off: start the server with --enable-lora", None)
+        got = self.adapters.pop(name, None)
+        if got is None:
+            raise LoRAError(f"The lora adapter '{name}' cannot be found.", "lora_name", 404)
+        return got

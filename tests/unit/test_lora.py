@@ -1,0 +1,252 @@
+"""LoRA adapters through the real scheduler core and model runner (no network), against Hugging
+Face transformers + peft on a tiny random Llama: greedy output equal to peft's, a mixed batch
+(base and two adapters) equal to each request alone, prefix caching never shared across
+adapters, at most ``max_loras`` adapters in a step, LRU eviction, and bad adapters refused with
+a clear error."""
+
+from __future__ import annotations
+
+import copy
+import itertools
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from peft import LoraConfig, get_peft_model
+from safetensors.torch import load_file, save_file
+from transformers import LlamaForCausalLM
+
+from services.scheduler.core import SchedulerCore
+from services.scheduler.worker_state import SchedulerLimits
+from services.worker.lora import LoRASpec, load_adapter
+from services.worker.runner import ModelRunner
+from shared.lora import LoRAError, adapter_salt, check_lora_settings, parse_lora_modules
+from shared.messages import LoRARef, SamplingParams, StepPlan, TokenizedRequest
+from tests.unit.test_runner_tiny import hf_model, make_runner  # noqa: F401
+
+ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+PROMPTS = [
+    [5, 17, 99, 3, 42, 8, 64, 21, 77, 1, 33],
+    [120, 6, 6, 90, 12],
+    [11, 22, 33, 44, 55, 66, 77, 88, 99, 100, 101, 102, 103],
+]
+GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+_ids = itertools.count()
+
+
+def make_adapter(
+    hf: LlamaForCausalLM,
+    path: Path,
+    seed: int,
+    r: int = 8,
+    targets: list[str] | None = None,
+    rslora: bool = False,
+) -> torch.nn.Module:
+    """A PEFT LoRA adapter with random non-zero A and B (PEFT's ``init_lora_weights=False``),
+    saved to ``path``; returns the peft model (a copy of ``hf`` with the adapter)."""
+    torch.manual_seed(seed)
+    conf = LoraConfig(
+        r=r,
+        lora_alpha=2 * r,
+        target_modules=targets or ALL,
+        init_lora_weights=False,
+        use_rslora=rslora,
+        lora_dropout=0.0,
+    )
+    model = get_peft_model(copy.deepcopy(hf), conf)
+    with torch.no_grad():  # B as large as the tiny model's own weights (x10): outputs change
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.mul_(4.0)
+    model.save_pretrained(str(path))
+    return model.eval()
+
+
+@pytest.fixture(scope="module")
+def adapters(hf_model: LlamaForCausalLM, tmp_path_factory: pytest.TempPathFactory):  # noqa: F811
+    """Two adapters: every projection at rank 8, and q/v only at rank 4 with rsLoRA."""
+    root = tmp_path_factory.mktemp("lora")
+    a1 = make_adapter(hf_model, root / "a1", seed=1)
+    a2 = make_adapter(hf_model, root / "a2", seed=2, r=4, targets=["q_proj", "v_proj"], rslora=True)
+    return {
+        "a1": (LoRARef("a1", 1, str(root / "a1")), a1),
+        "a2": (LoRARef("a2", 2, str(root / "a2")), a2),
+    }
+
+
+def argmax_tokens(model: torch.nn.Module, prompt: list[int], n: int) -> list[int]:
+    toks = list(prompt)
+    with torch.no_grad():
+        for _ in range(n):
+            toks.append(int(model(input_ids=torch.tensor([toks])).logits[0, -1].argmax()))
+    return toks[len(prompt) :]
+
+
+def run(
+    core: SchedulerCore,
+    runner: ModelRunner,
+    jobs: list[tuple[list[int], LoRARef | None]],
+    params: SamplingParams = GREEDY,
+) -> tuple[list[list[int]], list[StepPlan]]:
+    """Every (prompt, adapter) through ``core`` and ``runner`` to its end, submitted together."""
+    ws = next(iter(core.workers.values()))
+    ids = [f"r{next(_ids)}" for _ in jobs]
+    for rid, (prompt, lora) in zip(ids, jobs, strict=True):
+        req = TokenizedRequest(rid, "", prompt, params)
+        req.lora = lora
+        core.add_request(req)
+    out: dict[str, list[int]] = {rid: [] for rid in ids}
+    plans = []
+    for _ in range(500):
+        plan, _ = core.schedule(ws)
+        if plan is None:
+            break
+        plans.append(plan)
+        res = runner.execute(plan)
+        assert res.error is None, res.error
+        for rid, tok in zip(res.request_ids, res.token_ids, strict=True):
+            out[rid].append(tok)
+        core.on_result(res)
+    assert not core.requests
+    return [out[rid] for rid in ids], plans
+
+
+def new_core(max_loras: int = 2, blocks: int = 64, **limits) -> SchedulerCore:
+    core = SchedulerCore(SchedulerLimits(max_loras=max_loras, **limits))
+    core.add_worker("w", blocks, 4)
+    return core
+
+
+def lora_runner(hf: LlamaForCausalLM, max_loras: int = 2, max_rank: int = 16) -> ModelRunner:
+    return make_runner(hf, worker_id="w", lora=LoRASpec(max_loras, max_rank))
+
+
+def test_greedy_equals_hf_peft(hf_model: LlamaForCausalLM, adapters) -> None:  # noqa: F811
+    runner = lora_runner(hf_model)
+    for ref, peft_model in adapters.values():
+        for prompt in PROMPTS:
+            got, _ = run(new_core(), runner, [(prompt, ref)])
+            want = argmax_tokens(peft_model, prompt, GREEDY.max_tokens)
+            assert got[0] == want, ref.name
+            assert want != argmax_tokens(hf_model, prompt, GREEDY.max_tokens)  # it changes output
+
+
+def test_mixed_batch_equals_each_alone(hf_model: LlamaForCausalLM, adapters) -> None:  # noqa: F811
+    """Base, adapter 1 and adapter 2 (each on every prompt) in one batch, under chunked
+    prefill: each request gets the tokens it gets alone."""
+    refs = [None, adapters["a1"][0], adapters["a2"][0]]
+    jobs = [(p, ref) for p in PROMPTS for ref in refs]
+    alone = [run(new_core(), lora_runner(hf_model), [job])[0][0] for job in jobs]
+    core = new_core(max_loras=2, max_num_batched_tokens=16)
+    together, plans = run(core, lora_runner(hf_model), jobs)
+    assert together == alone
+    assert max(len({s.request_id for s in p.seqs}) for p in plans) >= 6  # really batched
+    assert len({tuple(t) for t in alone[:3]}) == 3  # the three differ on the first prompt
+
+
+def test_max_loras_bounds_every_step(hf_model: LlamaForCausalLM, adapters) -> None:  # noqa: F811
+    """With max_loras=1 a step runs one adapter at most (the base model beside it), a request
+    of another adapter waits its turn, and the worker's cache evicts the least recent."""
+    a1, a2 = adapters["a1"][0], adapters["a2"][0]
+    jobs = [(PROMPTS[0], a1), (PROMPTS[1], a2), (PROMPTS[2], None), (PROMPTS[1], a1)]
+    core = new_core(max_loras=1)
+    runner = lora_runner(hf_model, max_loras=1)
+    got, plans = run(core, runner, jobs)
+    by_id = {}
+    for p in plans:
+        by_id.update({r.request_id: r.lora for r in p.new_requests})
+        names = {by_id[s.request_id].name for s in p.seqs if by_id[s.request_id] is not None}
+        assert len(names) <= 1
+    alone = [run(new_core(), lora_runner(hf_model), [job])[0][0] for job in jobs]
+    assert got == alone
+    assert runner.loras is not None and len(runner.loras.loaded) == 1
+    assert runner.loras.loads == 2  # a1 (both a1 requests ran together), then a2
+
+
+def test_prefix_cache_is_never_shared_across_adapters(
+    hf_model: LlamaForCausalLM,  # noqa: F811
+    adapters,
+) -> None:
+    a1, a2 = adapters["a1"][0], adapters["a2"][0]
+    prompt = PROMPTS[2]  # 13 tokens: 3 full blocks of 4
+    core = new_core()
+    runner = lora_runner(hf_model)
+    bm = core.workers["w"].bm
+    first = {}
+    for ref in (None, a1, a2):
+        hits = bm.prefix_hits
+        first[ref and ref.name], _ = run(core, runner, [(prompt, ref)])
+        assert bm.prefix_hits == hits  # a new adapter: nothing cached for it
+    for ref in (None, a1, a2):
+        hits = bm.prefix_hits
+        again, _ = run(core, runner, [(prompt, ref)])
+        assert bm.prefix_hits > hits  # the same adapter again: its own blocks are reused
+        assert again == first[ref and ref.name]
+    assert adapter_salt(None, a1) != adapter_salt(None, a2) != adapter_salt(None, None)
+    assert adapter_salt("s", a1) != adapter_salt(None, a1)
+
+
+def test_bad_adapters_are_refused(
+    hf_model: LlamaForCausalLM,  # noqa: F811
+    adapters,
+    tmp_path: Path,
+) -> None:
+    runner = lora_runner(hf_model)
+    cfg = runner.config
+    a1 = adapters["a1"][0]
+    with pytest.raises(LoRAError, match="rank 8, over --max-lora-rank 4"):
+        load_adapter(a1, cfg, max_rank=4)
+    with pytest.raises(LoRAError, match="not a directory"):
+        load_adapter(LoRARef("x", 3, str(tmp_path / "missing")), cfg, 16)
+
+    def variant(name: str, conf_edit=None, tensors_edit=None, raw: bytes | None = None) -> LoRARef:
+        d = tmp_path / name
+        d.mkdir()
+        conf = json.loads((Path(a1.path) / "adapter_config.json").read_text())
+        if conf_edit:
+            conf.update(conf_edit)
+        (d / "adapter_config.json").write_text(json.dumps(conf))
+        if raw is not None:
+            (d / "adapter_model.safetensors").write_bytes(raw)
+        else:
+            t = load_file(str(Path(a1.path) / "adapter_model.safetensors"))
+            save_file(tensors_edit(t) if tensors_edit else t, str(d / "adapter_model.safetensors"))
+        return LoRARef(name, 9, str(d))
+
+    def wrong_shape(t: dict) -> dict:
+        k = next(k for k in t if "q_proj.lora_B" in k)
+        t[k] = torch.zeros(t[k].shape[0] + 1, t[k].shape[1])
+        return t
+
+    def lm_head(t: dict) -> dict:
+        t["base_model.model.lm_head.lora_A.weight"] = torch.zeros(8, 64)
+        return t
+
+    cases = {
+        "corrupt": (variant("corrupt", raw=b"not a safetensors file"), "cannot be read"),
+        "shape": (variant("shape", tensors_edit=wrong_shape), "another model"),
+        "dora": (variant("dora", {"use_dora": True}), "use_dora"),
+        "head": (variant("head", tensors_edit=lm_head), "other than the attention"),
+        "target": (variant("target", {"target_modules": ["embed_tokens"]}), "cannot be served"),
+    }
+    assert runner.loras is not None
+    for name, (ref, words) in cases.items():
+        with pytest.raises(LoRAError, match=words):
+            runner.loras.check(ref)
+        assert name not in runner.loras.loaded
+    got, _ = run(new_core(), runner, [(PROMPTS[1], None)])  # the runner still serves
+    assert len(got[0]) == GREEDY.max_tokens
+
+
+def test_lora_settings() -> None:
+    assert parse_lora_modules("") == []
+    refs = parse_lora_modules('sql=/a/b \'{"name": "chat", "path": "/c d"}\'')
+    assert refs == [LoRARef("sql", 1, "/a/b"), LoRARef("chat", 2, "/c d")]
+    for bad, words in [("sql", "NAME=PATH"), ("a=/x a=/y", "twice"), ("{bad", "JSON")]:
+        with pytest.raises(LoRAError, match=words):
+            parse_lora_modules(bad)
+    with pytest.raises(LoRAError, match="needs --enable-lora"):
+        check_lora_settings(False, "a=/x", 1, 16)
+    with pytest.raises(LoRAError, match="max-loras"):
+        check_lora_settings(True, "", 0, 16)
