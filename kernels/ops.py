@@ -7,7 +7,8 @@ calls the same functions either way::
     ops = get_backend(select_backend(device, dtype))
     x, residual = ops.rms_norm(h, weight, eps, residual)
 
-The functions (shapes: T tokens, B sequences, H query heads, Hkv KV heads, D head dim):
+The functions (shapes: T tokens, B sequences, H query heads, Hkv KV heads, D head dim, S LoRA
+adapter slots, R LoRA rank):
 
 ``rms_norm(x [T, N], weight [N], eps, residual [T, N] | None) -> (normed, x + residual)``
     Without ``residual`` the second value is ``x`` itself.
@@ -28,6 +29,15 @@ query_start_loc [B + 1] int32, max_query_len, scale) -> [T, H, D]``
     Causal attention of B sequences' new tokens (rows ``query_start_loc[i]:[i+1]`` of q, the
     last ones of each ``seq_lens[i]``-token context, K/V already written): prefill, chunked
     prefill and prefix hits (bottom-right aligned mask). ``max_query_len`` is a host int.
+``lora_shrink(x [T, K], a [S, R, K], slots [T], split_k=None) -> [T, R]``
+    Multi-LoRA down projection (Punica-style gather GEMM): row t is ``x[t] @ a[slots[t]].T``,
+    zeros where ``slots[t] < 0`` (no adapter). fp32 accumulation, x's dtype. ``slots`` int32 or
+    int64. ``split_k``: programs sharing the K reduction (Triton only; None picks one from the
+    shapes without a device sync).
+``lora_expand(v [T, R], b [S, N, R], slots [T], out [T, N]) -> None``
+    Multi-LoRA up projection, in place: ``out[t] += v[t] @ b[slots[t]].T`` for rows with
+    ``slots[t] >= 0``; the other rows are not written. fp32 accumulation, the sum rounded to
+    out's dtype. ``out`` needs unit column stride; any row stride (a column slice is fine).
 
 Any GQA ratio, any block size. The Triton modules are imported only when the Triton backend
 is asked for, so CPU deployments never need a working Triton.
@@ -56,6 +66,8 @@ class KernelBackend:
     write_kv_cache: Callable[..., None]
     decode_attention: Callable[..., torch.Tensor]
     extend_attention: Callable[..., torch.Tensor]
+    lora_shrink: Callable[..., torch.Tensor]
+    lora_expand: Callable[..., None]
 
 
 def select_backend(device: torch.device | str, dtype: torch.dtype) -> str:
@@ -77,6 +89,8 @@ def get_backend(name: str) -> KernelBackend:
             write_kv_cache=reference.write_kv_cache,
             decode_attention=_reference_decode_attention,
             extend_attention=_reference_extend_attention,
+            lora_shrink=_reference_lora_shrink,
+            lora_expand=reference.lora_expand,
         )
     if name == "triton":
         try:
@@ -85,6 +99,7 @@ def get_backend(name: str) -> KernelBackend:
                 triton_extend_attention,
                 triton_kv_cache,
                 triton_layers,
+                triton_lora,
             )
         except ImportError as e:  # no triton wheel for this platform
             raise RuntimeError(f"the triton backend needs the triton package: {e}") from e
@@ -96,12 +111,14 @@ def get_backend(name: str) -> KernelBackend:
             write_kv_cache=triton_kv_cache.write_kv_cache,
             decode_attention=triton_decode_attention.decode_attention,
             extend_attention=triton_extend_attention.extend_attention,
+            lora_shrink=triton_lora.lora_shrink,
+            lora_expand=triton_lora.lora_expand,
         )
     raise ValueError(f"unknown kernel backend {name!r} (expected one of {BACKENDS})")
 
 
 # --------------------------------------------------------------------------------------------
-# the reference backend's attention entry points, in terms of reference.paged_attention
+# the reference backend's entry points whose signatures differ from kernels/reference.py's
 
 
 def _reference_decode_attention(
@@ -140,3 +157,12 @@ def _reference_extend_attention(
 ) -> torch.Tensor:
     query_lens = query_start_loc[1:] - query_start_loc[:-1]
     return reference.paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_lens, scale)
+
+
+def _reference_lora_shrink(
+    x: torch.Tensor,
+    a: torch.Tensor,
+    slots: torch.Tensor,
+    split_k: int | None = None,  # only the Triton kernel splits K
+) -> torch.Tensor:
+    return reference.lora_shrink(x, a, slots)

@@ -331,3 +331,36 @@ def paged_attention(
         )
         out[a:b] = o[0].transpose(0, 1)
     return out
+
+
+# --------------------------------------------------------------------------------------------
+# multi-LoRA (Punica-style gather GEMMs: each token row through its own adapter)
+
+
+def _rows_by_slot(slots: torch.Tensor) -> list[tuple[int, torch.Tensor]]:
+    """``(slot, row indices)`` for each distinct slot >= 0 in ``slots`` [T], ascending."""
+    return [(s, (slots == s).nonzero().view(-1)) for s in torch.unique(slots).tolist() if s >= 0]
+
+
+def lora_shrink(x: torch.Tensor, a: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """Each row of ``x`` [T, K] through its adapter's down projection ``a`` [S, R, K]: row t of
+    the [T, R] result is ``x[t] @ a[slots[t]].T``, zeros where ``slots[t] < 0`` (no adapter).
+    One fp32 GEMM per distinct slot (memory O(T * R)); the result has x's dtype.
+
+    Not batch invariant: a row's bits can depend on how many rows share its adapter (the GEMM's
+    row count), as for ``linear`` without a layout."""
+    out = torch.zeros(x.shape[0], a.shape[1], dtype=x.dtype, device=x.device)
+    for s, rows in _rows_by_slot(slots):
+        y = F.linear(x.index_select(0, rows).float(), a[s].float())
+        out.index_copy_(0, rows, y.to(x.dtype))
+    return out
+
+
+def lora_expand(v: torch.Tensor, b: torch.Tensor, slots: torch.Tensor, out: torch.Tensor) -> None:
+    """In place, ``out[t] += v[t] @ b[slots[t]].T`` for the rows with ``slots[t] >= 0`` (``v``
+    [T, R], ``b`` [S, N, R] the adapters' up projections, ``out`` [T, N], any strides); the
+    other rows of ``out`` are not written. One fp32 GEMM per distinct slot, the sum rounded once
+    to ``out``'s dtype."""
+    for s, rows in _rows_by_slot(slots):
+        y = F.linear(v.index_select(0, rows).float(), b[s].float())
+        out.index_copy_(0, rows, (out.index_select(0, rows).float() + y).to(out.dtype))

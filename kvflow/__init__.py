@@ -1,5 +1,5 @@
-"""kvflow's Python API, with vLLM's names: ``LLM``, ``SamplingParams``, ``BeamSearchParams`` and
-the output classes. ``from kvflow import LLM, SamplingParams``.
+"""kvflow's Python API, with vLLM's names: ``LLM``, ``SamplingParams``, ``BeamSearchParams``,
+``LoRARequest`` and the output classes. ``from kvflow import LLM, SamplingParams``.
 
 The names load on first use (PEP 562), so ``kvflow.cli`` (the ``kvflow`` command, which every
 service process runs) does not pay for the Python API's imports."""
@@ -17,6 +17,7 @@ _WHERE = {
     "EmbeddingOutput": "kvflow.outputs",
     "EmbeddingRequestOutput": "kvflow.outputs",
     "Logprob": "kvflow.outputs",
+    "LoRARequest": "kvflow.lora_request",
     "RequestOutput": "kvflow.outputs",
     "BeamSearchParams": "kvflow.sampling_params",
     "SamplingParamError": "kvflow.sampling_params",

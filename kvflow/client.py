@@ -17,6 +17,9 @@ from shared.messages import (
     Abort,
     Delta,
     GenerateRequest,
+    LoraAdapters,
+    LoraList,
+    LoraLoad,
     PromptTokenLogprob,
     RequestError,
     SchedulerStats,
@@ -79,6 +82,15 @@ class PipelineClient:
         reply = await self.bus.request(subjects.SCHEDULER_STATS, StatsRequest(), timeout)
         if not isinstance(reply, SchedulerStats):
             raise RuntimeError(f"unexpected reply {type(reply).__name__} to StatsRequest")
+        return reply
+
+    async def lora(self, msg: LoraLoad | LoraList, timeout: float = 75.0) -> LoraAdapters:
+        """Ask the scheduler to load (or list) LoRA adapters; raises ValueError for a refusal."""
+        reply = await self.bus.request(subjects.SCHEDULER_LORA, msg, timeout)
+        if not isinstance(reply, LoraAdapters):
+            raise RuntimeError(f"unexpected reply {type(reply).__name__} to {type(msg).__name__}")
+        if reply.error:
+            raise ValueError(reply.error)
         return reply
 
     async def generate(self, req: GenerateRequest, timeout: float = 3600.0) -> Completion:

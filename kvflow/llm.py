@@ -22,14 +22,15 @@ import functools
 import itertools
 import json
 import sys
-import threading
 import weakref
-from collections.abc import Coroutine, Sequence
-from typing import Any, TypeVar
+from collections.abc import Sequence
+from typing import Any
 
 from kvflow.cli.launcher import Stack, start_pipeline
 from kvflow.client import Completion, PipelineClient, PipelineError
 from kvflow.embedding import embed_all
+from kvflow.loop_thread import LoopThread
+from kvflow.lora_request import LoRARequest
 from kvflow.outputs import (
     BeamSearchOutput,
     BeamSearchSequence,
@@ -52,38 +53,16 @@ from shared.beam_search import beam_search as run_beam_search
 from shared.chat_template import from_openai, read_chat_template, render_chat
 from shared.config import Settings
 from shared.fan_out import best, expand, ranks, sequences_per_prompt
-from shared.messages import GenerateRequest
+from shared.lora import check_lora_settings
+from shared.messages import GenerateRequest, LoraLoad, LoRARef
 from shared.messages import SamplingParams as WireParams
 from shared.model_source import ModelNotFoundError, load_tokenizer, resolve_model
 from shared.speculative import parse_speculative_config
 
-T = TypeVar("T")
 _Tokenized = tuple[str | None, list[int], str | None]  # text, token ids, cache salt
 
 # vLLM engine arguments that mean nothing on this stack: accepted, with a note
 _VLLM_NOOP_ARGS = {"trust_remote_code", "enforce_eager", "disable_log_stats", "swap_space"}
-
-
-class _Loop:
-    """An asyncio loop on a daemon thread: the LLM's synchronous methods run coroutines on it."""
-
-    def __init__(self) -> None:
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, name="kvflow-llm", daemon=True)
-        self.thread.start()
-
-    def run(self, coro: Coroutine[Any, Any, T]) -> T:
-        fut = asyncio.run_coroutine_threadsafe(coro, self.loop)
-        try:
-            return fut.result()
-        except KeyboardInterrupt:
-            fut.cancel()
-            raise
-
-    def stop(self) -> None:
-        if self.loop.is_running():
-            self.loop.call_soon_threadsafe(self.loop.stop)
-            self.thread.join(10)
 
 
 class LLM:
@@ -117,6 +96,8 @@ class LLM:
             del kwargs["dtype"]
         self.settings = Settings.of(model=model or "", **kwargs)
         parse_speculative_config(self.settings.model.speculative_config)  # ValueError early
+        ms = self.settings.model
+        check_lora_settings(ms.enable_lora, ms.lora_modules, ms.max_loras, ms.max_lora_rank)
         try:
             model_settings = self.settings.model
             self.source = resolve_model(model_settings.path, model_settings.served_model_name)
@@ -132,7 +113,7 @@ class LLM:
         self.max_in_flight = max(1, max_in_flight)
         self._ids = itertools.count()
         self._stack: Stack | None = None
-        self._loop = _Loop()
+        self._loop = LoopThread()
         self._closed = False
         try:
             if nats_url is None:
@@ -158,7 +139,7 @@ class LLM:
     # -- lifetime ---------------------------------------------------------------------------
 
     @staticmethod
-    def _shutdown(loop: _Loop, client: PipelineClient | None, stack: Stack | None) -> None:
+    def _shutdown(loop: LoopThread, client: PipelineClient | None, stack: Stack | None) -> None:
         if client is not None:
             try:
                 asyncio.run_coroutine_threadsafe(client.close(), loop.loop).result(10)
@@ -203,20 +184,37 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
         priority: Sequence[int] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """One RequestOutput per prompt, in input order. A prompt is a string, a list of token
         ids, or ``{"prompt": str}`` / ``{"prompt_token_ids": [...]}`` (vLLM's TextPrompt /
         TokensPrompt), a dict optionally with ``"cache_salt"``: only prompts with the same salt
-        share prefix-cache blocks."""
+        share prefix-cache blocks. ``lora_request``: the LoRA adapter of every prompt, or one
+        per prompt (None: the base model)."""
         items = _prompt_list(prompts)
         params = as_list(sampling_params, len(items))
         if priority is not None and len(priority) != len(items):
             raise ValueError(f"{len(priority)} priorities for {len(items)} prompts")
+        loras = self._loras(lora_request, len(items))
         jobs = [
-            (self._tokenize(p), sp, priority[i] if priority else 0)
+            (self._tokenize(p), sp, priority[i] if priority else 0, loras[i])
             for i, (p, sp) in enumerate(zip(items, params, strict=True))
         ]
         return self._run_all(jobs, use_tqdm)
+
+    def _loras(
+        self, lora_request: LoRARequest | Sequence[LoRARequest | None] | None, n: int
+    ) -> list[LoRARef | None]:
+        """Each prompt's adapter, loaded into the stack first (by name; a refusal, e.g. LoRA
+        off or a bad adapter, is a ValueError)."""
+        asked = list(lora_request) if isinstance(lora_request, Sequence) else [lora_request] * n
+        if len(asked) != n:
+            raise ValueError(f"{len(asked)} lora requests for {n} prompts")
+        refs: dict[str, LoRARef] = {}
+        for lr in {a for a in asked if a is not None}:
+            got = self._loop.run(self._client.lora(LoraLoad(lr.lora_name, lr.lora_path)))
+            refs.update({r.name: r for r in got.adapters if r.name == lr.lora_name})
+        return [refs[a.lora_name] if a is not None else None for a in asked]
 
     def chat(
         self,
@@ -227,6 +225,7 @@ class LLM:
         continue_final_message: bool = False,
         chat_template: str | None = None,
         tools: list[dict[str, Any]] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Conversations (lists of OpenAI-shaped messages: {"role", "content"}, an assistant's
         "tool_calls", a tool's "tool_call_id") through the chat template (``chat_template``'s
@@ -242,8 +241,9 @@ class LLM:
             )
         convos = [messages] if isinstance(messages[0], dict) else list(messages)
         params = as_list(sampling_params, len(convos))
+        loras = self._loras(lora_request, len(convos))
         jobs = []
-        for convo, sp in zip(convos, params, strict=True):
+        for convo, sp, lora in zip(convos, params, loras, strict=True):
             msgs, specs = from_openai(list(convo), tools)
             ids = render_chat(
                 self.tokenizer,
@@ -255,7 +255,7 @@ class LLM:
                 template=chat_template,
             )
             text = self.tokenizer.decode(ids, skip_special_tokens=False)
-            jobs.append(((text, ids, None), sp, 0))
+            jobs.append(((text, ids, None), sp, 0, lora))
         return self._run_all(jobs, use_tqdm)
 
     def _tokenize(self, prompt: Prompt) -> _Tokenized:
@@ -270,7 +270,7 @@ class LLM:
         return None, list(prompt), salt
 
     def _run_all(
-        self, jobs: list[tuple[_Tokenized, SamplingParams, int]], use_tqdm: bool
+        self, jobs: list[tuple[_Tokenized, SamplingParams, int, LoRARef | None]], use_tqdm: bool
     ) -> list[RequestOutput]:
         return self._loop.run(self._generate_all(jobs, use_tqdm))
 
@@ -290,8 +290,8 @@ class LLM:
 
         async def one(i: int) -> None:
             try:
-                (text, ids, salt), sp, prio = jobs[i]
-                out[i] = await self._one(text, ids, sp, prio, salt)
+                (text, ids, salt), sp, prio, lora = jobs[i]
+                out[i] = await self._one(text, ids, sp, prio, salt, lora)
                 bar.update(1)
             except BaseException as e:  # noqa: BLE001 - re-raised below, in input order
                 failure.append(e)
@@ -317,7 +317,13 @@ class LLM:
         return [o for o in out if o is not None]
 
     async def _one(
-        self, text: str | None, ids: list[int], sp: SamplingParams, priority: int, salt: str | None
+        self,
+        text: str | None,
+        ids: list[int],
+        sp: SamplingParams,
+        priority: int,
+        salt: str | None,
+        lora: LoRARef | None = None,
     ) -> RequestOutput:
         rid = f"{self._client.client_id}-{next(self._ids)}"
         rank = ranks(sp.n, sp.best_of)
@@ -332,6 +338,7 @@ class LLM:
             priority=priority,
             truncate_prompt_tokens=sp.truncate_prompt_tokens,
             cache_salt=salt,
+            lora=lora,
         )
         seqs = expand([req], sequences_per_prompt(sp.n, sp.best_of))
         done = await asyncio.gather(*(self._client.generate(r) for r in seqs))

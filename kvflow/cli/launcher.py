@@ -32,6 +32,7 @@ from shared.access.connect import EXIT_REFUSED
 from shared.access.credentials import Credentials, generate
 from shared.config import Settings
 from shared.infra import Server, port_is_free, start_nats, start_redis
+from shared.lora import check_lora_settings
 from shared.model_source import ModelNotFoundError, resolve_model
 from shared.processes import spawn_service, stop_processes
 from shared.speculative import parse_speculative_config
@@ -138,6 +139,8 @@ class Stack:
         then TLS (the services verify it with ``--nats-tls-ca``). Settings that cannot be
         served raise ValueError here, before anything starts."""
         parse_speculative_config(settings.model.speculative_config)
+        ms = settings.model
+        check_lora_settings(ms.enable_lora, ms.lora_modules, ms.max_loras, ms.max_lora_rank)
         self.topology = topology
         self.plan = plan(topology, settings.ops.ops_port)
         self.settings = share_cores(settings, topology.num_workers)

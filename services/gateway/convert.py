@@ -84,18 +84,6 @@ def served_model_name(settings: Settings) -> str:
         return gguf_model_name(path) if path.suffix == ".gguf" else path.name
 
 
-def check_model(requested: str | None, served: str) -> str:
-    """The served name, if the request asked for it (or for nothing); else 404."""
-    if requested and requested != served:
-        raise APIError(
-            404,
-            f"The model `{requested}` does not exist. This server serves `{served}`.",
-            "NotFoundError",
-            "model",
-        )
-    return served
-
-
 def new_request_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 

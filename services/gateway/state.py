@@ -12,6 +12,7 @@ from typing import Any
 from services.gateway.auth import Auth
 from services.gateway.convert import served_model_name
 from services.gateway.errors import APIError
+from services.gateway.lora import GatewayLoras
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.streams import RequestHandle
 from shared import subjects
@@ -21,6 +22,7 @@ from shared.config import Settings
 from shared.messages import (
     Abort,
     GenerateRequest,
+    LoRARef,
     Message,
     Ping,
     Pong,
@@ -53,6 +55,7 @@ class GatewayState:
         self.metrics = GatewayMetrics(self.model_name, settings.model.max_model_len)
         self.metrics.track_open_requests(lambda: len(self.streams))
         self.auth = Auth(settings)
+        self.loras = GatewayLoras(settings, self.model_name)  # LoRA adapters (lora.py)
         self._own_bus = bus is None
         self.bus: Any = bus if bus is not None else Bus(f"gateway-{self.gateway_id}")
         self.instance = instance_id(f"gateway-{self.gateway_id}")
@@ -202,6 +205,10 @@ class GatewayState:
             raise APIError(
                 503, f"unexpected reply {type(reply).__name__} to Ping", "ServiceUnavailableError"
             )
+
+    async def resolve_model(self, requested: str | None) -> tuple[str, LoRARef | None]:
+        """The served model a request's ``model`` names (404 otherwise), and its adapter."""
+        return await self.loras.resolve(self.bus, requested)
 
     async def scheduler_stats(self, timeout: float = 1.0) -> SchedulerStats:
         """The scheduler's counters, or 503 saying what is missing."""

@@ -184,6 +184,7 @@ class TokenizerService:
             cache_salt=msg.cache_salt,
             tool_parsing=msg.tool_parsing,
             pooling=msg.pooling,
+            lora=msg.lora,
         )
         await self.bus.publish(subjects.REQUESTS, out, inject())
         return "ok"

@@ -8,7 +8,6 @@ import pytest
 
 from services.gateway.convert import (
     chat_job,
-    check_model,
     completion_job,
     parse_request,
     served_model_name,
@@ -183,12 +182,31 @@ def test_unknown_fields_are_ignored() -> None:
 
 
 def test_model_check() -> None:
-    assert check_model("m", "m") == "m"
-    assert check_model(None, "m") == "m" and check_model("", "m") == "m"
-    with pytest.raises(APIError) as e:
-        check_model("other", "m")
-    assert e.value.status == 404 and e.value.type == "NotFoundError"
-    assert e.value.body()["error"]["code"] == 404
+    """The base model's name (or none) and --lora-modules names resolve without the bus; an
+    unknown name is a 404 naming ``model`` (with LoRA off nothing is asked of the scheduler)."""
+    import asyncio
+
+    from services.gateway.lora import GatewayLoras
+    from shared.messages import LoRARef
+
+    off = GatewayLoras(Settings.of(), "m")
+    on = GatewayLoras(Settings.of(enable_lora=True, lora_modules="sql=/a"), "m")
+
+    class NoBus:  # no scheduler answers: the cache decides
+        async def request(self, *a, **k):
+            raise TimeoutError
+
+    def resolve(loras: GatewayLoras, name: str | None):
+        return asyncio.run(loras.resolve(NoBus(), name))
+
+    assert resolve(off, "m") == ("m", None)
+    assert resolve(off, None) == ("m", None) and resolve(off, "") == ("m", None)
+    assert resolve(on, "sql") == ("sql", LoRARef("sql", 1, "/a"))
+    for loras, name in ((off, "other"), (off, "sql"), (on, "other")):
+        with pytest.raises(APIError) as e:
+            resolve(loras, name)
+        assert e.value.status == 404 and e.value.type == "NotFoundError"
+        assert e.value.param == "model" and e.value.body()["error"]["code"] == 404
 
 
 def test_served_model_name(tmp_path) -> None:

@@ -83,6 +83,10 @@ OLD_FLAT = {
     "enable_auto_tool_choice": ("gateway.enable_auto_tool_choice", "false", False, True),
     "tool_call_parser": ("gateway.tool_call_parser", "llama3_json", "llama3_json", "hermes"),
     "pooling_type": ("model.pooling_type", "MEAN", "MEAN", "LAST"),
+    "enable_lora": ("model.enable_lora", "true", True, False),
+    "lora_modules": ("model.lora_modules", "a=/x", "a=/x", ""),
+    "max_loras": ("model.max_loras", "4", 4, 1),
+    "max_lora_rank": ("model.max_lora_rank", "64", 64, 16),
 }
 
 

@@ -2,7 +2,7 @@
 through the ``Gateway`` dependency, routes/common.py), one module per kind of work:
 completions.py (chat, completions, legacy /generate), responses.py (/v1/responses), tokens.py
 (/tokenize, /detokenize), status.py (models, version, health, stats, metrics), embeddings.py
-(/v1/embeddings)."""
+(/v1/embeddings), lora.py (vLLM's /v1/load_lora_adapter and /v1/unload_lora_adapter)."""
 
 from __future__ import annotations
 
@@ -16,9 +16,16 @@ from services.gateway.protocol import (
     TokenizeCompletionRequest,
 )
 from services.gateway.responses_api import ResponsesRequest
-from services.gateway.routes import completions, embeddings, responses, status, tokens
+from services.gateway.routes import completions, embeddings, lora, responses, status, tokens
 
-ROUTERS = (completions.router, responses.router, tokens.router, status.router, embeddings.router)
+ROUTERS = (
+    completions.router,
+    responses.router,
+    tokens.router,
+    status.router,
+    embeddings.router,
+    lora.router,
+)
 
 # route path -> the model(s) its POST body may be, for the OpenAPI document (openapi.py): the
 # routes read their bodies by hand, so FastAPI cannot see these
@@ -29,4 +36,6 @@ BODY_MODELS: dict[str, list[type[BaseModel]]] = {
     "/tokenize": [TokenizeCompletionRequest, TokenizeChatRequest],
     "/detokenize": [DetokenizeRequestBody],
     "/v1/embeddings": [embeddings.EmbeddingRequest],
+    "/v1/load_lora_adapter": [lora.LoadLoRAAdapterRequest],
+    "/v1/unload_lora_adapter": [lora.UnloadLoRAAdapterRequest],
 }

@@ -15,7 +15,6 @@ from pydantic import BaseModel
 from services.gateway.convert import (
     Job,
     chat_job,
-    check_model,
     completion_job,
     new_request_id,
     parse_request,
@@ -108,10 +107,12 @@ async def generate(
             trace.end(CLIENT_CLOSED, "client closed")
             return Response(status_code=CLIENT_CLOSED)
         req = parse_request(model_cls, body)
-        model = check_model(req.model, state.model_name)
+        model, lora = await state.resolve_model(req.model)
         rid = new_request_id(prefix)
         job = make_job(req, rid, state.inbox, time.time(), state.settings)
         salt_job(job, tenant(state, key))
+        for gen in job.prompts:
+            gen.lora = lora
         fmt = fmt_cls(rid, model, include_usage=job.include_usage)
         fmt.with_logprobs, fmt.with_prompt_logprobs = job.logprobs, job.prompt_logprobs
         fmt.role, fmt.tokens_as_ids = job.role, job.tokens_as_ids

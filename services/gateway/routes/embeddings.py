@@ -24,7 +24,7 @@ from fastapi.responses import Response
 from pydantic import BaseModel, ConfigDict
 
 from services.gateway.cancel import run_or_disconnect
-from services.gateway.convert import check_model, parse_request, prompt_items, tenant_salt
+from services.gateway.convert import parse_request, prompt_items, tenant_salt
 from services.gateway.errors import APIError
 from services.gateway.generation import CLIENT_CLOSED
 from services.gateway.metrics import RequestTimer
@@ -161,10 +161,12 @@ async def embeddings(request: Request, state: Gateway) -> Response:
             status, error = CLIENT_CLOSED, "client closed"
             return Response(status_code=CLIENT_CLOSED)
         req = parse_request(EmbeddingRequest, body)
-        model = check_model(req.model, state.model_name)
+        model, lora = await state.resolve_model(req.model)
         rid = f"embd-{uuid.uuid4().hex}"
         salt = tenant_salt(tenant(state, key), None)
         gens = embedding_requests(req, rid, state.inbox, state.settings, salt)
+        for gen in gens:
+            gen.lora = lora
         trace.started(rid, False, len(gens))
         deltas = await _serve(request, state, gens, trace, key)
         if deltas is None:

@@ -45,7 +45,10 @@ async def models(request: Request, state: Gateway) -> Response:
     }
     if state.max_model_len:
         card["max_model_len"] = state.max_model_len
-    return json_response({"object": "list", "data": [card]})
+    cards = [card]
+    for ref in await state.loras.listed(state.bus):  # vLLM's: root is the adapter's path
+        cards.append({**card, "id": ref.name, "root": ref.path, "parent": state.model_name})
+    return json_response({"object": "list", "data": cards})
 
 
 @router.get("/version", response_model=VersionResponse)

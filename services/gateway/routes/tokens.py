@@ -11,7 +11,6 @@ from fastapi.responses import Response
 from services.gateway.convert import (
     chat_messages,
     chat_template_flags,
-    check_model,
     parse_json,
     parse_request,
     validate_body,
@@ -44,7 +43,7 @@ async def tokenize(request: Request, state: Gateway) -> Response:
     data = parse_json(body)
     is_chat = "messages" in data
     req: Any = validate_body(TokenizeChatRequest if is_chat else TokenizeCompletionRequest, data)
-    check_model(req.model, state.model_name)
+    await state.resolve_model(req.model)  # an adapter shares the base's tokenizer
     res: TokenizeResult = await state.tokenizer_call(tokenize_message(req, is_chat), TokenizeResult)
     return json_response(
         {
@@ -87,7 +86,7 @@ async def detokenize(request: Request, state: Gateway) -> Response:
     if body is None:
         return Response(status_code=CLIENT_CLOSED)
     req = parse_request(DetokenizeRequestBody, body)
-    check_model(req.model, state.model_name)
+    await state.resolve_model(req.model)  # an adapter shares the base's tokenizer
     if any(not 0 <= t < 2**31 for t in req.tokens):
         raise APIError(400, "tokens: token ids must be in [0, 2^31)", param="tokens")
     res: DetokenizeResult = await state.tokenizer_call(

