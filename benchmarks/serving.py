@@ -139,7 +139,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "what",
         nargs="?",
-        choices=["compare", "pipeline", "quality", "llamacpp", "embeddings", "speculative"],
+        choices=["compare", "pipeline", "quality", "llamacpp", "embeddings", "speculative", "lora"],
         default="compare",
         help="compare (default): kvflow vs Hugging Face; pipeline: the stack with a simulated "
         "worker at several concurrencies, with CPU per token of each service; quality: "
@@ -147,7 +147,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "kvflow and llama.cpp's llama-server on the same GGUF at 1, 16 and 64 in flight; "
         "embeddings: /v1/embeddings per second, one input per request and batched; "
         "speculative: n-gram speculative decoding against plain decoding (TPOT, tok/s, "
-        "acceptance) on quoting and free-form prose workloads",
+        "acceptance) on quoting and free-form prose workloads; lora: a batch with 0, 1 and "
+        "--lora-count distinct LoRA adapters (tok/s, TPOT)",
     )
     p.add_argument("--url", default=None, help="a running kvflow (default: start one)")
     p.add_argument("--model", default="", help="model path (default: SmolLM2 from the wheel)")
@@ -178,6 +179,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     from benchmarks import speculative as bench_speculative
 
     bench_speculative.add_arguments(p.add_argument_group("speculative"))
+    from benchmarks import lora as bench_lora
+
+    bench_lora.add_arguments(p.add_argument_group("lora"))
 
 
 def main(args: argparse.Namespace) -> int:
@@ -201,6 +205,10 @@ def main(args: argparse.Namespace) -> int:
         from benchmarks import speculative as bench_speculative
 
         return bench_speculative.main(args)
+    if args.what == "lora":
+        from benchmarks import lora as bench_lora
+
+        return bench_lora.main(args)
     src = resolve_model(args.model)
     tok = load_tokenizer(src)
     span = lambda s: tuple(int(x) for x in s.split(":"))  # noqa: E731
