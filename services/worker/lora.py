@@ -9,9 +9,12 @@ A stacked by rows, B block-diagonal, so one pair of GEMMs gives all three deltas
 
 Two ways to apply, as the model runs:
 
-- CPU path: rows are grouped by adapter and each group runs two small GEMMs. On a machine with
-  the panel kernel (kernels/cpu_gemm.py) A and B are packed as panels, whose rows do not depend
-  on the other rows of the GEMM, so a request's output is the same whatever else is batched.
+- CPU path: the step's adapters are fused side by side (``FusedAdapters``: A stacked, B
+  concatenated; kept for the next steps), so each projection takes two small GEMMs over the
+  rows that have an adapter, whatever their number, and a mask between them keeps each row's
+  own adapter's rank columns. On a machine with the panel kernel (kernels/cpu_gemm.py) A and B
+  are packed as panels, whose rows and columns do not depend on the others (and zeros add
+  exactly), so a request's output is the same alone or batched with other adapters.
 - Device path: the adapters in memory sit in slots of stacked tensors, and every row takes its
   slot's A and B in the kernel backend's ``lora_shrink``/``lora_expand`` (Triton on CUDA: a
   gathered GEMV per row, Punica's BGMV; -1 rows are left alone)."""
@@ -21,7 +24,7 @@ from __future__ import annotations
 import re
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +45,7 @@ GROUPS: dict[str, tuple[str, ...]] = {
 _KEY = re.compile(r"layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])(?:\.[\w-]+)?\.weight$")
 
 MatMul = Callable[[torch.Tensor], torch.Tensor]
+FUSED_SETS = 8  # sets of adapters kept fused on the CPU path (steps reuse the same few)
 
 
 @dataclass(frozen=True)
@@ -79,8 +83,6 @@ class LoRAWeights:
     ref: LoRARef
     rank: int
     layers: list[dict[str, tuple[torch.Tensor, torch.Tensor]]]
-    # the CPU path's matmuls of the same pairs (panels where the kernel runs)
-    matmuls: list[dict[str, tuple[MatMul, MatMul]]] = field(default_factory=list)
 
 
 def _read_tensors(path: Path) -> dict[str, torch.Tensor]:
@@ -173,20 +175,52 @@ def _fuse(
     return out
 
 
-def _pack(w: LoRAWeights) -> None:
-    """The CPU path's matmuls: panels (batch invariant) where the kernel runs, else dense."""
-    panels = panel_available() and all(
-        a.dtype == torch.float32 and a.device.type == "cpu"
-        for layer in w.layers
-        for a, _ in layer.values()
-    )
+def _matmul(t: torch.Tensor, panels: bool) -> MatMul:
+    """``x -> x @ t.T``: a panel weight (batch invariant) where the kernel runs, else dense."""
+    if panels:
+        return PanelWeight(t.contiguous())
+    return lambda x: torch.nn.functional.linear(x, t)
 
-    def mm(t: torch.Tensor) -> MatMul:
-        if panels:
-            return PanelWeight(t.contiguous())
-        return lambda x: torch.nn.functional.linear(x, t)
 
-    w.matmuls = [{g: (mm(a), mm(b)) for g, (a, b) in layer.items()} for layer in w.layers]
+@dataclass
+class _Side:
+    """Several adapters' pairs of one group in one layer side by side (A stacked by rows, B by
+    columns): ``spans`` gives, in column order, each one's index in the set and rank columns."""
+
+    a: MatMul
+    b: MatMul
+    spans: tuple[tuple[int, int], ...]
+
+
+class FusedAdapters:
+    """A set of adapters as one (A, B) pair per layer and group, for the CPU path: a step with
+    several adapters runs two GEMMs per projection whatever their number, each row keeping its
+    own adapter's rank columns (a mask) between them. With panel weights a row's columns and
+    sums do not depend on the other adapters or rows (zeros add exactly), so a request's output
+    is the same alone or batched with other adapters."""
+
+    def __init__(self, weights: list[LoRAWeights]) -> None:
+        self.names = tuple(w.ref.name for w in weights)
+        panels = panel_available() and all(
+            a.dtype == torch.float32 and a.device.type == "cpu"
+            for w in weights
+            for layer in w.layers
+            for a, _ in layer.values()
+        )
+        self.layers: list[dict[str, _Side]] = []
+        for i in range(len(weights[0].layers)):
+            layer: dict[str, _Side] = {}
+            for group in GROUPS:
+                have = [
+                    (k, w.layers[i][group]) for k, w in enumerate(weights) if group in w.layers[i]
+                ]
+                if not have:
+                    continue
+                a = torch.cat([p[0] for _, p in have])
+                b = torch.cat([p[1] for _, p in have], dim=1)
+                spans = tuple((k, p[0].shape[0]) for k, p in have)
+                layer[group] = _Side(_matmul(a, panels), _matmul(b, panels), spans)
+            self.layers.append(layer)
 
 
 class LoRAStep:
@@ -194,13 +228,18 @@ class LoRAStep:
 
     def __init__(
         self,
-        groups: list[tuple[LoRAWeights, torch.Tensor | slice]],
+        fused: FusedAdapters | None = None,
+        rows: torch.Tensor | slice | None = None,
+        owner: torch.Tensor | None = None,
         slots: torch.Tensor | None = None,
         stacks: LoRAStacks | None = None,
         ops: KernelBackend | None = None,
     ) -> None:
-        self.groups = groups  # CPU path: (adapter, its rows)
+        # CPU path: the step's adapters fused, the rows that have one (a slice when they are
+        # contiguous) and each such row's adapter (its index in ``fused``)
+        self.fused, self.rows, self.owner = fused, rows, owner
         self.slots, self.stacks, self.ops = slots, stacks, ops  # device path
+        self._masks: dict[tuple[tuple[int, int], ...], torch.Tensor] = {}
 
     def apply(self, layer: int, group: str, x: torch.Tensor, out: torch.Tensor) -> None:
         """``out[rows] += B (A x[rows])`` for each row's adapter, in place."""
@@ -209,15 +248,27 @@ class LoRAStep:
             a, b = self.stacks.pair(layer, group)
             self.ops.lora_expand(self.ops.lora_shrink(x, a, self.slots), b, self.slots, out)
             return
-        for w, rows in self.groups:
-            mm = w.matmuls[layer].get(group)
-            if mm is None:
-                continue
-            delta = mm[1](mm[0](x[rows]))
-            if isinstance(rows, slice):
-                out[rows] += delta
-            else:
-                out.index_add_(0, rows, delta)
+        assert self.fused is not None and self.rows is not None
+        side = self.fused.layers[layer].get(group)
+        if side is None:
+            return
+        xa = side.a(x[self.rows])
+        if len(self.fused.names) > 1:
+            xa.mul_(self._mask(side.spans))
+        delta = side.b(xa)
+        if isinstance(self.rows, slice):
+            out[self.rows] += delta
+        else:
+            out.index_add_(0, self.rows, delta)
+
+    def _mask(self, spans: tuple[tuple[int, int], ...]) -> torch.Tensor:
+        """[rows, columns]: 1 where the column is the row's own adapter's."""
+        m = self._masks.get(spans)
+        if m is None:
+            assert self.owner is not None
+            cols = torch.cat([torch.full((r,), k, dtype=torch.long) for k, r in spans])
+            m = self._masks[spans] = (self.owner[:, None] == cols[None, :]).float()
+        return m
 
 
 class LoRAStacks:
@@ -271,6 +322,8 @@ class LoRACache:
         self.loaded: OrderedDict[str, LoRAWeights] = OrderedDict()
         self.slot_of: dict[str, int] = {}  # device path: the stack slot of each loaded adapter
         self.stacks: LoRAStacks | None = None
+        # CPU path: the sets of adapters recent steps ran, fused (most recent last)
+        self.fused: OrderedDict[tuple[str, ...], FusedAdapters] = OrderedDict()
         self.loads = 0  # adapters read from disk so far (misses)
 
     def check(self, ref: LoRARef) -> None:
@@ -280,6 +333,8 @@ class LoRACache:
     def forget(self, name: str) -> None:
         self.loaded.pop(name, None)
         self.slot_of.pop(name, None)
+        for names in [k for k in self.fused if name in k]:
+            del self.fused[names]
 
     def get(self, ref: LoRARef, keep: set[str]) -> LoRAWeights:
         """``ref``'s weights, loaded (and another evicted, never one in ``keep``) if needed."""
@@ -289,8 +344,6 @@ class LoRACache:
             return have
         w = load_adapter(ref, self.cfg, self.max_rank, self.dtype, self.device)
         self.loads += 1
-        if self.ops is None:
-            _pack(w)
         self.forget(ref.name)
         while len(self.loaded) >= self.max_loras:
             old = next((n for n in self.loaded if n not in keep), None)
@@ -337,9 +390,24 @@ class LoRACache:
             slots = torch.full((at,), -1, dtype=torch.int32)
             for name, r in rows.items():
                 slots[torch.tensor(r)] = self.slot_of[name]
-            return LoRAStep([], slots.to(self.device), self.stacks, self.ops)
-        groups: list[tuple[LoRAWeights, torch.Tensor | slice]] = []
-        for name, r in rows.items():
-            whole = r[-1] - r[0] + 1 == len(r)
-            groups.append((weights[name], slice(r[0], r[-1] + 1) if whole else torch.tensor(r)))
-        return LoRAStep(groups)
+            return LoRAStep(slots=slots.to(self.device), stacks=self.stacks, ops=self.ops)
+        names = tuple(sorted(rows))
+        fused = self._fused(names, [weights[n] for n in names])
+        owner = torch.full((at,), -1, dtype=torch.long)
+        for k, name in enumerate(names):
+            owner[torch.tensor(rows[name])] = k
+        picked = (owner >= 0).nonzero().flatten()
+        first, last = int(picked[0]), int(picked[-1])
+        if last - first + 1 == len(picked):  # contiguous rows: a view, no gather
+            return LoRAStep(fused, slice(first, last + 1), owner[first : last + 1])
+        return LoRAStep(fused, picked, owner[picked])
+
+    def _fused(self, names: tuple[str, ...], weights: list[LoRAWeights]) -> FusedAdapters:
+        """The adapters ``names`` fused (kept for the next steps: a few sets, LRU)."""
+        got = self.fused.get(names)
+        if got is None:
+            got = self.fused[names] = FusedAdapters(weights)
+            while len(self.fused) > FUSED_SETS:
+                self.fused.popitem(last=False)
+        self.fused.move_to_end(names)
+        return got
