@@ -267,6 +267,8 @@ class _EngineCollector(Collector):
         yield from self._kv_moves(core)
         if core.speculator is not None:
             yield from _spec_decode(core.speculator.stats, model)
+        if svc.loras.enabled:
+            yield _lora_info(workers, core.waiting.sequences(), svc.limits.max_loras)
 
     def _workers(self, workers: list[Any]) -> Iterator[Metric]:
         labels = ["worker", "role"]
@@ -348,3 +350,17 @@ def _spec_decode(stats: Any, model: str) -> Iterator[Metric]:
     for pos, n in enumerate(list(stats.accepted_per_pos)):
         per_pos.add_metric([model, str(pos)], float(n))
     yield per_pos
+
+
+def _lora_info(workers: list[Any], waiting: list[Any], max_loras: int) -> Metric:
+    """vLLM's ``vllm:lora_requests_info``: the adapters of running and of waiting requests
+    (comma-separated names) and ``max_lora``, as labels; the value is the time."""
+    running = sorted({s.lora.name for w in workers for s in list(w.running) if s.lora})
+    queued = sorted({s.lora.name for s in waiting if s.lora})
+    g = GaugeMetricFamily(
+        "vllm:lora_requests_info",
+        "Running stats on LoRA requests",
+        labels=["running_lora_adapters", "waiting_lora_adapters", "max_lora"],
+    )
+    g.add_metric([",".join(running), ",".join(queued), str(max_loras)], time.time())
+    return g

@@ -37,5 +37,9 @@ class WaitingQueue:
         while self._heap and self._heap[0][1].request_id in self._removed:
             self._removed.discard(heapq.heappop(self._heap)[1].request_id)
 
+    def sequences(self) -> list[Sequence]:
+        """The waiting sequences (a snapshot, in no particular order)."""
+        return [seq for _, seq in list(self._heap) if seq.request_id not in self._removed]
+
     def __len__(self) -> int:
         return len(self._heap) - len(self._removed)

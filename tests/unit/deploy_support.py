@@ -32,6 +32,7 @@ from kvflow.cli.main import build_parser
 from services.detokenizer.telemetry import DetokenizerMetrics
 from services.gateway.metrics import GatewayMetrics
 from services.scheduler.core import SchedulerCore
+from services.scheduler.lora_registry import LoraRegistry
 from services.scheduler.telemetry import SchedulerTelemetry
 from services.scheduler.worker_state import SchedulerLimits
 from services.tokenizer.service import TokenizerMetrics
@@ -181,6 +182,8 @@ class _Scheduler:
         self.core.add_worker("w0", 8, 16)
         self.leading = True
         self.scheduler_id = "s0"
+        self.loras = LoraRegistry([], enabled=True)  # vllm:lora_requests_info is exported too
+        self.limits = SchedulerLimits(max_loras=2)
 
 
 def exported_metric_names() -> set[str]:

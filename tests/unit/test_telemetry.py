@@ -20,6 +20,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from services.gateway.metrics import GatewayMetrics, buckets_1_2_5
 from services.gateway.tracing import RequestTrace
 from services.scheduler.core import SchedulerCore
+from services.scheduler.lora_registry import LoraRegistry
 from services.scheduler.telemetry import SchedulerTelemetry
 from services.scheduler.worker_state import SchedulerLimits
 from services.worker.telemetry import WorkerTelemetry
@@ -209,6 +210,7 @@ class _Service:
         self.core.add_worker("w0", 16, 16)
         self.leading = True
         self.scheduler_id = "s0"
+        self.loras = LoraRegistry([], enabled=False)
 
 
 def test_scheduler_times_each_phase_and_hands_its_context_to_the_worker(spans) -> None:
