@@ -281,3 +281,47 @@ def bench_silu(
         diff,
         note,
     )
+
+
+def bench_lora(
+    ops: KernelBackend,
+    t: int,
+    k: int,
+    n: int,
+    r: int,
+    slots: int,
+    dtype: torch.dtype,
+    dev: torch.device,
+) -> Row:
+    """``lora_shrink`` then ``lora_expand`` (one projection's LoRA delta) for ``t`` rows spread
+    round robin over ``slots`` adapters, against torch's loop over the adapters (gather, two
+    GEMMs, index_add_): the multi-LoRA step cost (Punica's BGMV/SGMV)."""
+    from kernels import reference
+
+    x = torch.randn(t, k, dtype=dtype, device=dev)
+    a = torch.randn(slots, r, k, dtype=dtype, device=dev) / k**0.5
+    b = torch.randn(slots, n, r, dtype=dtype, device=dev) / r**0.5
+    idx = (torch.arange(t, device=dev) % slots).to(torch.int32)
+    out = torch.zeros(t, n, dtype=dtype, device=dev)
+
+    def run(lib) -> torch.Tensor:  # noqa: ANN001
+        lib.lora_expand(lib.lora_shrink(x, a, idx), b, idx, out)
+        return out
+
+    got = run(ops).clone()
+    out.zero_()
+    torch_us, note = _try_us(lambda: run(reference))
+    out.zero_()
+    diff = _diff(got, run(reference)) if torch_us is not None else None
+    esize = x.element_size()
+    nbytes = (t * (k + 2 * n) + slots * r * (k + n)) * esize
+    return Row(
+        "lora_shrink + lora_expand",
+        f"T={t} K={k} N={n} R={r} S={slots}",
+        _us(lambda: run(ops)),
+        nbytes,
+        torch_us,
+        "loop over adapters (gather, 2 GEMMs, index_add_)",
+        diff,
+        note,
+    )

@@ -33,6 +33,7 @@ from benchmarks.kernel_cases import (
     BLOCK_SIZE,
     bench_decode,
     bench_extend,
+    bench_lora,
     bench_rms_norm,
     bench_rotary,
     bench_silu,
@@ -62,6 +63,9 @@ def kernel_table(
         bench_rms_norm(ops, 4096, s.hidden, dtype, dev),
         bench_rotary(ops, 4096, h, hkv, d, dtype, dev),
         bench_silu(ops, 4096, s.intermediate, dtype, dev),
+        # LoRA of the fused QKV projection, rank 16: a decode batch over 4 adapters, a prefill
+        bench_lora(ops, 64, s.hidden, (h + 2 * hkv) * d, 3 * 16, 4, dtype, dev),
+        bench_lora(ops, 4096, s.hidden, (h + 2 * hkv) * d, 3 * 16, 4, dtype, dev),
     ]
     lines = [
         "| kernel | shape | triton us | GB/s | % of copy BW | torch us | torch does | speedup "
