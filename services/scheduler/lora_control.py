@@ -10,6 +10,7 @@ import asyncio
 import logging
 from typing import TYPE_CHECKING
 
+import msgspec
 from nats.aio.msg import Msg
 
 from shared.lora import LoRAError
@@ -17,6 +18,7 @@ from shared.messages import (
     LoraAdapters,
     LoraList,
     LoraLoad,
+    LoRARef,
     LoraUnload,
     RequestError,
     TokenizedRequest,
@@ -52,6 +54,8 @@ async def serve(svc: SchedulerService, msg: LoraList | LoraLoad | LoraUnload, ra
                     if wid in svc.step_subject:
                         await svc.bus.publish(svc.step_subject[wid], LoraUnload(ref.name))
                 log.info("LoRA adapter %s unloaded", ref.name)
+        if not isinstance(msg, LoraList):
+            await _persist(svc)
         answer = LoraAdapters(reg.list())
     except LoRAError as e:
         answer = LoraAdapters(reg.list(), str(e), e.status, e.param)
@@ -81,6 +85,36 @@ async def _check_on_workers(svc: SchedulerService, msg: LoraLoad) -> None:
         if a.error:
             log.warning("LoRA adapter %s refused by worker %s: %s", msg.name, wid, a.error)
             raise LoRAError(a.error, a.param or "lora_path", a.code)
+
+
+def _key(svc: SchedulerService) -> str:
+    return f"kvflow:scheduler:lora:{svc.model_name}"
+
+
+async def _persist(svc: SchedulerService) -> None:
+    """With a standby (a lease in Redis), keep the registry in Redis too: the scheduler that
+    takes over serves the adapters loaded at run time (``restore``)."""
+    if svc.lease is None:
+        return
+    try:
+        await svc.lease.redis.set(_key(svc), msgspec.json.encode(svc.loras.list()))
+    except Exception as e:  # noqa: BLE001 - the adapters still work; only a takeover forgets
+        log.warning("LoRA registry not saved in Redis (%s): a takeover forgets it", e)
+
+
+async def restore(svc: SchedulerService) -> None:
+    """A new leader: take the adapters the previous one had (from Redis, with a lease)."""
+    if svc.lease is None:
+        return
+    try:
+        raw = await svc.lease.redis.get(_key(svc))
+        refs = msgspec.json.decode(raw, type=list[LoRARef]) if raw else []
+    except Exception as e:  # noqa: BLE001 - the static adapters remain
+        log.warning("LoRA registry not read from Redis (%s)", e)
+        return
+    for ref in refs:
+        if ref.name not in svc.loras.adapters:
+            svc.loras.add(ref)
 
 
 async def resolve(svc: SchedulerService, req: TokenizedRequest) -> bool:

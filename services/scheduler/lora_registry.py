@@ -6,19 +6,17 @@ is the registry's (name, id, path), whatever the asking gateway had cached."""
 
 from __future__ import annotations
 
-import itertools
-
 from shared.lora import LoRAError
 from shared.messages import LoRARef
 
 
 class LoraRegistry:
-    """Adapters by name; ids are given in load order and never reused."""
+    """Adapters by name; ids in load order, unique among the adapters that exist."""
 
     def __init__(self, static: list[LoRARef], enabled: bool) -> None:
         self.enabled = enabled
         self.adapters: dict[str, LoRARef] = {a.name: a for a in static}
-        self._ids = itertools.count(max((a.id for a in static), default=0) + 1)
+        self.next_id = max((a.id for a in static), default=0) + 1
 
     def list(self) -> list[LoRARef]:
         return list(self.adapters.values())
@@ -48,10 +46,11 @@ class LoraRegistry:
                 "unload it first",
                 "lora_name",
             )
-        return LoRARef(name, next(self._ids), path)
+        return LoRARef(name, self.next_id, path)
 
     def add(self, ref: LoRARef) -> None:
         self.adapters[ref.name] = ref
+        self.next_id = max(self.next_id, ref.id + 1)
 
     def remove(self, name: str) -> LoRARef:
         """Forget ``name``; raises LoRAError (404) when there is no such adapter."""

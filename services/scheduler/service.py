@@ -174,6 +174,7 @@ class SchedulerService:
         self.leading = True
         self.took_over_at = time.monotonic()
         await self.bus.subscribe(subjects.SCHEDULER_STATS, self._on_message)
+        await lora_control.restore(self)  # adapters loaded under the previous leader
         await self.bus.subscribe(subjects.SCHEDULER_LORA, self._on_message)
         timeout = self.settings.scheduler.worker_timeout
         for hb in list(self.heartbeats.values()):  # the workers alive now join the new core
