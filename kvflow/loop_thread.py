@@ -28,6 +28,10 @@ class LoopThread:
             raise
 
     def stop(self) -> None:
+        """Stop the loop and close it (once its thread has ended: a loop left to the garbage
+        collector closes itself from whatever thread collects it)."""
         if self.loop.is_running():
             self.loop.call_soon_threadsafe(self.loop.stop)
             self.thread.join(10)
+        if not self.thread.is_alive() and not self.loop.is_closed():
+            self.loop.close()

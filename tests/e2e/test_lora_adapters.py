@@ -191,3 +191,29 @@ def test_prefix_cache_is_not_shared_across_adapters(lora_stack, adapters) -> Non
 
 def _stats(base: str) -> dict:
     return httpx.get(f"{base}/stats", timeout=10).json()
+
+
+def test_llm_generate_with_lora_request(lora_stack, adapters) -> None:
+    """vLLM's ``LLM.generate(..., lora_request=LoRARequest(name, id, path))`` on the running
+    stack: the adapter is loaded by name, the text equals peft's, a list gives one per prompt."""
+    from kvflow import LLM, LoRARequest, SamplingParams
+    from tests.e2e.faults import stack_credentials, stack_urls
+
+    nats_url, _ = stack_urls("lora")
+    login = str(stack_credentials("lora").nats_password_file("gateway"))
+    greedy = SamplingParams(temperature=0, max_tokens=NEW_TOKENS)
+    chat = LoRARequest("py-chat", 7, adapters["chat"][0])
+    with LLM(
+        nats_url=nats_url, nats_password_file=login, max_model_len=2048, enable_lora=True
+    ) as llm:
+        out = llm.generate(PROMPTS, greedy, use_tqdm=False, lora_request=chat)
+        assert [o.outputs[0].text for o in out] == [adapters["chat"][1][p] for p in PROMPTS]
+        mixed = llm.generate(PROMPTS, greedy, use_tqdm=False, lora_request=[None, chat])
+        assert mixed[0].outputs[0].text == adapters[None][1][PROMPTS[0]]
+        assert mixed[1].outputs[0].text == adapters["chat"][1][PROMPTS[1]]
+        with pytest.raises(ValueError, match="cannot be read"):
+            llm.generate(PROMPTS[0], greedy, lora_request=LoRARequest("x", 8, adapters["bad"][0]))
+    r = httpx.post(
+        f"{lora_stack}/v1/unload_lora_adapter", json={"lora_name": "py-chat"}, timeout=30
+    )
+    assert r.status_code == 200
