@@ -21,6 +21,7 @@ Two ways to apply, as the model runs:
 
 from __future__ import annotations
 
+import logging
 import re
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
@@ -35,6 +36,8 @@ from kernels.ops import KernelBackend
 from shared.lora import ADAPTER_WEIGHTS, LoRAError, check_rank, read_adapter_config
 from shared.messages import LoRARef, ScheduledSeq
 from shared.model_loader import ModelConfig
+
+log = logging.getLogger("kvflow.worker")
 
 GROUPS: dict[str, tuple[str, ...]] = {
     "qkv": ("q_proj", "k_proj", "v_proj"),
@@ -369,9 +372,11 @@ class LoRACache:
 
     def step(
         self, seqs: Sequence[ScheduledSeq], adapters: Mapping[str, LoRARef | None]
-    ) -> LoRAStep | None:
+    ) -> tuple[LoRAStep | None, dict[str, str]]:
         """The LoRA rows of a step laid out as ``seqs`` (rows in order, ``len(token_ids)``
-        each); ``adapters`` maps request ids to theirs. None when no row has one."""
+        each); ``adapters`` maps request ids to theirs. None when no row has one. Also the
+        adapters that could not be loaded (name -> why): their rows run without them, and the
+        runner ends their requests in ERROR."""
         rows: dict[str, list[int]] = {}
         refs: dict[str, LoRARef] = {}
         at = 0
@@ -382,10 +387,25 @@ class LoRACache:
                 rows.setdefault(ref.name, []).extend(range(at, at + n))
                 refs[ref.name] = ref
             at += n
-        if not rows:
-            return None
         keep = set(rows)
-        weights = {name: self.get(refs[name], keep) for name in rows}
+        weights: dict[str, LoRAWeights] = {}
+        failed: dict[str, str] = {}
+        for name in list(rows):
+            try:
+                weights[name] = self.get(refs[name], keep)
+            except LoRAError as e:  # e.g. its files went away since it was checked
+                log.error("LoRA adapter %s cannot be loaded: %s", name, e)
+                failed[name] = str(e)
+                del rows[name]
+        if not rows:
+            return None, failed
+        return self._step(rows, weights, at), failed
+
+    def _step(
+        self, rows: dict[str, list[int]], weights: dict[str, LoRAWeights], at: int
+    ) -> LoRAStep:
+        """The step's rows (``rows``: adapter -> its row indices, of ``at`` rows in all) as
+        slot indices (device path) or fused adapters and their rows (CPU path)."""
         if self.ops is not None:
             slots = torch.full((at,), -1, dtype=torch.int32)
             for name, r in rows.items():

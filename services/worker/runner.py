@@ -86,6 +86,7 @@ class RequestState:
     output_tokens: list[int] = field(default_factory=list)
     guide: structured.Guide | None = None  # grammar matcher (structured output)
     guide_failed: bool = False  # the constraint did not compile: the request ends in ERROR
+    lora_failed: bool = False  # its adapter could not be loaded here: it ends in ERROR
     # prompt logprobs: top-k wanted (None: not asked, or sent before a preemption), and the
     # log-softmax of a chunk's last row, which predicts the next chunk's first token
     prompt_logprobs_k: int | None = None
@@ -354,7 +355,12 @@ class ModelRunner:
         if self.loras is None:
             return None
         adapters = {s.request_id: st.lora for s in seqs if (st := self.requests.get(s.request_id))}
-        return self.loras.step(seqs, adapters)
+        lora, failed = self.loras.step(seqs, adapters)
+        for s in seqs:  # an adapter that cannot be read now ends its requests, not the step
+            st = self.requests.get(s.request_id)
+            if st is not None and st.lora is not None and st.lora.name in failed:
+                st.lora_failed = True
+        return lora
 
     def _forward_device(
         self, step: StepRows, lora: LoRAStep | None = None
@@ -416,7 +422,9 @@ class ModelRunner:
         n, p = st.num_output_tokens, st.params
         if st.keeps_history:
             st.output_tokens.append(token)
-        if st.guide_failed or (st.guide is not None and not st.guide.accept(token)):
+        if st.guide_failed or st.lora_failed:
+            return FinishReason.ERROR
+        if st.guide is not None and not st.guide.accept(token):
             return FinishReason.ERROR
         if st.guide is not None and st.guide.terminated:  # the grammar ended with a stop token
             return FinishReason.STOP

@@ -22,7 +22,7 @@ from services.scheduler.worker_state import SchedulerLimits
 from services.worker.lora import LoRASpec, load_adapter
 from services.worker.runner import ModelRunner
 from shared.lora import LoRAError, adapter_salt, check_lora_settings, parse_lora_modules
-from shared.messages import LoRARef, SamplingParams, StepPlan, TokenizedRequest
+from shared.messages import FinishReason, LoRARef, SamplingParams, StepPlan, TokenizedRequest
 from tests.unit.test_runner_tiny import hf_model, make_runner  # noqa: F401
 
 ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -237,6 +237,35 @@ def test_bad_adapters_are_refused(
         assert name not in runner.loras.loaded
     got, _ = run(new_core(), runner, [(PROMPTS[1], None)])  # the runner still serves
     assert len(got[0]) == GREEDY.max_tokens
+
+
+def test_an_adapter_gone_at_run_time_ends_its_requests_not_the_step(
+    hf_model: LlamaForCausalLM,  # noqa: F811
+    adapters,
+    tmp_path: Path,
+) -> None:
+    """An adapter whose files are gone when a step needs it (removed after it was checked):
+    its request ends in ERROR at its first token; the base and a good adapter in the same steps
+    finish as they would alone."""
+    gone = LoRARef("gone", 5, str(tmp_path / "deleted"))
+    a1 = adapters["a1"][0]
+    jobs = [(PROMPTS[0], None), (PROMPTS[1], gone), (PROMPTS[2], a1)]
+    core = new_core()
+    reasons: dict[str, int] = {}
+    runner = lora_runner(hf_model)
+    execute = runner.execute
+
+    def spy(plan):  # noqa: ANN001, ANN202
+        res = execute(plan)
+        reasons.update(zip(res.request_ids, res.finish_reasons, strict=True))
+        return res
+
+    runner.execute = spy
+    got, _ = run(core, runner, jobs)
+    assert len(got[1]) == 1  # its first token ended it
+    assert [FinishReason(r) for r in reasons.values()].count(FinishReason.ERROR) == 1
+    alone = [run(new_core(), lora_runner(hf_model), [job])[0][0] for job in (jobs[0], jobs[2])]
+    assert [got[0], got[2]] == alone
 
 
 def test_lora_settings() -> None:
