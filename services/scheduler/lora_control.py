@@ -38,13 +38,11 @@ async def serve(svc: SchedulerService, msg: LoraList | LoraLoad | LoraUnload, ra
     try:
         match msg:
             case LoraLoad():
-                ref = reg.check_new(msg.name, msg.path, svc.model_name)
-                if ref is not None:
+                if reg.check_new(msg.name, msg.path, svc.model_name):
                     await _check_on_workers(svc, msg)
-                    if msg.name in reg.adapters:  # a concurrent load won the race
-                        ref = reg.check_new(msg.name, msg.path, svc.model_name)
-                    if ref is not None:
-                        reg.add(ref)
+                    # again: a concurrent load of the same name may have finished meanwhile
+                    if reg.check_new(msg.name, msg.path, svc.model_name):
+                        ref = reg.add(msg.name, msg.path)
                         log.info(
                             "LoRA adapter %s (id %d) loaded from %s", ref.name, ref.id, ref.path
                         )
@@ -114,7 +112,7 @@ async def restore(svc: SchedulerService) -> None:
         return
     for ref in refs:
         if ref.name not in svc.loras.adapters:
-            svc.loras.add(ref)
+            svc.loras.restore(ref)
 
 
 async def resolve(svc: SchedulerService, req: TokenizedRequest) -> bool:

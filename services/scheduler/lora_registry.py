@@ -28,9 +28,9 @@ class LoraRegistry:
             raise LoRAError(f"The model `{ref.name}` does not exist.", "model", 404)
         return got
 
-    def check_new(self, name: str, path: str, base_model: str) -> LoRARef | None:
-        """Whether ``name`` may be loaded from ``path``: None when it already is (from the same
-        path: loading is idempotent), else the adapter it would be; raises LoRAError (400)."""
+    def check_new(self, name: str, path: str, base_model: str) -> bool:
+        """Whether ``name`` must be loaded from ``path``: False when it already is (from the
+        same path: loading is idempotent); raises LoRAError (400) when it may not be."""
         if not self.enabled:
             raise LoRAError("LoRA adapters are off: start the server with --enable-lora", None)
         if not name or not path:
@@ -38,17 +38,24 @@ class LoraRegistry:
         if name == base_model:
             raise LoRAError(f"`{name}` is the base model's name", "lora_name")
         have = self.adapters.get(name)
-        if have is not None:
-            if have.path == path:
-                return None
-            raise LoRAError(
-                f"The lora adapter '{name}' has already been loaded (from {have.path}); "
-                "unload it first",
-                "lora_name",
-            )
-        return LoRARef(name, self.next_id, path)
+        if have is None:
+            return True
+        if have.path == path:
+            return False
+        raise LoRAError(
+            f"The lora adapter '{name}' has already been loaded (from {have.path}); "
+            "unload it first",
+            "lora_name",
+        )
 
-    def add(self, ref: LoRARef) -> None:
+    def add(self, name: str, path: str) -> LoRARef:
+        """Register ``name`` (checked) with the next id."""
+        ref = self.adapters[name] = LoRARef(name, self.next_id, path)
+        self.next_id += 1
+        return ref
+
+    def restore(self, ref: LoRARef) -> None:
+        """Register an adapter with its id (from the previous leader)."""
         self.adapters[ref.name] = ref
         self.next_id = max(self.next_id, ref.id + 1)
 

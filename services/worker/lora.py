@@ -25,7 +25,7 @@ import logging
 import re
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -86,6 +86,9 @@ class LoRAWeights:
     ref: LoRARef
     rank: int
     layers: list[dict[str, tuple[torch.Tensor, torch.Tensor]]]
+    # per layer and group: each projection's rank (0: not adapted), in GROUPS' order, and out
+    # features: where its block sits in A's rows and B's rows and columns
+    blocks: list[dict[str, tuple[tuple[int, int], ...]]] = field(default_factory=list)
 
 
 def _read_tensors(path: Path) -> dict[str, torch.Tensor]:
@@ -148,7 +151,17 @@ def load_adapter(
         scale = conf.scaling(r)
         pairs[(layer, module)] = (a.float(), b.float() * scale)
     layers = [_fuse(pairs, i, shapes, dtype, device) for i in range(cfg.num_layers)]
-    return LoRAWeights(ref, rank, layers)
+    blocks = [
+        {
+            g: tuple(
+                (pairs[(i, m)][0].shape[0] if (i, m) in pairs else 0, shapes[m][1]) for m in mods
+            )
+            for g, mods in GROUPS.items()
+            if g in layers[i]
+        }
+        for i in range(cfg.num_layers)
+    ]
+    return LoRAWeights(ref, rank, layers, blocks)
 
 
 def _fuse(
@@ -187,20 +200,54 @@ def _matmul(t: torch.Tensor, panels: bool) -> MatMul:
 
 @dataclass
 class _Side:
-    """Several adapters' pairs of one group in one layer side by side (A stacked by rows, B by
-    columns): ``spans`` gives, in column order, each one's index in the set and rank columns."""
+    """Several adapters' pairs of one group in one layer, for the CPU path. ``a``: every A
+    stacked projection by projection (within one, adapter by adapter), so each projection's
+    rank columns are one range of ``a``'s output; ``parts``: per projection, its output columns
+    (o0, o1), its rank columns (c0, c1) and its adapters' B side by side; ``runs``: the owner
+    (index in the set) of ``a``'s output columns, run-length encoded."""
 
     a: MatMul
-    b: MatMul
-    spans: tuple[tuple[int, int], ...]
+    parts: tuple[tuple[int, int, int, int, MatMul], ...]
+    runs: tuple[tuple[int, int], ...]
+
+
+def _side(have: list[tuple[int, LoRAWeights]], layer: int, group: str, panels: bool) -> _Side:
+    """``have`` (index in the set, adapter) fused for ``group`` of ``layer``: no block-diagonal
+    zeros, so each B reads only its own projection's weights."""
+    a_rows: list[torch.Tensor] = []
+    parts: list[tuple[int, int, int, int, MatMul]] = []
+    owner: list[int] = []
+    o0 = 0
+    for mi in range(len(GROUPS[group])):
+        c0, bs = len(owner), []
+        n = have[0][1].blocks[layer][group][mi][1]
+        for k, w in have:
+            a, b = w.layers[layer][group]
+            sizes = w.blocks[layer][group]
+            r = sizes[mi][0]
+            if r:
+                r0 = sum(x[0] for x in sizes[:mi])
+                a_rows.append(a[r0 : r0 + r])
+                bs.append(b[o0 : o0 + n, r0 : r0 + r])
+                owner += [k] * r
+        if bs:
+            parts.append((o0, o0 + n, c0, len(owner), _matmul(torch.cat(bs, dim=1), panels)))
+        o0 += n
+    runs: list[tuple[int, int]] = []
+    for k in owner:
+        if runs and runs[-1][0] == k:
+            runs[-1] = (k, runs[-1][1] + 1)
+        else:
+            runs.append((k, 1))
+    return _Side(_matmul(torch.cat(a_rows), panels), tuple(parts), tuple(runs))
 
 
 class FusedAdapters:
-    """A set of adapters as one (A, B) pair per layer and group, for the CPU path: a step with
-    several adapters runs two GEMMs per projection whatever their number, each row keeping its
-    own adapter's rank columns (a mask) between them. With panel weights a row's columns and
-    sums do not depend on the other adapters or rows (zeros add exactly), so a request's output
-    is the same alone or batched with other adapters."""
+    """A set of adapters as one A per layer and group and one B per projection, for the CPU
+    path: a step with several adapters runs the same few GEMMs per projection whatever their
+    number, each row keeping its own adapter's rank columns (a mask) between A and B. With
+    panel weights a row's columns and sums do not depend on the other adapters or rows (zeros
+    add exactly), so a request's output is the same alone or batched with other adapters."""
 
     def __init__(self, weights: list[LoRAWeights]) -> None:
         self.names = tuple(w.ref.name for w in weights)
@@ -214,15 +261,9 @@ class FusedAdapters:
         for i in range(len(weights[0].layers)):
             layer: dict[str, _Side] = {}
             for group in GROUPS:
-                have = [
-                    (k, w.layers[i][group]) for k, w in enumerate(weights) if group in w.layers[i]
-                ]
-                if not have:
-                    continue
-                a = torch.cat([p[0] for _, p in have])
-                b = torch.cat([p[1] for _, p in have], dim=1)
-                spans = tuple((k, p[0].shape[0]) for k, p in have)
-                layer[group] = _Side(_matmul(a, panels), _matmul(b, panels), spans)
+                have = [(k, w) for k, w in enumerate(weights) if group in w.layers[i]]
+                if have:
+                    layer[group] = _side(have, i, group, panels)
             self.layers.append(layer)
 
 
@@ -257,20 +298,21 @@ class LoRAStep:
             return
         xa = side.a(x[self.rows])
         if len(self.fused.names) > 1:
-            xa.mul_(self._mask(side.spans))
-        delta = side.b(xa)
-        if isinstance(self.rows, slice):
-            out[self.rows] += delta
-        else:
-            out.index_add_(0, self.rows, delta)
+            xa.mul_(self._mask(side.runs))
+        for o0, o1, c0, c1, b in side.parts:
+            delta = b(xa[:, c0:c1])
+            if isinstance(self.rows, slice):
+                out[self.rows, o0:o1] += delta
+            else:
+                out[:, o0:o1].index_add_(0, self.rows, delta)
 
-    def _mask(self, spans: tuple[tuple[int, int], ...]) -> torch.Tensor:
+    def _mask(self, runs: tuple[tuple[int, int], ...]) -> torch.Tensor:
         """[rows, columns]: 1 where the column is the row's own adapter's."""
-        m = self._masks.get(spans)
+        m = self._masks.get(runs)
         if m is None:
             assert self.owner is not None
-            cols = torch.cat([torch.full((r,), k, dtype=torch.long) for k, r in spans])
-            m = self._masks[spans] = (self.owner[:, None] == cols[None, :]).float()
+            cols = torch.cat([torch.full((r,), k, dtype=torch.long) for k, r in runs])
+            m = self._masks[runs] = (self.owner[:, None] == cols[None, :]).float()
         return m
 
 

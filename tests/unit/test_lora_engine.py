@@ -279,3 +279,25 @@ def test_lora_settings() -> None:
         check_lora_settings(False, "a=/x", 1, 16)
     with pytest.raises(LoRAError, match="max-loras"):
         check_lora_settings(True, "", 0, 16)
+
+
+def test_registry_names_ids_and_refusals() -> None:
+    from services.scheduler.lora_registry import LoraRegistry
+
+    reg = LoraRegistry(parse_lora_modules("sql=/a"), enabled=True)
+    assert reg.check_new("chat", "/c", "base") and reg.check_new("new", "/n", "base")
+    chat, new = reg.add("chat", "/c"), reg.add("new", "/n")  # two loads in flight at once
+    assert (chat.id, new.id) == (2, 3)
+    assert not reg.check_new("chat", "/c", "base")  # the same again: nothing to do
+    for name, path, words in [("chat", "/other", "already been loaded"), ("base", "/x", "base")]:
+        with pytest.raises(LoRAError, match=words):
+            reg.check_new(name, path, "base")
+    assert reg.resolve(LoRARef("chat", 0, "")) == chat  # the registry's, whatever was asked
+    with pytest.raises(LoRAError) as e:
+        reg.resolve(LoRARef("gone", 9, "/g"))
+    assert e.value.status == 404 and e.value.param == "model"
+    assert reg.remove("chat") == chat and [a.name for a in reg.list()] == ["sql", "new"]
+    with pytest.raises(LoRAError, match="cannot be found"):
+        reg.remove("chat")
+    with pytest.raises(LoRAError, match="--enable-lora"):
+        LoraRegistry([], enabled=False).check_new("x", "/x", "base")
