@@ -28,10 +28,14 @@ class UnloadLoRAAdapterRequest(BaseModel):
     lora_int_id: int | None = None  # vLLM's; the name decides
 
 
+# vLLM answers success as a plain-text line, errors as OpenAI error objects (JSON)
+SUCCESS = {200: {"content": {"text/plain": {"schema": {"type": "string"}}}, "description": "done"}}
+
+
 @router.post(
     "/v1/load_lora_adapter",
-    response_class=PlainTextResponse,
-    responses=error_responses(400, 401, 404, 413, 429, 503),
+    response_class=Response,
+    responses={**SUCCESS, **error_responses(400, 401, 404, 413, 429, 503)},
 )
 async def load_lora_adapter(request: Request, state: Gateway) -> Response:
     _, body = await authorized_body(request, state)
@@ -44,8 +48,8 @@ async def load_lora_adapter(request: Request, state: Gateway) -> Response:
 
 @router.post(
     "/v1/unload_lora_adapter",
-    response_class=PlainTextResponse,
-    responses=error_responses(400, 401, 404, 413, 429, 503),
+    response_class=Response,
+    responses={**SUCCESS, **error_responses(400, 401, 404, 413, 429, 503)},
 )
 async def unload_lora_adapter(request: Request, state: Gateway) -> Response:
     _, body = await authorized_body(request, state)
