@@ -9,12 +9,14 @@ A stacked by rows, B block-diagonal, so one pair of GEMMs gives all three deltas
 
 Two ways to apply, as the model runs:
 
-- CPU path: the step's adapters are fused side by side (``FusedAdapters``: A stacked, B
-  concatenated; kept for the next steps), so each projection takes two small GEMMs over the
-  rows that have an adapter, whatever their number, and a mask between them keeps each row's
-  own adapter's rank columns. On a machine with the panel kernel (kernels/cpu_gemm.py) A and B
-  are packed as panels, whose rows and columns do not depend on the others (and zeros add
-  exactly), so a request's output is the same alone or batched with other adapters.
+- CPU path: the step's adapters are fused side by side (``FusedAdapters``, kept for the next
+  steps): one A per group (every adapter's, projection by projection) and one B per projection
+  (its adapters' side by side, without the block-diagonal zeros), so a group takes one GEMM for
+  A and one per projection for B over the rows that have an adapter, whatever their number, and
+  a mask between them keeps each row's own adapter's rank columns. On a machine with the panel
+  kernel (kernels/cpu_gemm.py) A and B are packed as panels, whose rows and columns do not
+  depend on the others (and zeros add exactly), so a request's output is the same alone or
+  batched with other adapters.
 - Device path: the adapters in memory sit in slots of stacked tensors, and every row takes its
   slot's A and B in the kernel backend's ``lora_shrink``/``lora_expand`` (Triton on CUDA: a
   gathered GEMV per row, Punica's BGMV; -1 rows are left alone)."""
