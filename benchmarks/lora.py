@@ -44,7 +44,7 @@ def write_adapter(path: Path, model_path: str, rank: int, seed: int) -> None:
     import torch
     from safetensors.torch import save_file
 
-    from services.worker.lora import module_shapes
+    from services.worker.lora_weights import module_shapes
 
     cfg = load_config(resolve_model(model_path))
     shapes = module_shapes(cfg)

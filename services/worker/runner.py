@@ -28,7 +28,7 @@ import torch
 from services.worker import sampler, speculation, structured
 from services.worker.cuda_graphs import DecodeGraphs
 from services.worker.draft import DraftProposer
-from services.worker.lora import LoRACache, LoRASpec, LoRAStep
+from services.worker.lora import LoRACache, LoRASpec, LoRAStep, lora_rows
 from services.worker.model_setup import (
     CpuPathSpec,
     DeviceSpec,
@@ -299,7 +299,7 @@ class ModelRunner:
         )
         seqs, prompt_rows, sample_rows = step.seqs, step.prompt_rows, step.sample_rows
         n_tokens = len(step.ids)
-        lora = self._lora_step(seqs)
+        lora = lora_rows(self.loras, seqs, self.requests)
         if self.ops is not None:
             logits, hidden = self._forward_device(step, lora)
             states = [self.requests[s.request_id] for s in seqs if s.sample]
@@ -349,18 +349,6 @@ class ModelRunner:
                     break
         lps = out.logprobs if raw is not None else []
         return out.ids, out.tokens, out.reasons, n_tokens, lps, prompt_lps, out.counts
-
-    def _lora_step(self, seqs: list[ScheduledSeq]) -> LoRAStep | None:
-        """The adapters of the step's rows (None: no row has one)."""
-        if self.loras is None:
-            return None
-        adapters = {s.request_id: st.lora for s in seqs if (st := self.requests.get(s.request_id))}
-        lora, failed = self.loras.step(seqs, adapters)
-        for s in seqs:  # an adapter that cannot be read now ends its requests, not the step
-            st = self.requests.get(s.request_id)
-            if st is not None and st.lora is not None and st.lora.name in failed:
-                st.lora_failed = True
-        return lora
 
     def _forward_device(
         self, step: StepRows, lora: LoRAStep | None = None

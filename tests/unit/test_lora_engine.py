@@ -19,7 +19,8 @@ from transformers import LlamaForCausalLM
 
 from services.scheduler.core import SchedulerCore
 from services.scheduler.worker_state import SchedulerLimits
-from services.worker.lora import LoRASpec, load_adapter
+from services.worker.lora import LoRASpec
+from services.worker.lora_weights import load_adapter
 from services.worker.runner import ModelRunner
 from shared.lora import LoRAError, adapter_salt, check_lora_settings, parse_lora_modules
 from shared.messages import FinishReason, LoRARef, SamplingParams, StepPlan, TokenizedRequest
