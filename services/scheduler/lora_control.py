@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 from nats.aio.msg import Msg
 
+from shared.access.connect import redis_client
 from shared.lora import LoRAError
 from shared.messages import (
     LoraAdapters,
@@ -89,23 +90,38 @@ def _key(svc: SchedulerService) -> str:
     return f"kvflow:scheduler:lora:{svc.model_name}"
 
 
+def _store(svc: SchedulerService) -> Any:
+    """Where the registry is kept: the lease's Redis, else the stack's Redis (``--redis-url``),
+    else nowhere (a restarted scheduler then knows only ``--lora-modules``)."""
+    reg = svc.loras
+    if reg.store is None and reg.enabled:
+        if svc.lease is not None:
+            reg.store = svc.lease.redis
+        elif svc.settings.bus.redis_url:
+            opts = {"socket_timeout": 1.0, "socket_connect_timeout": 1.0}
+            reg.store = redis_client(svc.settings.bus, "scheduler", **opts)
+    return reg.store
+
+
 async def _persist(svc: SchedulerService) -> None:
-    """With a standby (a lease in Redis), keep the registry in Redis too: the scheduler that
-    takes over serves the adapters loaded at run time (``restore``)."""
-    if svc.lease is None:
+    """Keep the registry in Redis: a restarted scheduler, or the standby that takes over,
+    serves the adapters loaded at run time (``restore``)."""
+    store = _store(svc)
+    if store is None:
         return
     try:
-        await svc.lease.redis.set(_key(svc), msgspec.json.encode(svc.loras.list()))
-    except Exception as e:  # noqa: BLE001 - the adapters still work; only a takeover forgets
-        log.warning("LoRA registry not saved in Redis (%s): a takeover forgets it", e)
+        await store.set(_key(svc), msgspec.json.encode(svc.loras.list()))
+    except Exception as e:  # noqa: BLE001 - the adapters still work; only a restart forgets
+        log.warning("LoRA registry not saved in Redis (%s): a restart forgets it", e)
 
 
 async def restore(svc: SchedulerService) -> None:
-    """A new leader: take the adapters the previous one had (from Redis, with a lease)."""
-    if svc.lease is None:
+    """A new leader (or a restarted one): take the adapters the registry had."""
+    store = _store(svc)
+    if store is None:
         return
     try:
-        raw = await svc.lease.redis.get(_key(svc))
+        raw = await store.get(_key(svc))
         refs = msgspec.json.decode(raw, type=list[LoRARef]) if raw else []
     except Exception as e:  # noqa: BLE001 - the static adapters remain
         log.warning("LoRA registry not read from Redis (%s)", e)
@@ -113,6 +129,8 @@ async def restore(svc: SchedulerService) -> None:
     for ref in refs:
         if ref.name not in svc.loras.adapters:
             svc.loras.restore(ref)
+    if refs:
+        log.info("LoRA adapters restored from Redis: %s", ", ".join(r.name for r in refs))
 
 
 async def resolve(svc: SchedulerService, req: TokenizedRequest) -> bool:

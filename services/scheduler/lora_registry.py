@@ -6,6 +6,8 @@ is the registry's (name, id, path), whatever the asking gateway had cached."""
 
 from __future__ import annotations
 
+from typing import Any
+
 from shared.lora import LoRAError
 from shared.messages import LoRARef
 
@@ -17,6 +19,7 @@ class LoraRegistry:
         self.enabled = enabled
         self.adapters: dict[str, LoRARef] = {a.name: a for a in static}
         self.next_id = max((a.id for a in static), default=0) + 1
+        self.store: Any = None  # the Redis client the registry is kept in (lora_control.py)
 
     def list(self) -> list[LoRARef]:
         return list(self.adapters.values())

@@ -1,7 +1,7 @@
 """The LoRA adapter registry over a real NATS and Redis: the gateway's requests reach the leading
 scheduler, which has every worker check an adapter before it exists (a worker's refusal is the
 answer, and nothing changes), unloads tell the workers, and a scheduler that takes over (with
-the lease in Redis) serves the adapters loaded under the previous leader."""
+the lease in Redis) or restarts alone (``--redis-url``) serves the adapters loaded before."""
 
 from __future__ import annotations
 
@@ -102,6 +102,15 @@ async def test_load_check_unload_and_takeover(nats_url: str) -> None:
         got = await gw.call(bus, LoraLoad("new", "/adapters/new"))
         assert {a.name: a.id for a in got.adapters} == {"sql": 1, "chat": 2, "new": 3}
         assert all(w.checked[-1] == "new" for w in workers)
+        # a lone scheduler (no lease) restarted on the same Redis (--redis-url) knows them too
+        second.begin_drain()
+        await _until(lambda: second.stopped.is_set())
+        await second.close()
+        services.remove(second)
+        lone = SchedulerService(settings.replace(redis_url=rds.url), "m", 2048, None, "s3")
+        services.append(lone)
+        await lone.start()
+        assert lone.leading and set(lone.loras.adapters) == {"sql", "chat", "new"}
     finally:
         for s in services:
             s.stopped.set()
