@@ -431,3 +431,31 @@ def test_gateway_counts_a_prompt_once_and_uses_vllm_buckets() -> None:
     assert _sample(r, "vllm:request_prompt_tokens_count", model_name="m") == 1
     assert _sample(r, "vllm:time_per_output_token_seconds_count", model_name="m") == 2
     assert buckets_1_2_5(100) == [1, 2, 5, 10, 20, 50, 100]
+
+
+def test_lora_requests_info_names_running_and_waiting_adapters(spans) -> None:
+    """vLLM's ``vllm:lora_requests_info``: adapters of running and of waiting requests as
+    labels (a worker of max_loras 1 runs one adapter; the other waits)."""
+    from shared.messages import LoRARef
+
+    svc = _Service()
+    svc.core = SchedulerCore(SchedulerLimits(max_loras=1), model="m")
+    svc.core.add_worker("w0", 16, 4)
+    svc.loras = LoraRegistry([], enabled=True)
+    svc.limits = SchedulerLimits(max_loras=1)
+    tel = SchedulerTelemetry(svc, "m")
+    for rid, name in (("a", "sql"), ("b", "chat"), ("c", None)):
+        req = TokenizedRequest(rid, "inbox", [1, 2, 3], SamplingParams(max_tokens=5))
+        req.lora = LoRARef(name, 1, f"/{name}") if name else None
+        svc.core.add_request(req)
+    svc.core.schedule(svc.core.workers["w0"])
+    info = [
+        s
+        for fam in tel.registry.collect()
+        for s in fam.samples
+        if s.name == "vllm:lora_requests_info"
+    ]
+    assert len(info) == 1
+    labels = info[0].labels
+    assert (labels["running_lora_adapters"], labels["waiting_lora_adapters"]) == ("sql", "chat")
+    assert labels["max_lora"] == "1" and info[0].value > 0
