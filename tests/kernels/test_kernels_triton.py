@@ -19,22 +19,11 @@ from pathlib import Path
 import pytest
 import torch
 
-HAS_CUDA = torch.cuda.is_available()
-if not HAS_CUDA:
-    # tests/conftest.py sets this before anything imports triton; this line covers running the
-    # module without that conftest
-    os.environ.setdefault("TRITON_INTERPRET", "1")
+from tests.kernels.interpreter import HAS_CUDA  # first: sets TRITON_INTERPRET (no GPU)
 
-import triton.language as tl  # noqa: E402
-
-if not HAS_CUDA and type(tl.cdiv).__name__ != "InterpretedFunction":
-    raise RuntimeError(
-        "triton was imported before TRITON_INTERPRET=1 was set, so its kernels cannot run on "
-        "this GPU-less machine: set TRITON_INTERPRET=1 before triton is first imported"
-    )
-
-from kernels import llama_step  # noqa: E402
-from kernels.ops import get_backend, select_backend  # noqa: E402
+# isort: split
+from kernels import llama_step
+from kernels.ops import get_backend, select_backend
 
 REF = get_backend("reference")
 TRI = get_backend("triton")
