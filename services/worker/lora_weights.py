@@ -52,7 +52,6 @@ class LoRAWeights:
     a group the adapter leaves alone is absent."""
 
     ref: LoRARef
-    rank: int
     layers: list[dict[str, tuple[torch.Tensor, torch.Tensor]]]
     # per layer and group: each projection's rank (0: not adapted), in GROUPS' order, and out
     # features: where its block sits in A's rows and B's rows and columns
@@ -101,7 +100,6 @@ def load_adapter(
         found.setdefault((layer, module), {})[ab] = t
     if not found:
         raise LoRAError(f"{ref.path}: the adapter holds no LoRA weights", "lora_path")
-    rank = 0
     pairs: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}
     for (layer, module), ab in found.items():
         a, b = ab.get("A"), ab.get("B")
@@ -115,7 +113,6 @@ def load_adapter(
                 "lora_path",
             )
         check_rank(r, max_rank, ref.name)
-        rank = max(rank, r)
         scale = conf.scaling(r)
         pairs[(layer, module)] = (a.float(), b.float() * scale)
     layers = [_fuse(pairs, i, shapes, dtype, device) for i in range(cfg.num_layers)]
@@ -129,7 +126,7 @@ def load_adapter(
         }
         for i in range(cfg.num_layers)
     ]
-    return LoRAWeights(ref, rank, layers, blocks)
+    return LoRAWeights(ref, layers, blocks)
 
 
 def _fuse(

@@ -142,9 +142,8 @@ class WorkerService:
             case LoraLoad():
                 await self.bus.reply(raw, await self._check_lora(msg))
             case LoraUnload():
-                forget = getattr(self.runner, "loras", None)
-                if forget is not None:
-                    await self.model_thread.run(forget.forget, msg.name)
+                if self.runner.loras is not None:
+                    await self.model_thread.run(self.runner.loras.forget, msg.name)
             case WorkerRelease() if msg.worker_id == self.worker_id:
                 log.info("worker %s released by the scheduler", self.worker_id)
                 self.stopped.set()
@@ -154,7 +153,7 @@ class WorkerService:
     async def _check_lora(self, msg: LoraLoad) -> LoraAdapters:
         """Whether this worker can serve the adapter (read and checked against the model off the
         model thread; nothing kept: it loads when a step needs it)."""
-        cache = getattr(self.runner, "loras", None)
+        cache = self.runner.loras
         ref = LoRARef(msg.name, 0, msg.path)
         try:
             if not self.settings.model.enable_lora:

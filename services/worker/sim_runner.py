@@ -117,6 +117,7 @@ class SimRunner:
         self._k = k.numpy().reshape(-1)
         self._v = v.numpy().reshape(-1)
         self.requests: dict[str, SimRequest] = {}
+        self.loras = None  # no weights: requests with an adapter run as without one
         self.total_computed_tokens = 0
         self._pooled: list[PooledOutput] = []  # the step's embedding vectors
         log.info(

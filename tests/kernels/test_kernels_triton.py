@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.kernels.interpreter import HAS_CUDA  # first: sets TRITON_INTERPRET (no GPU)
+from tests.kernels.common import HAS_CUDA, TOL, close, f32, randn  # first: TRITON_INTERPRET
 
 # isort: split
 from kernels import llama_step
@@ -50,25 +50,6 @@ DEVICE_DTYPES = [
 ]
 
 # (atol, rtol) against the fp32 reference: bf16 keeps 8 mantissa bits, fp16 11
-TOL = {
-    torch.float32: (2e-5, 1e-4),
-    torch.bfloat16: (3e-2, 2e-2),
-    torch.float16: (4e-3, 4e-3),
-}
-
-
-def close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype) -> None:
-    atol, rtol = TOL[dtype]
-    torch.testing.assert_close(actual.float().cpu(), expected.float().cpu(), atol=atol, rtol=rtol)
-
-
-def f32(x: torch.Tensor) -> torch.Tensor:
-    """The same (already rounded) values in fp32 on the CPU, where the reference runs."""
-    return x.detach().float().cpu()
-
-
-def randn(*shape: int, dtype: torch.dtype, device: str, g: torch.Generator) -> torch.Tensor:
-    return torch.randn(*shape, generator=g).to(device=device, dtype=dtype)
 
 
 # --------------------------------------------------------------------------------------------
