@@ -28,6 +28,7 @@ from shared.model_loader import ModelConfig
 
 if TYPE_CHECKING:
     from services.worker.lora import LoRAStep
+    from services.worker.tensor_parallel import TPGroup
 
 
 @dataclass
@@ -95,6 +96,9 @@ class LlamaModel(torch.nn.Module):
             cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, self.embed.dtype
         ).to(self.embed.device)
         self.native_layer_ops = False  # the CPU path's fused C elementwise ops (use_native_...)
+        # tensor parallelism: this rank's collectives (services/worker/tensor_parallel.py);
+        # None: the whole model here
+        self.tp: TPGroup | None = None
 
     @property
     def dtype(self) -> torch.dtype:
@@ -173,8 +177,8 @@ class LlamaModel(torch.nn.Module):
         norm = cpu_layer_ops.add_rms_norm if native else K.rms_norm
         silu_and_mul = cpu_layer_ops.silu_and_mul if native else K.silu_and_mul
         eps = cfg.rms_norm_eps
-        lora = batch.lora
-        h = self.embed[input_ids]
+        lora, tp = batch.lora, self.tp
+        h = self.embed[input_ids] if tp is None else tp.embed(input_ids, self.embed)
         residual: torch.Tensor | None = None
         for i, (layer, (k_cache, v_cache)) in enumerate(zip(self.layers, kv_caches, strict=True)):
             x, residual = norm(h, layer["in_norm"], eps, residual)
@@ -199,15 +203,19 @@ class LlamaModel(torch.nn.Module):
             )
             o = o.view(-1, self.q_size)
             h = K.linear(o, layer["o"], rows)
-            x, residual = norm(_lora(lora, i, "o", o, h), layer["post_norm"], eps, residual)
+            h = _reduce(tp, _lora(lora, i, "o", o, h))
+            x, residual = norm(h, layer["post_norm"], eps, residual)
             gate_up = _lora(lora, i, "gate_up", x, K.linear(x, layer["gate_up"], rows))
             m = silu_and_mul(gate_up)
-            h = _lora(lora, i, "down", m, K.linear(m, layer["down"], rows))
+            h = _reduce(tp, _lora(lora, i, "down", m, K.linear(m, layer["down"], rows)))
         s, p = batch.sample_rows, batch.hidden_rows
         hidden = None if p is None else norm(h[p], self.norm, eps, residual[p])[0].float()
         x, _ = norm(h[s], self.norm, eps, residual[s])
         head_rows = None if rows is None else K.RowLayout(s.numel(), (), rows.tile, rows.pad)
-        return K.linear(x, self.lm_head, head_rows).float(), hidden
+        logits = K.linear(x, self.lm_head, head_rows).float()
+        if tp is not None:
+            logits = tp.gather_logits(logits, self.cfg.vocab_size)
+        return logits, hidden
 
     def _rope_write_kv(
         self,
@@ -253,7 +261,12 @@ class LlamaModel(torch.nn.Module):
         embedding requests pool."""
         cfg = self.cfg
         t, d = batch.input_ids.shape[0], cfg.head_dim
-        h = F.embedding(batch.input_ids, self.embed)
+        tp = self.tp
+        h = (
+            F.embedding(batch.input_ids, self.embed)
+            if tp is None
+            else tp.embed(batch.input_ids, self.embed)
+        )
         residual: torch.Tensor | None = None
         for i, (layer, (k_cache, v_cache)) in enumerate(zip(self.layers, kv_caches, strict=True)):
             x, residual = ops.rms_norm(h, layer["in_norm"], cfg.rms_norm_eps, residual)
@@ -286,10 +299,10 @@ class LlamaModel(torch.nn.Module):
                     self.scale,
                 )
             o = o.reshape(t, self.q_size)
-            h = _lora(lora, i, "o", o, K.linear(o, layer["o"]))
+            h = _reduce(tp, _lora(lora, i, "o", o, K.linear(o, layer["o"])))
             x, residual = ops.rms_norm(h, layer["post_norm"], cfg.rms_norm_eps, residual)
             m = ops.silu_and_mul(_lora(lora, i, "gate_up", x, K.linear(x, layer["gate_up"])))
-            h = _lora(lora, i, "down", m, K.linear(m, layer["down"]))
+            h = _reduce(tp, _lora(lora, i, "down", m, K.linear(m, layer["down"])))
         assert residual is not None
         hidden = None
         if hidden_rows is not None:  # before the head's norm, which may update in place
@@ -299,7 +312,15 @@ class LlamaModel(torch.nn.Module):
             h = h.index_select(0, batch.sample_rows)
             residual = residual.index_select(0, batch.sample_rows)
         x, _ = ops.rms_norm(h, self.norm, cfg.rms_norm_eps, residual)
-        return K.linear(x, self.lm_head).float(), hidden
+        logits = K.linear(x, self.lm_head).float()
+        if tp is not None:
+            logits = tp.gather_logits(logits, cfg.vocab_size)
+        return logits, hidden
+
+
+def _reduce(tp: TPGroup | None, partial: torch.Tensor) -> torch.Tensor:
+    """A row-parallel projection's output: summed over the ranks (as it is without them)."""
+    return partial if tp is None else tp.reduce(partial)
 
 
 def _lora(

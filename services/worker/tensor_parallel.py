@@ -1,0 +1,151 @@
+"""Tensor parallelism of one Llama over several ranks (Megatron-style), the model half: which part
+of each weight a rank holds (``tp_layout``, ``shard_weights``) and the collectives the forward
+pass needs (``TPGroup``: sum partial outputs, gather vocabulary slices) over torch.distributed
+(gloo on CPU, NCCL on CUDA).
+
+Per layer: Q/K/V and gate/up are column-parallel (a rank computes its heads and its slice of the
+intermediate features), O and down are row-parallel (a rank's partial sums, all-reduced). The
+embedding and the LM head are vocabulary-parallel (a rank looks up / scores its slice of the
+vocabulary: the lookups are all-reduced, the logits gathered). Norms and the residual stream are
+replicated.
+
+Heads are split as evenly as the count allows (SmolLM2's 9 over 2 ranks: 5 and 4). A rank's
+query heads must map uniformly onto its KV heads for the attention kernels (local head ``i``
+uses local KV head ``i // (H_local / Hkv_local)``): when the rank's heads cover whole GQA groups
+it keeps those KV heads (SmolLM2 over 3 ranks: 3 heads and 1 KV head each), otherwise it holds a
+copy of the KV head of each of its query heads (replicated KV heads, as vLLM replicates them when
+there are fewer KV heads than ranks)."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from shared.model_loader import ModelConfig
+
+
+@dataclass(frozen=True)
+class TPLayout:
+    """What rank ``rank`` of ``world`` holds: query heads ``heads`` (global indices), for each
+    of its KV heads the global KV head it copies (``kv_heads``), its slice of the MLP's
+    intermediate features and of the vocabulary."""
+
+    rank: int
+    world: int
+    heads: range
+    kv_heads: tuple[int, ...]
+    inter: range
+    vocab: range
+
+
+def _split(n: int, world: int, rank: int) -> range:
+    """Rank ``rank``'s contiguous share of ``n`` items, the first ``n % world`` ranks one more."""
+    base, extra = divmod(n, world)
+    start = rank * base + min(rank, extra)
+    return range(start, start + base + (1 if rank < extra else 0))
+
+
+def tp_layout(cfg: ModelConfig, rank: int, world: int) -> TPLayout:
+    """Rank ``rank``'s share of ``cfg``'s model over ``world`` ranks; ValueError when some rank
+    would get no query head."""
+    if not 0 <= rank < world:
+        raise ValueError(f"rank {rank} is not in a group of {world}")
+    if world > cfg.num_heads:
+        raise ValueError(
+            f"--tensor-parallel-size {world} is more than the model's {cfg.num_heads} heads"
+        )
+    heads = _split(cfg.num_heads, world, rank)
+    group = cfg.num_heads // cfg.num_kv_heads
+    needed = [h // group for h in heads]
+    kv = sorted(set(needed))
+    per = len(heads) // len(kv) if len(heads) % len(kv) == 0 else 0
+    uniform = per > 0 and all(needed[i] == kv[i // per] for i in range(len(heads)))
+    kv_heads = tuple(kv) if uniform else tuple(needed)
+    return TPLayout(
+        rank,
+        world,
+        heads,
+        kv_heads,
+        _split(cfg.intermediate_size, world, rank),
+        _split(cfg.vocab_size, world, rank),
+    )
+
+
+def shard_config(cfg: ModelConfig, layout: TPLayout) -> ModelConfig:
+    """The model a rank runs: its heads, KV heads and intermediate features (vocabulary and
+    hidden size unchanged: the embedding and head shards are handled by ``TPGroup``)."""
+    return dataclasses.replace(
+        cfg,
+        num_heads=len(layout.heads),
+        num_kv_heads=len(layout.kv_heads),
+        intermediate_size=len(layout.inter),
+    )
+
+
+def shard_weights(
+    weights: dict[str, torch.Tensor], cfg: ModelConfig, layout: TPLayout
+) -> dict[str, torch.Tensor]:
+    """Rank ``layout.rank``'s part of HF-named dense weights (a new dict; norms replicated,
+    the embedding and LM head cut to the rank's vocabulary rows)."""
+    d = cfg.head_dim
+    q_rows = torch.cat([torch.arange(h * d, (h + 1) * d) for h in layout.heads])
+    kv_rows = torch.cat([torch.arange(k * d, (k + 1) * d) for k in layout.kv_heads])
+    inter = torch.arange(layout.inter.start, layout.inter.stop)
+    vocab = slice(layout.vocab.start, layout.vocab.stop)
+    out: dict[str, torch.Tensor] = {}
+    for name, w in weights.items():
+        if not isinstance(w, torch.Tensor):
+            raise ValueError(f"{name}: tensor parallelism takes dense weights (no --quantization)")
+        if name.endswith(("q_proj.weight",)):
+            out[name] = w[q_rows].contiguous()
+        elif name.endswith(("k_proj.weight", "v_proj.weight")):
+            out[name] = w[kv_rows].contiguous()
+        elif name.endswith("o_proj.weight"):
+            out[name] = w[:, q_rows].contiguous()
+        elif name.endswith(("gate_proj.weight", "up_proj.weight")):
+            out[name] = w[inter].contiguous()
+        elif name.endswith("down_proj.weight"):
+            out[name] = w[:, inter].contiguous()
+        elif name in ("model.embed_tokens.weight", "lm_head.weight"):
+            out[name] = w[vocab].contiguous()
+        else:  # norms: replicated
+            out[name] = w
+    if "lm_head.weight" not in weights:  # tied: the head is the embedding's slice
+        out["lm_head.weight"] = out["model.embed_tokens.weight"]
+    return out
+
+
+class TPGroup:
+    """The collectives of one rank's forward pass, over a torch.distributed process group."""
+
+    def __init__(self, layout: TPLayout, group: Any = None) -> None:
+        self.layout = layout
+        self.group = group  # None: the default group
+
+    def reduce(self, partial: torch.Tensor) -> torch.Tensor:
+        """Sum a row-parallel layer's partial outputs over the ranks, in place."""
+        torch.distributed.all_reduce(partial, group=self.group)
+        return partial
+
+    def embed(self, ids: torch.Tensor, shard: torch.Tensor) -> torch.Tensor:
+        """Vocabulary-parallel lookup: each rank its own rows (zeros elsewhere), summed."""
+        v = self.layout.vocab
+        mine = (ids >= v.start) & (ids < v.stop)
+        local = torch.where(mine, ids - v.start, torch.zeros_like(ids))
+        h = shard[local] * mine.unsqueeze(-1).to(shard.dtype)
+        return self.reduce(h)
+
+    def gather_logits(self, local: torch.Tensor, vocab_size: int) -> torch.Tensor:
+        """Every rank's logits slice [S, V_rank] joined into [S, vocab] (on every rank)."""
+        world = self.layout.world
+        sizes = [len(_split(vocab_size, world, r)) for r in range(world)]
+        width = max(sizes)  # all_gather takes equal shapes: the shorter slices are padded
+        mine = local
+        if local.shape[1] < width:
+            mine = torch.cat([local, local.new_zeros(local.shape[0], width - local.shape[1])], 1)
+        parts = [local.new_empty(local.shape[0], width) for _ in sizes]
+        torch.distributed.all_gather(parts, mine.contiguous(), group=self.group)
+        return torch.cat([p[:, :n] for p, n in zip(parts, sizes, strict=True)], dim=1)
