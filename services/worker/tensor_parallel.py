@@ -149,3 +149,55 @@ class TPGroup:
         parts = [local.new_empty(local.shape[0], width) for _ in sizes]
         torch.distributed.all_gather(parts, mine.contiguous(), group=self.group)
         return torch.cat([p[:, :n] for p, n in zip(parts, sizes, strict=True)], dim=1)
+
+
+# --------------------------------------------------------------------------------------------
+# the group's steps: rank 0 (the worker on the bus) leads, the other ranks follow
+
+
+STOP = b""  # the leader's last broadcast: the followers return
+
+
+class TPLeader:
+    """Rank 0's side: every call the worker makes on its runner that changes what the ranks
+    hold (a step, a reset) is first broadcast to the other ranks, which make the same call on
+    theirs (``follow``), so all ranks run the same plans in the same order (SPMD)."""
+
+    def __init__(self, runner: Any, group: Any = None) -> None:
+        self.runner, self.group = runner, group
+        self._execute = runner.execute  # the runner's own (callers may route theirs here)
+
+    def _send(self, data: bytes) -> None:
+        size = torch.tensor([len(data)], dtype=torch.long)
+        torch.distributed.broadcast(size, 0, group=self.group)
+        if data:
+            buf = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+            torch.distributed.broadcast(buf, 0, group=self.group)
+
+    def execute(self, plan: Any) -> Any:
+        from shared.messages import encode
+
+        self._send(encode(plan))
+        return self._execute(plan)
+
+    def stop(self) -> None:
+        self._send(STOP)
+
+
+def follow(runner: Any, group: Any = None) -> int:
+    """A follower rank: run every plan rank 0 broadcasts until it stops; returns the steps run.
+    A collective that fails (a rank died) raises: the process exits and the group goes down."""
+    from shared.messages import StepPlan, decode
+
+    steps = 0
+    while True:
+        size = torch.zeros(1, dtype=torch.long)
+        torch.distributed.broadcast(size, 0, group=group)
+        if int(size) == 0:
+            return steps
+        buf = torch.empty(int(size), dtype=torch.uint8)
+        torch.distributed.broadcast(buf, 0, group=group)
+        msg = decode(buf.numpy().tobytes())
+        if isinstance(msg, StepPlan):
+            runner.execute(msg)
+            steps += 1

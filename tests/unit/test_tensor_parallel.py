@@ -15,7 +15,14 @@ import torch
 import torch.multiprocessing as mp
 
 from services.worker.runner import ModelRunner
-from services.worker.tensor_parallel import TPGroup, shard_config, shard_weights, tp_layout
+from services.worker.tensor_parallel import (
+    TPGroup,
+    TPLeader,
+    follow,
+    shard_config,
+    shard_weights,
+    tp_layout,
+)
 from shared.messages import NewRequest, SamplingParams, ScheduledSeq, StepPlan
 from shared.model_loader import ModelConfig
 
@@ -93,7 +100,7 @@ def drive(runner: ModelRunner) -> tuple[list[list[int]], list[torch.Tensor]]:
     return out, logits
 
 
-def _rank(rank: int, world: int, init: str, results: dict) -> None:  # noqa: ANN001
+def _rank(rank: int, world: int, init: str, results: dict, lead: bool) -> None:  # noqa: ANN001
     torch.set_num_threads(1)
     torch.distributed.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
     try:
@@ -102,16 +109,26 @@ def _rank(rank: int, world: int, init: str, results: dict) -> None:  # noqa: ANN
             shard_config(CFG, layout), shard_weights(weights(), CFG, layout), BLOCK, BLOCKS
         )
         runner.model.tp = TPGroup(layout)
-        results[rank] = drive(runner)
+        if not lead:
+            results[rank] = drive(runner)
+        elif rank == 0:  # the worker's side: its plans reach the followers by broadcast
+            leader = TPLeader(runner)
+            runner.execute = leader.execute
+            results[rank] = drive(runner)
+            leader.stop()
+        else:
+            results[rank] = ([], [torch.tensor(float(follow(runner)))])
     finally:
         torch.distributed.destroy_process_group()
 
 
-def run_group(world: int) -> dict[int, tuple[list[list[int]], list[torch.Tensor]]]:
+def run_group(
+    world: int, lead: bool = False
+) -> dict[int, tuple[list[list[int]], list[torch.Tensor]]]:
     with tempfile.TemporaryDirectory() as tmp, mp.Manager() as manager:
         results = manager.dict()
         init = f"file://{os.path.join(tmp, 'rendezvous')}"
-        mp.spawn(_rank, args=(world, init, results), nprocs=world, join=True)
+        mp.spawn(_rank, args=(world, init, results, lead), nprocs=world, join=True)
         return dict(results)
 
 
@@ -151,6 +168,15 @@ def test_sharded_forward_equals_the_whole_model(world: int) -> None:
         assert tokens == want_tokens, rank
         for got, want in zip(logits, want_logits, strict=True):
             torch.testing.assert_close(got, want, atol=1e-4 * want.abs().max(), rtol=1e-4)
+
+
+def test_followers_run_the_plans_rank_0_broadcasts() -> None:
+    """Rank 0 alone is driven (as the worker on the bus would be); rank 1 only follows its
+    broadcasts, and both end when rank 0 stops: rank 0's tokens are the whole model's."""
+    want_tokens, _ = drive(ModelRunner.from_weights(CFG, weights(), BLOCK, BLOCKS))
+    results = run_group(2, lead=True)
+    assert results[0][0] == want_tokens
+    assert float(results[1][1][0]) == TOKENS  # every step ran on the follower too
 
 
 def test_the_shard_config_is_a_model_config() -> None:
