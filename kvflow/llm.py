@@ -57,6 +57,7 @@ from shared.lora import check_lora_settings
 from shared.messages import GenerateRequest, LoraLoad, LoRARef
 from shared.messages import SamplingParams as WireParams
 from shared.model_source import ModelNotFoundError, load_tokenizer, resolve_model
+from shared.parallel import check_parallel_settings
 from shared.speculative import parse_speculative_config
 
 _Tokenized = tuple[str | None, list[int], str | None]  # text, token ids, cache salt
@@ -77,8 +78,7 @@ class LLM:
         tensor_parallel_size: int = 1,
         **engine_args: Any,
     ) -> None:
-        if tensor_parallel_size != 1:
-            raise ValueError("tensor_parallel_size must be 1: kvflow scales by adding workers")
+        engine_args["tensor_parallel_size"] = tensor_parallel_size  # ranks per worker
         names = {opt.name for opt in Settings.options()}
         kwargs: dict[str, Any] = {}
         for key, value in engine_args.items():
@@ -98,6 +98,7 @@ class LLM:
         parse_speculative_config(self.settings.model.speculative_config)  # ValueError early
         ms = self.settings.model
         check_lora_settings(ms.enable_lora, ms.lora_modules, ms.max_loras, ms.max_lora_rank)
+        check_parallel_settings(self.settings)
         try:
             model_settings = self.settings.model
             self.source = resolve_model(model_settings.path, model_settings.served_model_name)

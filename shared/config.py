@@ -101,7 +101,19 @@ class WorkerSettings:
         default=False,
         metadata={"help": "on CUDA, run decode steps eagerly instead of as CUDA graphs"},
     )
-    threads: int = field(default=0, metadata={"help": "torch threads in the worker (0: all cores)"})
+    threads: int = field(
+        default=0, metadata={"help": "torch threads per worker rank (0: its share of the cores)"}
+    )
+    tensor_parallel_size: int = field(
+        default=1,
+        metadata={
+            "help": "ranks (devices) one worker's model is split over, Megatron-style: the "
+            "worker starts the other ranks itself (gloo on CPU, NCCL on CUDA)"
+        },
+    )
+    pipeline_parallel_size: int = field(
+        default=1, metadata={"help": "pipeline stages per worker (only 1: not supported yet)"}
+    )
     worker_backend: str = field(
         default="model",
         metadata={

@@ -34,6 +34,7 @@ from shared.config import Settings
 from shared.infra import Server, port_is_free, start_nats, start_redis
 from shared.lora import check_lora_settings
 from shared.model_source import ModelNotFoundError, resolve_model
+from shared.parallel import check_parallel_settings
 from shared.processes import spawn_service, stop_processes
 from shared.speculative import parse_speculative_config
 
@@ -116,11 +117,12 @@ def plan(topology: Topology, ops_port: int = 0) -> list[Process]:
 
 
 def share_cores(settings: Settings, num_workers: int) -> Settings:
-    """With more than one worker and ``--threads 0``, each worker takes its share of this
-    machine's cores instead of all of them."""
-    if settings.worker.threads != 0 or num_workers <= 1:
+    """With more than one worker rank (workers x ``--tensor-parallel-size``) and
+    ``--threads 0``, each rank takes its share of this machine's cores instead of all of them."""
+    ranks = num_workers * settings.worker.tensor_parallel_size
+    if settings.worker.threads != 0 or ranks <= 1:
         return settings
-    return settings.replace(threads=max(1, (os.cpu_count() or 1) // num_workers))
+    return settings.replace(threads=max(1, (os.cpu_count() or 1) // ranks))
 
 
 class Stack:
@@ -141,6 +143,7 @@ class Stack:
         parse_speculative_config(settings.model.speculative_config)
         ms = settings.model
         check_lora_settings(ms.enable_lora, ms.lora_modules, ms.max_loras, ms.max_lora_rank)
+        check_parallel_settings(settings)
         self.topology = topology
         self.plan = plan(topology, settings.ops.ops_port)
         self.settings = share_cores(settings, topology.num_workers)

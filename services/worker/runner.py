@@ -45,6 +45,7 @@ from services.worker.pooling import PoolState, pooled_output
 from services.worker.step_inputs import HostStep, pack
 from services.worker.step_output import Emitted, StepOut
 from services.worker.step_rows import StepRows, host_batch, lay_out
+from services.worker.tensor_parallel import TPGroup
 from shared.messages import (
     FinishReason,
     LoRARef,
@@ -117,15 +118,18 @@ class ModelRunner:
         worker_id: str = "w0",
         draft: LoadedModel | None = None,
         lora: LoRASpec | None = None,
+        tp: TPGroup | None = None,
     ) -> None:
         """Load ``src`` (or in-memory ``config`` + ``weights``) as ``device`` says and
         allocate the KV cache ``kv`` describes (services/worker/model_setup.py); ``draft``: a
         loaded draft model for speculative decoding (services/worker/draft.py); ``lora``:
-        serve LoRA adapters (services/worker/lora.py)."""
+        serve LoRA adapters (services/worker/lora.py); ``tp``: this rank's collectives when
+        the model is a tensor-parallel shard (services/worker/tp_group.py)."""
         t0 = time.perf_counter()
         device = device or DeviceSpec()
         loaded = load_model(src, device, cpu or CpuPathSpec(), config, weights)
         self.device, self.ops, self.model = loaded.device, loaded.ops, loaded.model
+        self.model.tp = tp  # before graph capture: the captured steps run the collectives
         self.gemm_rows, self.decode_fn = loaded.gemm_rows, loaded.decode_fn
         self.model_path = str(src.path) if src is not None else ""  # for grammar compilers
         self.worker_id = worker_id

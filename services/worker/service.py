@@ -29,6 +29,7 @@ from services.worker.model_setup import check_quantization, runner_specs
 from services.worker.runner import ModelRunner
 from services.worker.sim_runner import SimRunner, step_time_fn, vocab_for
 from services.worker.telemetry import WorkerTelemetry
+from services.worker.tp_group import KEEPALIVE_S, TPLeader, start_group
 from shared import subjects
 from shared.access.connect import nats_auth, redis_options, verify_redis
 from shared.bus import Bus
@@ -52,6 +53,7 @@ from shared.messages import (
 )
 from shared.model_loader import load_config
 from shared.model_source import ModelNotFoundError, ModelSource
+from shared.parallel import check_parallel_settings
 from shared.speculative import parse_speculative_config
 
 log = logging.getLogger("kvflow.worker")
@@ -78,9 +80,13 @@ class WorkerService:
         runner: ModelRunner | SimRunner,
         model_name: str,
         model_thread: ModelThread | None = None,
+        group: TPLeader | None = None,
     ) -> None:
         self.settings = settings
         self.runner = runner
+        # a tensor-parallel group's rank 0 (services/worker/tp_group.py): steps and resets go
+        # through it, so the other ranks run them too
+        self.group = group
         self.model_thread = model_thread or ModelThread()
         self.model_name = model_name
         self.worker_id = settings.worker.worker_id or f"worker-{uuid.uuid4().hex[:8]}"
@@ -118,6 +124,8 @@ class WorkerService:
         await self.kv.start()
         self.bus.spawn(self._run_steps())
         self.bus.spawn(self._heartbeat())
+        if self.group is not None:
+            self.bus.spawn(self._keep_group_alive())
         log.info(
             "worker %s ready (role %s): %d KV blocks of %d tokens, layout %s",
             self.worker_id,
@@ -211,7 +219,7 @@ class WorkerService:
             if plan.epoch > self.epoch:
                 if self.epoch:
                     log.info("worker: scheduler term %d starts; dropping old state", plan.epoch)
-                    await self.model_thread.run(self.runner.reset)
+                    await self.model_thread.run((self.group or self.runner).reset)
                 self.epoch = plan.epoch
             stored: list[tuple[bytes, bytes]] = []
             t0 = self.telemetry.step_started(plan)
@@ -237,7 +245,7 @@ class WorkerService:
         """On the model thread: copy the blocks this step will overwrite to the host tier, run
         the step, and copy the full blocks it completed (for Redis, written off this thread)."""
         self.tiers.before_step(plan)
-        result = self.runner.execute(plan)
+        result = (self.group or self.runner).execute(plan)
         return result, [] if result.error else self.tiers.after_step(plan)
 
     async def _load(self, order: KvLoad) -> None:
@@ -272,6 +280,15 @@ class WorkerService:
             instance=self.instance,
             **self.tiers.heartbeat_fields(),
         )
+
+    async def _keep_group_alive(self) -> None:
+        """An idle group's followers hear from rank 0 now and then (on the model thread, so
+        never inside a step)."""
+        assert self.group is not None
+        while True:
+            await asyncio.sleep(KEEPALIVE_S / 4)
+            if self.plans.empty() and not self.stepping:
+                await self.model_thread.run(self.group.keepalive)
 
     async def _heartbeat(self) -> None:
         while True:
@@ -320,6 +337,17 @@ def _load_model(settings: Settings, src: ModelSource) -> ModelRunner:
     return runner
 
 
+def _load_group(settings: Settings, src: ModelSource) -> TPLeader:
+    """A tensor-parallel group (``--tensor-parallel-size`` > 1): this process is rank 0."""
+    kv, device = runner_specs(
+        settings.model, settings.cache, settings.worker, settings.scheduler.max_num_seqs
+    )
+    try:
+        return start_group(settings, src, kv, device)
+    except ValueError as e:
+        raise SystemExit(f"worker: {e}") from None
+
+
 def _load_sim(settings: Settings, src: ModelSource) -> SimRunner:
     """The simulated runner (``--worker-backend sim``): no weights."""
     vocab, eos = vocab_for(src)
@@ -350,12 +378,19 @@ async def run(settings: Settings) -> None:
         raise SystemExit(f"--worker-backend must be 'model' or 'sim', not {backend!r}")
     try:
         connector_spec(settings.cache.kv_connector)  # an unknown transport fails before loading
+        check_parallel_settings(settings)
     except ValueError as e:
         raise SystemExit(f"worker: {e}") from None
-    load = _load_sim if backend == "sim" else _load_model
     model_thread = ModelThread()
-    runner = await model_thread.run(lambda: load(settings, src))
-    service = WorkerService(settings, runner, src.name, model_thread)
+    group = None
+    if settings.worker.tensor_parallel_size > 1:
+        group = await model_thread.run(lambda: _load_group(settings, src))
+        assert group.runner is not None
+        runner: ModelRunner | SimRunner = group.runner
+    else:
+        load = _load_sim if backend == "sim" else _load_model
+        runner = await model_thread.run(lambda: load(settings, src))
+    service = WorkerService(settings, runner, src.name, model_thread, group)
     await service.start()
     ops.registry.register(service.telemetry.registry)
     ops.set_ready(lambda: service.bus.client.is_connected and not service.draining, service.bus)
@@ -363,6 +398,8 @@ async def run(settings: Settings) -> None:
     loop.add_signal_handler(signal.SIGTERM, service.begin_drain)
     await _until_released(service, settings)
     await service.bus.close()
+    if group is not None:
+        await model_thread.run(group.close)
 
 
 # A draining worker that hears nothing from any scheduler for this long exits: no scheduler is

@@ -14,17 +14,14 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
+from services.worker.model_setup import KvSpec
 from services.worker.runner import ModelRunner
-from services.worker.tensor_parallel import (
-    TPGroup,
-    TPLeader,
-    follow,
-    shard_config,
-    shard_weights,
-    tp_layout,
-)
+from services.worker.tensor_parallel import TPGroup, shard_config, shard_weights, tp_layout
+from services.worker.tp_group import TPLeader, follow, group_blocks
+from shared.config import Settings
 from shared.messages import NewRequest, SamplingParams, ScheduledSeq, StepPlan
 from shared.model_loader import ModelConfig
+from shared.parallel import check_parallel_settings
 
 # SmolLM2's ratios, small: 9 heads over 3 KV heads (GQA 3), head_dim 8
 CFG = ModelConfig(
@@ -72,7 +69,9 @@ def weights(seed: int = 0) -> dict[str, torch.Tensor]:
     return w
 
 
-def drive(runner: ModelRunner) -> tuple[list[list[int]], list[torch.Tensor]]:
+def drive(
+    runner: ModelRunner, leader: TPLeader | None = None
+) -> tuple[list[list[int]], list[torch.Tensor]]:
     """Prefill the prompts in one step, then decode TOKENS - 1 steps; every request's tokens and
     every step's logits rows."""
     logits: list[torch.Tensor] = []
@@ -89,7 +88,7 @@ def drive(runner: ModelRunner) -> tuple[list[list[int]], list[torch.Tensor]]:
     seqs = [ScheduledSeq(f"r{i}", p, 0, tables[i]) for i, p in enumerate(PROMPTS)]
     out: list[list[int]] = [[] for _ in PROMPTS]
     for step in range(TOKENS):
-        res = runner.execute(StepPlan(step + 1, seqs, new if step == 0 else []))
+        res = (leader or runner).execute(StepPlan(step + 1, seqs, new if step == 0 else []))
         assert res.error is None, res.error
         for rid, tok in zip(res.request_ids, res.token_ids, strict=True):
             out[int(rid[1:])].append(tok)
@@ -112,14 +111,16 @@ def _rank(rank: int, world: int, init: str, results: dict, lead: bool) -> None: 
         if not lead:
             results[rank] = drive(runner)
         elif rank == 0:  # the worker's side: its plans reach the followers by broadcast
-            leader = TPLeader(runner)
-            runner.execute = leader.execute
-            results[rank] = drive(runner)
-            leader.stop()
+            leader = TPLeader([])
+            leader.runner = runner
+            leader.reset()  # followers reset too (nothing to forget yet)
+            results[rank] = drive(runner, leader)
+            leader.close()  # the followers stop; the group is taken down
         else:
             results[rank] = ([], [torch.tensor(float(follow(runner)))])
     finally:
-        torch.distributed.destroy_process_group()
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
 
 
 def run_group(
@@ -182,3 +183,32 @@ def test_followers_run_the_plans_rank_0_broadcasts() -> None:
 def test_the_shard_config_is_a_model_config() -> None:
     cfg = shard_config(CFG, tp_layout(CFG, 0, 2))
     assert dataclasses.astuple(cfg)[:6] == (120, 72, 2, 5, 5, 8)
+
+
+def test_parallel_settings_that_cannot_be_served_are_refused() -> None:
+    check_parallel_settings(Settings.of(tensor_parallel_size=2))  # a plain group: fine
+    with pytest.raises(ValueError, match="--pipeline-parallel-size is not supported yet"):
+        check_parallel_settings(Settings.of(pipeline_parallel_size=2))
+    with pytest.raises(ValueError, match="at least 1"):
+        check_parallel_settings(Settings.of(tensor_parallel_size=0))
+    for refused, flag in [
+        ({"quantization": "int8"}, "--quantization"),
+        ({"enable_lora": True}, "--enable-lora"),
+        ({"role": "decode"}, "--role"),
+        ({"kv_host_memory": 1.0}, "--kv-host-memory"),
+        ({"kv_redis_tier": True}, "--kv-redis-tier"),
+        ({"worker_backend": "sim"}, "--worker-backend sim"),
+    ]:
+        with pytest.raises(ValueError, match=flag):
+            check_parallel_settings(Settings.of(tensor_parallel_size=2, **refused))
+    for off in ({"quantization": "int8"}, {"role": "decode"}):  # all of it works with one rank
+        check_parallel_settings(Settings.of(**off))
+
+
+def test_every_rank_gets_the_blocks_of_the_rank_with_the_most_kv_heads() -> None:
+    kv = KvSpec(block_size=4, num_blocks=None, kv_cache_gib=1 / 1024)  # 1 MiB
+    # over 2 ranks rank 0 holds 5 KV head copies (of 3): 2 layers x 4 tokens x 5 x 8 x 2 x 4 B
+    assert group_blocks(CFG, kv, torch.float32, 2) == 2**20 // (2 * 2 * 4 * 5 * 8 * 4)
+    assert group_blocks(CFG, kv, torch.float32, 3) == 2**20 // (2 * 2 * 4 * 1 * 8 * 4)
+    fixed = KvSpec(block_size=4, num_blocks=77)
+    assert group_blocks(CFG, fixed, torch.float32, 2) == 77

@@ -1,0 +1,328 @@
+"""A tensor-parallel worker group (``--tensor-parallel-size N``): the worker process is rank 0;
+it starts ranks 1..N-1 itself (spawned processes on this machine, one device each on CUDA),
+and only rank 0 talks to NATS. The scheduler sees one worker with the group's KV blocks.
+
+Every rank holds its shard of the model and of the KV cache (services/worker/tensor_parallel.py)
+and runs every step: rank 0 broadcasts each StepPlan (and each reset) inside the group before it
+runs it, and the other ranks run the same plans in the same order (``follow``). Every rank
+samples from the same gathered logits with the same random stream (seeded alike at start), so
+their request states stay identical; only rank 0's results leave the group.
+
+Failure: the group steps only whole. A follower that exits (a crash, kill -9) makes rank 0 exit
+at once (code 1, without answering the step), so its heartbeat stops and the scheduler moves the
+worker's requests elsewhere (migration); the launcher or Kubernetes starts the group again. A
+follower whose rank 0 is gone exits too (it polls its parent). Collectives have a timeout
+(``COLLECTIVE_TIMEOUT_S``): a rank that hangs fails the group instead of stopping it forever;
+an idle rank 0 sends a keep-alive every ``KEEPALIVE_S`` so waiting followers never time out."""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import logging
+import multiprocessing
+import os
+import random
+import signal
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from services.worker.model_setup import DeviceSpec, KvSpec
+from services.worker.runner import ModelRunner
+from services.worker.tensor_parallel import TPGroup, shard_config, shard_weights, tp_layout
+from shared.config import Settings
+from shared.model_loader import ModelConfig, load_config, load_weights
+from shared.model_source import ModelSource
+
+log = logging.getLogger("kvflow.worker")
+
+COLLECTIVE_TIMEOUT_S = 120.0  # the longest a rank waits in one collective
+KEEPALIVE_S = 10.0  # an idle rank 0 tells the followers it is alive this often
+GROUP_FAILED_EXIT = 1  # rank 0's exit code when a rank is lost (the launcher starts it again)
+
+# what rank 0 broadcasts (first byte), then the payload
+_PLAN, _RESET, _KEEPALIVE, _STOP = b"P", b"R", b"K", b"S"
+
+
+@dataclass(frozen=True)
+class RankSpec:
+    """What every rank of one group starts from (sent to the followers when they start)."""
+
+    world: int
+    init_method: str  # torch.distributed rendezvous (tcp://127.0.0.1:PORT)
+    backend: str  # gloo | nccl
+    kv: KvSpec  # num_blocks fixed: the same on every rank
+    device: DeviceSpec  # rank 0's device; rank r uses the r-th one after it on CUDA
+    threads: int  # torch threads per rank
+    seed: int  # every rank's global random stream starts here
+    worker_id: str
+
+
+def rank_device(device: torch.device, rank: int) -> torch.device:
+    """Rank ``rank``'s device: the CPU for all, or the ``rank``-th GPU from rank 0's."""
+    if device.type != "cuda":
+        return device
+    return torch.device("cuda", (device.index or 0) + rank)
+
+
+def group_blocks(cfg: ModelConfig, kv: KvSpec, dtype: torch.dtype, world: int) -> int:
+    """KV blocks of every rank: ``kv.num_blocks``, or as many as ``kv.kv_cache_gib`` holds on
+    the rank with the most KV heads (rank 0: heads are dealt to the first ranks first)."""
+    if kv.num_blocks:
+        return kv.num_blocks
+    heads = max(len(tp_layout(cfg, r, world).kv_heads) for r in range(world))
+    per_block = 2 * cfg.num_layers * kv.block_size * heads * cfg.head_dim
+    per_block *= torch.finfo(dtype).bits // 8
+    return max(1, int(kv.kv_cache_gib * 2**30) // per_block)
+
+
+def load_rank(src: ModelSource, spec: RankSpec, rank: int) -> ModelRunner:
+    """Rank ``rank``'s runner: its shard of ``src`` on its device, its part of the KV cache
+    (after ``init_process_group``: graph capture on CUDA runs the collectives)."""
+    cfg = load_config(src)
+    layout = tp_layout(cfg, rank, spec.world)
+    weights = load_weights(src, cfg, spec.device.dtype)
+    shard = shard_weights(weights, cfg, layout)
+    del weights
+    device = dataclasses.replace(spec.device, device=rank_device(spec.device.device, rank))
+    return ModelRunner(
+        src,
+        spec.kv,
+        device,
+        config=shard_config(cfg, layout),
+        weights=shard,
+        worker_id=spec.worker_id,
+        tp=TPGroup(layout),
+    )
+
+
+def _join_group(spec: RankSpec, rank: int) -> None:
+    torch.set_num_threads(spec.threads)
+    torch.distributed.init_process_group(
+        spec.backend,
+        init_method=spec.init_method,
+        rank=rank,
+        world_size=spec.world,
+        timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S),
+    )
+
+
+def _ready(spec: RankSpec) -> None:
+    """Every rank loaded; the random streams start alike (sampling stays in step)."""
+    torch.manual_seed(spec.seed)
+    random.seed(spec.seed)
+    torch.distributed.barrier()
+
+
+# --------------------------------------------------------------------------------------------
+# rank 0
+
+
+class TPLeader:
+    """Rank 0's side of the group: broadcasts what changes the ranks' state before doing it
+    (on the model thread, always: the broadcasts are ordered with the steps), watches the
+    follower processes, and keeps idle followers from timing out."""
+
+    def __init__(self, procs: list[Any]) -> None:
+        self.procs = procs  # the followers' processes, rank 1 first
+        self.runner: ModelRunner | None = None  # rank 0's, once loaded
+        self.last_sent = time.monotonic()
+        self.closed = False
+
+    def _send(self, kind: bytes, payload: bytes = b"") -> None:
+        data = kind + payload
+        size = torch.tensor([len(data)], dtype=torch.long)
+        torch.distributed.broadcast(size, 0)
+        buf = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        torch.distributed.broadcast(buf, 0)
+        self.last_sent = time.monotonic()
+
+    def execute(self, plan: Any) -> Any:
+        from shared.messages import encode
+
+        assert self.runner is not None
+        self._send(_PLAN, encode(plan))
+        result = self.runner.execute(plan)
+        if result.error and self._lost_rank(wait_s=2.0) is not None:
+            self.fail()  # the step failed because the group broke: no answer, exit now
+        return result
+
+    def reset(self) -> None:
+        assert self.runner is not None
+        self._send(_RESET)
+        self.runner.reset()
+
+    def keepalive(self) -> None:
+        """From the model thread when idle: followers waiting for a plan see rank 0 alive."""
+        if not self.closed and time.monotonic() - self.last_sent >= KEEPALIVE_S:
+            self._send(_KEEPALIVE)
+
+    def close(self, timeout: float = 10.0) -> None:
+        """Stop the followers (the worker is exiting)."""
+        if self.closed:
+            return
+        self.closed = True
+        try:
+            self._send(_STOP)
+        except Exception as e:  # noqa: BLE001 - a follower already gone: stop the rest below
+            log.warning("tensor-parallel group: stop not delivered (%s)", e)
+        deadline = time.monotonic() + timeout
+        for p in self.procs:
+            p.join(max(0.1, deadline - time.monotonic()))
+            if p.is_alive():
+                p.kill()
+        torch.distributed.destroy_process_group()
+
+    def _lost_rank(self, wait_s: float = 0.0) -> int | None:
+        """The first follower rank found exited (within ``wait_s``), or None."""
+        deadline = time.monotonic() + wait_s
+        while True:
+            for rank, p in enumerate(self.procs, start=1):
+                if not p.is_alive():
+                    return rank
+            if time.monotonic() >= deadline:
+                return None
+            time.sleep(0.05)
+
+    def watch(self) -> None:
+        """A daemon thread: the first follower to exit takes the group down."""
+        from multiprocessing.connection import wait
+
+        def run() -> None:
+            wait([p.sentinel for p in self.procs])
+            if not self.closed:
+                self.fail()
+
+        threading.Thread(target=run, name="tp-watch", daemon=True).start()
+
+    def fail(self) -> None:
+        rank = self._lost_rank(wait_s=1.0)  # its sentinel may close before it can be reaped
+        code = self.procs[rank - 1].exitcode if rank else None
+        log.error(
+            "tensor-parallel rank %s exited (code %s): the group cannot step; the worker exits "
+            "so the scheduler moves its requests to other workers",
+            rank,
+            code,
+        )
+        for p in self.procs:
+            if p.is_alive():
+                p.kill()
+        logging.shutdown()
+        os._exit(GROUP_FAILED_EXIT)
+
+
+def start_group(settings: Settings, src: ModelSource, kv: KvSpec, device: DeviceSpec) -> TPLeader:
+    """Rank 0 (on the worker's model thread): start the other ranks, join them, load this
+    rank's shard; the group is ready when every rank has loaded."""
+    from shared.infra import free_port
+
+    world = settings.worker.tensor_parallel_size
+    cfg = load_config(src)
+    tp_layout(cfg, world - 1, world)  # ValueError: more ranks than heads
+    dev = device.device
+    if dev.type == "cuda" and (dev.index or 0) + world > torch.cuda.device_count():
+        raise ValueError(
+            f"--tensor-parallel-size {world} from {dev} needs {world} GPUs; "
+            f"{torch.cuda.device_count()} are visible"
+        )
+    kv = dataclasses.replace(kv, num_blocks=group_blocks(cfg, kv, device.dtype, world))
+    threads = settings.worker.threads or max(1, (os.cpu_count() or 1) // world)
+    spec = RankSpec(
+        world,
+        f"tcp://127.0.0.1:{free_port()}",
+        "nccl" if dev.type == "cuda" else "gloo",
+        kv,
+        device,
+        threads,
+        random.randrange(2**31),
+        settings.worker.worker_id,
+    )
+    log.info(
+        "tensor-parallel group of %d ranks (%s, %d threads each): starting ranks 1-%d",
+        world,
+        spec.backend,
+        threads,
+        world - 1,
+    )
+    ctx = multiprocessing.get_context("spawn")
+    procs = [
+        ctx.Process(
+            target=follower_main,
+            args=(src, spec, rank, settings.ops.log_level, settings.ops.log_format),
+            name=f"tp-rank-{rank}",
+            daemon=True,
+        )
+        for rank in range(1, world)
+    ]
+    for p in procs:
+        p.start()
+    leader = TPLeader(procs)
+    leader.watch()  # a rank that dies while the group forms takes rank 0 down too
+    _join_group(spec, 0)
+    leader.runner = load_rank(src, spec, 0)
+    _ready(spec)
+    log.info("tensor-parallel group ready: %d ranks", world)
+    return leader
+
+
+# --------------------------------------------------------------------------------------------
+# ranks 1..N-1
+
+
+def follower_main(src: ModelSource, spec: RankSpec, rank: int, level: str, fmt: str) -> None:
+    """A follower rank's process: join the group, load the shard, run rank 0's broadcasts."""
+    from shared.logs import setup_logging
+
+    setup_logging(f"worker-rank-{rank}", level, fmt)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # rank 0 stops the group (or its death does)
+    _exit_with_parent()
+    try:
+        _join_group(spec, rank)
+        runner = load_rank(src, spec, rank)
+        _ready(spec)
+        steps = follow(runner)
+        log.info("tensor-parallel rank %d: stopped after %d steps", rank, steps)
+        torch.distributed.destroy_process_group()
+    except Exception:
+        log.exception("tensor-parallel rank %d failed; exiting (the group goes down)", rank)
+        logging.shutdown()
+        os._exit(GROUP_FAILED_EXIT)
+
+
+def _exit_with_parent() -> None:
+    parent = os.getppid()
+
+    def run() -> None:
+        while os.getppid() == parent:
+            time.sleep(0.5)
+        os._exit(GROUP_FAILED_EXIT)  # rank 0 is gone: nothing here can be used
+
+    threading.Thread(target=run, name="tp-parent", daemon=True).start()
+
+
+def follow(runner: ModelRunner) -> int:
+    """Run every plan (and reset) rank 0 broadcasts until it stops; returns the steps run. A
+    collective that fails (a rank died, or timed out) raises."""
+    from shared.messages import StepPlan, decode
+
+    steps = 0
+    while True:
+        size = torch.zeros(1, dtype=torch.long)
+        torch.distributed.broadcast(size, 0)
+        buf = torch.empty(int(size), dtype=torch.uint8)
+        torch.distributed.broadcast(buf, 0)
+        data = buf.numpy().tobytes()
+        kind, payload = data[:1], data[1:]
+        if kind == _STOP:
+            return steps
+        if kind == _RESET:
+            runner.reset()
+        elif kind == _PLAN:
+            plan = decode(payload)
+            assert isinstance(plan, StepPlan)
+            runner.execute(plan)
+            steps += 1
