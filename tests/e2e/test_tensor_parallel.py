@@ -1,0 +1,102 @@
+"""Tensor-parallel workers (``--tensor-parallel-size``) on SmolLM2 with gloo on this CPU, through
+``LLM(tensor_parallel_size=N)`` (its own pipeline: real nats-server and services, each worker
+rank a real process): greedy output over 2 and 3 ranks equals Hugging Face transformers' (and so
+the one-rank worker's, which the rest of the suite holds to it), alone and in shared batches;
+and a follower rank killed with SIGKILL mid-generation takes its worker down while the requests
+it ran finish on the other worker with the same text (migration)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from kvflow import LLM, SamplingParams
+from tests.e2e.conftest import hf_greedy_texts
+from tests.e2e.faults import service_pids
+
+pytestmark = pytest.mark.e2e
+
+# the engine tests' prompts (tests/e2e/test_greedy_equivalence.py) and more of other kinds
+PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):\n    ",
+    "Once upon a time, in a small village by the sea,",
+    "List three uses of copper:\n1.",
+    "Translate to French: 'Good morning, my friend.' ->",
+    "Write a haiku about rain.",
+    "2 + 2 =",
+    "The quick brown fox",
+    "<|im_start|>user\nWhat is the boiling point of water?<|im_end|>\n<|im_start|>assistant\n",
+    "import numpy as np\n\ndef normalize(x):",
+]
+NEW_TOKENS = 32
+
+
+@pytest.fixture(scope="module")
+def hf_greedy(hf_model, tokenizer):
+    return hf_greedy_texts(hf_model, tokenizer, PROMPTS, NEW_TOKENS)
+
+
+@pytest.mark.parametrize("ranks", [2, 3])
+def test_greedy_output_over_ranks_equals_transformers(ranks: int, hf_greedy) -> None:
+    greedy = SamplingParams(temperature=0, max_tokens=NEW_TOKENS)
+    with LLM(tensor_parallel_size=ranks, max_model_len=1024, kv_cache_memory=0.1) as llm:
+        alone = [llm.generate([p], greedy, use_tqdm=False)[0] for p in PROMPTS[:3]]
+        batched = llm.generate(PROMPTS, greedy, use_tqdm=False)  # all in shared steps
+        log = Path(llm._stack.log_path).read_text()  # type: ignore[union-attr]
+    assert f"tensor-parallel group ready: {ranks} ranks" in log
+    for out in alone + batched:
+        got = out.outputs[0]
+        assert (got.text, len(got.token_ids)) == hf_greedy[out.prompt], (ranks, out.prompt)
+
+
+def _follower_of(worker_pid: int) -> int:
+    """The pid of the worker's rank-1 process (its spawned child)."""
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            stat = Path(f"/proc/{entry}/stat").read_text()
+            cmdline = Path(f"/proc/{entry}/cmdline").read_bytes()
+        except OSError:
+            continue
+        ppid = int(stat.rsplit(")", 1)[1].split()[1])
+        if ppid == worker_pid and b"spawn_main" in cmdline:
+            return int(entry)
+    raise AssertionError(f"worker {worker_pid} has no rank process")
+
+
+def test_a_killed_rank_takes_its_worker_down_and_requests_finish_elsewhere() -> None:
+    params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
+    prompts = PROMPTS[:8]
+    with LLM(workers=2, tensor_parallel_size=2, max_model_len=1024, kv_cache_memory=0.1) as llm:
+        stack = llm._stack
+        assert stack is not None
+        reference = [o.outputs[0].text for o in llm.generate(prompts, params, use_tqdm=False)]
+        got: list = []
+        run = threading.Thread(target=lambda: got.extend(llm.generate(prompts, params, use_tqdm=False)))
+        run.start()
+        deadline = time.monotonic() + 120
+        while True:  # both workers run some of the requests, a few tokens in
+            stats = llm._loop.run(llm._client.stats())
+            if stats.num_computed_tokens and all(w.num_running for w in stats.workers):
+                break
+            assert time.monotonic() < deadline, "the requests did not start on both workers"
+            time.sleep(0.05)
+        time.sleep(0.5)
+        victim, other = (w.worker_id for w in stats.workers)
+        worker_pid = service_pids(stack.nats_url)[f"worker:{victim}"]
+        os.kill(_follower_of(worker_pid), signal.SIGKILL)
+        run.join(300)
+        assert not run.is_alive()
+        log = Path(stack.log_path).read_text()  # type: ignore[arg-type]
+        remaining = llm._loop.run(llm._client.stats()).workers
+    assert [o.outputs[0].text for o in got] == reference
+    assert "tensor-parallel rank 1 exited" in log
+    assert f"{victim}: no heartbeat" in log  # the scheduler gave it up and moved its work
+    assert [w.worker_id for w in remaining] == [other]  # the LLM's pipeline restarts nothing
