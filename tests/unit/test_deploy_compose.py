@@ -151,6 +151,9 @@ def test_kvflow_containers_run_commands_kvflow_accepts(compose) -> None:
         else:
             assert s.ops.ops_port and health_url == f"http://127.0.0.1:{s.ops.ops_port}/health"
         assert svc["healthcheck"]["test"][:4] == ["CMD", "python", "-m", "shared.ops_http"]
+        if name == "worker":  # one rank unless KVFLOW_TENSOR_PARALLEL_SIZE is set higher
+            assert s.worker.tensor_parallel_size == 1
+            assert svc["environment"]["KVFLOW_TENSOR_PARALLEL_SIZE"] == "1"
     assert ran == set(SERVICES)
 
 

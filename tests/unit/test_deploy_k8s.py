@@ -264,3 +264,19 @@ def test_scaling_disruption_budgets_services_and_monitoring(overlay: str) -> Non
     assert {"nats", "redis"} <= set(services)
     nats = _of_kind(docs, "StatefulSet")["nats"]["spec"]["template"]["spec"]["containers"][0]
     assert "--jetstream" in nats["args"]
+
+
+def test_the_tensor_parallel_component_makes_each_worker_pod_a_group_kvflow_accepts() -> None:
+    from shared.parallel import check_parallel_settings
+
+    docs = render_k8s("cpu", ("tensor-parallel",))
+    for doc in docs:
+        validate_resource(doc)
+    workers = [(c, env) for n, _, c, env in _kvflow_containers(docs) if n == "worker"]
+    assert len(workers) == 1
+    c, env = workers[0]
+    settings = parse_kvflow_command(c["args"], env).settings
+    assert settings.worker.tensor_parallel_size == 2 and settings.worker.threads == 4
+    check_parallel_settings(settings)  # nothing in the pod's settings refuses a group
+    assert c["resources"]["requests"]["cpu"] == "8"  # two ranks of --threads 4
+    assert {"name": "shm", "mountPath": "/dev/shm"} in c["volumeMounts"]

@@ -87,6 +87,9 @@ OLD_FLAT = {
     "lora_modules": ("model.lora_modules", "a=/x", "a=/x", ""),
     "max_loras": ("model.max_loras", "4", 4, 1),
     "max_lora_rank": ("model.max_lora_rank", "64", 64, 16),
+    # added with tensor parallelism (issue 20)
+    "tensor_parallel_size": ("worker.tensor_parallel_size", "2", 2, 1),
+    "pipeline_parallel_size": ("worker.pipeline_parallel_size", "2", 2, 1),
 }
 
 

@@ -79,7 +79,9 @@ def test_a_killed_rank_takes_its_worker_down_and_requests_finish_elsewhere() -> 
         assert stack is not None
         reference = [o.outputs[0].text for o in llm.generate(prompts, params, use_tqdm=False)]
         got: list = []
-        run = threading.Thread(target=lambda: got.extend(llm.generate(prompts, params, use_tqdm=False)))
+        run = threading.Thread(
+            target=lambda: got.extend(llm.generate(prompts, params, use_tqdm=False))
+        )
         run.start()
         deadline = time.monotonic() + 120
         while True:  # both workers run some of the requests, a few tokens in
