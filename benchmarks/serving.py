@@ -139,7 +139,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "what",
         nargs="?",
-        choices=["compare", "pipeline", "quality", "llamacpp", "embeddings", "speculative", "lora"],
+        choices=[
+            "compare",
+            "pipeline",
+            "quality",
+            "llamacpp",
+            "embeddings",
+            "speculative",
+            "lora",
+            "tp",
+        ],
         default="compare",
         help="compare (default): kvflow vs Hugging Face; pipeline: the stack with a simulated "
         "worker at several concurrencies, with CPU per token of each service; quality: "
@@ -148,7 +157,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "embeddings: /v1/embeddings per second, one input per request and batched; "
         "speculative: n-gram speculative decoding against plain decoding (TPOT, tok/s, "
         "acceptance) on quoting and free-form prose workloads; lora: a batch with 0, 1 and "
-        "--lora-count distinct LoRA adapters (tok/s, TPOT)",
+        "--lora-count distinct LoRA adapters (tok/s, TPOT); tp: one worker at each "
+        "--tp-sizes tensor-parallel size (tok/s, TPOT at batch 1 and --tp-batch)",
     )
     p.add_argument("--url", default=None, help="a running kvflow (default: start one)")
     p.add_argument("--model", default="", help="model path (default: SmolLM2 from the wheel)")
@@ -182,6 +192,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     from benchmarks import lora as bench_lora
 
     bench_lora.add_arguments(p.add_argument_group("lora"))
+    from benchmarks import tensor_parallel as bench_tp
+
+    bench_tp.add_arguments(p.add_argument_group("tp"))
 
 
 def main(args: argparse.Namespace) -> int:
@@ -209,6 +222,10 @@ def main(args: argparse.Namespace) -> int:
         from benchmarks import lora as bench_lora
 
         return bench_lora.main(args)
+    if args.what == "tp":
+        from benchmarks import tensor_parallel as bench_tp
+
+        return bench_tp.main(args)
     src = resolve_model(args.model)
     tok = load_tokenizer(src)
     span = lambda s: tuple(int(x) for x in s.split(":"))  # noqa: E731

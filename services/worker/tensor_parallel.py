@@ -20,11 +20,14 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 
 from shared.model_loader import ModelConfig
+
+if TYPE_CHECKING:
+    from services.worker.tp_shm import ShmComm
 
 
 @dataclass(frozen=True)
@@ -119,15 +122,20 @@ def shard_weights(
 
 
 class TPGroup:
-    """The collectives of one rank's forward pass, over a torch.distributed process group."""
+    """The collectives of one rank's forward pass: over ``comm`` (services/worker/tp_shm.py,
+    the ranks' shared memory) where given and the tensor fits, else over torch.distributed's
+    default group (gloo on CPU, NCCL on CUDA). The choice depends only on shapes, which every
+    rank has alike, so all ranks take the same way."""
 
-    def __init__(self, layout: TPLayout, group: Any = None) -> None:
+    def __init__(self, layout: TPLayout, comm: ShmComm | None = None) -> None:
         self.layout = layout
-        self.group = group  # None: the default group
+        self.comm = comm
 
     def reduce(self, partial: torch.Tensor) -> torch.Tensor:
         """Sum a row-parallel layer's partial outputs over the ranks, in place."""
-        torch.distributed.all_reduce(partial, group=self.group)
+        if self.comm is not None and self.comm.fits(partial):
+            return self.comm.all_reduce(partial)
+        torch.distributed.all_reduce(partial)
         return partial
 
     def embed(self, ids: torch.Tensor, shard: torch.Tensor) -> torch.Tensor:
@@ -146,6 +154,10 @@ class TPGroup:
         mine = local
         if local.shape[1] < width:
             mine = torch.cat([local, local.new_zeros(local.shape[0], width - local.shape[1])], 1)
-        parts = [local.new_empty(local.shape[0], width) for _ in sizes]
-        torch.distributed.all_gather(parts, mine.contiguous(), group=self.group)
+        mine = mine.contiguous()
+        if self.comm is not None and self.comm.fits(mine):
+            parts = self.comm.all_gather(mine)
+        else:
+            parts = [local.new_empty(local.shape[0], width) for _ in sizes]
+            torch.distributed.all_gather(parts, mine)
         return torch.cat([p[:, :n] for p, n in zip(parts, sizes, strict=True)], dim=1)

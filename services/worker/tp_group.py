@@ -17,6 +17,7 @@ an idle rank 0 sends a keep-alive every ``KEEPALIVE_S`` so waiting followers nev
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime
 import logging
@@ -31,15 +32,18 @@ from typing import Any
 
 import torch
 
+from services.worker import tp_shm
 from services.worker.model_setup import DeviceSpec, KvSpec
 from services.worker.runner import ModelRunner
 from services.worker.tensor_parallel import TPGroup, shard_config, shard_weights, tp_layout
+from services.worker.tp_shm import ShmComm
 from shared.config import Settings
 from shared.model_loader import ModelConfig, load_config, load_weights
 from shared.model_source import ModelSource
 
 log = logging.getLogger("kvflow.worker")
 
+SHM_SLOT_MAX = 64 << 20  # bytes of one rank's slot in the shared-memory collectives
 COLLECTIVE_TIMEOUT_S = 120.0  # the longest a rank waits in one collective
 KEEPALIVE_S = 10.0  # an idle rank 0 tells the followers it is alive this often
 GROUP_FAILED_EXIT = 1  # rank 0's exit code when a rank is lost (the launcher starts it again)
@@ -60,6 +64,8 @@ class RankSpec:
     threads: int  # torch threads per rank
     seed: int  # every rank's global random stream starts here
     worker_id: str
+    shm_path: str = ""  # the ranks' shared-memory collectives (tp_shm.py); "": torch's only
+    shm_slot_bytes: int = 0
 
 
 def rank_device(device: torch.device, rank: int) -> torch.device:
@@ -89,6 +95,9 @@ def load_rank(src: ModelSource, spec: RankSpec, rank: int) -> ModelRunner:
     shard = shard_weights(weights, cfg, layout)
     del weights
     device = dataclasses.replace(spec.device, device=rank_device(spec.device.device, rank))
+    comm = None
+    if spec.shm_path:
+        comm = ShmComm(spec.shm_path, rank, spec.world, spec.shm_slot_bytes, COLLECTIVE_TIMEOUT_S)
     return ModelRunner(
         src,
         spec.kv,
@@ -96,7 +105,7 @@ def load_rank(src: ModelSource, spec: RankSpec, rank: int) -> ModelRunner:
         config=shard_config(cfg, layout),
         weights=shard,
         worker_id=spec.worker_id,
-        tp=TPGroup(layout),
+        tp=TPGroup(layout, comm),
     )
 
 
@@ -111,11 +120,33 @@ def _join_group(spec: RankSpec, rank: int) -> None:
     )
 
 
-def _ready(spec: RankSpec) -> None:
+def _ready(spec: RankSpec, rank: int) -> None:
     """Every rank loaded; the random streams start alike (sampling stays in step)."""
     torch.manual_seed(spec.seed)
     random.seed(spec.seed)
     torch.distributed.barrier()
+    if rank == 0 and spec.shm_path:  # every rank has it mapped: nothing is left behind
+        os.unlink(spec.shm_path)
+
+
+def _shm_for(
+    settings: Settings, cfg: ModelConfig, world: int, device: torch.device
+) -> tuple[str, int]:
+    """(path, slot bytes) of the group's shared-memory collectives, made now; ("", 0) on a GPU,
+    a CPU without ordered stores, or too little room in /dev/shm (then gloo carries them)."""
+    if device.type != "cpu" or not tp_shm.available():
+        return "", 0
+    s = settings.scheduler
+    vocab_width = -(-cfg.vocab_size // world)
+    rows = max(s.max_num_batched_tokens * cfg.hidden_size, s.max_num_seqs * vocab_width)
+    slot = min(4 * rows, SHM_SLOT_MAX)  # fp32; anything larger goes through gloo
+    path = f"/dev/shm/kvflow-tp-{os.getpid()}-{random.randrange(2**32):08x}"
+    try:
+        tp_shm.create(path, world, slot)
+    except OSError as e:
+        log.warning("tensor-parallel group: no shared memory for collectives (%s); gloo only", e)
+        return "", 0
+    return path, slot
 
 
 # --------------------------------------------------------------------------------------------
@@ -127,8 +158,9 @@ class TPLeader:
     (on the model thread, always: the broadcasts are ordered with the steps), watches the
     follower processes, and keeps idle followers from timing out."""
 
-    def __init__(self, procs: list[Any]) -> None:
+    def __init__(self, procs: list[Any], shm_path: str = "") -> None:
         self.procs = procs  # the followers' processes, rank 1 first
+        self.shm_path = shm_path  # the shared-memory collectives' file (tp_shm.py)
         self.runner: ModelRunner | None = None  # rank 0's, once loaded
         self.last_sent = time.monotonic()
         self.closed = False
@@ -211,6 +243,9 @@ class TPLeader:
         for p in self.procs:
             if p.is_alive():
                 p.kill()
+        if self.shm_path:  # lost before the group formed: not unlinked yet
+            with contextlib.suppress(OSError):
+                os.unlink(self.shm_path)
         logging.shutdown()
         os._exit(GROUP_FAILED_EXIT)
 
@@ -230,6 +265,7 @@ def start_group(settings: Settings, src: ModelSource, kv: KvSpec, device: Device
             f"{torch.cuda.device_count()} are visible"
         )
     kv = dataclasses.replace(kv, num_blocks=group_blocks(cfg, kv, device.dtype, world))
+    shm_path, shm_slot = _shm_for(settings, cfg, world, dev)
     threads = settings.worker.threads or max(1, (os.cpu_count() or 1) // world)
     spec = RankSpec(
         world,
@@ -240,11 +276,14 @@ def start_group(settings: Settings, src: ModelSource, kv: KvSpec, device: Device
         threads,
         random.randrange(2**31),
         settings.worker.worker_id,
+        shm_path,
+        shm_slot,
     )
     log.info(
-        "tensor-parallel group of %d ranks (%s, %d threads each): starting ranks 1-%d",
+        "tensor-parallel group of %d ranks (%s%s, %d threads each): starting ranks 1-%d",
         world,
         spec.backend,
+        f" + shared memory, {shm_slot >> 20} MiB slots" if shm_path else "",
         threads,
         world - 1,
     )
@@ -260,11 +299,11 @@ def start_group(settings: Settings, src: ModelSource, kv: KvSpec, device: Device
     ]
     for p in procs:
         p.start()
-    leader = TPLeader(procs)
+    leader = TPLeader(procs, shm_path)
     leader.watch()  # a rank that dies while the group forms takes rank 0 down too
     _join_group(spec, 0)
     leader.runner = load_rank(src, spec, 0)
-    _ready(spec)
+    _ready(spec, 0)
     log.info("tensor-parallel group ready: %d ranks", world)
     return leader
 
@@ -283,7 +322,7 @@ def follower_main(src: ModelSource, spec: RankSpec, rank: int, level: str, fmt: 
     try:
         _join_group(spec, rank)
         runner = load_rank(src, spec, rank)
-        _ready(spec)
+        _ready(spec, rank)
         steps = follow(runner)
         log.info("tensor-parallel rank %d: stopped after %d steps", rank, steps)
         torch.distributed.destroy_process_group()

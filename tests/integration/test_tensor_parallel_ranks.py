@@ -12,11 +12,17 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
+from services.worker import tp_shm
 from services.worker.runner import ModelRunner
 from services.worker.tensor_parallel import TPGroup, shard_config, shard_weights, tp_layout
 from services.worker.tp_group import TPLeader, follow
+from services.worker.tp_shm import ShmComm
 from shared.messages import NewRequest, SamplingParams, ScheduledSeq, StepPlan
 from tests.unit.tp_support import BLOCK, BLOCKS, CFG, PROMPTS, TOKENS, weights
+
+# bytes of a shared-memory slot: a decode step's [3, 72] fp32 rows and [3, 60] logits fit, the
+# first step's prefill rows ([15, 72]) do not, so both ways run within one test
+SLOT = 3 * 72 * 4
 
 
 def drive(
@@ -49,7 +55,7 @@ def drive(
     return out, logits
 
 
-def _rank(rank: int, world: int, init: str, results: dict, lead: bool) -> None:  # noqa: ANN001
+def _rank(rank: int, world: int, init: str, results: dict, lead: bool, shm: str) -> None:  # noqa: ANN001
     torch.set_num_threads(1)
     torch.distributed.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
     try:
@@ -57,7 +63,8 @@ def _rank(rank: int, world: int, init: str, results: dict, lead: bool) -> None: 
         runner = ModelRunner.from_weights(
             shard_config(CFG, layout), shard_weights(weights(), CFG, layout), BLOCK, BLOCKS
         )
-        runner.model.tp = TPGroup(layout)
+        comm = ShmComm(shm, rank, world, SLOT) if shm else None
+        runner.model.tp = TPGroup(layout, comm)
         if not lead:
             results[rank] = drive(runner)
         elif rank == 0:  # the worker's side: its plans reach the followers by broadcast
@@ -74,22 +81,28 @@ def _rank(rank: int, world: int, init: str, results: dict, lead: bool) -> None: 
 
 
 def run_group(
-    world: int, lead: bool = False
+    world: int, lead: bool = False, shm: bool = False
 ) -> dict[int, tuple[list[list[int]], list[torch.Tensor]]]:
     with tempfile.TemporaryDirectory() as tmp, mp.Manager() as manager:
         results = manager.dict()
         init = f"file://{os.path.join(tmp, 'rendezvous')}"
-        mp.spawn(_rank, args=(world, init, results, lead), nprocs=world, join=True)
+        path = os.path.join(tmp, "collectives") if shm else ""
+        if shm:
+            tp_shm.create(path, world, SLOT)
+        mp.spawn(_rank, args=(world, init, results, lead, path), nprocs=world, join=True)
         return dict(results)
 
 
+@pytest.mark.parametrize("shm", [False, True], ids=["gloo", "shared-memory"])
 @pytest.mark.parametrize("world", [2, 3])
-def test_sharded_forward_equals_the_whole_model(world: int) -> None:
+def test_sharded_forward_equals_the_whole_model(world: int, shm: bool) -> None:
     """Every rank gets the same tokens as the whole model in one process, and the logits agree
     within 1e-4 (relative to their scale): the partial sums of O, down and the embedding are
-    added across ranks in another order than one process adds them."""
+    added across ranks in another order than one process adds them. The collectives run over
+    gloo, or over shared memory (services/worker/tp_shm.py) with gloo for what does not fit a
+    slot (SLOT is smaller than the prefill's partial sums)."""
     want_tokens, want_logits = drive(ModelRunner.from_weights(CFG, weights(), BLOCK, BLOCKS))
-    results = run_group(world)
+    results = run_group(world, shm=shm)
     assert sorted(results) == list(range(world))
     for rank, (tokens, logits) in results.items():
         assert tokens == want_tokens, rank
@@ -104,3 +117,35 @@ def test_followers_run_the_plans_rank_0_broadcasts() -> None:
     results = run_group(2, lead=True)
     assert results[0][0] == want_tokens
     assert float(results[1][1][0]) == TOKENS  # every step ran on the follower too
+
+
+def _shm_rank(rank: int, world: int, path: str, results: dict) -> None:  # noqa: ANN001
+    comm = ShmComm(path, rank, world, 1 << 16)
+    out = []
+    for n in range(5):  # more collectives than buffer sets: the sets are reused safely
+        g = torch.Generator().manual_seed(100 * n + rank)
+        x = torch.randn(4, 33, generator=g)
+        out.append(comm.all_reduce(x).clone())
+    parts = comm.all_gather(torch.full((2, 3), float(rank)))
+    out.append(torch.cat([p.clone() for p in parts]))
+    results[rank] = out
+
+
+def test_shared_memory_collectives_give_every_rank_the_same_bits() -> None:
+    world = 3
+    with tempfile.TemporaryDirectory() as tmp, mp.Manager() as manager:
+        results = manager.dict()
+        path = os.path.join(tmp, "collectives")
+        tp_shm.create(path, world, 1 << 16)
+        mp.spawn(_shm_rank, args=(world, path, results), nprocs=world, join=True)
+        results = dict(results)
+    for n in range(5):
+        xs = [
+            torch.randn(4, 33, generator=torch.Generator().manual_seed(100 * n + r))
+            for r in range(world)
+        ]
+        want = xs[0] + xs[1] + xs[2]  # in rank order, as every rank sums
+        for r in range(world):
+            assert torch.equal(results[r][n], want), (n, r)
+    gathered = torch.cat([torch.full((2, 3), float(r)) for r in range(world)])
+    assert all(torch.equal(results[r][5], gathered) for r in range(world))
