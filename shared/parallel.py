@@ -24,7 +24,6 @@ def check_parallel_settings(settings: Settings) -> None:
     refusals = [
         (w.worker_backend != "model", "the simulated worker (--worker-backend sim)"),
         (bool(ms.quantization), "quantized weights (--quantization)"),
-        (ms.enable_lora, "LoRA adapters (--enable-lora)"),
         (w.role != "both", "disaggregated prefill/decode workers (--role prefill|decode)"),
         (cache.kv_host_memory > 0, "the host KV tier (--kv-host-memory)"),
         (cache.kv_redis_tier, "the Redis KV tier (--kv-redis-tier)"),

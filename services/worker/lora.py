@@ -23,7 +23,7 @@ import logging
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -33,6 +33,9 @@ from services.worker.lora_weights import GROUPS, LoRAWeights, load_adapter, modu
 from shared.lora import LoRAError
 from shared.messages import LoRARef, ScheduledSeq
 from shared.model_loader import ModelConfig
+
+if TYPE_CHECKING:
+    from services.worker.tensor_parallel import LoRAShard
 
 log = logging.getLogger("kvflow.worker")
 
@@ -46,6 +49,7 @@ class LoRASpec:
 
     max_loras: int = 1
     max_rank: int = 16
+    shard: LoRAShard | None = None  # a tensor-parallel rank's part of each adapter
 
 
 def _matmul(t: torch.Tensor, panels: bool) -> MatMul:
@@ -218,8 +222,13 @@ class LoRACache:
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
         ops: KernelBackend | None = None,
+        shard: LoRAShard | None = None,
     ) -> None:
+        """``cfg``: the model as this worker (rank) holds it; ``shard``: how a tensor-parallel
+        rank cuts each adapter (checked against ``shard.full``)."""
         self.cfg, self.max_loras, self.max_rank = cfg, max(1, max_loras), max_rank
+        self.shard = shard
+        self.check_cfg = shard.full if shard is not None else cfg
         self.dtype, self.device, self.ops = dtype, torch.device(device), ops
         self.loaded: OrderedDict[str, LoRAWeights] = OrderedDict()
         self.slot_of: dict[str, int] = {}  # device path: the stack slot of each loaded adapter
@@ -230,7 +239,7 @@ class LoRACache:
 
     def check(self, ref: LoRARef) -> None:
         """Read and check ``ref`` without keeping it; raises LoRAError."""
-        load_adapter(ref, self.cfg, self.max_rank, self.dtype, "cpu")
+        load_adapter(ref, self.check_cfg, self.max_rank, self.dtype, "cpu", self.shard)
 
     def forget(self, name: str) -> None:
         self.loaded.pop(name, None)
@@ -244,7 +253,7 @@ class LoRACache:
         if have is not None and have.ref == ref:
             self.loaded.move_to_end(ref.name)
             return have
-        w = load_adapter(ref, self.cfg, self.max_rank, self.dtype, self.device)
+        w = load_adapter(ref, self.check_cfg, self.max_rank, self.dtype, self.device, self.shard)
         self.loads += 1
         self.forget(ref.name)
         while len(self.loaded) >= self.max_loras:

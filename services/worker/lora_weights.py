@@ -11,12 +11,16 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from shared.lora import ADAPTER_WEIGHTS, LoRAError, check_rank, read_adapter_config
 from shared.messages import LoRARef
 from shared.model_loader import ModelConfig
+
+if TYPE_CHECKING:
+    from services.worker.tensor_parallel import LoRAShard
 
 GROUPS: dict[str, tuple[str, ...]] = {
     "qkv": ("q_proj", "k_proj", "v_proj"),
@@ -76,9 +80,11 @@ def load_adapter(
     max_rank: int,
     dtype: torch.dtype = torch.float32,
     device: torch.device | str = "cpu",
+    shard: LoRAShard | None = None,
 ) -> LoRAWeights:
     """Read ``ref``'s PEFT directory and check every tensor against the model ``cfg``; raises
-    LoRAError naming what is wrong (and nothing is kept)."""
+    LoRAError naming what is wrong (and nothing is kept). ``shard``: keep a tensor-parallel
+    rank's part (``cfg`` is then the whole model)."""
     conf = read_adapter_config(ref.path)
     tensors = _read_tensors(Path(ref.path))
     shapes = module_shapes(cfg)
@@ -115,6 +121,9 @@ def load_adapter(
         check_rank(r, max_rank, ref.name)
         scale = conf.scaling(r)
         pairs[(layer, module)] = (a.float(), b.float() * scale)
+    if shard is not None:
+        pairs = {(i, m): shard.cut(m, a, b) for (i, m), (a, b) in pairs.items()}
+        shapes = shard.shapes
     layers = [_fuse(pairs, i, shapes, dtype, device) for i in range(cfg.num_layers)]
     blocks = [
         {

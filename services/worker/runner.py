@@ -140,7 +140,13 @@ class ModelRunner:
         self.draft = DraftProposer(draft, self._num_blocks, kv.block_size) if draft else None
         self.loras = (
             LoRACache(
-                self.config, lora.max_loras, lora.max_rank, self.model.dtype, self.device, self.ops
+                self.config,
+                lora.max_loras,
+                lora.max_rank,
+                self.model.dtype,
+                self.device,
+                self.ops,
+                lora.shard,
             )
             if lora is not None
             else None

@@ -150,7 +150,9 @@ class WorkerService:
             case LoraLoad():
                 await self.bus.reply(raw, await self._check_lora(msg))
             case LoraUnload():
-                if self.runner.loras is not None:
+                if self.group is not None and self.runner.loras is not None:
+                    await self.model_thread.run(self.group.forget_lora, msg.name)
+                elif self.runner.loras is not None:
                     await self.model_thread.run(self.runner.loras.forget, msg.name)
             case WorkerRelease() if msg.worker_id == self.worker_id:
                 log.info("worker %s released by the scheduler", self.worker_id)
@@ -324,17 +326,23 @@ def _load_model(settings: Settings, src: ModelSource) -> ModelRunner:
             draft = load_draft(spec, device, load_config(src))
     except (ValueError, ModelNotFoundError) as e:
         raise SystemExit(f"worker: draft model: {e}") from None
-    lora = None
-    ms = settings.model
-    if ms.enable_lora:
-        lora = LoRASpec(ms.max_loras, ms.max_lora_rank)
     runner = ModelRunner(
-        src, kv, device, worker_id=settings.worker.worker_id, draft=draft, lora=lora
+        src, kv, device, worker_id=settings.worker.worker_id, draft=draft, lora=_lora_spec(settings)
     )
-    if runner.loras is not None:  # --lora-modules that cannot be served stop the worker here
-        for ref in parse_lora_modules(ms.lora_modules):
-            runner.loras.check(ref)
+    _check_lora_modules(runner, settings)
     return runner
+
+
+def _lora_spec(settings: Settings) -> LoRASpec | None:
+    ms = settings.model
+    return LoRASpec(ms.max_loras, ms.max_lora_rank) if ms.enable_lora else None
+
+
+def _check_lora_modules(runner: ModelRunner, settings: Settings) -> None:
+    """--lora-modules that cannot be served stop the worker here."""
+    if runner.loras is not None:
+        for ref in parse_lora_modules(settings.model.lora_modules):
+            runner.loras.check(ref)
 
 
 def _load_group(settings: Settings, src: ModelSource) -> TPLeader:
@@ -343,9 +351,12 @@ def _load_group(settings: Settings, src: ModelSource) -> TPLeader:
         settings.model, settings.cache, settings.worker, settings.scheduler.max_num_seqs
     )
     try:
-        return start_group(settings, src, kv, device)
+        group = start_group(settings, src, kv, device, _lora_spec(settings))
     except ValueError as e:
         raise SystemExit(f"worker: {e}") from None
+    assert group.runner is not None
+    _check_lora_modules(group.runner, settings)
+    return group
 
 
 def _load_sim(settings: Settings, src: ModelSource) -> SimRunner:

@@ -88,15 +88,20 @@ def shard_config(cfg: ModelConfig, layout: TPLayout) -> ModelConfig:
     )
 
 
+def _features(cfg: ModelConfig, layout: TPLayout) -> tuple[torch.Tensor, ...]:
+    """The rank's query features, KV features (copies included) and intermediate features."""
+    d = cfg.head_dim
+    q_rows = torch.cat([torch.arange(h * d, (h + 1) * d) for h in layout.heads])
+    kv_rows = torch.cat([torch.arange(k * d, (k + 1) * d) for k in layout.kv_heads])
+    return q_rows, kv_rows, torch.arange(layout.inter.start, layout.inter.stop)
+
+
 def shard_weights(
     weights: dict[str, torch.Tensor], cfg: ModelConfig, layout: TPLayout
 ) -> dict[str, torch.Tensor]:
     """Rank ``layout.rank``'s part of HF-named dense weights (a new dict; norms replicated,
     the embedding and LM head cut to the rank's vocabulary rows)."""
-    d = cfg.head_dim
-    q_rows = torch.cat([torch.arange(h * d, (h + 1) * d) for h in layout.heads])
-    kv_rows = torch.cat([torch.arange(k * d, (k + 1) * d) for k in layout.kv_heads])
-    inter = torch.arange(layout.inter.start, layout.inter.stop)
+    q_rows, kv_rows, inter = _features(cfg, layout)
     vocab = slice(layout.vocab.start, layout.vocab.stop)
     out: dict[str, torch.Tensor] = {}
     for name, w in weights.items():
@@ -119,6 +124,33 @@ def shard_weights(
     if "lm_head.weight" not in weights:  # tied: the head is the embedding's slice
         out["lm_head.weight"] = out["model.embed_tokens.weight"]
     return out
+
+
+class LoRAShard:
+    """A rank's part of every LoRA adapter (services/worker/lora_weights.py): an adapter is
+    checked against the whole model (``full``), then each pair is cut as the rank's weights
+    are: B's rows for the column-parallel projections (q, k, v with the rank's KV copies,
+    gate, up), A's columns for the row-parallel ones (o, down), whose LoRA output is a partial
+    sum added before the all-reduce. PEFT's scale is already in B."""
+
+    def __init__(self, full: ModelConfig, layout: TPLayout) -> None:
+        from services.worker.lora_weights import module_shapes
+
+        self.full = full
+        self.shapes = module_shapes(shard_config(full, layout))  # (in, out) on this rank
+        self._q, self._kv, self._inter = _features(full, layout)
+
+    def cut(self, module: str, a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """(A [r, in], B [out, r]) of ``module`` -> this rank's (A, B)."""
+        if module == "q_proj":
+            return a, b[self._q]
+        if module in ("k_proj", "v_proj"):
+            return a, b[self._kv]
+        if module in ("gate_proj", "up_proj"):
+            return a, b[self._inter]
+        if module == "o_proj":
+            return a[:, self._q], b
+        return a[:, self._inter], b  # down_proj
 
 
 class TPGroup:

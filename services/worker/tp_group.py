@@ -33,9 +33,16 @@ from typing import Any
 import torch
 
 from services.worker import tp_shm
+from services.worker.lora import LoRASpec
 from services.worker.model_setup import DeviceSpec, KvSpec
 from services.worker.runner import ModelRunner
-from services.worker.tensor_parallel import TPGroup, shard_config, shard_weights, tp_layout
+from services.worker.tensor_parallel import (
+    LoRAShard,
+    TPGroup,
+    shard_config,
+    shard_weights,
+    tp_layout,
+)
 from services.worker.tp_shm import ShmComm
 from shared.config import Settings
 from shared.model_loader import ModelConfig, load_config, load_weights
@@ -49,7 +56,7 @@ KEEPALIVE_S = 10.0  # an idle rank 0 tells the followers it is alive this often
 GROUP_FAILED_EXIT = 1  # rank 0's exit code when a rank is lost (the launcher starts it again)
 
 # what rank 0 broadcasts (first byte), then the payload
-_PLAN, _RESET, _KEEPALIVE, _STOP = b"P", b"R", b"K", b"S"
+_PLAN, _RESET, _FORGET, _KEEPALIVE, _STOP = b"P", b"R", b"F", b"K", b"S"
 
 
 @dataclass(frozen=True)
@@ -64,6 +71,7 @@ class RankSpec:
     threads: int  # torch threads per rank
     seed: int  # every rank's global random stream starts here
     worker_id: str
+    lora: LoRASpec | None = None  # --enable-lora (each rank cuts its part of every adapter)
     shm_path: str = ""  # the ranks' shared-memory collectives (tp_shm.py); "": torch's only
     shm_slot_bytes: int = 0
 
@@ -95,6 +103,9 @@ def load_rank(src: ModelSource, spec: RankSpec, rank: int) -> ModelRunner:
     shard = shard_weights(weights, cfg, layout)
     del weights
     device = dataclasses.replace(spec.device, device=rank_device(spec.device.device, rank))
+    lora = None
+    if spec.lora is not None:
+        lora = dataclasses.replace(spec.lora, shard=LoRAShard(cfg, layout))
     comm = None
     if spec.shm_path:
         comm = ShmComm(spec.shm_path, rank, spec.world, spec.shm_slot_bytes, COLLECTIVE_TIMEOUT_S)
@@ -105,6 +116,7 @@ def load_rank(src: ModelSource, spec: RankSpec, rank: int) -> ModelRunner:
         config=shard_config(cfg, layout),
         weights=shard,
         worker_id=spec.worker_id,
+        lora=lora,
         tp=TPGroup(layout, comm),
     )
 
@@ -188,6 +200,12 @@ class TPLeader:
         self._send(_RESET)
         self.runner.reset()
 
+    def forget_lora(self, name: str) -> None:
+        """An unloaded adapter leaves every rank's cache."""
+        assert self.runner is not None and self.runner.loras is not None
+        self._send(_FORGET, name.encode())
+        self.runner.loras.forget(name)
+
     def keepalive(self) -> None:
         """From the model thread when idle: followers waiting for a plan see rank 0 alive."""
         if not self.closed and time.monotonic() - self.last_sent >= KEEPALIVE_S:
@@ -250,7 +268,13 @@ class TPLeader:
         os._exit(GROUP_FAILED_EXIT)
 
 
-def start_group(settings: Settings, src: ModelSource, kv: KvSpec, device: DeviceSpec) -> TPLeader:
+def start_group(
+    settings: Settings,
+    src: ModelSource,
+    kv: KvSpec,
+    device: DeviceSpec,
+    lora: LoRASpec | None = None,
+) -> TPLeader:
     """Rank 0 (on the worker's model thread): start the other ranks, join them, load this
     rank's shard; the group is ready when every rank has loaded."""
     from shared.infra import free_port
@@ -276,8 +300,9 @@ def start_group(settings: Settings, src: ModelSource, kv: KvSpec, device: Device
         threads,
         random.randrange(2**31),
         settings.worker.worker_id,
-        shm_path,
-        shm_slot,
+        lora=lora,
+        shm_path=shm_path,
+        shm_slot_bytes=shm_slot,
     )
     log.info(
         "tensor-parallel group of %d ranks (%s%s, %d threads each): starting ranks 1-%d",
@@ -360,6 +385,8 @@ def follow(runner: ModelRunner) -> int:
             return steps
         if kind == _RESET:
             runner.reset()
+        elif kind == _FORGET and runner.loras is not None:
+            runner.loras.forget(payload.decode())
         elif kind == _PLAN:
             plan = decode(payload)
             assert isinstance(plan, StepPlan)

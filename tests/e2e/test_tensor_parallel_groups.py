@@ -1,8 +1,8 @@
 """Tensor-parallel workers (``--tensor-parallel-size``) on SmolLM2 with gloo on this CPU, through
 ``LLM(tensor_parallel_size=N)`` (its own pipeline: real nats-server and services, each worker
 rank a real process): greedy output over 2 and 3 ranks equals Hugging Face transformers' (and so
-the one-rank worker's, which the rest of the suite holds to it), alone and in shared batches;
-and a follower rank killed with SIGKILL mid-generation takes its worker down while the requests
+the one-rank worker's, which the rest of the suite holds to it), alone and in shared batches, and with a LoRA adapter (cut per rank) equals transformers +
+peft's; and a follower rank killed with SIGKILL mid-generation takes its worker down while the requests
 it ran finish on the other worker with the same text (migration)."""
 
 from __future__ import annotations
@@ -15,9 +15,12 @@ from pathlib import Path
 
 import pytest
 
-from kvflow import LLM, SamplingParams
+from kvflow import LLM, LoRARequest, SamplingParams
 from tests.e2e.conftest import hf_greedy_texts
 from tests.e2e.faults import service_pids
+from tests.e2e.test_lora_adapters import NEW_TOKENS as LORA_TOKENS
+from tests.e2e.test_lora_adapters import PROMPTS as LORA_PROMPTS
+from tests.e2e.test_lora_adapters import _greedy, _make_adapter
 
 pytestmark = pytest.mark.e2e
 
@@ -42,17 +45,38 @@ def hf_greedy(hf_model, tokenizer):
     return hf_greedy_texts(hf_model, tokenizer, PROMPTS, NEW_TOKENS)
 
 
+@pytest.fixture(scope="module")
+def adapter(hf_model, tokenizer, tmp_path_factory) -> tuple[str, dict[str, str]]:
+    """A rank-8 PEFT adapter on every projection, and transformers + peft's greedy texts."""
+    path = tmp_path_factory.mktemp("tp-lora") / "sql"
+    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    model = _make_adapter(hf_model, path, 1, 8, targets)
+    return str(path), {p: _greedy(model, tokenizer, p) for p in LORA_PROMPTS}
+
+
 @pytest.mark.parametrize("ranks", [2, 3])
-def test_greedy_output_over_ranks_equals_transformers(ranks: int, hf_greedy) -> None:
+def test_greedy_output_over_ranks_equals_transformers(ranks: int, hf_greedy, adapter) -> None:
+    """Base requests alone and batched, and requests with a LoRA adapter (cut per rank as the
+    weights are) in the same batches as base ones."""
     greedy = SamplingParams(temperature=0, max_tokens=NEW_TOKENS)
-    with LLM(tensor_parallel_size=ranks, max_model_len=1024, kv_cache_memory=0.1) as llm:
+    path, peft_texts = adapter
+    sql = LoRARequest("sql", 1, path)
+    lora_greedy = SamplingParams(temperature=0, max_tokens=LORA_TOKENS)
+    with LLM(
+        tensor_parallel_size=ranks, max_model_len=1024, kv_cache_memory=0.1, enable_lora=True
+    ) as llm:
         alone = [llm.generate([p], greedy, use_tqdm=False)[0] for p in PROMPTS[:3]]
         batched = llm.generate(PROMPTS, greedy, use_tqdm=False)  # all in shared steps
+        mixed = LORA_PROMPTS + PROMPTS[:2]  # adapter and base rows in the same steps
+        lora = [sql] * len(LORA_PROMPTS) + [None, None]
+        with_lora = llm.generate(mixed, lora_greedy, use_tqdm=False, lora_request=lora)
         log = Path(llm._stack.log_path).read_text()  # type: ignore[union-attr]
     assert f"tensor-parallel group ready: {ranks} ranks" in log
     for out in alone + batched:
         got = out.outputs[0]
         assert (got.text, len(got.token_ids)) == hf_greedy[out.prompt], (ranks, out.prompt)
+    for out in with_lora[: len(LORA_PROMPTS)]:
+        assert out.outputs[0].text == peft_texts[out.prompt], (ranks, out.prompt)
 
 
 def _follower_of(worker_pid: int) -> int:

@@ -13,12 +13,19 @@ import torch
 import torch.multiprocessing as mp
 
 from services.worker import tp_shm
+from services.worker.lora import LoRASpec
 from services.worker.runner import ModelRunner
-from services.worker.tensor_parallel import TPGroup, shard_config, shard_weights, tp_layout
+from services.worker.tensor_parallel import (
+    LoRAShard,
+    TPGroup,
+    shard_config,
+    shard_weights,
+    tp_layout,
+)
 from services.worker.tp_group import TPLeader, follow
 from services.worker.tp_shm import ShmComm
-from shared.messages import NewRequest, SamplingParams, ScheduledSeq, StepPlan
-from tests.unit.tp_support import BLOCK, BLOCKS, CFG, PROMPTS, TOKENS, weights
+from shared.messages import LoRARef, NewRequest, SamplingParams, ScheduledSeq, StepPlan
+from tests.unit.tp_support import BLOCK, BLOCKS, CFG, PROMPTS, TOKENS, weights, write_adapter
 
 # bytes of a shared-memory slot: a decode step's [3, 72] fp32 rows and [3, 60] logits fit, the
 # first step's prefill rows ([15, 72]) do not, so both ways run within one test
@@ -26,7 +33,7 @@ SLOT = 3 * 72 * 4
 
 
 def drive(
-    runner: ModelRunner, leader: TPLeader | None = None
+    runner: ModelRunner, leader: TPLeader | None = None, adapter: str = ""
 ) -> tuple[list[list[int]], list[torch.Tensor]]:
     """Prefill the prompts in one step, then decode TOKENS - 1 steps; every request's tokens and
     every step's logits rows."""
@@ -40,7 +47,9 @@ def drive(
     runner._sample = spy
     greedy = SamplingParams(max_tokens=TOKENS, temperature=0.0, ignore_eos=True)
     tables = [list(range(r * 8, r * 8 + 8)) for r in range(len(PROMPTS))]
-    new = [NewRequest(f"r{i}", greedy, len(p)) for i, p in enumerate(PROMPTS)]
+    # with an adapter: requests 0 and 2 use it, request 1 the base model (one mixed batch)
+    lora = [LoRARef("a", 1, adapter) if adapter and i != 1 else None for i in range(len(PROMPTS))]
+    new = [NewRequest(f"r{i}", greedy, len(p), lora=lora[i]) for i, p in enumerate(PROMPTS)]
     seqs = [ScheduledSeq(f"r{i}", p, 0, tables[i]) for i, p in enumerate(PROMPTS)]
     out: list[list[int]] = [[] for _ in PROMPTS]
     for step in range(TOKENS):
@@ -55,18 +64,25 @@ def drive(
     return out, logits
 
 
-def _rank(rank: int, world: int, init: str, results: dict, lead: bool, shm: str) -> None:  # noqa: ANN001
+def _rank(
+    rank: int, world: int, init: str, results: dict, lead: bool, shm: str, adapter: str
+) -> None:  # noqa: ANN001, E501
     torch.set_num_threads(1)
     torch.distributed.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
     try:
         layout = tp_layout(CFG, rank, world)
+        lora = LoRASpec(2, 8, shard=LoRAShard(CFG, layout)) if adapter else None
         runner = ModelRunner.from_weights(
-            shard_config(CFG, layout), shard_weights(weights(), CFG, layout), BLOCK, BLOCKS
+            shard_config(CFG, layout),
+            shard_weights(weights(), CFG, layout),
+            BLOCK,
+            BLOCKS,
+            lora=lora,
         )
         comm = ShmComm(shm, rank, world, SLOT) if shm else None
         runner.model.tp = TPGroup(layout, comm)
         if not lead:
-            results[rank] = drive(runner)
+            results[rank] = drive(runner, adapter=adapter)
         elif rank == 0:  # the worker's side: its plans reach the followers by broadcast
             leader = TPLeader([])
             leader.runner = runner
@@ -81,7 +97,7 @@ def _rank(rank: int, world: int, init: str, results: dict, lead: bool, shm: str)
 
 
 def run_group(
-    world: int, lead: bool = False, shm: bool = False
+    world: int, lead: bool = False, shm: bool = False, adapter: str = ""
 ) -> dict[int, tuple[list[list[int]], list[torch.Tensor]]]:
     with tempfile.TemporaryDirectory() as tmp, mp.Manager() as manager:
         results = manager.dict()
@@ -89,7 +105,8 @@ def run_group(
         path = os.path.join(tmp, "collectives") if shm else ""
         if shm:
             tp_shm.create(path, world, SLOT)
-        mp.spawn(_rank, args=(world, init, results, lead, path), nprocs=world, join=True)
+        args = (world, init, results, lead, path, adapter)
+        mp.spawn(_rank, args=args, nprocs=world, join=True)
         return dict(results)
 
 
@@ -104,6 +121,24 @@ def test_sharded_forward_equals_the_whole_model(world: int, shm: bool) -> None:
     want_tokens, want_logits = drive(ModelRunner.from_weights(CFG, weights(), BLOCK, BLOCKS))
     results = run_group(world, shm=shm)
     assert sorted(results) == list(range(world))
+    for rank, (tokens, logits) in results.items():
+        assert tokens == want_tokens, rank
+        for got, want in zip(logits, want_logits, strict=True):
+            torch.testing.assert_close(got, want, atol=1e-4 * want.abs().max(), rtol=1e-4)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_lora_adapters_over_ranks_equal_the_whole_model(world: int, tmp_path) -> None:  # noqa: ANN001
+    """Each rank cuts every adapter as its weights are cut (services/worker/tensor_parallel.py
+    LoRAShard): a batch of two adapter requests and one base request gives the whole model's
+    tokens with the same adapter, which differ from the base model's."""
+    adapter = str(tmp_path / "adapter")
+    write_adapter(tmp_path / "adapter")
+    whole = ModelRunner.from_weights(CFG, weights(), BLOCK, BLOCKS, lora=LoRASpec(2, 8))
+    want_tokens, want_logits = drive(whole, adapter=adapter)
+    base_tokens, _ = drive(ModelRunner.from_weights(CFG, weights(), BLOCK, BLOCKS))
+    assert want_tokens[1] == base_tokens[1] and want_tokens[0] != base_tokens[0]
+    results = run_group(world, shm=True, adapter=adapter)
     for rank, (tokens, logits) in results.items():
         assert tokens == want_tokens, rank
         for got, want in zip(logits, want_logits, strict=True):

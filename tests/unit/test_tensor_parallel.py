@@ -49,13 +49,13 @@ def test_the_shard_config_is_a_model_config() -> None:
 
 def test_parallel_settings_that_cannot_be_served_are_refused() -> None:
     check_parallel_settings(Settings.of(tensor_parallel_size=2))  # a plain group: fine
+    check_parallel_settings(Settings.of(tensor_parallel_size=2, enable_lora=True))  # cut per rank
     with pytest.raises(ValueError, match="--pipeline-parallel-size is not supported yet"):
         check_parallel_settings(Settings.of(pipeline_parallel_size=2))
     with pytest.raises(ValueError, match="at least 1"):
         check_parallel_settings(Settings.of(tensor_parallel_size=0))
     for refused, flag in [
         ({"quantization": "int8"}, "--quantization"),
-        ({"enable_lora": True}, "--enable-lora"),
         ({"role": "decode"}, "--role"),
         ({"kv_host_memory": 1.0}, "--kv-host-memory"),
         ({"kv_redis_tier": True}, "--kv-redis-tier"),

@@ -3,6 +3,9 @@ shards; integration: process groups)."""
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import torch
 
 from shared.model_loader import ModelConfig
@@ -51,3 +54,24 @@ def weights(seed: int = 0) -> dict[str, torch.Tensor]:
             p + "mlp.down_proj.weight": mat(d, i),
         }
     return w
+
+
+def write_adapter(path: Path, rank: int = 4, seed: int = 1) -> None:
+    """A PEFT LoRA directory for CFG: every attention and MLP projection, random A and B."""
+    from safetensors.torch import save_file
+
+    from services.worker.lora_weights import module_shapes
+
+    g = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for layer in range(CFG.num_layers):
+        for module, (n_in, n_out) in module_shapes(CFG).items():
+            part = "mlp" if module in ("gate_proj", "up_proj", "down_proj") else "self_attn"
+            key = f"base_model.model.model.layers.{layer}.{part}.{module}"
+            tensors[f"{key}.lora_A.weight"] = torch.randn(rank, n_in, generator=g) * 0.3
+            tensors[f"{key}.lora_B.weight"] = torch.randn(n_out, rank, generator=g) * 0.3
+    path.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(path / "adapter_model.safetensors"))
+    modules = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    conf = {"peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank, "target_modules": modules}
+    (path / "adapter_config.json").write_text(json.dumps(conf))
