@@ -23,7 +23,11 @@ def check_parallel_settings(settings: Settings) -> None:
         return
     refusals = [
         (w.worker_backend != "model", "the simulated worker (--worker-backend sim)"),
-        (bool(ms.quantization), "quantized weights (--quantization)"),
+        (
+            ms.quantization in ("gguf", "gptq", "awq"),
+            f"--quantization {ms.quantization} (a checkpoint's own blocks; int8 and fp8 are cut "
+            "per rank)",
+        ),
         (w.role != "both", "disaggregated prefill/decode workers (--role prefill|decode)"),
         (cache.kv_host_memory > 0, "the host KV tier (--kv-host-memory)"),
         (cache.kv_redis_tier, "the Redis KV tier (--kv-redis-tier)"),

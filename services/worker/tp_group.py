@@ -45,7 +45,7 @@ from services.worker.tensor_parallel import (
 )
 from services.worker.tp_shm import ShmComm
 from shared.config import Settings
-from shared.model_loader import ModelConfig, load_config, load_weights
+from shared.model_loader import ModelConfig, load_config, load_weights, round_weights
 from shared.model_source import ModelSource
 
 log = logging.getLogger("kvflow.worker")
@@ -99,8 +99,8 @@ def load_rank(src: ModelSource, spec: RankSpec, rank: int) -> ModelRunner:
     (after ``init_process_group``: graph capture on CUDA runs the collectives)."""
     cfg = load_config(src)
     layout = tp_layout(cfg, rank, spec.world)
-    weights = load_weights(src, cfg, spec.device.dtype)
-    shard = shard_weights(weights, cfg, layout)
+    weights = load_weights(src, cfg, spec.device.dtype)  # dense (a GPTQ/AWQ one dequantized)
+    shard = round_weights(shard_weights(weights, cfg, layout), spec.device.quantization)
     del weights
     device = dataclasses.replace(spec.device, device=rank_device(spec.device.device, rank))
     lora = None

@@ -126,3 +126,25 @@ def test_a_killed_rank_takes_its_worker_down_and_requests_finish_elsewhere() -> 
     assert "tensor-parallel rank 1 exited" in log
     assert f"{victim}: no heartbeat" in log  # the scheduler gave it up and moved its work
     assert [w.worker_id for w in remaining] == [other]  # the LLM's pipeline restarts nothing
+
+
+def test_int8_weights_over_2_ranks_equal_int8_on_one(model_src, tokenizer) -> None:
+    """--quantization int8 rounds each rank's cut of the weights, in blocks of 32 that start
+    where the whole model's do (head and feature boundaries are multiples of 32 here): the same
+    weights as one int8 worker, whose greedy tokens come from the runner in this process."""
+    from services.worker.runner import ModelRunner
+    from shared.model_loader import load_config, load_weights, quantize_int8
+    from tests.integration.test_model_smollm2 import BLOCK, generate
+
+    cfg = load_config(model_src)
+    runner = ModelRunner.from_weights(
+        cfg, quantize_int8(load_weights(model_src, cfg)), BLOCK, num_blocks=64
+    )
+    prompts = PROMPTS[:4]
+    want, _ = generate(runner, [tokenizer(p)["input_ids"] for p in prompts])  # 32 tokens
+    del runner
+    greedy = SamplingParams(temperature=0, max_tokens=32)
+    with LLM(tensor_parallel_size=2, quantization="int8", max_model_len=1024) as llm:
+        outs = llm.generate(prompts, greedy, use_tqdm=False)
+    for out, tokens in zip(outs, want, strict=True):
+        assert out.outputs[0].text == tokenizer.decode(tokens, skip_special_tokens=True)

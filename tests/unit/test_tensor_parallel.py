@@ -49,13 +49,15 @@ def test_the_shard_config_is_a_model_config() -> None:
 
 def test_parallel_settings_that_cannot_be_served_are_refused() -> None:
     check_parallel_settings(Settings.of(tensor_parallel_size=2))  # a plain group: fine
-    check_parallel_settings(Settings.of(tensor_parallel_size=2, enable_lora=True))  # cut per rank
+    for cut in ({"enable_lora": True}, {"quantization": "int8"}, {"quantization": "fp8"}):
+        check_parallel_settings(Settings.of(tensor_parallel_size=2, **cut))  # cut per rank
     with pytest.raises(ValueError, match="--pipeline-parallel-size is not supported yet"):
         check_parallel_settings(Settings.of(pipeline_parallel_size=2))
     with pytest.raises(ValueError, match="at least 1"):
         check_parallel_settings(Settings.of(tensor_parallel_size=0))
     for refused, flag in [
-        ({"quantization": "int8"}, "--quantization"),
+        ({"quantization": "gguf"}, "--quantization gguf"),
+        ({"quantization": "gptq"}, "--quantization gptq"),
         ({"role": "decode"}, "--role"),
         ({"kv_host_memory": 1.0}, "--kv-host-memory"),
         ({"kv_redis_tier": True}, "--kv-redis-tier"),
@@ -63,7 +65,7 @@ def test_parallel_settings_that_cannot_be_served_are_refused() -> None:
     ]:
         with pytest.raises(ValueError, match=flag):
             check_parallel_settings(Settings.of(tensor_parallel_size=2, **refused))
-    for off in ({"quantization": "int8"}, {"role": "decode"}):  # all of it works with one rank
+    for off in ({"quantization": "gguf"}, {"role": "decode"}):  # all of it works with one rank
         check_parallel_settings(Settings.of(**off))
 
 
