@@ -10,7 +10,7 @@ from shared.speculative import parse_speculative_config
 
 def check_parallel_settings(settings: Settings) -> None:
     """ValueError (saying what to do) for parallel settings this stack cannot serve."""
-    w, ms, cache = settings.worker, settings.model, settings.cache
+    w, ms = settings.worker, settings.model
     if w.pipeline_parallel_size != 1:
         raise ValueError(
             "--pipeline-parallel-size is not supported yet (only 1): split a model over "
@@ -28,16 +28,13 @@ def check_parallel_settings(settings: Settings) -> None:
             f"--quantization {ms.quantization} (a checkpoint's own blocks; int8 and fp8 are cut "
             "per rank)",
         ),
-        (w.role != "both", "disaggregated prefill/decode workers (--role prefill|decode)"),
-        (cache.kv_host_memory > 0, "the host KV tier (--kv-host-memory)"),
-        (cache.kv_redis_tier, "the Redis KV tier (--kv-redis-tier)"),
     ]
     spec = parse_speculative_config(ms.speculative_config)
     refusals.append((spec is not None and spec.proposed_by_worker, "a draft model"))
     for refused, what in refusals:
         if refused:
             raise ValueError(
-                f"--tensor-parallel-size {tp} does not work with {what} yet: the KV cache and "
-                "the weights of a tensor-parallel group are split over its ranks; use "
-                "--tensor-parallel-size 1 for it"
+                f"--tensor-parallel-size {tp} does not work with {what} yet (its weights "
+                "would have to be split over the ranks too); use --tensor-parallel-size 1 "
+                "for it"
             )

@@ -18,24 +18,62 @@ import torch
 KvCaches = list[tuple[torch.Tensor, torch.Tensor]]
 
 
-class KvBlockIO:
+class _Shard:
+    """One cache's byte views (a tensor-parallel rank's KV heads, or all of them)."""
+
     def __init__(self, kv_caches: KvCaches) -> None:
+        k0 = kv_caches[0][0]
+        self.caches = kv_caches
+        self.num_kv_heads = k0.shape[2]
+        self.on_cpu = k0.device.type == "cpu"
+        # byte views: numpy has no bfloat16, and bytes are all a copy needs
+        self.bytes = [(k.view(torch.uint8), v.view(torch.uint8)) for k, v in kv_caches]
+        self.np = [(k.numpy(), v.numpy()) for k, v in self.bytes] if self.on_cpu else []
+        self.layer_bytes = 2 * k0[0].numel() * k0.element_size()  # K and V of one block
+
+    def read(self, block: int, l0: int, l1: int) -> bytes:
+        if self.on_cpu:
+            return b"".join(self.np[i][kv][block].tobytes() for i in range(l0, l1) for kv in (0, 1))
+        parts = [self.bytes[i][kv][block] for i in range(l0, l1) for kv in (0, 1)]
+        return torch.stack(parts).cpu().numpy().tobytes()
+
+    def write(self, block: int, data: bytes | memoryview, l0: int, l1: int) -> None:
+        shape = (l1 - l0, 2, *self.bytes[0][0].shape[1:])
+        arr = np.frombuffer(data, dtype=np.uint8).reshape(shape)
+        if self.on_cpu:
+            for j, i in enumerate(range(l0, l1)):
+                self.np[i][0][block] = arr[j, 0]
+                self.np[i][1][block] = arr[j, 1]
+            return
+        dev = self.caches[0][0].device
+        src = torch.from_numpy(arr.copy()).to(dev)
+        for j, i in enumerate(range(l0, l1)):
+            self.bytes[i][0][block].copy_(src[j, 0])
+            self.bytes[i][1][block].copy_(src[j, 1])
+
+
+class KvBlockIO:
+    """Blocks of ``kv_caches`` as bytes. A tensor-parallel worker passes every rank's caches
+    (``shards``, rank order; the followers' mapped from their processes: tp_group.py): a block
+    is then each rank's bytes for the layers, rank after rank, and the layout names each
+    rank's KV heads, so only a worker split the same way exchanges blocks with it."""
+
+    def __init__(self, kv_caches: KvCaches, shards: list[KvCaches] | None = None) -> None:
         if not kv_caches:
             raise ValueError("no KV caches")
         k0 = kv_caches[0][0]
         self.caches = kv_caches
+        self._shards = [_Shard(c) for c in (shards or [kv_caches])]
         self.num_layers = len(kv_caches)
-        self.num_blocks, self.block_size, self.num_kv_heads, self.head_dim = k0.shape
+        self.num_blocks, self.block_size, _, self.head_dim = k0.shape
+        self.num_kv_heads = sum(sh.num_kv_heads for sh in self._shards)
         self.dtype = k0.dtype
-        self.on_cpu = k0.device.type == "cpu"
-        # byte views: numpy has no bfloat16, and bytes are all a copy needs
-        self._bytes = [(k.view(torch.uint8), v.view(torch.uint8)) for k, v in kv_caches]
-        self._np = [(k.numpy(), v.numpy()) for k, v in self._bytes] if self.on_cpu else []
-        self.layer_bytes = 2 * k0[0].numel() * k0.element_size()  # K and V of one block
+        self.layer_bytes = sum(sh.layer_bytes for sh in self._shards)  # K and V of one block
 
     def layout(self) -> str:
         dtype = str(self.dtype).removeprefix("torch.")
-        return f"{dtype}:{self.num_layers}x{self.block_size}x{self.num_kv_heads}x{self.head_dim}"
+        heads = "+".join(str(sh.num_kv_heads) for sh in self._shards)
+        return f"{dtype}:{self.num_layers}x{self.block_size}x{heads}x{self.head_dim}"
 
     @property
     def block_bytes(self) -> int:
@@ -56,12 +94,9 @@ class KvBlockIO:
     def read(self, block: int, l0: int = 0, l1: int | None = None) -> bytes:
         l1 = self.num_layers if l1 is None else l1
         self._check(block, l0, l1)
-        if self.on_cpu:
-            return b"".join(
-                self._np[i][kv][block].tobytes() for i in range(l0, l1) for kv in (0, 1)
-            )
-        parts = [self._bytes[i][kv][block] for i in range(l0, l1) for kv in (0, 1)]
-        return torch.stack(parts).cpu().numpy().tobytes()
+        if len(self._shards) == 1:
+            return self._shards[0].read(block, l0, l1)
+        return b"".join(sh.read(block, l0, l1) for sh in self._shards)
 
     def write(self, block: int, data: bytes, l0: int = 0, l1: int | None = None) -> None:
         l1 = self.num_layers if l1 is None else l1
@@ -71,15 +106,8 @@ class KvBlockIO:
                 f"{len(data)} bytes for layers [{l0}, {l1}) of a block; expected "
                 f"{self.layer_bytes * (l1 - l0)}"
             )
-        shape = (l1 - l0, 2, *self._bytes[0][0].shape[1:])
-        arr = np.frombuffer(data, dtype=np.uint8).reshape(shape)
-        if self.on_cpu:
-            for j, i in enumerate(range(l0, l1)):
-                self._np[i][0][block] = arr[j, 0]
-                self._np[i][1][block] = arr[j, 1]
-            return
-        dev = self.caches[0][0].device
-        src = torch.from_numpy(arr.copy()).to(dev)
-        for j, i in enumerate(range(l0, l1)):
-            self._bytes[i][0][block].copy_(src[j, 0])
-            self._bytes[i][1][block].copy_(src[j, 1])
+        view, at = memoryview(data), 0
+        for sh in self._shards:
+            n = sh.layer_bytes * (l1 - l0)
+            sh.write(block, view[at : at + n], l0, l1)
+            at += n

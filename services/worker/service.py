@@ -94,7 +94,8 @@ class WorkerService:
         self.bus = Bus(self.worker_id)
         self.plans: asyncio.Queue[StepPlan] = asyncio.Queue()
         self.telemetry = WorkerTelemetry(self.worker_id, self.plans.qsize)  # metrics and spans
-        self.kv_io = KvBlockIO(runner.kv_caches)
+        shards = group.rank_caches if group is not None else None
+        self.kv_io = KvBlockIO(runner.kv_caches, shards)  # a group's: every rank's blocks
         # the transport between workers, by name (services/worker/kv_connectors)
         self.kv = create_worker_connector(
             settings.cache.kv_connector, self.bus, self.kv_io, self.worker_id

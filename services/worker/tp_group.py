@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.multiprocessing  # noqa: F401 - its reductions send tensors through pipes
 
 from services.worker import tp_shm
 from services.worker.lora import LoRASpec
@@ -71,6 +72,7 @@ class RankSpec:
     threads: int  # torch threads per rank
     seed: int  # every rank's global random stream starts here
     worker_id: str
+    share_kv: bool = False  # rank 0 maps every rank's KV cache (it moves KV blocks)
     lora: LoRASpec | None = None  # --enable-lora (each rank cuts its part of every adapter)
     shm_path: str = ""  # the ranks' shared-memory collectives (tp_shm.py); "": torch's only
     shm_slot_bytes: int = 0
@@ -141,6 +143,24 @@ def _ready(spec: RankSpec, rank: int) -> None:
         os.unlink(spec.shm_path)
 
 
+def _check_shm_room(cfg: ModelConfig, kv: KvSpec, dtype: torch.dtype, world: int) -> None:
+    """The followers' KV caches move to shared memory for rank 0 to read: ValueError when
+    /dev/shm cannot hold them."""
+    assert kv.num_blocks is not None
+    per_head = 2 * cfg.num_layers * kv.block_size * cfg.head_dim * (torch.finfo(dtype).bits // 8)
+    heads = sum(len(tp_layout(cfg, r, world).kv_heads) for r in range(1, world))
+    need = kv.num_blocks * per_head * heads
+    st = os.statvfs("/dev/shm")
+    free = st.f_bavail * st.f_frsize
+    if free < need + (64 << 20):
+        raise ValueError(
+            f"with --role prefill|decode or a KV tier, the other ranks' KV caches "
+            f"({need / 2**30:.2f} GiB) go to /dev/shm, which has {free / 2**30:.2f} GiB free: "
+            "give the container more (docker --shm-size, compose shm_size, a memory emptyDir "
+            "on /dev/shm in Kubernetes) or lower --kv-cache-memory"
+        )
+
+
 def _shm_for(
     settings: Settings, cfg: ModelConfig, world: int, device: torch.device
 ) -> tuple[str, int]:
@@ -174,6 +194,9 @@ class TPLeader:
         self.procs = procs  # the followers' processes, rank 1 first
         self.shm_path = shm_path  # the shared-memory collectives' file (tp_shm.py)
         self.runner: ModelRunner | None = None  # rank 0's, once loaded
+        # every rank's KV caches (rank 0's own, the others' mapped here), when the worker moves
+        # KV blocks (disaggregated roles, KV tiers): services/worker/kv_blocks.py reads them all
+        self.rank_caches: list[Any] | None = None
         self.last_sent = time.monotonic()
         self.closed = False
 
@@ -290,6 +313,10 @@ def start_group(
         )
     kv = dataclasses.replace(kv, num_blocks=group_blocks(cfg, kv, device.dtype, world))
     shm_path, shm_slot = _shm_for(settings, cfg, world, dev)
+    cache = settings.cache
+    share_kv = settings.worker.role != "both" or cache.kv_host_memory > 0 or cache.kv_redis_tier
+    if share_kv and dev.type == "cpu":
+        _check_shm_room(cfg, kv, device.dtype, world)
     threads = settings.worker.threads or max(1, (os.cpu_count() or 1) // world)
     spec = RankSpec(
         world,
@@ -300,6 +327,7 @@ def start_group(
         threads,
         random.randrange(2**31),
         settings.worker.worker_id,
+        share_kv=share_kv,
         lora=lora,
         shm_path=shm_path,
         shm_slot_bytes=shm_slot,
@@ -313,21 +341,26 @@ def start_group(
         world - 1,
     )
     ctx = multiprocessing.get_context("spawn")
+    pipes = [ctx.Pipe(duplex=False) for _ in range(1, world)]
     procs = [
         ctx.Process(
             target=follower_main,
-            args=(src, spec, rank, settings.ops.log_level, settings.ops.log_format),
+            args=(src, spec, rank, settings.ops.log_level, settings.ops.log_format, send),
             name=f"tp-rank-{rank}",
             daemon=True,
         )
-        for rank in range(1, world)
+        for rank, (_, send) in enumerate(pipes, start=1)
     ]
     for p in procs:
         p.start()
+    for _, send in pipes:
+        send.close()
     leader = TPLeader(procs, shm_path)
     leader.watch()  # a rank that dies while the group forms takes rank 0 down too
     _join_group(spec, 0)
     leader.runner = load_rank(src, spec, 0)
+    if spec.share_kv:
+        leader.rank_caches = [leader.runner.kv_caches] + [recv.recv() for recv, _ in pipes]
     _ready(spec, 0)
     log.info("tensor-parallel group ready: %d ranks", world)
     return leader
@@ -337,8 +370,11 @@ def start_group(
 # ranks 1..N-1
 
 
-def follower_main(src: ModelSource, spec: RankSpec, rank: int, level: str, fmt: str) -> None:
-    """A follower rank's process: join the group, load the shard, run rank 0's broadcasts."""
+def follower_main(
+    src: ModelSource, spec: RankSpec, rank: int, level: str, fmt: str, kv_conn: Any
+) -> None:
+    """A follower rank's process: join the group, load the shard, hand rank 0 its KV cache
+    (``kv_conn``, when the worker moves blocks), run rank 0's broadcasts."""
     from shared.logs import setup_logging
 
     setup_logging(f"worker-rank-{rank}", level, fmt)
@@ -347,6 +383,9 @@ def follower_main(src: ModelSource, spec: RankSpec, rank: int, level: str, fmt: 
     try:
         _join_group(spec, rank)
         runner = load_rank(src, spec, rank)
+        if spec.share_kv:  # CPU: into shared memory; CUDA: an IPC handle (torch's reductions)
+            kv_conn.send(runner.kv_caches)
+        kv_conn.close()
         _ready(spec, rank)
         steps = follow(runner)
         log.info("tensor-parallel rank %d: stopped after %d steps", rank, steps)

@@ -11,13 +11,16 @@ import os
 import signal
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import httpx
 import pytest
 
 from kvflow import LLM, LoRARequest, SamplingParams
-from tests.e2e.conftest import hf_greedy_texts
-from tests.e2e.faults import service_pids
+from tests.e2e.conftest import ROOT, hf_greedy_texts, openai_client, running_stack
+from tests.e2e.faults import MODEL, service_pids, stack_urls
+from tests.e2e.test_kv_tiers import long_prompt, stats, timed, wait_for
 from tests.e2e.test_lora_adapters import NEW_TOKENS as LORA_TOKENS
 from tests.e2e.test_lora_adapters import PROMPTS as LORA_PROMPTS
 from tests.e2e.test_lora_adapters import _greedy, _make_adapter
@@ -148,3 +151,55 @@ def test_int8_weights_over_2_ranks_equal_int8_on_one(model_src, tokenizer) -> No
         outs = llm.generate(prompts, greedy, use_tqdm=False)
     for out, tokens in zip(outs, want, strict=True):
         assert out.outputs[0].text == tokenizer.decode(tokens, skip_special_tokens=True)
+
+
+def test_disaggregated_groups_move_and_tier_every_rank_s_kv(hf_greedy, tokenizer) -> None:
+    """`kvflow serve --prefill-workers 1 --decode-workers 1 --tensor-parallel-size 2
+    --kv-redis-tier`: a block moved between the groups, or stored in and loaded from Redis, is
+    every rank's part of it (rank 0 maps the others' caches: services/worker/kv_blocks.py).
+    Prefilled on one group and decoded on the other, greedy text equals transformers'; after
+    the prefill group is killed and started again, a long prompt's blocks come from Redis
+    and its text is unchanged."""
+    args = ["--prefill-workers", "1", "--decode-workers", "1", "--tensor-parallel-size", "2"]
+    args += ["--kv-redis-tier", "--kv-cache-memory", "0.3", "--max-model-len", "1024"]
+    name = "tp-disagg"
+    with running_stack(name, *args) as base:
+        client = openai_client(base)
+
+        def complete(p: str) -> tuple[str, int]:
+            r = client.completions.create(
+                model=MODEL, prompt=p, max_tokens=NEW_TOKENS, temperature=0
+            )
+            return r.choices[0].text, r.usage.completion_tokens
+
+        with ThreadPoolExecutor(len(PROMPTS)) as ex:
+            texts = list(ex.map(complete, PROMPTS))
+        assert texts == [hf_greedy[p] for p in PROMPTS]
+        assert stats(base)["kv_transfers"] >= len(PROMPTS)
+        log = (ROOT / ".pytest_cache" / f"kvflow-serve-{name}.log").read_text()
+        assert "layout float32:30x16x5+4x64" in log  # both groups: rank 0's 5 KV heads + 4
+
+        prompt = long_prompt(tokenizer, 400, seed=3)  # 25 full blocks
+        first, _ = timed(base, prompt)
+        wait_for(lambda: any(w["redis_stored_blocks"] >= 25 for w in stats(base)["workers"]))
+        nats_url, _ = stack_urls(name)
+        old = service_pids(nats_url)["worker:prefill-0"]
+        os.kill(old, signal.SIGKILL)  # its rank 1 follows it down
+        wait_for(lambda: service_pids(nats_url).get("worker:prefill-0", old) != old, 60)
+        wait_for(lambda: _fresh_prefill_worker(base), 180, "the new prefill group to join")
+        before = stats(base)
+        second, _ = timed(base, prompt)
+        hits = stats(base)["tier_redis_hits"] - before["tier_redis_hits"]
+    assert second == first
+    assert hits >= 20
+
+
+def _fresh_prefill_worker(base: str) -> bool:
+    try:
+        workers = stats(base)["workers"]
+    except httpx.HTTPError:
+        return False
+    prefill = [w for w in workers if w["role"] == "prefill"]
+    return (
+        len(prefill) == 1 and prefill[0]["num_prefills"] == 0 and prefill[0]["redis_tier"] == "on"
+    )

@@ -49,7 +49,9 @@ def test_the_shard_config_is_a_model_config() -> None:
 
 def test_parallel_settings_that_cannot_be_served_are_refused() -> None:
     check_parallel_settings(Settings.of(tensor_parallel_size=2))  # a plain group: fine
-    for cut in ({"enable_lora": True}, {"quantization": "int8"}, {"quantization": "fp8"}):
+    cuts = [{"enable_lora": True}, {"quantization": "int8"}, {"quantization": "fp8"}]
+    cuts += [{"role": "decode"}, {"kv_host_memory": 1.0}, {"kv_redis_tier": True}]  # every rank's
+    for cut in cuts:
         check_parallel_settings(Settings.of(tensor_parallel_size=2, **cut))  # cut per rank
     with pytest.raises(ValueError, match="--pipeline-parallel-size is not supported yet"):
         check_parallel_settings(Settings.of(pipeline_parallel_size=2))
@@ -58,14 +60,14 @@ def test_parallel_settings_that_cannot_be_served_are_refused() -> None:
     for refused, flag in [
         ({"quantization": "gguf"}, "--quantization gguf"),
         ({"quantization": "gptq"}, "--quantization gptq"),
-        ({"role": "decode"}, "--role"),
-        ({"kv_host_memory": 1.0}, "--kv-host-memory"),
-        ({"kv_redis_tier": True}, "--kv-redis-tier"),
         ({"worker_backend": "sim"}, "--worker-backend sim"),
     ]:
         with pytest.raises(ValueError, match=flag):
             check_parallel_settings(Settings.of(tensor_parallel_size=2, **refused))
-    for off in ({"quantization": "gguf"}, {"role": "decode"}):  # all of it works with one rank
+    for off in (
+        {"quantization": "gguf"},
+        {"worker_backend": "sim"},
+    ):  # all of it works with one rank
         check_parallel_settings(Settings.of(**off))
 
 
@@ -76,3 +78,22 @@ def test_every_rank_gets_the_blocks_of_the_rank_with_the_most_kv_heads() -> None
     assert group_blocks(CFG, kv, torch.float32, 3) == 2**20 // (2 * 2 * 4 * 1 * 8 * 4)
     fixed = KvSpec(block_size=4, num_blocks=77)
     assert group_blocks(CFG, fixed, torch.float32, 2) == 77
+
+
+def test_a_group_block_is_every_rank_s_bytes_in_rank_order() -> None:
+    from services.worker.kv_blocks import KvBlockIO
+
+    def caches(heads: int, fill: float) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        return [(torch.full((4, 2, heads, 3), fill), torch.full((4, 2, heads, 3), -fill))] * 2
+
+    ranks = [caches(2, 1.0), caches(1, 2.0)]
+    io = KvBlockIO(ranks[0], ranks)
+    assert io.layout() == "float32:2x2x2+1x3" and io.num_kv_heads == 3
+    assert io.layer_bytes == 2 * 2 * (2 + 1) * 3 * 4
+    one = [KvBlockIO(c) for c in ranks]
+    assert io.read(1, 0, 1) == one[0].read(1, 0, 1) + one[1].read(1, 0, 1)
+    data = io.read(1)
+    io.write(3, data)  # another block: every rank's part lands in its own cache
+    assert all(r.read(3) == r.read(1) for r in one)
+    with pytest.raises(ValueError, match="expected"):
+        io.write(0, data[:-4])
