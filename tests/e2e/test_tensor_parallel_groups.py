@@ -73,6 +73,18 @@ def test_greedy_output_over_ranks_equals_transformers(ranks: int, hf_greedy, ada
         mixed = LORA_PROMPTS + PROMPTS[:2]  # adapter and base rows in the same steps
         lora = [sql] * len(LORA_PROMPTS) + [None, None]
         with_lora = llm.generate(mixed, lora_greedy, use_tqdm=False, lora_request=lora)
+        # random sampling: every rank draws the same numbers (their streams start alike), so
+        # the followers' request states stay rank 0's and the group keeps stepping together
+        sampled = llm.generate(
+            PROMPTS, SamplingParams(temperature=1.0, max_tokens=16), use_tqdm=False
+        )
+        seeded = [
+            llm.generate(
+                [PROMPTS[0]], SamplingParams(temperature=1.0, seed=7, max_tokens=16), use_tqdm=False
+            )[0]
+            for _ in range(2)
+        ]
+        after = llm.generate([PROMPTS[0]], greedy, use_tqdm=False)[0]
         log = Path(llm._stack.log_path).read_text()  # type: ignore[union-attr]
     assert f"tensor-parallel group ready: {ranks} ranks" in log
     for out in alone + batched:
@@ -80,6 +92,9 @@ def test_greedy_output_over_ranks_equals_transformers(ranks: int, hf_greedy, ada
         assert (got.text, len(got.token_ids)) == hf_greedy[out.prompt], (ranks, out.prompt)
     for out in with_lora[: len(LORA_PROMPTS)]:
         assert out.outputs[0].text == peft_texts[out.prompt], (ranks, out.prompt)
+    assert all(o.outputs[0].finish_reason in ("stop", "length") for o in sampled)
+    assert seeded[0].outputs[0].text == seeded[1].outputs[0].text
+    assert after.outputs[0].text == hf_greedy[PROMPTS[0]][0]
 
 
 def _follower_of(worker_pid: int) -> int:
