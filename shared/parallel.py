@@ -5,7 +5,6 @@ anything loads. The group itself is services/worker/tp_group.py."""
 from __future__ import annotations
 
 from shared.config import Settings
-from shared.speculative import parse_speculative_config
 
 
 def check_parallel_settings(settings: Settings) -> None:
@@ -21,20 +20,14 @@ def check_parallel_settings(settings: Settings) -> None:
         raise ValueError(f"--tensor-parallel-size must be at least 1, not {tp}")
     if tp == 1:
         return
-    refusals = [
-        (w.worker_backend != "model", "the simulated worker (--worker-backend sim)"),
-        (
-            ms.quantization in ("gguf", "gptq", "awq"),
-            f"--quantization {ms.quantization} (a checkpoint's own blocks; int8 and fp8 are cut "
-            "per rank)",
-        ),
-    ]
-    spec = parse_speculative_config(ms.speculative_config)
-    refusals.append((spec is not None and spec.proposed_by_worker, "a draft model"))
-    for refused, what in refusals:
-        if refused:
-            raise ValueError(
-                f"--tensor-parallel-size {tp} does not work with {what} yet (its weights "
-                "would have to be split over the ranks too); use --tensor-parallel-size 1 "
-                "for it"
-            )
+    if w.worker_backend != "model":
+        raise ValueError(
+            f"--tensor-parallel-size {tp}: the simulated worker (--worker-backend sim) has no "
+            "model to split; use --tensor-parallel-size 1 with it"
+        )
+    if ms.quantization in ("gguf", "gptq", "awq"):
+        raise ValueError(
+            f"--tensor-parallel-size {tp} does not work with --quantization {ms.quantization} "
+            "yet: it keeps the checkpoint's own quantized blocks, which are not split over the "
+            "ranks; use --quantization int8 or fp8 (rounded per rank) or --tensor-parallel-size 1"
+        )

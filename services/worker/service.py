@@ -352,8 +352,10 @@ def _load_group(settings: Settings, src: ModelSource) -> TPLeader:
         settings.model, settings.cache, settings.worker, settings.scheduler.max_num_seqs
     )
     try:
-        group = start_group(settings, src, kv, device, _lora_spec(settings))
-    except ValueError as e:
+        spec = parse_speculative_config(settings.model.speculative_config)
+        draft = spec if spec is not None and spec.proposed_by_worker else None
+        group = start_group(settings, src, kv, device, _lora_spec(settings), draft)
+    except (ValueError, ModelNotFoundError) as e:
         raise SystemExit(f"worker: {e}") from None
     assert group.runner is not None
     _check_lora_modules(group.runner, settings)

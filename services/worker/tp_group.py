@@ -34,6 +34,7 @@ import torch
 import torch.multiprocessing  # noqa: F401 - its reductions send tensors through pipes
 
 from services.worker import tp_shm
+from services.worker.draft import load_draft
 from services.worker.lora import LoRASpec
 from services.worker.model_setup import DeviceSpec, KvSpec
 from services.worker.runner import ModelRunner
@@ -48,6 +49,7 @@ from services.worker.tp_shm import ShmComm
 from shared.config import Settings
 from shared.model_loader import ModelConfig, load_config, load_weights, round_weights
 from shared.model_source import ModelSource
+from shared.speculative import SpeculativeConfig
 
 log = logging.getLogger("kvflow.worker")
 
@@ -73,6 +75,7 @@ class RankSpec:
     seed: int  # every rank's global random stream starts here
     worker_id: str
     share_kv: bool = False  # rank 0 maps every rank's KV cache (it moves KV blocks)
+    draft: SpeculativeConfig | None = None  # a draft model (every rank runs it whole)
     lora: LoRASpec | None = None  # --enable-lora (each rank cuts its part of every adapter)
     shm_path: str = ""  # the ranks' shared-memory collectives (tp_shm.py); "": torch's only
     shm_slot_bytes: int = 0
@@ -111,6 +114,8 @@ def load_rank(src: ModelSource, spec: RankSpec, rank: int) -> ModelRunner:
     comm = None
     if spec.shm_path:
         comm = ShmComm(spec.shm_path, rank, spec.world, spec.shm_slot_bytes, COLLECTIVE_TIMEOUT_S)
+    # a draft model runs whole on every rank (no collectives): the same proposals everywhere
+    draft = load_draft(spec.draft, device, cfg) if spec.draft is not None else None
     return ModelRunner(
         src,
         spec.kv,
@@ -118,6 +123,7 @@ def load_rank(src: ModelSource, spec: RankSpec, rank: int) -> ModelRunner:
         config=shard_config(cfg, layout),
         weights=shard,
         worker_id=spec.worker_id,
+        draft=draft,
         lora=lora,
         tp=TPGroup(layout, comm),
     )
@@ -297,6 +303,7 @@ def start_group(
     kv: KvSpec,
     device: DeviceSpec,
     lora: LoRASpec | None = None,
+    draft: SpeculativeConfig | None = None,
 ) -> TPLeader:
     """Rank 0 (on the worker's model thread): start the other ranks, join them, load this
     rank's shard; the group is ready when every rank has loaded."""
@@ -328,6 +335,7 @@ def start_group(
         random.randrange(2**31),
         settings.worker.worker_id,
         share_kv=share_kv,
+        draft=draft,
         lora=lora,
         shm_path=shm_path,
         shm_slot_bytes=shm_slot,

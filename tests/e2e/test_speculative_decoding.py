@@ -169,13 +169,16 @@ def test_other_features_keep_working(spec_stack) -> None:
     assert stats["num_free_blocks"] == stats["num_total_blocks"]
 
 
-def test_a_draft_model_keeps_greedy_output(model_src, hf_texts) -> None:
+@pytest.mark.parametrize("ranks", [1, 2], ids=["one-rank", "tensor-parallel-2"])
+def test_a_draft_model_keeps_greedy_output(model_src, hf_texts, ranks: int) -> None:
     """The served model's own first 10 layers as a draft model in the worker (its own paged
-    KV cache): greedy text equals HF's, its drafts are verified and counted, blocks come back."""
+    KV cache): greedy text equals HF's, its drafts are verified and counted, blocks come back.
+    Over 2 ranks every rank runs the whole draft model (the same proposals everywhere)."""
     draft = {"method": "draft_model", "model": str(model_src.path), "num_speculative_tokens": 3,
              "num_draft_layers": 10}  # fmt: skip
     args = ["--max-model-len", "2048", "--speculative-config", json.dumps(draft)]
-    with running_stack("speculative-draft", *args) as base:
+    args += ["--tensor-parallel-size", str(ranks)]
+    with running_stack(f"speculative-draft-{ranks}", *args) as base:
         client = openai_client(base)
         with ThreadPoolExecutor(4) as ex:
             futures = {p: ex.submit(_complete, client, p) for p in QUOTING + PROSE}
