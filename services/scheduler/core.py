@@ -278,4 +278,5 @@ def _worker_stats(w: WorkerState, hb: WorkerHeartbeat | None) -> WorkerStats:
         stats.redis_tier, stats.redis_tier_errors = hb.redis_tier, hb.redis_tier_errors
         stats.redis_stored_blocks = hb.redis_stored_blocks
         stats.host_tier_blocks = hb.host_tier_blocks
+        stats.tensor_parallel_size = hb.tensor_parallel_size
     return stats

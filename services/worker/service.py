@@ -281,6 +281,7 @@ class WorkerService:
             kv_layout=self.kv_io.layout(),
             draining=self.draining,
             instance=self.instance,
+            tensor_parallel_size=self.settings.worker.tensor_parallel_size,
             **self.tiers.heartbeat_fields(),
         )
 

@@ -152,6 +152,7 @@ class WorkerHeartbeat(_Msg, tag=6):
     redis_stored_blocks: int = 0  # blocks written to Redis so far
     host_tier_blocks: int = 0  # blocks the host tier holds now
     host_tier_bytes: int = 0  # the host tier's capacity (0: none)
+    tensor_parallel_size: int = 1  # ranks the worker's model is split over
 
 
 class WorkerRelease(_Msg, tag=15):
@@ -175,6 +176,7 @@ class WorkerStats(msgspec.Struct, array_like=True, omit_defaults=True, gc=False)
     redis_tier_errors: int = 0
     redis_stored_blocks: int = 0
     host_tier_blocks: int = 0
+    tensor_parallel_size: int = 1
 
 
 # ---------------------------------------------------------------------------------------------

@@ -191,6 +191,7 @@ def test_disaggregated_groups_move_and_tier_every_rank_s_kv(hf_greedy, tokenizer
             texts = list(ex.map(complete, PROMPTS))
         assert texts == [hf_greedy[p] for p in PROMPTS]
         assert stats(base)["kv_transfers"] >= len(PROMPTS)
+        assert [w["tensor_parallel_size"] for w in stats(base)["workers"]] == [2, 2]
         log = (ROOT / ".pytest_cache" / f"kvflow-serve-{name}.log").read_text()
         assert "layout float32:30x16x5+4x64" in log  # both groups: rank 0's 5 KV heads + 4
 
