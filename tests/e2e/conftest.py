@@ -130,15 +130,25 @@ def hf_model(model_src):
     return model.eval()
 
 
+# (prompt, new tokens) -> Hugging Face's greedy (text, token count), for the session's hf_model
+# (modules that check the same prompts generate them once)
+_HF_GREEDY: dict[tuple[str, int], tuple[str, int]] = {}
+
+
 def hf_greedy_texts(hf_model, tokenizer, prompts: list[str], new_tokens: int) -> dict:
     """Hugging Face's greedy continuation of each prompt: {prompt: (text, token count)}."""
     import torch
 
     out = {}
     for p in prompts:
-        ids = tokenizer(p, return_tensors="pt")["input_ids"]
-        with torch.no_grad():
-            gen = hf_model.generate(ids, max_new_tokens=new_tokens, do_sample=False)
-        new = gen[0, ids.shape[1] :].tolist()
-        out[p] = (tokenizer.decode(new, skip_special_tokens=True), len(new))
+        if (p, new_tokens) not in _HF_GREEDY:
+            ids = tokenizer(p, return_tensors="pt")["input_ids"]
+            with torch.no_grad():
+                gen = hf_model.generate(ids, max_new_tokens=new_tokens, do_sample=False)
+            new = gen[0, ids.shape[1] :].tolist()
+            _HF_GREEDY[(p, new_tokens)] = (
+                tokenizer.decode(new, skip_special_tokens=True),
+                len(new),
+            )
+        out[p] = _HF_GREEDY[(p, new_tokens)]
     return out

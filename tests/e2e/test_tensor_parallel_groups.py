@@ -114,8 +114,8 @@ def _follower_of(worker_pid: int) -> int:
 
 
 def test_a_killed_rank_takes_its_worker_down_and_requests_finish_elsewhere() -> None:
-    params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
-    prompts = PROMPTS[:8]
+    params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+    prompts = PROMPTS[:6]
     with LLM(workers=2, tensor_parallel_size=2, max_model_len=1024, kv_cache_memory=0.1) as llm:
         stack = llm._stack
         assert stack is not None
