@@ -162,12 +162,19 @@ class TPGroup:
     def __init__(self, layout: TPLayout, comm: ShmComm | None = None) -> None:
         self.layout = layout
         self.comm = comm
+        # a collective raised (a rank died or timed out): the ranks are out of step for good,
+        # and the group must go down (tp_group.py) rather than step on
+        self.broken = False
 
     def reduce(self, partial: torch.Tensor) -> torch.Tensor:
         """Sum a row-parallel layer's partial outputs over the ranks, in place."""
-        if self.comm is not None and self.comm.fits(partial):
-            return self.comm.all_reduce(partial)
-        torch.distributed.all_reduce(partial)
+        try:
+            if self.comm is not None and self.comm.fits(partial):
+                return self.comm.all_reduce(partial)
+            torch.distributed.all_reduce(partial)
+        except BaseException:
+            self.broken = True
+            raise
         return partial
 
     def embed(self, ids: torch.Tensor, shard: torch.Tensor) -> torch.Tensor:
@@ -187,9 +194,13 @@ class TPGroup:
         if local.shape[1] < width:
             mine = torch.cat([local, local.new_zeros(local.shape[0], width - local.shape[1])], 1)
         mine = mine.contiguous()
-        if self.comm is not None and self.comm.fits(mine):
-            parts = self.comm.all_gather(mine)
-        else:
-            parts = [local.new_empty(local.shape[0], width) for _ in sizes]
-            torch.distributed.all_gather(parts, mine)
+        try:
+            if self.comm is not None and self.comm.fits(mine):
+                parts = self.comm.all_gather(mine)
+            else:
+                parts = [local.new_empty(local.shape[0], width) for _ in sizes]
+                torch.distributed.all_gather(parts, mine)
+        except BaseException:
+            self.broken = True
+            raise
         return torch.cat([p[:, :n] for p, n in zip(parts, sizes, strict=True)], dim=1)

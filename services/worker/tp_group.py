@@ -220,7 +220,7 @@ class TPLeader:
         assert self.runner is not None
         self._send(_PLAN, encode(plan))
         result = self.runner.execute(plan)
-        if result.error and self._lost_rank(wait_s=2.0) is not None:
+        if result.error and _broken(self.runner):
             self.fail()  # the step failed because the group broke: no answer, exit now
         return result
 
@@ -280,12 +280,14 @@ class TPLeader:
 
     def fail(self) -> None:
         rank = self._lost_rank(wait_s=1.0)  # its sentinel may close before it can be reaped
-        code = self.procs[rank - 1].exitcode if rank else None
+        if rank is None:
+            what = "a collective failed (a rank hung or timed out)"
+        else:
+            what = f"tensor-parallel rank {rank} exited (code {self.procs[rank - 1].exitcode})"
         log.error(
-            "tensor-parallel rank %s exited (code %s): the group cannot step; the worker exits "
-            "so the scheduler moves its requests to other workers",
-            rank,
-            code,
+            "%s: the group cannot step; the worker exits so the scheduler moves its requests "
+            "to other workers",
+            what,
         )
         for p in self.procs:
             if p.is_alive():
@@ -415,6 +417,11 @@ def _exit_with_parent() -> None:
     threading.Thread(target=run, name="tp-parent", daemon=True).start()
 
 
+def _broken(runner: ModelRunner) -> bool:
+    tp = runner.model.tp
+    return tp is not None and tp.broken
+
+
 def follow(runner: ModelRunner) -> int:
     """Run every plan (and reset) rank 0 broadcasts until it stops; returns the steps run. A
     collective that fails (a rank died, or timed out) raises."""
@@ -438,4 +445,6 @@ def follow(runner: ModelRunner) -> int:
             plan = decode(payload)
             assert isinstance(plan, StepPlan)
             runner.execute(plan)
+            if _broken(runner):
+                raise RuntimeError("a collective of the step failed: the ranks are out of step")
             steps += 1

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import tempfile
+import time
 
 import pytest
 import torch
@@ -22,7 +23,7 @@ from services.worker.tensor_parallel import (
     shard_weights,
     tp_layout,
 )
-from services.worker.tp_group import TPLeader, follow
+from services.worker.tp_group import GROUP_FAILED_EXIT, TPLeader, follow
 from services.worker.tp_shm import ShmComm
 from shared.messages import LoRARef, NewRequest, SamplingParams, ScheduledSeq, StepPlan
 from tests.unit.tp_support import BLOCK, BLOCKS, CFG, PROMPTS, TOKENS, weights, write_adapter
@@ -184,3 +185,36 @@ def test_shared_memory_collectives_give_every_rank_the_same_bits() -> None:
             assert torch.equal(results[r][n], want), (n, r)
     gathered = torch.cat([torch.full((2, 3), float(r)) for r in range(world)])
     assert all(torch.equal(results[r][5], gathered) for r in range(world))
+
+
+def _hung_follower(rank: int, init: str, path: str) -> None:
+    """Rank 1 takes the plan and then never joins its collectives; rank 0 leads with a 1 s
+    collective timeout."""
+    torch.set_num_threads(1)
+    torch.distributed.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
+    layout = tp_layout(CFG, rank, 2)
+    runner = ModelRunner.from_weights(
+        shard_config(CFG, layout), shard_weights(weights(), CFG, layout), BLOCK, BLOCKS
+    )
+    runner.model.tp = TPGroup(layout, ShmComm(path, rank, 2, 1 << 20, timeout_s=1.0))
+    if rank == 1:
+        size = torch.zeros(1, dtype=torch.long)
+        torch.distributed.broadcast(size, 0)
+        torch.distributed.broadcast(torch.empty(int(size), dtype=torch.uint8), 0)
+        time.sleep(60)  # hung: rank 0 must not wait for it
+        return
+    leader = TPLeader([])
+    leader.runner = runner
+    drive(runner, leader)  # the first step's collective times out: the group goes down
+
+
+def test_a_collective_that_times_out_takes_rank_0_down() -> None:
+    """A rank that hangs: rank 0's collective raises after its timeout, the step is not
+    answered and rank 0 exits with the group-failed code (the scheduler then migrates)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "collectives")
+        tp_shm.create(path, 2, 1 << 20)
+        init = f"file://{os.path.join(tmp, 'rendezvous')}"
+        with pytest.raises(mp.ProcessExitedException) as exited:
+            mp.spawn(_hung_follower, args=(init, path), nprocs=2, join=True)
+    assert exited.value.error_index == 0 and exited.value.exit_code == GROUP_FAILED_EXIT
