@@ -20,21 +20,19 @@ from typing import TypeVar
 
 from nats.aio.msg import Msg
 
-from services.worker.draft import load_draft
 from services.worker.kv_blocks import KvBlockIO
 from services.worker.kv_connectors.base import connector_spec, create_worker_connector
 from services.worker.kv_connectors.tiers import KvTiers
-from services.worker.lora import LoRASpec
-from services.worker.model_setup import check_quantization, runner_specs
 from services.worker.runner import ModelRunner
-from services.worker.sim_runner import SimRunner, step_time_fn, vocab_for
+from services.worker.runner_loading import load_runner
+from services.worker.sim_runner import SimRunner
 from services.worker.telemetry import WorkerTelemetry
-from services.worker.tp_group import KEEPALIVE_S, TPLeader, start_group
+from services.worker.tp_group import KEEPALIVE_S, TPLeader
 from shared import subjects
 from shared.access.connect import nats_auth, redis_options, verify_redis
 from shared.bus import Bus
 from shared.config import Settings
-from shared.lora import LoRAError, parse_lora_modules, read_adapter_config
+from shared.lora import LoRAError, read_adapter_config
 from shared.messages import (
     STALE_EPOCH_ERROR,
     KvLoad,
@@ -51,15 +49,11 @@ from shared.messages import (
     WorkerHeartbeat,
     WorkerRelease,
 )
-from shared.model_loader import load_config
-from shared.model_source import ModelNotFoundError, ModelSource
 from shared.parallel import check_parallel_settings
-from shared.speculative import parse_speculative_config
 
 log = logging.getLogger("kvflow.worker")
 
 HEARTBEAT_INTERVAL_S = 0.5
-SIM_DEFAULT_BLOCKS = 65536  # the simulated worker's KV blocks without --num-kv-blocks (8 MiB)
 T = TypeVar("T")
 
 
@@ -308,78 +302,6 @@ class WorkerService:
                 pass
 
 
-def _load_model(settings: Settings, src: ModelSource) -> ModelRunner:
-    """The model runner, on the model thread: the model, cache and worker sections."""
-    import torch
-
-    if settings.worker.threads > 0:
-        torch.set_num_threads(settings.worker.threads)
-    kv, device = runner_specs(
-        settings.model, settings.cache, settings.worker, settings.scheduler.max_num_seqs
-    )
-    try:
-        check_quantization(device.quantization, src, torch.device(device.device), device.dtype)
-    except ValueError as e:
-        raise SystemExit(f"worker: {e}") from None
-    draft = None
-    try:
-        spec = parse_speculative_config(settings.model.speculative_config)
-        if spec is not None and spec.proposed_by_worker:
-            draft = load_draft(spec, device, load_config(src))
-    except (ValueError, ModelNotFoundError) as e:
-        raise SystemExit(f"worker: draft model: {e}") from None
-    runner = ModelRunner(
-        src, kv, device, worker_id=settings.worker.worker_id, draft=draft, lora=_lora_spec(settings)
-    )
-    _check_lora_modules(runner, settings)
-    return runner
-
-
-def _lora_spec(settings: Settings) -> LoRASpec | None:
-    ms = settings.model
-    return LoRASpec(ms.max_loras, ms.max_lora_rank) if ms.enable_lora else None
-
-
-def _check_lora_modules(runner: ModelRunner, settings: Settings) -> None:
-    """--lora-modules that cannot be served stop the worker here."""
-    if runner.loras is not None:
-        for ref in parse_lora_modules(settings.model.lora_modules):
-            runner.loras.check(ref)
-
-
-def _load_group(settings: Settings, src: ModelSource) -> TPLeader:
-    """A tensor-parallel group (``--tensor-parallel-size`` > 1): this process is rank 0."""
-    kv, device = runner_specs(
-        settings.model, settings.cache, settings.worker, settings.scheduler.max_num_seqs
-    )
-    try:
-        spec = parse_speculative_config(settings.model.speculative_config)
-        draft = spec if spec is not None and spec.proposed_by_worker else None
-        group = start_group(settings, src, kv, device, _lora_spec(settings), draft)
-    except (ValueError, ModelNotFoundError) as e:
-        raise SystemExit(f"worker: {e}") from None
-    assert group.runner is not None
-    _check_lora_modules(group.runner, settings)
-    return group
-
-
-def _load_sim(settings: Settings, src: ModelSource) -> SimRunner:
-    """The simulated runner (``--worker-backend sim``): no weights."""
-    vocab, eos = vocab_for(src)
-    cache, worker = settings.cache, settings.worker
-    bs = cache.block_size
-    num_blocks = cache.num_kv_blocks or SIM_DEFAULT_BLOCKS
-    return SimRunner(
-        vocab,
-        eos,
-        bs,
-        num_blocks,
-        min(settings.model.max_model_len, num_blocks * bs),
-        worker_id=worker.worker_id,
-        step_time=step_time_fn(worker.sim_step_ms, worker.sim_cost_model),
-    )
-
-
 async def run(settings: Settings) -> None:
     from shared.model_source import resolve_model
     from shared.ops_http import start_ops_server
@@ -397,14 +319,7 @@ async def run(settings: Settings) -> None:
     except ValueError as e:
         raise SystemExit(f"worker: {e}") from None
     model_thread = ModelThread()
-    group = None
-    if settings.worker.tensor_parallel_size > 1:
-        group = await model_thread.run(lambda: _load_group(settings, src))
-        assert group.runner is not None
-        runner: ModelRunner | SimRunner = group.runner
-    else:
-        load = _load_sim if backend == "sim" else _load_model
-        runner = await model_thread.run(lambda: load(settings, src))
+    runner, group = await model_thread.run(lambda: load_runner(settings, src))
     service = WorkerService(settings, runner, src.name, model_thread, group)
     await service.start()
     ops.registry.register(service.telemetry.registry)
