@@ -20,6 +20,8 @@ import pytest
 from kvflow import LLM, LoRARequest, SamplingParams
 from tests.e2e.conftest import ROOT, hf_greedy_texts, openai_client, running_stack
 from tests.e2e.faults import MODEL, service_pids, stack_urls
+from tests.e2e.test_greedy_equivalence import NEW_TOKENS
+from tests.e2e.test_greedy_equivalence import PROMPTS as ENGINE_PROMPTS
 from tests.e2e.test_kv_tiers import long_prompt, stats, timed, wait_for
 from tests.e2e.test_lora_adapters import NEW_TOKENS as LORA_TOKENS
 from tests.e2e.test_lora_adapters import PROMPTS as LORA_PROMPTS
@@ -27,20 +29,14 @@ from tests.e2e.test_lora_adapters import _greedy, _make_adapter
 
 pytestmark = pytest.mark.e2e
 
-# the engine tests' prompts (tests/e2e/test_greedy_equivalence.py) and more of other kinds
-PROMPTS = [
-    "The capital of France is",
-    "def fibonacci(n):\n    ",
-    "Once upon a time, in a small village by the sea,",
-    "List three uses of copper:\n1.",
-    "Translate to French: 'Good morning, my friend.' ->",
+# the engine tests' prompts and more of other kinds
+PROMPTS = ENGINE_PROMPTS + [
     "Write a haiku about rain.",
     "2 + 2 =",
     "The quick brown fox",
     "<|im_start|>user\nWhat is the boiling point of water?<|im_end|>\n<|im_start|>assistant\n",
     "import numpy as np\n\ndef normalize(x):",
 ]
-NEW_TOKENS = 32
 
 
 @pytest.fixture(scope="module")
