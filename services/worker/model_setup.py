@@ -227,11 +227,15 @@ def calibrate_gemm_rows(model: LlamaModel) -> GemmRows:
     return rows
 
 
+def kv_block_bytes(cfg: ModelConfig, kv_heads: int, block_size: int, dtype: torch.dtype) -> int:
+    """Bytes of one KV block (K and V of every layer) holding ``kv_heads`` heads."""
+    return 2 * cfg.num_layers * block_size * kv_heads * cfg.head_dim * torch.finfo(dtype).bits // 8
+
+
 def kv_cache_blocks(model: LlamaModel, kv: KvSpec) -> int:
     """``kv.num_blocks``, or as many blocks as ``kv.kv_cache_gib`` holds for this model."""
     cfg = model.cfg
-    per_block = 2 * cfg.num_layers * kv.block_size * cfg.num_kv_heads * cfg.head_dim
-    per_block *= torch.finfo(model.dtype).bits // 8
+    per_block = kv_block_bytes(cfg, cfg.num_kv_heads, kv.block_size, model.dtype)
     num_blocks = kv.num_blocks or max(1, int(kv.kv_cache_gib * 2**30) // per_block)
     log.info("allocating KV cache: %.2f GiB", num_blocks * per_block / 2**30)
     return num_blocks

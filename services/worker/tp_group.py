@@ -36,7 +36,7 @@ import torch.multiprocessing  # noqa: F401 - its reductions send tensors through
 from services.worker import tp_shm
 from services.worker.draft import load_draft
 from services.worker.lora import LoRASpec
-from services.worker.model_setup import DeviceSpec, KvSpec
+from services.worker.model_setup import DeviceSpec, KvSpec, kv_block_bytes
 from services.worker.runner import ModelRunner
 from services.worker.tensor_parallel import (
     LoRAShard,
@@ -94,8 +94,7 @@ def group_blocks(cfg: ModelConfig, kv: KvSpec, dtype: torch.dtype, world: int) -
     if kv.num_blocks:
         return kv.num_blocks
     heads = max(len(tp_layout(cfg, r, world).kv_heads) for r in range(world))
-    per_block = 2 * cfg.num_layers * kv.block_size * heads * cfg.head_dim
-    per_block *= torch.finfo(dtype).bits // 8
+    per_block = kv_block_bytes(cfg, heads, kv.block_size, dtype)
     return max(1, int(kv.kv_cache_gib * 2**30) // per_block)
 
 
@@ -153,9 +152,8 @@ def _check_shm_room(cfg: ModelConfig, kv: KvSpec, dtype: torch.dtype, world: int
     """The followers' KV caches move to shared memory for rank 0 to read: ValueError when
     /dev/shm cannot hold them."""
     assert kv.num_blocks is not None
-    per_head = 2 * cfg.num_layers * kv.block_size * cfg.head_dim * (torch.finfo(dtype).bits // 8)
     heads = sum(len(tp_layout(cfg, r, world).kv_heads) for r in range(1, world))
-    need = kv.num_blocks * per_head * heads
+    need = kv.num_blocks * kv_block_bytes(cfg, heads, kv.block_size, dtype)
     st = os.statvfs("/dev/shm")
     free = st.f_bavail * st.f_frsize
     if free < need + (64 << 20):

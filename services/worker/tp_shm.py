@@ -105,10 +105,9 @@ class ShmComm:
     def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
         """``t`` summed over the ranks (rank order), in place."""
         parts = self._exchange(t)
-        total = parts[0].clone()
+        t.copy_(parts[0])  # every rank's part is in the file, this rank's own included
         for p in parts[1:]:
-            total += p
-        t.copy_(total)
+            t += p
         return t
 
     def all_gather(self, t: torch.Tensor) -> list[torch.Tensor]:
