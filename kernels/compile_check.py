@@ -93,7 +93,8 @@ def _compile_instead_of_launch(arch: int, out: list[Compiled]) -> Iterator[None]
         regs = re.search(r"REG:(\d+)", usage)
         stack = re.search(r"STACK:(\d+)", usage)
         config = ", ".join(
-            f"{k}={v}" for k, v in constexprs.items() if k.startswith(("BLOCK", "NUM_SPLITS"))
+            [f"{k}={v}" for k, v in constexprs.items() if k.startswith(("BLOCK", "NUM_SPLITS"))]
+            + [k for k, v in constexprs.items() if k.startswith("USE_") and v is True]
         )
         out.append(
             Compiled(
@@ -115,7 +116,8 @@ def _compile_instead_of_launch(arch: int, out: list[Compiled]) -> Iterator[None]
 
 def launch_all(dtype: torch.dtype) -> None:
     """Call every Triton wrapper once per configuration family, on CPU tensors of Llama shapes
-    (head_dim 64 and 128, GQA 4 and 3, short and long queries)."""
+    (head_dim 64 and 128, GQA 4 and 3, short and long queries), the attentions also with a
+    sliding window and logit soft-capping on (Mistral / Gemma 2)."""
     from kernels import reference
     from kernels.ops import get_backend
 
@@ -125,10 +127,15 @@ def launch_all(dtype: torch.dtype) -> None:
         tables = torch.zeros(8, 16, dtype=torch.int32)
         lens = torch.ones(8, dtype=torch.int32)
         qsl = torch.zeros(9, dtype=torch.int32)
-        ops.decode_attention(torch.empty(8, h, d, dtype=dtype), cache, cache, tables, lens, 0.1, 4)
+        qd = torch.empty(8, h, d, dtype=dtype)
+        ops.decode_attention(qd, cache, cache, tables, lens, 0.1, 4)
+        ops.decode_attention(qd, cache, cache, tables, lens, 0.1, 4, window=4096, softcap=50.0)
         for max_q in (8, 512):  # a decode-sized and a prefill-sized query tile
             q = torch.empty(max_q, h, d, dtype=dtype)
             ops.extend_attention(q, cache, cache, tables, lens, qsl, max_q, 0.1)
+            ops.extend_attention(
+                q, cache, cache, tables, lens, qsl, max_q, 0.1, window=4096, softcap=50.0
+            )
         kv = torch.empty(8, hkv, d, dtype=dtype)
         ops.write_kv_cache(kv, kv, cache, cache, lens)
         cos_sin = reference.build_cos_sin_cache(d, 64, 10000.0, dtype)
@@ -139,6 +146,7 @@ def launch_all(dtype: torch.dtype) -> None:
         ops.rms_norm(x, torch.empty(n, dtype=dtype), 1e-5, x)
         ops.rms_norm(x, torch.empty(n, dtype=dtype), 1e-5)
     ops.silu_and_mul(torch.empty(8, 2 * 8192, dtype=dtype))
+    ops.gelu_tanh_and_mul(torch.empty(8, 2 * 8192, dtype=dtype))
     _launch_quant_matmuls(dtype)
 
 

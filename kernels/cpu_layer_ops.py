@@ -1,6 +1,6 @@
 """The elementwise parts of a Llama layer on the CPU as one native call each
-(``csrc/layer_ops_cpu.c``): RMSNorm with its residual add, RoPE with the KV-cache write, and
-SiLU-and-multiply.
+(``csrc/layer_ops_cpu.c``): RMSNorm with its residual add, RoPE with the KV-cache write,
+SiLU-and-multiply and GELU(tanh)-and-multiply.
 
 At decode batch sizes these are a few thousand floats per layer, and the PyTorch reference
 (kernels/reference.py) spends its time dispatching ~70 small ops per layer rather than
@@ -46,7 +46,13 @@ def load() -> ctypes.CDLL | None:
     lib.kvf_add_rms_norm.argtypes = [p, i, p, i, p, p, i, i, f, i]
     lib.kvf_rope_write_kv.argtypes = [p, i, i, i, i, i, p, p, i, p, p, p, p, lg, i]
     lib.kvf_silu_mul.argtypes = [p, i, i, i, p, i]
-    for fn in (lib.kvf_add_rms_norm, lib.kvf_rope_write_kv, lib.kvf_silu_mul):
+    lib.kvf_gelu_tanh_mul.argtypes = [p, i, i, i, p, i]
+    for fn in (
+        lib.kvf_add_rms_norm,
+        lib.kvf_rope_write_kv,
+        lib.kvf_silu_mul,
+        lib.kvf_gelu_tanh_mul,
+    ):
         fn.restype = i
     return lib
 
@@ -154,16 +160,27 @@ def rope_write_kv(
     return q
 
 
-def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
-    """``reference.silu_and_mul``: ``silu(x[:, :N]) * x[:, N:]`` of x [T, 2N]."""
+def _gated(name: str, x: torch.Tensor) -> torch.Tensor:
+    """Run the gate/up kernel ``name`` (``act(x[:, :N]) * x[:, N:]``) on x [T, 2N]."""
     _check_rows(x, "x")
     t, n2 = x.shape
     if n2 % 2:
         raise ValueError("x must have an even number of columns (gate | up)")
     out = torch.empty(t, n2 // 2, dtype=torch.float32)
-    rc = _lib().kvf_silu_mul(
+    rc = getattr(_lib(), name)(
         x.data_ptr(), t, n2 // 2, x.stride(0), out.data_ptr(), torch.get_num_threads()
     )
     if rc != 0:
-        raise ValueError("kvf_silu_mul refused its arguments")
+        raise ValueError(f"{name} refused its arguments")
     return out
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """``reference.silu_and_mul``: ``silu(x[:, :N]) * x[:, N:]`` of x [T, 2N]."""
+    return _gated("kvf_silu_mul", x)
+
+
+def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """``reference.gelu_tanh_and_mul``: ``gelu_tanh(x[:, :N]) * x[:, N:]`` of x [T, 2N]
+    (Gemma's MLP; torch's ``F.gelu(approximate="tanh")``)."""
+    return _gated("kvf_gelu_tanh_mul", x)

@@ -110,7 +110,7 @@ def load() -> ctypes.CDLL | None:
     fn = lib.kvf_paged_decode_attention
     fn.restype = ctypes.c_int
     p, i, f = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
-    fn.argtypes = [p, p, p, p, p, p, i, i, i, i, i, i, i, f, i]
+    fn.argtypes = [p, p, p, p, p, p, i, i, i, i, i, i, i, f, i, f, i]
     return lib
 
 
@@ -125,6 +125,9 @@ def paged_decode_attention(
     block_tables: torch.Tensor,
     seq_lens: torch.Tensor,
     scale: float,
+    window: int = 0,
+    softcap: float = 0.0,
+    *,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of one new token per sequence over its paged context.
@@ -132,7 +135,12 @@ def paged_decode_attention(
     ``q`` [B, H, D] fp32; ``k_cache``/``v_cache`` [num_blocks, block_size, Hkv, D] fp32;
     ``block_tables`` [B, max_blocks] int32 (entries past a sequence's last block are not read);
     ``seq_lens`` [B] int32, each >= 1, counting the new token whose K/V is already written.
-    Returns [B, H, D]. Any H / Hkv ratio; a sequence's result never depends on the batch."""
+    Returns [B, H, D]. Any H / Hkv ratio; a sequence's result never depends on the batch.
+
+    ``window`` > 0: sliding-window attention over the last ``window`` keys of each context only
+    (the blocks before them, and their block-table entries, are not read). ``softcap`` > 0:
+    scores (after ``scale``) become ``softcap * tanh(score / softcap)``. Same positional
+    order as ``reference.DecodeFn``, so this is a ``plan_attention`` ``decode_fn``."""
     lib = load()
     if lib is None:
         raise RuntimeError("native CPU kernels are not available (see the log for why)")
@@ -146,6 +154,8 @@ def paged_decode_attention(
         raise TypeError("block_tables and seq_lens must be int32")
     if block_tables.shape[0] != b or seq_lens.shape != (b,):
         raise ValueError("block_tables / seq_lens do not match the batch")
+    if window < 0 or softcap < 0:
+        raise ValueError(f"window ({window}) and softcap ({softcap}) must be >= 0")
     if b == 0:
         return q.new_empty(q.shape)
     lens = seq_lens.tolist()
@@ -173,6 +183,8 @@ def paged_decode_attention(
         tables.shape[1],
         nb,
         float(scale),
+        int(window),
+        float(softcap),
         torch.get_num_threads(),
     )
     if rc == -2:

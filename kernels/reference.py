@@ -52,6 +52,23 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     return gate / (1.0 + torch.exp(-gate)) * up
 
 
+# sqrt(2 / pi) of the tanh approximation of GELU
+_GELU_TANH_C = 0.7978845608028654
+
+
+def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """``gelu_tanh(x[..., :d]) * x[..., d:]`` (Gemma's fused gate/up; torch's
+    ``F.gelu(approximate="tanh")``, HF's ``gelu_pytorch_tanh``). Written as
+    ``0.5 * g * (1 + tanh(y)) == g / (1 + exp(-2y))``, ``y = sqrt(2/pi) * (g + 0.044715 g^3)``:
+    one ``exp`` like ``silu_and_mul`` (batch invariant for the same reason), and without the
+    cancellation of ``1 + tanh(y)`` for negative ``g``, so it is closer to the exact value than
+    ``F.gelu`` is there (which loses up to ~1e-7 of |g| absolute)."""
+    d = x.shape[-1] // 2
+    gate, up = x[..., :d], x[..., d:]
+    y2 = (2.0 * _GELU_TANH_C) * (gate + 0.044715 * (gate * gate * gate))
+    return gate / (1.0 + torch.exp(-y2)) * up
+
+
 def build_cos_sin_cache(
     head_dim: int, max_position: int, base: float, dtype: torch.dtype = torch.float32
 ) -> torch.Tensor:
@@ -169,10 +186,12 @@ def context_slots(block_table: torch.Tensor, length: int, block_size: int) -> to
 
 
 DecodeFn = Callable[
-    [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor
+    [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float, int, float],
+    torch.Tensor,
 ]
 """``(q [Bd, H, D], k_cache, v_cache, block_tables [Bd, max_blocks] int32, seq_lens [Bd] int32,
-scale) -> [Bd, H, D]``: a native decode-attention kernel (e.g. kernels.cpu_native's)."""
+scale, window, softcap) -> [Bd, H, D]``: a native decode-attention kernel (e.g.
+kernels.cpu_native's); ``window`` and ``softcap`` as in ``paged_attention`` (0: off)."""
 
 
 @dataclass
@@ -189,6 +208,9 @@ class AttentionPlan:
     decode_valid: torch.Tensor | None = None  # [Bd, Lp] bool: position < seq_len
     decode_pad_rows: torch.Tensor | None = None  # flat [Bd*Lp] indices of invalid positions
     kv_chunk: int = 128  # keys per attention chunk, a multiple of the block size
+    # decode_valid narrowed to a sliding window, per window size (made by the first layer that
+    # asks, reused by the others of the step)
+    window_valid: dict[int, torch.Tensor] = field(default_factory=dict)
     # gather buffers shared by the layers of one step: tens of MB that malloc would otherwise
     # map and page-fault afresh in every layer
     scratch: dict[str, torch.Tensor] = field(default_factory=dict)
@@ -246,16 +268,39 @@ def plan_attention(
     return plan
 
 
+def _softcap(s: torch.Tensor, softcap: float) -> torch.Tensor:
+    """``softcap * tanh(s / softcap)``: Gemma 2's attention logit soft-capping."""
+    return torch.tanh(s / softcap) * softcap
+
+
+def _window_valid(plan: AttentionPlan, window: int) -> torch.Tensor:
+    """``plan.decode_valid`` and, with a ``window``, only the last ``window`` positions of each
+    context (``position >= len - window``)."""
+    assert plan.decode_valid is not None
+    if window <= 0:
+        return plan.decode_valid
+    valid = plan.window_valid.get(window)
+    if valid is None:
+        pos = torch.arange(plan.decode_valid.shape[1])[None, :]
+        first = plan.decode_lens.long()[:, None] - window
+        valid = plan.window_valid[window] = plan.decode_valid & (pos >= first)
+    return valid
+
+
 def _decode_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     plan: AttentionPlan,
     scale: float,
+    window: int = 0,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     """One new token per sequence, all sequences at once, in fixed-size key chunks: every GEMM
     is [G, D] x [D, c] or [G, c] x [c, D] whatever the batch, padded keys get probability 0
-    (exact zeros in every sum), and chunk partials are added in a fixed order."""
+    (exact zeros in every sum), and chunk partials are added in a fixed order. Keys outside a
+    sliding ``window`` are masked like padding (score -inf, probability exactly 0); their V
+    rows are real cache rows, so 0 * v is 0 without zeroing them."""
     assert plan.decode_blocks is not None and plan.decode_valid is not None
     assert plan.decode_pad_rows is not None
     bd, h, d = q.shape
@@ -270,7 +315,9 @@ def _decode_attention(
     qs = (q * scale).view(bd, 1, hkv, g, d).expand(bd, nch, hkv, g, d).reshape(bd * nch, hkv, g, d)
     # per KV head, K/V are strided views [bd*nch, c, D]: no copy into a head-major layout
     s = torch.stack([torch.bmm(qs[:, j], k[:, :, j].transpose(1, 2)) for j in range(hkv)], 1)
-    valid = plan.decode_valid.view(bd, nch, 1, 1, c)
+    if softcap > 0:
+        s = _softcap(s, softcap)
+    valid = _window_valid(plan, window).view(bd, nch, 1, 1, c)
     s = torch.where(valid, s.view(bd, nch, hkv, g, c), float("-inf"))
     p = torch.exp(s - s.amax(dim=(1, 4), keepdim=True)).view(bd * nch, hkv, g, c)
     lsum = p.sum(-1).view(bd, nch, hkv, g, 1)
@@ -282,6 +329,45 @@ def _decode_attention(
     return (acc / den).reshape(bd, h, d)
 
 
+def _prefill_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    scale: float,
+    window: int,
+    softcap: float,
+) -> torch.Tensor:
+    """One sequence's new tokens: ``q`` [1, H, nq, D] are the last nq of the nk positions of
+    ``k``/``v`` [1, Hkv, nk, D]; bottom-right aligned causal mask, narrowed to a sliding
+    ``window`` (0: none). SDPA where it can (no softcap); by hand, fp32 softmax, with one."""
+    h, nq, hkv, nk = q.shape[1], q.shape[2], k.shape[1], k.shape[2]
+    if window >= nk:  # the window holds the whole context: plain causal attention
+        window = 0
+    mask = None
+    if nq != nk or window or softcap > 0:
+        # new tokens continue a cached prefix: bottom-right aligned causal mask
+        mask = torch.ones(nq, nk, dtype=torch.bool).tril(nk - nq)
+        if window:  # query at position p sees keys p - window < j <= p
+            mask &= ~torch.ones(nq, nk, dtype=torch.bool).tril(nk - nq - window)
+    if softcap <= 0:
+        return F.scaled_dot_product_attention(
+            q,
+            k,
+            v,
+            attn_mask=mask,
+            is_causal=mask is None,
+            scale=scale,
+            enable_gqa=hkv != h,
+        )
+    assert mask is not None
+    g = h // hkv
+    qg = q.reshape(hkv, g * nq, q.shape[3])  # the query heads of one KV head together
+    s = _softcap(torch.bmm(qg, k[0].transpose(1, 2)) * scale, softcap).view(hkv, g, nq, nk)
+    s = s.masked_fill(~mask, float("-inf"))
+    p = torch.softmax(s.float(), dim=-1).to(v.dtype).view(hkv, g * nq, nk)
+    return torch.bmm(p, v[0]).view(1, h, nq, v.shape[3])
+
+
 def paged_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -291,6 +377,8 @@ def paged_attention(
     query_lens: torch.Tensor | None,
     scale: float,
     plan: AttentionPlan | None = None,
+    window: int = 0,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     """Causal attention of a varlen batch over a paged KV cache.
 
@@ -298,7 +386,13 @@ def paged_attention(
     ``query_lens[i]`` tokens are the last ones of its ``seq_lens[i]`` (their K/V already written),
     so prefill, chunked prefill and decode are the same call. Any H / Hkv ratio (GQA). Sequences
     with one new token are batched together; longer ones use one SDPA call each. A ``plan`` from
-    ``plan_attention`` replaces the three metadata tensors (pass None for them)."""
+    ``plan_attention`` replaces the three metadata tensors (pass None for them).
+
+    ``window`` > 0: sliding-window attention (Mistral, Qwen2, Gemma): the query at position i
+    sees keys ``i - window < j <= i`` only (HF's ``kv_idx > q_idx - sliding_window``).
+    ``softcap`` > 0: scores (after ``scale``) become ``softcap * tanh(score / softcap)`` before
+    masking and softmax (Gemma 2's ``attn_logit_softcapping``). Both 0 by default: off, the
+    same bits as without them."""
     hkv, d = k_cache.shape[2], k_cache.shape[3]
     if plan is None:
         assert block_tables is not None and seq_lens is not None and query_lens is not None
@@ -308,27 +402,17 @@ def paged_attention(
     if plan.decode_rows.numel():
         qd = q[plan.decode_rows]
         if plan.decode_fn is not None:
-            od = plan.decode_fn(qd, k_cache, v_cache, plan.decode_tables, plan.decode_lens, scale)
+            od = plan.decode_fn(
+                qd, k_cache, v_cache, plan.decode_tables, plan.decode_lens, scale, window, softcap
+            )
         else:
-            od = _decode_attention(qd, k_cache, v_cache, plan, scale)
+            od = _decode_attention(qd, k_cache, v_cache, plan, scale, window, softcap)
         out[plan.decode_rows] = od
     for a, b, slots in plan.prefills:
         qs = q[a:b].transpose(0, 1)[None]
         k = kf[slots].transpose(0, 1)[None]
         v = vf[slots].transpose(0, 1)[None]
-        nq, nk = b - a, slots.numel()
-        mask = None
-        if nq != nk:  # new tokens continue a cached prefix: bottom-right aligned causal mask
-            mask = torch.ones(nq, nk, dtype=torch.bool).tril(nk - nq)
-        o = F.scaled_dot_product_attention(
-            qs,
-            k,
-            v,
-            attn_mask=mask,
-            is_causal=mask is None,
-            scale=scale,
-            enable_gqa=hkv != q.shape[1],
-        )
+        o = _prefill_attention(qs, k, v, scale, window, softcap)
         out[a:b] = o[0].transpose(0, 1)
     return out
 

@@ -14,6 +14,11 @@ Splitting the context is what keeps the GPU busy at small batch sizes and long c
 of 1 with 8 KV heads would otherwise be 8 programs). The number of splits is a launch constant
 (CUDA graphs need a fixed grid); each sequence divides its own length by it, and splits that
 fall past a short sequence's end are empty and skipped by the reduction.
+
+Sliding-window attention (``window`` > 0) attends keys ``max(0, L - window) .. L - 1`` only: the
+splits divide that range, so the keys before it are never loaded. Logit soft-capping
+(``softcap`` > 0, Gemma 2) caps each score at ``softcap * tanh(score / softcap)``. Both are
+runtime arguments behind ``constexpr`` flags: with them off the kernels compile as without them.
 """
 
 from __future__ import annotations
@@ -32,6 +37,27 @@ _MAX_SPLITS = 32
 
 
 @triton.jit
+def _tanh(x):
+    """tanh from exp2 (``tl.math`` has no tanh in every Triton version, nor the interpreter
+    libdevice's): ``sign(x) * (1 - e) / (1 + e)`` with ``e = exp(-2|x|)`` in (0, 1], no
+    overflow for any x."""
+    e = tl.exp2(tl.abs(x) * -2.8853900817779268)  # -2 * log2(e)
+    t = (1.0 - e) / (1.0 + e)
+    return tl.where(x < 0.0, -t, t)
+
+
+@triton.jit
+def _num_keys(seq_len, window, USE_WINDOW: tl.constexpr):
+    """How many keys a sequence's new token attends (the last ones of its context): all
+    ``seq_len``, or at most ``window``. The split and the reduce kernel both cut this count
+    into splits, so they agree on which splits are empty."""
+    n = seq_len
+    if USE_WINDOW:
+        n = tl.minimum(seq_len, window)
+    return n
+
+
+@triton.jit
 def _decode_split_kernel(
     Q,  # [B, H, D]
     K_cache,  # [num_blocks, block_size, Hkv, D]
@@ -41,6 +67,8 @@ def _decode_split_kernel(
     Part_out,  # [B, H, NUM_SPLITS, BLOCK_D] fp32: each split's normalised output
     Part_lse,  # [B, H, NUM_SPLITS] fp32: each split's log2-sum-exp2
     qk_scale,  # softmax scale * log2(e)
+    window,  # sliding window (read only with USE_WINDOW)
+    softcap2,  # softcap * log2(e) (read only with USE_SOFTCAP)
     stride_qb,
     stride_qh,
     stride_kb,
@@ -64,6 +92,8 @@ def _decode_split_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    USE_WINDOW: tl.constexpr,
+    USE_SOFTCAP: tl.constexpr,
 ):
     b = tl.program_id(0)
     kv_head = tl.program_id(1) // HEAD_TILES
@@ -77,8 +107,12 @@ def _decode_split_kernel(
     d_mask = d < HEAD_DIM
 
     seq_len = tl.load(Seq_lens + b)
-    split_len = tl.cdiv(seq_len, NUM_SPLITS)
-    start = split * split_len
+    num_keys = _num_keys(seq_len, window, USE_WINDOW)
+    split_len = tl.cdiv(num_keys, NUM_SPLITS)
+    if USE_WINDOW:
+        start = seq_len - num_keys + split * split_len  # the window's first key onwards
+    else:
+        start = split * split_len
     end = tl.minimum(start + split_len, seq_len)
 
     if start < end:
@@ -108,6 +142,10 @@ def _decode_split_kernel(
                 other=0.0,
             )
             s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+            if USE_SOFTCAP:
+                # c * tanh(s_nat / c) in base 2: s = s_nat * log2e, so with c2 = c * log2e
+                # the capped base-2 score is c2 * tanh(s / c2)
+                s = softcap2 * _tanh(s / softcap2)
             s = tl.where(n_mask[None, :], s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))
             alpha = tl.exp2(m_i - m_new)
@@ -143,6 +181,7 @@ def _decode_reduce_kernel(
     Part_lse,
     Seq_lens,
     Out,  # [B, H, D]
+    window,
     stride_pb,
     stride_ph,
     stride_ps,
@@ -153,20 +192,22 @@ def _decode_reduce_kernel(
     HEAD_DIM: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    USE_WINDOW: tl.constexpr,
 ):
     b = tl.program_id(0)
     h = tl.program_id(1)
     d = tl.arange(0, BLOCK_D)
     d_mask = d < HEAD_DIM
     seq_len = tl.load(Seq_lens + b)
-    split_len = tl.cdiv(seq_len, NUM_SPLITS)
+    num_keys = _num_keys(seq_len, window, USE_WINDOW)
+    split_len = tl.cdiv(num_keys, NUM_SPLITS)
 
     m = float("-inf")
     den = 0.0
     acc = tl.zeros([BLOCK_D], tl.float32)
     for split in range(0, NUM_SPLITS):
         # the split kernel's own test for "this split has keys": empty splits wrote nothing
-        if split * split_len < seq_len:
+        if split * split_len < num_keys:
             lse = tl.load(Part_lse + b * stride_lb + h * stride_lh + split)
             o = tl.load(
                 Part_out + b * stride_pb + h * stride_ph + split * stride_ps + d,
@@ -218,6 +259,8 @@ def decode_attention(
     seq_lens: torch.Tensor,
     scale: float,
     num_splits: int | None = None,
+    window: int = 0,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     """Attention of one new token per sequence over its paged context.
 
@@ -225,14 +268,20 @@ def decode_attention(
     written); block_tables [B, max_blocks] int32; seq_lens [B] (context length including the
     new token; 0 gives a row of zeros, for padded CUDA-graph rows). Returns [B, H, D] in q's
     dtype. ``num_splits`` (None: ``default_num_splits``) is how many slices each context is cut
-    into; fix it when capturing a CUDA graph."""
+    into; fix it when capturing a CUDA graph. ``window`` > 0: sliding-window attention over the
+    last ``window`` keys of each context; ``softcap`` > 0: scores (after ``scale``) become
+    ``softcap * tanh(score / softcap)``; 0 turns either off."""
     bsz, h, d = q.shape
     _, page, hkv, dk = k_cache.shape
     assert dk == d and h % hkv == 0, (q.shape, k_cache.shape)
     assert q.stride(2) == 1 and k_cache.stride(3) == 1 and v_cache.stride(3) == 1
+    assert window >= 0 and softcap >= 0, (window, softcap)
     group = h // hkv
     if num_splits is None:
-        num_splits = default_num_splits(bsz, hkv, group, block_tables.shape[1] * page, q.device)
+        max_context = block_tables.shape[1] * page
+        if window:  # splits divide the window, not the context
+            max_context = min(max_context, window)
+        num_splits = default_num_splits(bsz, hkv, group, max_context, q.device)
     block_h = _block_h(group)
     head_tiles = triton.cdiv(group, block_h)
     block_d = max(16, triton.next_power_of_2(d))
@@ -255,6 +304,8 @@ def decode_attention(
         part_out,
         part_lse,
         scale * _LOG2E,
+        window,
+        softcap * _LOG2E,
         q.stride(0),
         q.stride(1),
         k_cache.stride(0),
@@ -278,6 +329,8 @@ def decode_attention(
         BLOCK_N=block_n,
         BLOCK_D=block_d,
         DOT_PRECISION=precision,
+        USE_WINDOW=window > 0,
+        USE_SOFTCAP=softcap > 0,
         num_warps=4,
         num_stages=2,
     )
@@ -286,6 +339,7 @@ def decode_attention(
         part_lse,
         seq_lens,
         out,
+        window,
         part_out.stride(0),
         part_out.stride(1),
         part_out.stride(2),
@@ -296,6 +350,7 @@ def decode_attention(
         HEAD_DIM=d,
         NUM_SPLITS=num_splits,
         BLOCK_D=block_d,
+        USE_WINDOW=window > 0,
         num_warps=1 if block_d <= 64 else 2,
     )
     return out

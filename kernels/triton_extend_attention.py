@@ -12,6 +12,12 @@ head and streams that sequence's keys ``BLOCK_N`` at a time straight from the pa
 prefix and the new tokens alike; no gather into a contiguous copy), with an online softmax. Keys
 past the last row's causal limit are never loaded. Programs whose row tile lies past their
 sequence's ``query_len`` exit at once, so ``max_query_len`` only sizes the grid.
+
+Sliding-window attention (``window`` > 0): query position p sees keys ``p - window < j <= p``;
+a tile's key loop starts at the ``BLOCK_N`` tile holding its first row's first visible key, so
+keys before every row's window are never loaded. Logit soft-capping (``softcap`` > 0, Gemma 2):
+scores become ``softcap * tanh(score / softcap)`` before masking. Both are runtime arguments
+behind ``constexpr`` flags: with them off the kernel compiles as without them.
 """
 
 from __future__ import annotations
@@ -19,6 +25,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+from kernels.triton_decode_attention import _tanh
 
 _LOG2E = 1.4426950408889634
 
@@ -33,6 +41,8 @@ def _extend_kernel(
     Seq_lens,  # [B]
     Query_start_loc,  # [B + 1]
     qk_scale,  # softmax scale * log2(e)
+    window,  # sliding window (read only with USE_WINDOW)
+    softcap2,  # softcap * log2(e) (read only with USE_SOFTCAP)
     stride_qt,
     stride_qh,
     stride_kb,
@@ -51,6 +61,8 @@ def _extend_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    USE_WINDOW: tl.constexpr,
+    USE_SOFTCAP: tl.constexpr,
 ):
     m_tile = tl.program_id(0)
     b = tl.program_id(1)
@@ -79,7 +91,12 @@ def _extend_kernel(
         bt_row = Block_tables + b * stride_bt
         # the tile's last row sees keys up to prefix + its index: nothing beyond is loaded
         end = tl.minimum(seq_len, prefix + (m_tile + 1) * BLOCK_M)
-        for n0 in range(0, end, BLOCK_N):
+        if USE_WINDOW:
+            # and the first row sees nothing before its window: neither does any later row
+            lo = tl.maximum(prefix + m_tile * BLOCK_M - window + 1, 0) // BLOCK_N * BLOCK_N
+        else:
+            lo = 0
+        for n0 in range(lo, end, BLOCK_N):
             n = n0 + tl.arange(0, BLOCK_N)
             n_mask = n < end
             blk = tl.load(bt_row + n // PAGE, mask=n_mask, other=0).to(tl.int64)
@@ -94,7 +111,11 @@ def _extend_kernel(
                 other=0.0,
             )  # [BLOCK_D, BLOCK_N]: loaded transposed, ready for q @ k
             s = tl.dot(q, k, input_precision=DOT_PRECISION) * qk_scale
+            if USE_SOFTCAP:  # c * tanh(s_nat / c) in base 2, c2 = c * log2(e)
+                s = softcap2 * _tanh(s / softcap2)
             causal = (n[None, :] <= q_pos[:, None]) & n_mask[None, :]
+            if USE_WINDOW:
+                causal = causal & (n[None, :] > q_pos[:, None] - window)
             s = tl.where(causal, s, float("-inf"))
             # rows past q_len may see no key in a tile: keep their max finite so no NaN is
             # made (those rows are never stored, but NaN would be wasted work to reason about)
@@ -131,6 +152,8 @@ def extend_attention(
     query_start_loc: torch.Tensor,
     max_query_len: int,
     scale: float,
+    window: int = 0,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     """Causal attention of a varlen batch of new tokens over a paged KV cache.
 
@@ -139,11 +162,15 @@ def extend_attention(
     tokens, >= query length); block_tables [B, max_blocks] int32; k_cache/v_cache
     [num_blocks, block_size, Hkv, D] with the new tokens' K/V already written. ``max_query_len``
     is a host int >= every query length (it sizes the grid; no device sync here). Returns
-    [T, H, D] in q's dtype. Works for any mix, including query lengths of 1."""
+    [T, H, D] in q's dtype. Works for any mix, including query lengths of 1. ``window`` > 0:
+    sliding-window attention (query position p sees keys ``p - window < j <= p``);
+    ``softcap`` > 0: scores (after ``scale``) become ``softcap * tanh(score / softcap)``; 0
+    turns either off."""
     t, h, d = q.shape
     _, page, hkv, dk = k_cache.shape
     assert dk == d and h % hkv == 0, (q.shape, k_cache.shape)
     assert q.stride(2) == 1 and k_cache.stride(3) == 1 and v_cache.stride(3) == 1
+    assert window >= 0 and softcap >= 0, (window, softcap)
     bsz = seq_lens.shape[0]
     out = torch.empty_like(q)
     if t == 0 or bsz == 0 or max_query_len == 0:
@@ -167,6 +194,8 @@ def extend_attention(
         seq_lens,
         query_start_loc,
         scale * _LOG2E,
+        window,
+        softcap * _LOG2E,
         q.stride(0),
         q.stride(1),
         k_cache.stride(0),
@@ -185,6 +214,8 @@ def extend_attention(
         BLOCK_N=block_n,
         BLOCK_D=block_d,
         DOT_PRECISION=precision,
+        USE_WINDOW=window > 0,
+        USE_SOFTCAP=softcap > 0,
         num_warps=8 if wide else 4,
         num_stages=2,
     )

@@ -1,9 +1,9 @@
 """The fused elementwise layers of a Llama block in Triton: RMSNorm (+ residual add), rotary
-embedding and SiLU-and-multiply. Each has the signature and semantics of its namesake in
-kernels/reference.py and computes in fp32 whatever the storage dtype.
+embedding, SiLU-and-multiply and GELU(tanh)-and-multiply (Gemma). Each has the signature and
+semantics of its namesake in kernels/reference.py and computes in fp32 whatever the storage dtype.
 
-All three are memory bound: one program per token row (per row chunk for SiLU) reads each input
-once and writes each output once, where the unfused torch versions make several passes.
+All are memory bound: one program per token row (per row chunk for the gated activations) reads
+each input once and writes each output once, where the unfused torch versions make several passes.
 """
 
 from __future__ import annotations
@@ -128,6 +128,52 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     if x2.shape[0] and n:
         block = min(1024, triton.next_power_of_2(n))
         _silu_and_mul_kernel[(x2.shape[0], triton.cdiv(n, block))](
+            x2,
+            out,
+            x2.stride(0),
+            out.stride(0),
+            N=n,
+            BLOCK=block,
+            num_warps=4 if block >= 512 else 1,
+        )
+    return out.view(*x.shape[:-1], n)
+
+
+# --------------------------------------------------------------------------------------------
+# GELU (tanh approximation) and multiply
+
+
+@triton.jit
+def _gelu_tanh_and_mul_kernel(
+    X,  # [T, 2 * N]: gate | up
+    Out,  # [T, N]
+    stride_x,
+    stride_o,
+    N: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < N
+    gate = tl.load(X + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(X + row * stride_x + N + cols, mask=mask, other=0.0).to(tl.float32)
+    # 0.5 g (1 + tanh(y)) == g / (1 + exp(-2y)): one exp, as in reference.gelu_tanh_and_mul
+    y2 = 1.5957691216057308 * (gate + 0.044715 * (gate * gate * gate))  # 2 sqrt(2 / pi) (...)
+    y = gate / (1.0 + tl.exp(-y2)) * up
+    tl.store(Out + row * stride_o + cols, y.to(Out.dtype.element_ty), mask=mask)
+
+
+def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """``gelu_tanh(x[..., :N]) * x[..., N:]`` for x [..., 2N] -> [..., N] (Gemma's fused gate/up
+    output; torch's ``F.gelu(approximate="tanh")``)."""
+    n = x.shape[-1] // 2
+    x2 = x.reshape(-1, 2 * n)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    out = torch.empty(x2.shape[0], n, dtype=x.dtype, device=x.device)
+    if x2.shape[0] and n:
+        block = min(1024, triton.next_power_of_2(n))
+        _gelu_tanh_and_mul_kernel[(x2.shape[0], triton.cdiv(n, block))](
             x2,
             out,
             x2.stride(0),

@@ -1,8 +1,13 @@
-"""Read a Llama-family model's config and weights from a GGUF file or a local HF directory.
+"""Read a model's config and weights from a GGUF file or a local HF directory, for any family the
+registry knows (shared/models/registry.py).
 
-Weights come back under Hugging Face Llama names in torch layout, so the worker's model and any
-HF comparison see the same tensors. GGUF tensors are dequantized by gguf's own code and llama.cpp's
-rotary row permutation of Q/K is undone (the inverse of convert_hf_to_gguf.py's ``permute``).
+Weights come back under Hugging Face names in torch layout (the family's own names for norms,
+Llama's for the projections: a family with fused checkpoint tensors has them cut by its
+``split``), so the worker's model and any HF comparison see the same tensors. GGUF tensors are
+named back through gguf-py's own name tables, dequantized by gguf's own code, llama.cpp's rotary
+row permutation of Q/K is undone where its converter made one (the inverse of
+convert_hf_to_gguf.py's ``permute``), and norms it stored as ``1 + w`` (Gemma) are given back
+as ``w``.
 """
 
 from __future__ import annotations
@@ -12,7 +17,6 @@ import json
 import logging
 import math
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -22,35 +26,37 @@ import torch
 from kernels.cpu_quant import BLOCK_BYTES, QuantWeight
 from kernels.fp8_linear import Fp8Weight, quantize_fp8
 from shared.model_source import ModelSource
+from shared.models.config import ModelConfig, ModelConfigError
+from shared.models.family import LINEARS, Family
+from shared.models.registry import family, family_for_gguf, hf_config
 from shared.quantized_checkpoints import checkpoint_method, quantization_config, read_layer
 
+__all__ = ["ModelConfig", "ModelConfigError", "load_config", "load_weights", "round_weights"]
+
 log = logging.getLogger("kvflow.model")
-
-
-@dataclass(frozen=True)
-class ModelConfig:
-    vocab_size: int
-    hidden_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    intermediate_size: int
-    rms_norm_eps: float
-    rope_theta: float
-    max_position_embeddings: int
-    tie_word_embeddings: bool
-    bos_token_id: int | None
-    eos_token_ids: tuple[int, ...]
 
 
 # --------------------------------------------------------------------------------------------
 # config
 
 
-def load_config(src: ModelSource) -> ModelConfig:
-    """The model's shape and special ids; raises ValueError for what kvflow cannot run."""
-    return _gguf_config(src.path) if src.kind == "gguf" else _hf_config(src.path)
+def load_config(src: ModelSource, strict: bool = False) -> ModelConfig:
+    """The model's shape, features and special ids; raises ModelConfigError (a ValueError)
+    naming what kvflow cannot run."""
+    return _gguf_config(src.path) if src.kind == "gguf" else _hf_config(src.path, strict)
+
+
+def _hf_config(path: Path, strict: bool = False) -> ModelConfig:
+    try:
+        raw = json.loads((path / "config.json").read_text())
+    except (OSError, ValueError) as e:
+        raise ModelConfigError(f"{path}/config.json cannot be read: {e}") from e
+    eos: list[int] = []
+    gen = path / "generation_config.json"
+    if gen.is_file():
+        got = json.loads(gen.read_text()).get("eos_token_id")
+        eos = [] if got is None else [int(i) for i in (got if isinstance(got, list) else [got])]
+    return hf_config(raw, f"{path}/config.json", eos, strict)
 
 
 _SKIP_FIELDS = {f"tokenizer.ggml.{k}" for k in ("tokens", "merges", "token_type", "scores")}
@@ -74,125 +80,92 @@ def _reader(path: Path) -> Any:
 
 
 def _gguf_config(path: Path) -> ModelConfig:
+    """A GGUF's metadata as the config.json its family reads (llama.cpp's keys -> HF's, as
+    transformers' GGUF loader maps them), then the family's own reader."""
     reader = _reader(path)
     f = _gguf_fields(reader)
     arch = f.get("general.architecture", "llama")
-    if arch != "llama":
-        raise ValueError(f"{path.name}: architecture {arch!r} is not supported (llama only)")
-    if f.get(f"{arch}.rope.scaling.type", "none") not in ("none", "linear") or any(
-        t.name == "rope_freqs.weight" for t in reader.tensors
-    ):
-        raise ValueError(f"{path.name}: RoPE scaling is not supported")
+    fam = family_for_gguf(arch, path.name)
     names = {t.name for t in reader.tensors}
     emb = next(t for t in reader.tensors if t.name == "token_embd.weight")
     hidden = int(f[f"{arch}.embedding_length"])
     heads = int(f[f"{arch}.attention.head_count"])
+    head_dim = int(f.get(f"{arch}.attention.key_length", hidden // heads))
     eos = [f.get("tokenizer.ggml.eos_token_id")]
     eos += [f.get(f"tokenizer.ggml.{k}_token_id") for k in ("eot", "eom")]
-    return ModelConfig(
-        vocab_size=int(f.get(f"{arch}.vocab_size", int(emb.shape[1]))),
-        hidden_size=hidden,
-        num_layers=int(f[f"{arch}.block_count"]),
-        num_heads=heads,
-        num_kv_heads=int(f.get(f"{arch}.attention.head_count_kv", heads)),
-        head_dim=int(f.get(f"{arch}.attention.key_length", hidden // heads)),
-        intermediate_size=int(f[f"{arch}.feed_forward_length"]),
-        rms_norm_eps=float(f.get(f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)),
-        rope_theta=float(f.get(f"{arch}.rope.freq_base", 10000.0)),
-        max_position_embeddings=int(f.get(f"{arch}.context_length", 2048)),
-        tie_word_embeddings="output.weight" not in names,
-        bos_token_id=_opt_int(f.get("tokenizer.ggml.bos_token_id")),
-        eos_token_ids=tuple(dict.fromkeys(int(e) for e in eos if e is not None)),
-    )
+    raw: dict[str, Any] = {
+        "architectures": [fam.architectures[0]],
+        "vocab_size": int(f.get(f"{arch}.vocab_size", int(emb.shape[1]))),
+        "hidden_size": hidden,
+        "num_hidden_layers": int(f[f"{arch}.block_count"]),
+        "num_attention_heads": heads,
+        "num_key_value_heads": _first(f.get(f"{arch}.attention.head_count_kv", heads)),
+        "head_dim": head_dim,
+        "intermediate_size": _first(f[f"{arch}.feed_forward_length"]),
+        "rms_norm_eps": float(f.get(f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)),
+        "rope_theta": float(f.get(f"{arch}.rope.freq_base", 10000.0)),
+        "max_position_embeddings": int(f.get(f"{arch}.context_length", 2048)),
+        "tie_word_embeddings": "output.weight" not in names,
+        "bos_token_id": f.get("tokenizer.ggml.bos_token_id"),
+        "eos_token_id": [int(e) for e in dict.fromkeys(eos) if e is not None],
+        "sliding_window": f.get(f"{arch}.attention.sliding_window"),
+        "attn_logit_softcapping": f.get(f"{arch}.attn_logit_softcapping"),
+        "final_logit_softcapping": f.get(f"{arch}.final_logit_softcapping"),
+        "attention_bias": "blk.0.attn_q.bias" in names and "blk.0.attn_output.bias" in names,
+    }
+    if fam.name.startswith("gemma"):  # llama.cpp scales queries by 1 / sqrt(key_length)
+        raw["query_pre_attn_scalar"] = head_dim
+    if fam.name == "qwen2" and raw["sliding_window"]:
+        raw["use_sliding_window"] = False  # llama.cpp runs Qwen2 without its window too
+    scaling = f.get(f"{arch}.rope.scaling.type", "none")
+    if scaling not in ("none", None):
+        raw["rope_scaling"] = {
+            "rope_type": scaling,
+            "factor": f.get(f"{arch}.rope.scaling.factor", 1.0),
+            "original_max_position_embeddings": f.get(
+                f"{arch}.rope.scaling.original_context_length"
+            ),
+        }
+    if "rope_freqs.weight" in names:  # llama 3.1+: per-frequency divisors precomputed
+        t = next(t for t in reader.tensors if t.name == "rope_freqs.weight")
+        raw["rope_scaling"] = {"rope_type": "default", "freq_factors": [float(x) for x in t.data]}
+    for key in ("granite.embedding_scale", "granite.residual_scale", "granite.logit_scale"):
+        if key in f:
+            hf = {
+                "embedding_scale": "embedding_multiplier",
+                "residual_scale": "residual_multiplier",
+            }
+            raw[hf.get(key.split(".")[1], "logits_scaling")] = float(f[key])
+    if f"{arch}.attention.scale" in f:
+        raw["attention_multiplier"] = float(f[f"{arch}.attention.scale"])
+    raw = {k: v for k, v in raw.items() if v is not None}
+    return hf_config(raw, path.name)
 
 
-def _opt_int(x: Any) -> int | None:
-    return None if x is None else int(x)
-
-
-def _as_ids(x: Any) -> list[int]:
-    if x is None:
-        return []
-    return [int(i) for i in x] if isinstance(x, list) else [int(x)]
-
-
-def _hf_config(path: Path) -> ModelConfig:
-    c = json.loads((path / "config.json").read_text())
-    if c.get("model_type", "llama") != "llama":
-        raise ValueError(f"{path}: model_type {c['model_type']!r} is not supported (llama only)")
-    rope = c.get("rope_scaling") or c.get("rope_parameters") or {}
-    if rope.get("rope_type", rope.get("type", "default")) not in ("default", None):
-        raise ValueError(f"{path}: RoPE scaling {rope} is not supported")
-    eos = _as_ids(c.get("eos_token_id"))
-    gen = path / "generation_config.json"
-    if gen.is_file():
-        eos += _as_ids(json.loads(gen.read_text()).get("eos_token_id"))
-    heads = int(c["num_attention_heads"])
-    return ModelConfig(
-        vocab_size=int(c["vocab_size"]),
-        hidden_size=int(c["hidden_size"]),
-        num_layers=int(c["num_hidden_layers"]),
-        num_heads=heads,
-        num_kv_heads=int(c.get("num_key_value_heads") or heads),
-        head_dim=int(c.get("head_dim") or c["hidden_size"] // heads),
-        intermediate_size=int(c["intermediate_size"]),
-        rms_norm_eps=float(c.get("rms_norm_eps", 1e-6)),
-        rope_theta=float(c.get("rope_theta", rope.get("rope_theta", 10000.0))),
-        max_position_embeddings=int(c.get("max_position_embeddings", 2048)),
-        tie_word_embeddings=bool(c.get("tie_word_embeddings", False)),
-        bos_token_id=_opt_int(c.get("bos_token_id")),
-        eos_token_ids=tuple(dict.fromkeys(eos)),
-    )
+def _first(x: Any) -> int:
+    """A per-layer array (some GGUFs list head counts per layer) or a number: the first."""
+    return int(x[0]) if isinstance(x, list) else int(x)
 
 
 # --------------------------------------------------------------------------------------------
 # weights
 
-_GGUF_NAMES = {
-    "attn_norm": "input_layernorm",
-    "ffn_norm": "post_attention_layernorm",
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-}
-
-
-def _hf_name(gguf_name: str) -> str | None:
-    if gguf_name == "token_embd.weight":
-        return "model.embed_tokens.weight"
-    if gguf_name == "output_norm.weight":
-        return "model.norm.weight"
-    if gguf_name == "output.weight":
-        return "lm_head.weight"
-    parts = gguf_name.split(".")
-    if len(parts) == 4 and parts[0] == "blk" and parts[2] in _GGUF_NAMES:
-        return f"model.layers.{parts[1]}.{_GGUF_NAMES[parts[2]]}.{parts[3]}"
-    return None
-
-
-def unpermute_rotary(w: torch.Tensor, n_head: int) -> torch.Tensor:
-    """Undo llama.cpp's ``permute`` of Q/K rows (interleaved rotary pairs -> rotate_half)."""
-    rows = w.shape[0]
-    return w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
-
 
 def load_weights(
     src: ModelSource, cfg: ModelConfig, dtype: torch.dtype = torch.float32, quantization: str = ""
 ) -> dict[str, torch.Tensor | QuantWeight | Fp8Weight]:
-    """All weights under HF Llama names, as ``dtype`` (``lm_head.weight`` only if untied, or as
-    the embedding's quantized copy when quantized). ``quantization``: ``"gguf"`` keeps a GGUF's
-    Q8_0/Q4_0/Q4_1 linear weights in their blocks (``kernels.cpu_quant.QuantWeight``);
-    ``"int8"`` rounds every linear weight to int8 blocks (``quantize_int8``); ``"fp8"`` rounds
-    the layers' linear weights to e4m3 per output channel (kernels/fp8_linear.py); ``"gptq"`` /
-    ``"awq"`` keep such a checkpoint's 4-bit groups as Q4_Z blocks (otherwise its packed layers
-    are dequantized: shared/quantized_checkpoints.py). The embedding stays dense for lookups."""
+    """All weights under HF names (see the module docstring), as ``dtype`` (``lm_head.weight``
+    only if untied, or as the embedding's quantized copy when quantized). ``quantization``:
+    ``"gguf"`` keeps a GGUF's Q8_0/Q4_0/Q4_1 linear weights in their blocks
+    (``kernels.cpu_quant.QuantWeight``); ``"int8"`` rounds every linear weight to int8 blocks
+    (``quantize_int8``); ``"fp8"`` rounds the layers' linear weights to e4m3 per output channel
+    (kernels/fp8_linear.py); ``"gptq"`` / ``"awq"`` keep such a checkpoint's 4-bit groups as
+    Q4_Z blocks (otherwise its packed layers are dequantized: shared/quantized_checkpoints.py).
+    The embedding stays dense for lookups. ValueError names a missing or unexpected tensor."""
     t0 = time.perf_counter()
+    fam = family(cfg.family)
     if src.kind == "gguf":
-        weights = _gguf_weights(src.path, cfg, dtype, quantized=quantization == "gguf")
+        weights = _gguf_weights(src.path, cfg, fam, dtype, quantized=quantization == "gguf")
     else:
         weights = _hf_weights(src.path, dtype)
         method = checkpoint_method(src.path)
@@ -200,12 +173,10 @@ def load_weights(
             weights = _quantized_layers(weights, method, src.path, quantization == method, dtype)
         if cfg.tie_word_embeddings:
             weights.pop("lm_head.weight", None)
+    if fam.split is not None:
+        weights = fam.split(weights, cfg)
     weights = round_weights(weights, quantization)
-    expected = 3 + 9 * cfg.num_layers - (1 if cfg.tie_word_embeddings else 0)
-    if cfg.tie_word_embeddings and "lm_head.weight" in weights:  # its quantized copy
-        expected += 1
-    if len(weights) != expected:
-        raise ValueError(f"{src.path}: found {len(weights)} weight tensors, expected {expected}")
+    check_weights(weights, cfg, str(src.path))
     copy = "lm_head.weight" if cfg.tie_word_embeddings else ""  # the tied head's quantized copy
     n = sum(math.prod(w.shape) for name, w in weights.items() if name != copy)
     quant = [w for w in weights.values() if not isinstance(w, torch.Tensor)]
@@ -219,7 +190,38 @@ def load_weights(
     return weights
 
 
-_LINEAR_NAMES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+def expected_names(cfg: ModelConfig) -> set[str]:
+    """Every tensor name a model of ``cfg`` needs (the lm_head only when untied)."""
+    fam = family(cfg.family)
+    names = {"model.embed_tokens.weight", "model.norm.weight"}
+    if not cfg.tie_word_embeddings:
+        names.add("lm_head.weight")
+    for i in range(cfg.num_layers):
+        names |= {f"model.layers.{i}.{n}" for n in fam.layer_weight_names(cfg)}
+    return names
+
+
+def check_weights(weights: dict[str, Any], cfg: ModelConfig, where: str) -> None:
+    """ValueError naming the tensors ``cfg`` needs that are missing, and those left over (a
+    tied lm_head's quantized copy is allowed)."""
+    want = expected_names(cfg)
+    have = set(weights) - ({"lm_head.weight"} if cfg.tie_word_embeddings else set())
+    missing, extra = sorted(want - have), sorted(have - want)
+    if missing or extra:
+        raise ValueError(
+            f"{where}: weights do not fit the {cfg.family} config: missing {missing[:6]}"
+            f"{'...' if len(missing) > 6 else ''}, unexpected {extra[:6]}"
+            f"{'...' if len(extra) > 6 else ''}"
+        )
+
+
+_LINEAR_NAMES = tuple(n.split(".")[-1] for n in LINEARS)
+
+
+def is_linear_weight(name: str) -> bool:
+    """A layer's projection weight (not its bias, not a norm)."""
+    parts = name.split(".")
+    return parts[-1] == "weight" and len(parts) > 2 and parts[-2] in _LINEAR_NAMES
 
 
 def round_weights(weights: dict[str, Any], quantization: str) -> dict[str, Any]:
@@ -237,8 +239,8 @@ def quantize_int8(
 ) -> dict[str, torch.Tensor | QuantWeight]:
     """``--quantization int8``: every linear weight (and the lm_head, tied or not) as int8 with
     one fp16 scale per 32 weights of a row, rounded to nearest (GGUF's Q8_0 layout, so the same
-    CPU kernel reads it; finer than one scale per output channel). Norms and the embedding
-    lookup stay dense; a weight whose K is not a multiple of 32 stays dense too."""
+    CPU kernel reads it; finer than one scale per output channel). Norms, biases and the
+    embedding lookup stay dense; a weight whose K is not a multiple of 32 stays dense too."""
     from gguf import GGMLQuantizationType
     from gguf.quants import quantize
 
@@ -251,7 +253,7 @@ def quantize_int8(
 
     out = dict(weights)
     for name, w in weights.items():
-        if isinstance(w, torch.Tensor) and name.split(".")[-2] in _LINEAR_NAMES:
+        if isinstance(w, torch.Tensor) and is_linear_weight(name):
             out[name] = q8(w)
     head = weights.get("lm_head.weight", weights["model.embed_tokens.weight"])
     if isinstance(head, torch.Tensor):
@@ -259,21 +261,44 @@ def quantize_int8(
     return out
 
 
+@functools.cache
+def _gguf_names(arch: str, num_layers: int) -> dict[str, str]:
+    """GGUF tensor name -> HF name for a family's tensors, from gguf-py's own tables."""
+    from gguf import MODEL_ARCH, MODEL_ARCH_NAMES, get_tensor_name_map
+
+    code = next(k for k, v in MODEL_ARCH_NAMES.items() if v == arch and k in MODEL_ARCH)
+    table = get_tensor_name_map(code, num_layers)
+    hf = ["model.embed_tokens", "model.norm", "lm_head"]
+    layer = [*LINEARS, "self_attn.qkv_proj", "mlp.gate_up_proj", "self_attn.q_norm"]
+    layer += ["self_attn.k_norm", "input_layernorm", "post_attention_layernorm"]
+    layer += ["pre_feedforward_layernorm", "post_feedforward_layernorm"]
+    hf += [f"model.layers.{i}.{n}" for i in range(num_layers) for n in layer]
+    out: dict[str, str] = {}
+    for name in hf:
+        g = table.get_name(name)
+        if g is not None:
+            for suffix in ("weight", "bias"):
+                out.setdefault(f"{g}.{suffix}", f"{name}.{suffix}")
+    return out
+
+
 def _gguf_weights(
-    path: Path, cfg: ModelConfig, dtype: torch.dtype, quantized: bool = False
+    path: Path, cfg: ModelConfig, fam: Family, dtype: torch.dtype, quantized: bool = False
 ) -> dict[str, torch.Tensor | QuantWeight]:
     from gguf import GGMLQuantizationType
     from gguf.quants import dequantize
 
     log.info("reading %s", path.name)
     reader = _reader(path)
-    tensors = [t for t in reader.tensors if _hf_name(t.name) is not None]
+    arch = _gguf_fields(reader).get("general.architecture", "llama")
+    names = _gguf_names(arch, cfg.num_layers)
+    tensors = [t for t in reader.tensors if t.name in names]
     kinds = sorted({t.tensor_type.name for t in tensors})
     log.info("dequantizing %d tensors (%s)", len(tensors), ", ".join(kinds))
     out: dict[str, torch.Tensor | QuantWeight] = {}
     for i, t in enumerate(tensors):
         shape = tuple(int(d) for d in reversed(t.shape))  # GGUF lists dims fastest-first
-        name = _hf_name(t.name)
+        name = names[t.name]
         keep = quantized and int(t.tensor_type) in BLOCK_BYTES and len(shape) == 2
         if keep and name != "model.embed_tokens.weight":
             w: torch.Tensor | QuantWeight = QuantWeight.from_gguf(t.data, int(t.tensor_type), shape)
@@ -282,17 +307,26 @@ def _gguf_weights(
                 arr = np.array(t.data, dtype=np.float32)  # a copy: the file is mapped read-only
             else:
                 arr = dequantize(t.data, t.tensor_type)
-            w = torch.from_numpy(arr.reshape(shape)).to(dtype).contiguous()
+            w = torch.from_numpy(arr.reshape(shape)).to(torch.float32)
+            if fam.gguf_norm_offset and name.endswith("norm.weight"):
+                w = w - fam.gguf_norm_offset  # stored as offset + w; the model adds it back
+            w = w.to(dtype).contiguous()
             if keep and cfg.tie_word_embeddings:  # the tied lm_head reads the blocks
                 out["lm_head.weight"] = QuantWeight.from_gguf(t.data, int(t.tensor_type), shape)
-        if ".attn_q." in t.name:
+        if fam.gguf_permute_qk and name.endswith("self_attn.q_proj.weight"):
             w = _unpermute(w, cfg.num_heads)
-        elif ".attn_k." in t.name:
+        elif fam.gguf_permute_qk and name.endswith("self_attn.k_proj.weight"):
             w = _unpermute(w, cfg.num_kv_heads)
         out[name] = w
         if (i + 1) % 50 == 0:
             log.info("dequantized %d/%d tensors", i + 1, len(tensors))
     return out
+
+
+def unpermute_rotary(w: torch.Tensor, n_head: int) -> torch.Tensor:
+    """Undo llama.cpp's ``permute`` of Q/K rows (interleaved rotary pairs -> rotate_half)."""
+    rows = w.shape[0]
+    return w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
 
 
 def _unpermute(w: torch.Tensor | QuantWeight, n_head: int) -> torch.Tensor | QuantWeight:

@@ -6,6 +6,7 @@
 //   kvf_add_rms_norm   residual += x (or residual = x), out = w * (r * rsqrt(mean(r^2) + eps))
 //   kvf_rope_write_kv  q rotated into q_out; k rotated and v copied into the paged KV cache
 //   kvf_silu_mul       out = silu(gate) * up of a fused gate/up projection
+//   kvf_gelu_tanh_mul  out = gelu_tanh(gate) * up (Gemma's fused gate/up)
 //
 // Every row is computed by the same sequence of operations whatever else is in the call, so a
 // row's result never depends on the batch. Compiled with -ffp-contract=off and without
@@ -133,6 +134,31 @@ int kvf_silu_mul(const float* x, int T, int N, int x_stride, float* out, int thr
         const float* u = g + N;
         float* o = out + (size_t)t * N;
         for (int i = 0; i < N; i++) o[i] = g[i] / (1.0f + kvf_expf(-g[i])) * u[i];
+    }
+    return 0;
+}
+
+// x [T, 2N] rows x_stride apart (gate | up), out [T, N] contiguous: out = gelu_tanh(gate) * up,
+// gelu_tanh(g) = 0.5 g (1 + tanh(y)), y = sqrt(2 / pi) (g + 0.044715 g^3), computed as
+// g / (1 + exp(-2y)) (the same value; one exp and no cancellation in 1 + tanh(y)), in
+// reference.gelu_tanh_and_mul's op order. Returns 0, or -1 on bad arguments.
+int kvf_gelu_tanh_mul(const float* x, int T, int N, int x_stride, float* out, int threads) {
+    if (T < 0 || N <= 0 || x_stride < 2 * N) return -1;
+    const float c2 = 1.5957691216057308f;  // 2 sqrt(2 / pi)
+#pragma omp parallel for schedule(static) num_threads(threads > 0 ? threads : 1) \
+    if ((long)T * N >= PAR_MIN_FLOATS)
+    for (int t = 0; t < T; t++) {
+        const float* g = x + (size_t)t * x_stride;
+        const float* u = g + N;
+        float* o = out + (size_t)t * N;
+        for (int i = 0; i < N; i++) {
+            const float gi = g[i];
+            const float y2 = c2 * (gi + 0.044715f * (gi * gi * gi));
+            // past exp's clamp the result is below 1e-37 |g|: 0 (with g's sign), as exp
+            // overflowing to inf gives in the reference, even where g^3 is inf
+            const float a = y2 < -88.0f ? gi * 0.0f : gi / (1.0f + kvf_expf(-y2));
+            o[i] = a * u[i];
+        }
     }
     return 0;
 }

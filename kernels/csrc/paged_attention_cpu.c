@@ -13,6 +13,10 @@
  *   lens     [B] int32 context length of each sequence, including the new token (>= 1)
  *   out      [B, H, D]
  *
+ * window > 0: sliding-window attention, a sequence of length L attends its keys
+ * max(0, L - window) .. L - 1 only; the others (and their block-table entries) are not read.
+ * softcap > 0: each score s (after scale) becomes softcap * tanh(s / softcap) (Gemma 2).
+ *
  * Returns 0, -1 when scratch memory could not be allocated, -2 when a block id used by a
  * sequence lies outside [0, num_blocks) (nothing is read from it; that sequence's output is
  * left unwritten).
@@ -28,12 +32,13 @@ static inline float dot(const float *restrict a, const float *restrict b, int d)
     return s;
 }
 
-/* Attention of sequence b's query heads of KV heads [h0, h1) over its whole context. Scratch
- * ``s`` holds (h1 - h0) * G * L scores, then G * D accumulators and G sums per KV head. */
+/* Attention of sequence b's query heads of KV heads [h0, h1) over its keys [t0, t0 + L).
+ * Scratch ``s`` holds (h1 - h0) * G * L scores, then G * D accumulators and G sums per KV
+ * head. */
 static void attend(const float *restrict q, const float *restrict k_cache,
                    const float *restrict v_cache, const int32_t *restrict table, float *restrict out,
-                   float *restrict s, int b, int h0, int h1, int L, int H, int Hkv, int D,
-                   int block_size, float scale) {
+                   float *restrict s, int b, int h0, int h1, int t0, int L, int H, int Hkv, int D,
+                   int block_size, float scale, float softcap) {
     const int G = H / Hkv, nh = h1 - h0, NQ = nh * G; /* query heads handled here */
     const int64_t row = (int64_t)Hkv * D;             /* floats per cache slot */
     const float *qb = q + ((int64_t)b * H + (int64_t)h0 * G) * D;
@@ -41,13 +46,18 @@ static void attend(const float *restrict q, const float *restrict k_cache,
     float *inv_sum = acc + (size_t)NQ * D;
     /* scores: slot rows are read in order, all heads of a row at once (one contiguous run) */
     for (int t = 0; t < L; t++) {
-        const int64_t slot = (int64_t)table[t / block_size] * block_size + t % block_size;
+        const int pos = t0 + t; /* position in the context */
+        const int64_t slot = (int64_t)table[pos / block_size] * block_size + pos % block_size;
         const float *k = k_cache + slot * row + (int64_t)h0 * D;
         for (int j = 0; j < NQ; j++) s[(size_t)j * L + t] = dot(qb + (int64_t)j * D, k + (j / G) * D, D) * scale;
     }
     /* softmax per query head (unnormalised; divided by the sum at the end) */
     for (int j = 0; j < NQ; j++) {
         float *sj = s + (size_t)j * L;
+        /* soft-capping as its own pass over one head's L scores: the same loop, so the same
+         * (vector or scalar) tanhf for a head whatever the batch and the work split */
+        if (softcap > 0.0f)
+            for (int t = 0; t < L; t++) sj[t] = softcap * tanhf(sj[t] / softcap);
         float m = sj[0];
         for (int t = 1; t < L; t++) m = sj[t] > m ? sj[t] : m;
         float sum = 0.0f;
@@ -59,7 +69,8 @@ static void attend(const float *restrict q, const float *restrict k_cache,
     }
     for (int i = 0; i < NQ * D; i++) acc[i] = 0.0f;
     for (int t = 0; t < L; t++) {
-        const int64_t slot = (int64_t)table[t / block_size] * block_size + t % block_size;
+        const int pos = t0 + t;
+        const int64_t slot = (int64_t)table[pos / block_size] * block_size + pos % block_size;
         const float *v = v_cache + slot * row + (int64_t)h0 * D;
         for (int j = 0; j < NQ; j++) {
             const float p = s[(size_t)j * L + t];
@@ -80,7 +91,7 @@ int kvf_paged_decode_attention(const float *restrict q, const float *restrict k_
                                const float *restrict v_cache, const int32_t *restrict tables,
                                const int32_t *restrict lens, float *restrict out, int B, int H,
                                int Hkv, int D, int block_size, int max_blocks, int num_blocks,
-                               float scale, int num_threads) {
+                               float scale, int window, float softcap, int num_threads) {
     /* One work item per sequence (all its heads: each slot row is one contiguous read) when
      * there are enough sequences to keep the threads busy, else one per (sequence, KV head).
      * Either way each query head's result is computed by the same arithmetic in the same
@@ -93,10 +104,12 @@ int kvf_paged_decode_attention(const float *restrict q, const float *restrict k_
     for (int w = 0; w < items; w++) {
         const int b = per_head ? w / Hkv : w;
         const int h0 = per_head ? w % Hkv : 0, h1 = per_head ? h0 + 1 : Hkv;
-        const int L = lens[b];
+        const int len = lens[b];
+        const int t0 = window > 0 && len > window ? len - window : 0; /* first key attended */
+        const int L = len - t0;
         const int32_t *table = tables + (int64_t)b * max_blocks;
         int bad = 0;
-        for (int i = 0; i < (L + block_size - 1) / block_size; i++)
+        for (int i = t0 / block_size; i < (len + block_size - 1) / block_size; i++)
             bad |= table[i] < 0 || table[i] >= num_blocks;
         if (bad) {
             failed = failed < -2 ? failed : -2;
@@ -108,7 +121,8 @@ int kvf_paged_decode_attention(const float *restrict q, const float *restrict k_
             failed = failed < -1 ? failed : -1;
             continue;
         }
-        attend(q, k_cache, v_cache, table, out, s, b, h0, h1, L, H, Hkv, D, block_size, scale);
+        attend(q, k_cache, v_cache, table, out, s, b, h0, h1, t0, L, H, Hkv, D, block_size, scale,
+               softcap);
         free(s);
     }
     return failed;

@@ -41,7 +41,7 @@ from services.worker.step_inputs import DeviceBatch, fill_tables
 log = logging.getLogger("kvflow.worker")
 
 ForwardFn = Callable[[DeviceBatch], torch.Tensor]
-"""``DeviceBatch -> fp32 logits [B, vocab]`` (``LlamaModel.forward_device`` on the runner's
+"""``DeviceBatch -> fp32 logits [B, vocab]`` (``DecoderModel.forward_device`` on the runner's
 caches and backend)."""
 
 SplitsFn = Callable[[int], int | None]

@@ -1,7 +1,7 @@
 """LoRA adapters in the worker: at most ``--max-loras`` held in memory, least recently used
 evicted (``LoRACache``; their weights read and checked by services/worker/lora_weights.py), and
 each step's rows given their adapter's delta ``s * B (A x)`` on top of the base projections
-(``LoRAStep.apply``, called by ``LlamaModel`` after each linear layer).
+(``LoRAStep.apply``, called by ``DecoderModel`` after each linear layer).
 
 Two ways to apply, as the model runs:
 

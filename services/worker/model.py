@@ -1,19 +1,25 @@
-"""Llama forward pass over a flat, varlen batch of tokens with a paged KV cache.
+"""The decoder every native family runs (shared/models/: Llama, Mistral, Qwen2/3, Gemma 2/3, Phi-3,
+Granite, OLMo 2), over a flat, varlen batch of tokens with a paged KV cache.
+
+The model is written once (``_layer``, ``_head``) over a step's ops, and what a family changes is
+data in its ``ModelConfig``: where the norms sit (before each block, before and after, or after
+only), biases, q/k norms, the activation, sliding windows and soft-caps per layer, multipliers
+and RoPE per layer. The step's ops come in two kinds:
+
+- ``HostOps``: the CPU path (kernels/reference.py: batch-invariant GEMM rows, the native C
+  decode attention and fused elementwise ops where they build, packed weights);
+- ``DeviceOps``: a kernel backend (kernels/ops.py, the Triton kernels on CUDA) over a
+  ``DeviceBatch`` of device tensors, with no host synchronisation, so a decode step can be
+  captured as a CUDA graph (services/worker/cuda_graphs.py).
 
 The step's tokens are one flat [T] batch (no padding between sequences). Q/K/V and gate/up are
 fused into one GEMM each, as in vLLM. Logits are computed only for the rows that sample.
-
-Two forward passes over the same weights: ``forward`` is the CPU path (kernels/reference.py,
-batch-invariant GEMM rows, native decode attention, oneDNN-packed weights); ``forward_device``
-takes a kernel backend (kernels/ops.py, the Triton kernels on CUDA) and a ``DeviceBatch`` of
-device tensors, and has no host synchronisation, so a decode step can be captured as a CUDA
-graph (services/worker/cuda_graphs.py).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -21,19 +27,22 @@ import torch.nn.functional as F
 from kernels import cpu_layer_ops
 from kernels import reference as K
 from kernels.cpu_gemm import PackedWeight, PanelWeight, panel_available
-from kernels.cpu_quant import QuantWeight
 from kernels.ops import KernelBackend
 from services.worker.step_inputs import DeviceBatch
-from shared.model_loader import ModelConfig
+from shared.models.config import ModelConfig
+from shared.models.registry import family
+from shared.models.rope import cos_sin_table, rope_rows
 
 if TYPE_CHECKING:
     from services.worker.lora import LoRAStep
     from services.worker.tensor_parallel import TPGroup
 
+Layer = dict[str, Any]  # a layer's weights by role (see ``_build_layer``); None where absent
+
 
 @dataclass
 class ForwardBatch:
-    """Everything one forward pass needs besides the token ids and positions."""
+    """Everything one CPU-path forward pass needs besides the token ids and positions."""
 
     slot_mapping: torch.Tensor  # [T] cache slot of each token (-1: do not write)
     attn: K.AttentionPlan  # gathers for paged attention
@@ -41,6 +50,8 @@ class ForwardBatch:
     sample_rows: torch.Tensor  # [S] indices into T whose logits are wanted
     hidden_rows: torch.Tensor | None = None  # [P] rows whose final hidden states are wanted
     lora: LoRAStep | None = None  # the LoRA adapters of the step's rows (services/worker/lora.py)
+    # [T] each token's sequence's prompt length (length-dependent RoPE: shared/models/rope.py)
+    token_prompt_lens: torch.Tensor | None = None
 
 
 def _fuse(parts: list, dtype: torch.dtype) -> torch.Tensor | K.Weight:
@@ -60,45 +71,82 @@ def _fuse(parts: list, dtype: torch.dtype) -> torch.Tensor | K.Weight:
     )
 
 
-class LlamaModel(torch.nn.Module):
-    """HF-Llama-compatible decoder built from a ``ModelConfig`` and HF-named weights."""
+def _cat_bias(weights: dict[str, Any], names: list[str]) -> torch.Tensor | None:
+    got = [weights.get(n) for n in names]
+    return None if got[0] is None else torch.cat(got)
 
-    def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor | QuantWeight]) -> None:
+
+class DecoderModel(torch.nn.Module):
+    """A decoder built from a ``ModelConfig`` and its family's HF-named weights."""
+
+    def __init__(self, cfg: ModelConfig, weights: dict[str, Any]) -> None:
         super().__init__()
+        fam = family(cfg.family)
+        if fam.split is not None:  # fused checkpoint tensors (Phi-3) under Llama's names
+            weights = fam.split(weights, cfg)
         self.cfg = cfg
-        self.scale = cfg.head_dim**-0.5
+        self.scale = cfg.scale
         self.q_size = cfg.num_heads * cfg.head_dim
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
         self.embed = weights["model.embed_tokens.weight"]
         # tied: the embedding itself, or its quantized copy (--quantization gguf)
-        self.lm_head: torch.Tensor | PackedWeight | PanelWeight | QuantWeight = weights.get(
-            "lm_head.weight", self.embed
-        )
-        self.norm = weights["model.norm.weight"]
-        self.layers: list[dict[str, torch.Tensor | PackedWeight | PanelWeight]] = []
-        for i in range(cfg.num_layers):
-            p = f"model.layers.{i}."
-            w = {n: weights[p + n + ".weight"] for n in _LAYER_NAMES}
-            self.layers.append(
-                {
-                    "in_norm": w["input_layernorm"],
-                    "post_norm": w["post_attention_layernorm"],
-                    "qkv": _fuse(
-                        [w["self_attn.q_proj"], w["self_attn.k_proj"], w["self_attn.v_proj"]],
-                        self.embed.dtype,
-                    ),
-                    "o": w["self_attn.o_proj"],
-                    "gate_up": _fuse([w["mlp.gate_proj"], w["mlp.up_proj"]], self.embed.dtype),
-                    "down": w["mlp.down_proj"],
-                }
+        self.lm_head: Any = weights.get("lm_head.weight", self.embed)
+        self.norm = self._norm_weight(weights["model.norm.weight"])
+        self.layers: list[Layer] = [
+            self._build_layer(weights, f"model.layers.{i}.", fam.norms)
+            for i in range(cfg.num_layers)
+        ]
+        # one cos | sin table per distinct RoPE (Gemma 3: global and local), by layer
+        specs = list(dict.fromkeys(cfg.layer_rope(i) for i in range(cfg.num_layers)))
+        self.rope_tables = [
+            cos_sin_table(s, cfg.head_dim, cfg.max_position_embeddings, self.embed.dtype).to(
+                self.embed.device
             )
-        self.cos_sin = K.build_cos_sin_cache(
-            cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, self.embed.dtype
-        ).to(self.embed.device)
+            for s in specs
+        ]
+        self.rope_specs = specs
+        self.layer_table = [specs.index(cfg.layer_rope(i)) for i in range(cfg.num_layers)]
         self.native_layer_ops = False  # the CPU path's fused C elementwise ops (use_native_...)
         # tensor parallelism: this rank's collectives (services/worker/tensor_parallel.py);
         # None: the whole model here
         self.tp: TPGroup | None = None
+
+    def _norm_weight(self, w: torch.Tensor) -> torch.Tensor:
+        """A norm's scale as the kernels multiply by it: ``offset + w`` (Gemma's ``1 + w``,
+        added in fp32 as transformers does)."""
+        if not self.cfg.norm_offset:
+            return w
+        return (self.cfg.norm_offset + w.float()).to(w.dtype)
+
+    def _build_layer(self, weights: dict[str, Any], p: str, norms: dict[str, str]) -> Layer:
+        dt = self.embed.dtype
+        attn = [f"{p}self_attn.{n}_proj" for n in "qkv"]
+        mlp = [f"{p}mlp.{n}_proj" for n in ("gate", "up")]
+        layer: Layer = {
+            "qkv": _fuse([weights[n + ".weight"] for n in attn], dt),
+            "qkv_bias": _cat_bias(weights, [n + ".bias" for n in attn]),
+            "o": weights[f"{p}self_attn.o_proj.weight"],
+            "o_bias": weights.get(f"{p}self_attn.o_proj.bias"),
+            "gate_up": _fuse([weights[n + ".weight"] for n in mlp], dt),
+            "gate_up_bias": _cat_bias(weights, [n + ".bias" for n in mlp]),
+            "down": weights[f"{p}mlp.down_proj.weight"],
+            "down_bias": weights.get(f"{p}mlp.down_proj.bias"),
+        }
+        for role in ("attn_norm", "attn_out_norm", "mlp_norm", "mlp_out_norm", "q_norm", "k_norm"):
+            name = norms.get(role)
+            w = weights.get(f"{p}{name}.weight") if name else None
+            layer[role] = None if w is None else self._norm_weight(w)
+        return layer
+
+    @property
+    def length_dependent_rope(self) -> bool:
+        """Whether a token's rotation depends on its sequence's prompt length (longrope)."""
+        return any(s.length_dependent for s in self.rope_specs)
+
+    @property
+    def cos_sin(self) -> torch.Tensor:
+        """The first layer's cos | sin table."""
+        return self.rope_tables[0]
 
     @property
     def dtype(self) -> torch.dtype:
@@ -124,16 +172,16 @@ class LlamaModel(torch.nn.Module):
         return "panels" if pack is PanelWeight else "oneDNN"
 
     def use_native_layer_ops(self) -> bool:
-        """Run RMSNorm, RoPE with the KV write and SiLU-and-multiply of ``forward`` as one C
-        call each (kernels/cpu_layer_ops.py) when they can be built; returns whether they are."""
+        """Run RMSNorm, RoPE with the KV write and the activation of ``forward`` as one C call
+        each (kernels/cpu_layer_ops.py) when they can be built; returns whether they are."""
         self.native_layer_ops = (
             self.dtype == torch.float32 and self.device.type == "cpu" and cpu_layer_ops.available()
         )
         return self.native_layer_ops
 
-    def linear_weights(self) -> list[torch.Tensor | PackedWeight | PanelWeight]:
+    def linear_weights(self) -> list[Any]:
         """One linear weight of each distinct shape (what batch-invariance calibration tests)."""
-        seen: dict[tuple[int, ...], torch.Tensor | PackedWeight | PanelWeight] = {}
+        seen: dict[tuple[int, ...], Any] = {}
         for w in (*(self.layers[0][n] for n in ("qkv", "o", "gate_up", "down")), self.lm_head):
             seen.setdefault(tuple(w.shape), w)
         return list(seen.values())
@@ -149,6 +197,8 @@ class LlamaModel(torch.nn.Module):
             (torch.zeros(shape, dtype=dt, device=dev), torch.zeros(shape, dtype=dt, device=dev))
             for _ in range(self.cfg.num_layers)
         ]
+
+    # -- the two paths --------------------------------------------------------------------
 
     def forward(
         self,
@@ -169,70 +219,12 @@ class LlamaModel(torch.nn.Module):
         batch: ForwardBatch,
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """``forward``'s logits, and the final hidden states (after the last RMSNorm, fp32)
-        [P, hidden] of ``batch.hidden_rows`` (None when there are none): what embedding
-        requests pool."""
-        cfg, rows = self.cfg, batch.rows
-        native = self.native_layer_ops
-        norm = cpu_layer_ops.add_rms_norm if native else K.rms_norm
-        silu_and_mul = cpu_layer_ops.silu_and_mul if native else K.silu_and_mul
-        eps = cfg.rms_norm_eps
-        lora, tp = batch.lora, self.tp
-        h = self.embed[input_ids] if tp is None else tp.embed(input_ids, self.embed)
-        residual: torch.Tensor | None = None
-        for i, (layer, (k_cache, v_cache)) in enumerate(zip(self.layers, kv_caches, strict=True)):
-            x, residual = norm(h, layer["in_norm"], eps, residual)
-            qkv = K.linear(x, layer["qkv"], rows)
-            if lora is not None:
-                lora.apply(i, "qkv", x, qkv)
-            if native:
-                q = cpu_layer_ops.rope_write_kv(
-                    qkv,
-                    cfg.num_heads,
-                    cfg.num_kv_heads,
-                    positions,
-                    self.cos_sin,
-                    k_cache,
-                    v_cache,
-                    batch.slot_mapping,
-                )
-            else:
-                q = self._rope_write_kv(qkv, positions, k_cache, v_cache, batch.slot_mapping)
-            o = K.paged_attention(
-                q, k_cache, v_cache, None, None, None, self.scale, plan=batch.attn
-            )
-            o = o.view(-1, self.q_size)
-            h = K.linear(o, layer["o"], rows)
-            h = _reduce(tp, _lora(lora, i, "o", o, h))
-            x, residual = norm(h, layer["post_norm"], eps, residual)
-            gate_up = _lora(lora, i, "gate_up", x, K.linear(x, layer["gate_up"], rows))
-            m = silu_and_mul(gate_up)
-            h = _reduce(tp, _lora(lora, i, "down", m, K.linear(m, layer["down"], rows)))
-        s, p = batch.sample_rows, batch.hidden_rows
-        hidden = None if p is None else norm(h[p], self.norm, eps, residual[p])[0].float()
-        x, _ = norm(h[s], self.norm, eps, residual[s])
-        head_rows = None if rows is None else K.RowLayout(s.numel(), (), rows.tile, rows.pad)
-        logits = K.linear(x, self.lm_head, head_rows).float()
-        if tp is not None:
-            logits = tp.gather_logits(logits, self.cfg.vocab_size)
-        return logits, hidden
-
-    def _rope_write_kv(
-        self,
-        qkv: torch.Tensor,
-        positions: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        slot_mapping: torch.Tensor,
-    ) -> torch.Tensor:
-        """The reference kernels' RoPE and KV-cache write (what the native call fuses)."""
-        cfg, t = self.cfg, qkv.shape[0]
-        q = qkv[:, : self.q_size].view(t, cfg.num_heads, cfg.head_dim)
-        k = qkv[:, self.q_size : self.q_size + self.kv_size].view(t, cfg.num_kv_heads, cfg.head_dim)
-        v = qkv[:, self.q_size + self.kv_size :].view(t, cfg.num_kv_heads, cfg.head_dim)
-        q, k = K.rotary_embedding(positions, q, k, self.cos_sin)
-        K.write_kv_cache(k, v, k_cache, v_cache, slot_mapping)
-        return q
+        """The CPU path: ``forward``'s logits, and the final hidden states (after the last
+        norm, fp32) [P, hidden] of ``batch.hidden_rows`` (None when there are none): what
+        embedding requests pool."""
+        st = HostOps(self, batch, positions)
+        h, residual = self._body(st, input_ids, kv_caches, batch.lora)
+        return self._head(st, h, residual, batch.sample_rows, batch.hidden_rows)
 
     def forward_device(
         self,
@@ -252,70 +244,313 @@ class LlamaModel(torch.nn.Module):
         hidden_rows: torch.Tensor | None = None,
         lora: LoRAStep | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """One step through ``ops``, linear layers through ``K.linear`` (``F.linear``, cuBLAS on CUDA,
-        for dense weights; a quantized weight's own kernel otherwise);
-        returns fp32 logits [S, vocab] for ``batch.sample_rows`` (every row when None). No
-        host synchronisation: safe to capture in a CUDA graph when ``batch`` holds static
-        tensors and, for decode, a fixed ``num_splits``. With ``hidden_rows`` (a device
-        tensor of row indices) also the final hidden states of those rows (fp32), which
-        embedding requests pool."""
-        cfg = self.cfg
-        t, d = batch.input_ids.shape[0], cfg.head_dim
+        """The device path: one step through ``ops``, linear layers through ``K.linear``
+        (``F.linear``, cuBLAS on CUDA, for dense weights; a quantized weight's own kernel
+        otherwise); returns fp32 logits [S, vocab] for ``batch.sample_rows`` (every row when
+        None) and, with ``hidden_rows``, the final hidden states of those rows (fp32). No host
+        synchronisation: safe to capture in a CUDA graph when ``batch`` holds static tensors
+        and, for decode, a fixed ``num_splits``."""
+        st = DeviceOps(self, ops, batch)
+        h, residual = self._body(st, batch.input_ids, kv_caches, lora)
+        return self._head(st, h, residual, batch.sample_rows, hidden_rows)
+
+    # -- the model, once ----------------------------------------------------------------------
+
+    def _body(
+        self,
+        st: StepOps,
+        input_ids: torch.Tensor,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        lora: LoRAStep | None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Embeddings through every layer: (h, residual), whose sum is the residual stream
+        (vLLM's fused-residual form: a norm adds them as it reads them)."""
         tp = self.tp
-        h = (
-            F.embedding(batch.input_ids, self.embed)
-            if tp is None
-            else tp.embed(batch.input_ids, self.embed)
-        )
+        h = self.embed[input_ids] if tp is None else tp.embed(input_ids, self.embed)
+        if self.cfg.embed_scale != 1.0:
+            h = h * self.cfg.embed_scale
         residual: torch.Tensor | None = None
-        for i, (layer, (k_cache, v_cache)) in enumerate(zip(self.layers, kv_caches, strict=True)):
-            x, residual = ops.rms_norm(h, layer["in_norm"], cfg.rms_norm_eps, residual)
-            qkv = _lora(lora, i, "qkv", x, K.linear(x, layer["qkv"]))
-            # strided views into qkv: the kernels take row/head strides, so no copies here
-            q = qkv[:, : self.q_size].view(t, cfg.num_heads, d)
-            k = qkv[:, self.q_size : self.q_size + self.kv_size].view(t, cfg.num_kv_heads, d)
-            v = qkv[:, self.q_size + self.kv_size :].view(t, cfg.num_kv_heads, d)
-            q, k = ops.rotary_embedding(batch.positions, q, k, self.cos_sin)
-            ops.write_kv_cache(k, v, k_cache, v_cache, batch.slot_mapping)
-            if batch.query_start_loc is None:
-                o = ops.decode_attention(
-                    q,
-                    k_cache,
-                    v_cache,
-                    batch.block_tables,
-                    batch.seq_lens,
-                    self.scale,
-                    batch.num_splits,
-                )
-            else:
-                o = ops.extend_attention(
-                    q,
-                    k_cache,
-                    v_cache,
-                    batch.block_tables,
-                    batch.seq_lens,
-                    batch.query_start_loc,
-                    batch.max_query_len,
-                    self.scale,
-                )
-            o = o.reshape(t, self.q_size)
-            h = _reduce(tp, _lora(lora, i, "o", o, K.linear(o, layer["o"])))
-            x, residual = ops.rms_norm(h, layer["post_norm"], cfg.rms_norm_eps, residual)
-            m = ops.silu_and_mul(_lora(lora, i, "gate_up", x, K.linear(x, layer["gate_up"])))
-            h = _reduce(tp, _lora(lora, i, "down", m, K.linear(m, layer["down"])))
-        assert residual is not None
+        for i, (layer, cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
+            h, residual = self._layer(st, i, layer, cache, h, residual, lora)
+        return h, residual
+
+    def _layer(
+        self,
+        st: StepOps,
+        i: int,
+        layer: Layer,
+        cache: tuple[torch.Tensor, torch.Tensor],
+        h: torch.Tensor,
+        residual: torch.Tensor | None,
+        lora: LoRAStep | None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        cfg, tp = self.cfg, self.tp
+        post = cfg.norm_layout == "post"
+        if post:  # no norm before the block: it reads the stream itself
+            x = h if residual is None else h + residual
+            residual = x
+        else:
+            x, residual = st.norm(h, layer["attn_norm"], residual)
+        qkv = _plus(st.linear(x, layer["qkv"]), layer["qkv_bias"])
+        qkv = _lora(lora, i, "qkv", x, qkv)
+        if cfg.qk_norm:
+            qkv = self._qk_norm(st, layer, qkv)
+        q = st.rope_write(qkv, self.layer_table[i], cache)
+        o = st.attend(q, cache, cfg.window(i), cfg.attn_softcap).reshape(-1, self.q_size)
+        h = _reduce(tp, _lora(lora, i, "o", o, st.linear(o, layer["o"])))
+        h = _plus(h, layer["o_bias"])
+        if layer["attn_out_norm"] is not None:
+            h = st.norm(h, layer["attn_out_norm"])[0]
+        if cfg.residual_multiplier != 1.0:
+            h = h * cfg.residual_multiplier
+        if post:
+            x = h + residual
+            residual = x
+        else:
+            x, residual = st.norm(h, layer["mlp_norm"], residual)
+        gate_up = _lora(
+            lora, i, "gate_up", x, _plus(st.linear(x, layer["gate_up"]), layer["gate_up_bias"])
+        )
+        m = st.act(gate_up)
+        h = _reduce(tp, _lora(lora, i, "down", m, st.linear(m, layer["down"])))
+        h = _plus(h, layer["down_bias"])
+        if layer["mlp_out_norm"] is not None:
+            h = st.norm(h, layer["mlp_out_norm"])[0]
+        if cfg.residual_multiplier != 1.0:
+            h = h * cfg.residual_multiplier
+        return h, residual
+
+    def _qk_norm(self, st: StepOps, layer: Layer, qkv: torch.Tensor) -> torch.Tensor:
+        """RMSNorm of the queries and keys before RoPE: per head (Qwen3, Gemma 3) or over the
+        whole projection (OLMo 2). Returns the new fused q | k | v rows."""
+        t, qs, ks, d = qkv.shape[0], self.q_size, self.kv_size, self.cfg.head_dim
+        q, k, v = qkv[:, :qs], qkv[:, qs : qs + ks], qkv[:, qs + ks :]
+        if self.cfg.qk_norm == "head":
+            q = st.norm(q.reshape(-1, d), layer["q_norm"])[0].view(t, qs)
+            k = st.norm(k.reshape(-1, d), layer["k_norm"])[0].view(t, ks)
+        else:
+            q = st.norm(q.contiguous(), layer["q_norm"])[0]
+            k = st.norm(k.contiguous(), layer["k_norm"])[0]
+        return torch.cat([q, k, v], dim=1)
+
+    def _head(
+        self,
+        st: StepOps,
+        h: torch.Tensor,
+        residual: torch.Tensor | None,
+        sample_rows: torch.Tensor | None,
+        hidden_rows: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Final norm, then logits of ``sample_rows`` (all when None) and the hidden states of
+        ``hidden_rows``."""
+        cfg = self.cfg
+        if residual is None:  # no layer added to it (never for a real model)
+            residual = torch.zeros_like(h)
         hidden = None
         if hidden_rows is not None:  # before the head's norm, which may update in place
             hr = (h.index_select(0, hidden_rows), residual.index_select(0, hidden_rows))
-            hidden = ops.rms_norm(hr[0], self.norm, cfg.rms_norm_eps, hr[1])[0].float()
-        if batch.sample_rows is not None:
-            h = h.index_select(0, batch.sample_rows)
-            residual = residual.index_select(0, batch.sample_rows)
-        x, _ = ops.rms_norm(h, self.norm, cfg.rms_norm_eps, residual)
-        logits = K.linear(x, self.lm_head).float()
-        if tp is not None:
-            logits = tp.gather_logits(logits, cfg.vocab_size)
+            hidden = st.norm(hr[0], self.norm, hr[1])[0].float()
+        if sample_rows is not None:
+            h = h.index_select(0, sample_rows)
+            residual = residual.index_select(0, sample_rows)
+        x, _ = st.norm(h, self.norm, residual)
+        logits = st.head_linear(x, self.lm_head).float()
+        if self.tp is not None:
+            logits = self.tp.gather_logits(logits, cfg.vocab_size)
+        if cfg.logits_divisor != 1.0:
+            logits = logits / cfg.logits_divisor
+        if cfg.final_softcap:
+            logits = torch.tanh(logits / cfg.final_softcap) * cfg.final_softcap
         return logits, hidden
+
+
+class StepOps:
+    """One step's ops over the model's weights (what differs between the two paths)."""
+
+    model: DecoderModel
+
+    def norm(
+        self, x: torch.Tensor, w: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        raise NotImplementedError
+
+    def linear(self, x: torch.Tensor, w: Any) -> torch.Tensor:
+        raise NotImplementedError
+
+    def head_linear(self, x: torch.Tensor, w: Any) -> torch.Tensor:
+        raise NotImplementedError
+
+    def act(self, gate_up: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def rope_write(
+        self, qkv: torch.Tensor, table: int, cache: tuple[torch.Tensor, torch.Tensor]
+    ) -> torch.Tensor:
+        """Rotate q and k of ``qkv`` with RoPE table ``table``, store k and v in ``cache``;
+        return q [T, H, D]."""
+        raise NotImplementedError
+
+    def attend(
+        self, q: torch.Tensor, cache: tuple[torch.Tensor, torch.Tensor], window: int, cap: float
+    ) -> torch.Tensor:
+        raise NotImplementedError
+
+    def _split(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Strided views of q [T, H, D], k and v [T, Hkv, D] into ``qkv``: no copies."""
+        m, t = self.model, qkv.shape[0]
+        cfg, qs, ks = m.cfg, m.q_size, m.kv_size
+        q = qkv[:, :qs].view(t, cfg.num_heads, cfg.head_dim)
+        k = qkv[:, qs : qs + ks].view(t, cfg.num_kv_heads, cfg.head_dim)
+        v = qkv[:, qs + ks :].view(t, cfg.num_kv_heads, cfg.head_dim)
+        return q, k, v
+
+
+def _act_torch(kind: str, x: torch.Tensor) -> torch.Tensor:
+    """``act(gate) * up`` of a fused gate | up projection in plain torch."""
+    if kind == "silu":
+        return K.silu_and_mul(x)
+    if kind == "gelu_tanh":
+        return K.gelu_tanh_and_mul(x)
+    d = x.shape[-1] // 2
+    return F.gelu(x[..., :d]) * x[..., d:]
+
+
+class HostOps(StepOps):
+    """The CPU path: batch-invariant GEMM rows, native C ops where they built."""
+
+    def __init__(self, model: DecoderModel, batch: ForwardBatch, positions: torch.Tensor) -> None:
+        self.model, self.batch = model, batch
+        self.native = model.native_layer_ops
+        self.eps = model.cfg.rms_norm_eps
+        # each table's row of every token (longrope moves long sequences to its long rows)
+        plens, maxpos = batch.token_prompt_lens, model.cfg.max_position_embeddings
+        self.rows = [
+            rope_rows(s, positions, plens, maxpos) if plens is not None else positions
+            for s in model.rope_specs
+        ]
+
+    def norm(
+        self, x: torch.Tensor, w: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.native:
+            return cpu_layer_ops.add_rms_norm(x, w, self.eps, residual)
+        return K.rms_norm(x, w, self.eps, residual)
+
+    def linear(self, x: torch.Tensor, w: Any) -> torch.Tensor:
+        return K.linear(x, w, self.batch.rows)
+
+    def head_linear(self, x: torch.Tensor, w: Any) -> torch.Tensor:
+        rows = self.batch.rows
+        s = x.shape[0]
+        head_rows = None if rows is None else K.RowLayout(s, (), rows.tile, rows.pad)
+        return K.linear(x, w, head_rows)
+
+    def act(self, gate_up: torch.Tensor) -> torch.Tensor:
+        kind = self.model.cfg.hidden_act
+        if self.native and kind == "silu":
+            return cpu_layer_ops.silu_and_mul(gate_up)
+        if self.native and kind == "gelu_tanh":
+            return cpu_layer_ops.gelu_tanh_and_mul(gate_up)
+        return _act_torch(kind, gate_up)
+
+    def rope_write(
+        self, qkv: torch.Tensor, table: int, cache: tuple[torch.Tensor, torch.Tensor]
+    ) -> torch.Tensor:
+        m, slots = self.model, self.batch.slot_mapping
+        cos_sin, rows = m.rope_tables[table], self.rows[table]
+        if self.native:
+            cfg = m.cfg
+            return cpu_layer_ops.rope_write_kv(
+                qkv, cfg.num_heads, cfg.num_kv_heads, rows, cos_sin, cache[0], cache[1], slots
+            )
+        q, k, v = self._split(qkv)
+        q, k = K.rotary_embedding(rows, q, k, cos_sin)
+        K.write_kv_cache(k, v, cache[0], cache[1], slots)
+        return q
+
+    def attend(
+        self, q: torch.Tensor, cache: tuple[torch.Tensor, torch.Tensor], window: int, cap: float
+    ) -> torch.Tensor:
+        plan, scale = self.batch.attn, self.model.scale
+        return K.paged_attention(
+            q, cache[0], cache[1], None, None, None, scale, plan=plan, window=window, softcap=cap
+        )
+
+
+class DeviceOps(StepOps):
+    """The device path: a kernel backend over a ``DeviceBatch``; no host syncs."""
+
+    def __init__(self, model: DecoderModel, ops: KernelBackend, batch: DeviceBatch) -> None:
+        self.model, self.ops, self.batch = model, ops, batch
+        self.eps = model.cfg.rms_norm_eps
+        plens, maxpos = batch.prompt_lens, model.cfg.max_position_embeddings
+        self.rows = [
+            rope_rows(s, batch.positions, plens, maxpos) if plens is not None else batch.positions
+            for s in model.rope_specs
+        ]
+
+    def norm(
+        self, x: torch.Tensor, w: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.ops.rms_norm(x, w, self.eps, residual)
+
+    def linear(self, x: torch.Tensor, w: Any) -> torch.Tensor:
+        return K.linear(x, w)
+
+    def head_linear(self, x: torch.Tensor, w: Any) -> torch.Tensor:
+        return K.linear(x, w)
+
+    def act(self, gate_up: torch.Tensor) -> torch.Tensor:
+        kind = self.model.cfg.hidden_act
+        if kind == "silu":
+            return self.ops.silu_and_mul(gate_up)
+        if kind == "gelu_tanh":
+            return self.ops.gelu_tanh_and_mul(gate_up)
+        return _act_torch(kind, gate_up)
+
+    def rope_write(
+        self, qkv: torch.Tensor, table: int, cache: tuple[torch.Tensor, torch.Tensor]
+    ) -> torch.Tensor:
+        # strided views into qkv: the kernels take row/head strides, so no copies here
+        q, k, v = self._split(qkv)
+        cos_sin = self.model.rope_tables[table]
+        q, k = self.ops.rotary_embedding(self.rows[table], q, k, cos_sin)
+        self.ops.write_kv_cache(k, v, cache[0], cache[1], self.batch.slot_mapping)
+        return q
+
+    def attend(
+        self, q: torch.Tensor, cache: tuple[torch.Tensor, torch.Tensor], window: int, cap: float
+    ) -> torch.Tensor:
+        b, scale = self.batch, self.model.scale
+        if b.query_start_loc is None:
+            return self.ops.decode_attention(
+                q,
+                cache[0],
+                cache[1],
+                b.block_tables,
+                b.seq_lens,
+                scale,
+                b.num_splits,
+                window=window,
+                softcap=cap,
+            )
+        return self.ops.extend_attention(
+            q,
+            cache[0],
+            cache[1],
+            b.block_tables,
+            b.seq_lens,
+            b.query_start_loc,
+            b.max_query_len,
+            scale,
+            window=window,
+            softcap=cap,
+        )
+
+
+def _plus(x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``x + bias`` in place (x is a fresh GEMM output), or ``x`` without a bias."""
+    return x if bias is None else x.add_(bias)
 
 
 def _reduce(tp: TPGroup | None, partial: torch.Tensor) -> torch.Tensor:
@@ -330,16 +565,3 @@ def _lora(
     if lora is not None:
         lora.apply(layer, group, x, out)
     return out
-
-
-_LAYER_NAMES = (
-    "input_layernorm",
-    "post_attention_layernorm",
-    "self_attn.q_proj",
-    "self_attn.k_proj",
-    "self_attn.v_proj",
-    "self_attn.o_proj",
-    "mlp.gate_proj",
-    "mlp.up_proj",
-    "mlp.down_proj",
-)

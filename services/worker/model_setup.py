@@ -20,7 +20,7 @@ from kernels.fp8_linear import Fp8Weight, fp8_supported
 from kernels.ops import KernelBackend, get_backend
 from services.worker.cuda_graphs import DecodeGraphs, capture_sizes
 from services.worker.device import kernel_backend as default_backend
-from services.worker.model import LlamaModel
+from services.worker.model import DecoderModel
 from services.worker.step_inputs import DeviceBatch
 from shared.config import CacheSettings, ModelSettings, WorkerSettings
 from shared.model_loader import ModelConfig, load_config, load_weights
@@ -168,7 +168,7 @@ class LoadedModel:
 
     device: torch.device
     ops: KernelBackend | None  # the device path's kernels; None: the CPU path
-    model: LlamaModel
+    model: DecoderModel
     gemm_rows: GemmRows | None  # batch-invariant row layout (CPU path)
     decode_fn: Callable[..., Any] | None  # the C decode-attention kernel (CPU path)
     gemm: str  # how linear layers run, for the log
@@ -198,7 +198,7 @@ def load_model(
         weights = load_weights(src, config, spec.dtype, quantization)
     if ops is not None:
         weights = {n: to_device_weight(w, device) for n, w in weights.items()}
-    model = LlamaModel(config, weights)
+    model = DecoderModel(config, weights)
     fp32 = model.dtype == torch.float32 and ops is None
     packed = cpu.packed_gemm
     if packed is None:
@@ -217,7 +217,7 @@ def load_model(
     return LoadedModel(device, ops, model, gemm_rows if batch_invariant else None, decode_fn, gemm)
 
 
-def calibrate_gemm_rows(model: LlamaModel) -> GemmRows:
+def calibrate_gemm_rows(model: DecoderModel) -> GemmRows:
     """Test this machine's GEMM on the model's own weights, one of each shape (15-20 s on
     2 cores), or reuse this machine's earlier answer for the same shapes."""
     t0 = time.perf_counter()
@@ -232,7 +232,7 @@ def kv_block_bytes(cfg: ModelConfig, kv_heads: int, block_size: int, dtype: torc
     return 2 * cfg.num_layers * block_size * kv_heads * cfg.head_dim * torch.finfo(dtype).bits // 8
 
 
-def kv_cache_blocks(model: LlamaModel, kv: KvSpec) -> int:
+def kv_cache_blocks(model: DecoderModel, kv: KvSpec) -> int:
     """``kv.num_blocks``, or as many blocks as ``kv.kv_cache_gib`` holds for this model."""
     cfg = model.cfg
     per_block = kv_block_bytes(cfg, cfg.num_kv_heads, kv.block_size, model.dtype)
@@ -253,7 +253,7 @@ def make_decode_graphs(
     max_len: int,
     block_size: int,
     max_num_seqs: int,
-) -> DecodeGraphs:
+) -> DecodeGraphs | None:
     """Decode graphs for a ladder of batch sizes up to ``max_num_seqs``, captured now on
     CUDA (before any step: the warm-up runs write no KV)."""
     ops, model, device = loaded.ops, loaded.model, loaded.device
@@ -273,6 +273,9 @@ def make_decode_graphs(
         ctx = max_blocks * block_size
         return default_num_splits(size, cfg.num_kv_heads, group, ctx, device)
 
+    if model.length_dependent_rope:
+        log.info("decode graphs off: this model's RoPE depends on each sequence's prompt length")
+        return None
     graphs = DecodeGraphs(
         forward,
         capture_sizes(max_num_seqs),

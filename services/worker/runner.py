@@ -8,7 +8,7 @@ native CPU kernel (kernels/cpu_native.py) where a C compiler is available: a seq
 are bit-identical whatever else is in the step, so batching never changes greedy output.
 
 On a GPU (``device="cuda"``) the same StepPlans run through the Triton kernels
-(``LlamaModel.forward_device``): the step's metadata is built here on the host and copied to the
+(``DecoderModel.forward_device``): the step's metadata is built here on the host and copied to the
 device once (services/worker/step_inputs.py), decode-only steps replay CUDA graphs
 (services/worker/cuda_graphs.py) and prefill / mixed steps run eagerly. Greedy rows are sampled
 on the device; anything else (temperature, penalties, bias, grammars, logprobs) moves the
@@ -386,6 +386,8 @@ class ModelRunner:
             return logits.index_select(0, torch.tensor(rows, device=self.device)), None
         qlens = [len(s.token_ids) for s in seqs]
         batch = pack(HostStep(ids, pos, slots, tables, ends, qlens, rows), self.device)
+        if self.model.length_dependent_rope:
+            batch.prompt_lens = torch.tensor(step.prompt_lens, device=self.device)
         pool = torch.tensor(step.pool_rows, device=self.device) if step.pool_rows else None
         return self.model.forward_device_pooled(self.ops, batch, self.kv_caches, pool, lora)
 

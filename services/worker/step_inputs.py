@@ -2,7 +2,7 @@
 StepPlan, packed into one int32 buffer (pinned on CUDA) and copied to the device once per step
 with ``non_blocking``, then read through views.
 
-``DeviceBatch`` is what ``LlamaModel.forward_device`` takes; the CUDA-graph decode path
+``DeviceBatch`` is what ``DecoderModel.forward_device`` takes; the CUDA-graph decode path
 (services/worker/cuda_graphs.py) fills the same fields from static buffers instead.
 """
 
@@ -32,6 +32,9 @@ class DeviceBatch:
     max_query_len: int
     sample_rows: torch.Tensor | None  # [S] int32 rows whose logits are wanted; None: all
     num_splits: int | None = None  # decode: flash-decoding splits (None: from the shapes)
+    # [T] each token's sequence's prompt length, for length-dependent RoPE (longrope; None
+    # otherwise: such models run without decode graphs)
+    prompt_lens: torch.Tensor | None = None
 
 
 @dataclass

@@ -33,6 +33,7 @@ class StepRows:
     # pooled, and per request of them (in order) how many of those rows are its
     pool_rows: list[int] = field(default_factory=list)
     pool_pieces: list[tuple[str, int]] = field(default_factory=list)
+    prompt_lens: list[int] = field(default_factory=list)  # per row: its sequence's prompt length
 
     @property
     def logits_rows(self) -> list[int]:
@@ -69,9 +70,10 @@ def lay_out(
         for p in range(s.start_pos, end):
             step.slots.append(s.block_table[p // bs] * bs + p % bs)
         step.pos += range(s.start_pos, end)
+        st = requests.get(s.request_id)
+        step.prompt_lens += [getattr(st, "prompt_len", None) or end] * n
         if n > 1:
             step.segments.append((start_row, len(step.ids)))
-        st = requests.get(s.request_id)
         pool = getattr(st, "pool", None)
         if pool is not None:  # an embedding request: pooled rows, nothing sampled
             rows = pool.rows_of(s)
@@ -108,4 +110,5 @@ def host_batch(
         rows=rows,
         sample_rows=torch.tensor(step.logits_rows, dtype=torch.long),
         hidden_rows=torch.tensor(step.pool_rows, dtype=torch.long) if step.pool_rows else None,
+        token_prompt_lens=torch.tensor(step.prompt_lens),
     )

@@ -143,6 +143,57 @@ def test_decode_attention_split_count_does_not_change_result(device, dtype):
 
 
 @pytest.mark.parametrize("device,dtype", DEVICE_DTYPES)
+@pytest.mark.parametrize(
+    "h,hkv,d,block_size,seq_lens,num_splits,window,softcap",
+    [
+        # GQA 2; a window across blocks, split 4 ways; contexts shorter than the window
+        (4, 2, 16, 5, [1, 7, 33, 70], 4, 8, 0.0),
+        # GQA 3, the default split count (sized by the window), window and soft-capping
+        (6, 2, 16, 16, [45, 3, 17], None, 20, 2.0),
+        # a window of one key: the new token attends only itself
+        (4, 4, 16, 4, [40, 9, 1], 3, 1, 0.0),
+        # soft-capping alone
+        (4, 2, 16, 8, [30, 12], 2, 0, 1.5),
+    ],
+)
+def test_decode_attention_window_and_softcap(
+    device, dtype, h, hkv, d, block_size, seq_lens, num_splits, window, softcap
+):
+    g = torch.Generator().manual_seed(len(seq_lens) * 10 + window)
+    pc = Paged(seq_lens, h, hkv, d, block_size, dtype, device, seed=h + window)
+    q = pc.queries(len(seq_lens), g) * 3  # scores large enough for soft-capping to bite
+    out = TRI.decode_attention(
+        q, pc.k_cache, pc.v_cache, pc.block_tables, pc.seq_lens, pc.scale, num_splits,
+        window=window, softcap=softcap,
+    )  # fmt: skip
+    ref = REF.decode_attention(
+        f32(q), f32(pc.k_cache), f32(pc.v_cache), pc.block_tables.cpu(), pc.seq_lens.cpu(),
+        pc.scale, window=window, softcap=softcap,
+    )  # fmt: skip
+    assert out.shape == q.shape and out.dtype == dtype
+    close(out, ref, dtype)
+
+
+@pytest.mark.parametrize("device,dtype", DEVICE_DTYPES)
+def test_windowed_decode_split_count_does_not_change_result(device, dtype):
+    """The splits divide the window, so more splits than the window has keys leave empty
+    splits, which the reduction must skip by the same test; and block-table entries before
+    the window are never read (garbage there changes nothing)."""
+    g = torch.Generator().manual_seed(8)
+    pc = Paged([3, 40, 97], 4, 2, 16, 8, dtype, device, seed=8)
+    q = pc.queries(3, g)
+    args = (q, pc.k_cache, pc.v_cache, pc.block_tables, pc.seq_lens, pc.scale)
+    base = TRI.decode_attention(*args, 1, window=6)
+    for splits in (2, 5, 8):
+        close(TRI.decode_attention(*args, splits, window=6), base, dtype)
+    tables = pc.block_tables.clone()
+    tables[1, :4] = 10**6  # keys 0..31 of the 40; the window starts at key 34
+    tables[2, :11] = -(10**6)  # keys 0..87 of the 97; the window starts at key 91
+    moved = TRI.decode_attention(*args[:3], tables, *args[4:], 3, window=6)
+    close(moved, base, dtype)
+
+
+@pytest.mark.parametrize("device,dtype", DEVICE_DTYPES)
 @pytest.mark.parametrize("backend", ["triton", "reference"])
 def test_decode_attention_padded_rows_are_zero(device, dtype, backend):
     """Rows with seq_len 0 (a CUDA-graph batch padded to its captured size) give zeros and
@@ -197,6 +248,35 @@ def test_extend_attention(device, dtype, h, hkv, d, block_size):
         max(qlens),
         pc.scale,
     )
+    assert out.shape == q.shape and out.dtype == dtype
+    close(out, ref, dtype)
+
+
+@pytest.mark.parametrize("device,dtype", DEVICE_DTYPES)
+@pytest.mark.parametrize(
+    "h,hkv,window,softcap",
+    [(4, 2, 5, 0.0), (6, 2, 0, 2.0), (6, 2, 16, 1.5), (4, 4, 1, 0.0), (4, 2, 100, 0.0)],
+    ids=["window5", "softcap", "window16-softcap", "window1", "window-past-all"],
+)
+def test_extend_attention_window_and_softcap(device, dtype, h, hkv, window, softcap):
+    # (seq_len, query_len): a prefill over two query tiles (the second tile's key loop starts
+    # inside the context with a window), cached prefixes with short and long chunks, one-token
+    # rows, a context shorter than the window
+    seqs = [(40, 40), (37, 3), (20, 1), (50, 13), (4, 4)]
+    d, block_size = 16, 5
+    g = torch.Generator().manual_seed(h * 10 + window)
+    pc = Paged([n for n, _ in seqs], h, hkv, d, block_size, dtype, device, seed=window)
+    qlens = [nq for _, nq in seqs]
+    q = pc.queries(sum(qlens), g) * 3
+    qsl = torch.tensor([0, *torch.tensor(qlens).cumsum(0).tolist()], dtype=torch.int32)
+    out = TRI.extend_attention(
+        q, pc.k_cache, pc.v_cache, pc.block_tables, pc.seq_lens, qsl.to(device), max(qlens),
+        pc.scale, window=window, softcap=softcap,
+    )  # fmt: skip
+    ref = REF.extend_attention(
+        f32(q), f32(pc.k_cache), f32(pc.v_cache), pc.block_tables.cpu(), pc.seq_lens.cpu(), qsl,
+        max(qlens), pc.scale, window=window, softcap=softcap,
+    )  # fmt: skip
     assert out.shape == q.shape and out.dtype == dtype
     close(out, ref, dtype)
 
@@ -288,6 +368,15 @@ def test_silu_and_mul(device, dtype):
     out = TRI.silu_and_mul(x)
     assert out.shape == (2, 5, 48) and out.dtype == dtype
     close(out, REF.silu_and_mul(f32(x)), dtype)
+
+
+@pytest.mark.parametrize("device,dtype", DEVICE_DTYPES)
+def test_gelu_tanh_and_mul(device, dtype):
+    g = torch.Generator().manual_seed(1)
+    x = 3 * randn(2, 5, 2 * 48, dtype=dtype, device=device, g=g)
+    out = TRI.gelu_tanh_and_mul(x)
+    assert out.shape == (2, 5, 48) and out.dtype == dtype
+    close(out, REF.gelu_tanh_and_mul(f32(x)), dtype)
 
 
 @pytest.mark.parametrize("device,dtype", DEVICE_DTYPES)
@@ -411,8 +500,9 @@ def test_kernels_compile_for_h100_without_spills():
         cwd=Path(__file__).resolve().parents[2],
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    # 17 attention/layer configurations + the quantized matmul (3 weight kinds x 2 row tiles)
-    assert "23 kernels compiled, 0 with spills" in proc.stdout, proc.stdout
+    # 26 attention/layer configurations (8 with a sliding window and soft-capping on) + the
+    # quantized matmul (3 weight kinds x 2 row tiles)
+    assert "32 kernels compiled, 0 with spills" in proc.stdout, proc.stdout
     assert proc.stdout.count("| _quant_matmul_kernel |") == 6, proc.stdout
 
 

@@ -1,11 +1,12 @@
 """The native CPU layer ops (kernels/csrc/layer_ops_cpu.c) against the PyTorch reference
-(kernels/reference.py): RMSNorm with the residual add, RoPE with the KV-cache write, and
-SiLU-and-multiply; their batch invariance and their input checks."""
+(kernels/reference.py): RMSNorm with the residual add, RoPE with the KV-cache write,
+SiLU-and-multiply and GELU(tanh)-and-multiply; their batch invariance and their input checks."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from kernels import cpu_layer_ops as L
 from kernels import cpu_native
@@ -54,6 +55,31 @@ def test_silu_and_mul_matches_the_reference_over_the_whole_range() -> None:
     torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-30)
 
 
+def test_gelu_tanh_and_mul_matches_torch_and_the_reference() -> None:
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(9, 2 * 300, generator=g) * 3
+    x[0, :6] = torch.tensor([0.0, -0.0, 100.0, -100.0, 1e20, -1e20])
+    gate, up = x[:, :300], x[:, 300:]
+    got = L.gelu_tanh_and_mul(x)
+    torch.testing.assert_close(got, K.gelu_tanh_and_mul(x), rtol=1e-6, atol=1e-30)
+    # F.gelu's 1 + tanh(y) loses ~1e-7 of |g| for g < 0 (cancellation): an absolute floor
+    want = F.gelu(gate, approximate="tanh") * up
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6 * float(up.abs().max()))
+    gd = gate.double()
+    exact = 0.5 * gd * (1 + torch.tanh((2 / torch.pi) ** 0.5 * (gd + 0.044715 * gd**3)))
+    # against the exact value: fp32's rounding of y (~6e-8 |2y| relative in exp(-2y)) grows
+    # with |g| in the negative tail, so the comparison stops at |g| < 6 (|2y| < 25)
+    near = gate.abs() < 6
+    torch.testing.assert_close(
+        got.double()[near], (exact * up.double())[near], rtol=5e-6, atol=1e-30
+    )
+    # strided rows (a column slice of a wider buffer)
+    wide = torch.randn(4, 2 * 64 + 5, generator=g)
+    torch.testing.assert_close(
+        L.gelu_tanh_and_mul(wide[:, :128]), K.gelu_tanh_and_mul(wide[:, :128]), rtol=1e-6, atol=0
+    )
+
+
 def _split(qkv: torch.Tensor, h: int, hkv: int, d: int):  # noqa: ANN202
     t = qkv.shape[0]
     q = qkv[:, : h * d].view(t, h, d)
@@ -86,10 +112,12 @@ def test_each_row_is_the_same_alone_and_in_a_batch() -> None:
     gu = torch.randn(13, 2 * 1536, generator=g) * 4
     big, _ = L.add_rms_norm(x, w, 1e-5, r.clone())
     silu = L.silu_and_mul(gu)
+    gelu = L.gelu_tanh_and_mul(gu)
     for i in (0, 6, 12):
         alone, _ = L.add_rms_norm(x[i : i + 1], w, 1e-5, r[i : i + 1].clone())
         assert torch.equal(alone[0], big[i])
         assert torch.equal(L.silu_and_mul(gu[i : i + 1])[0], silu[i])
+        assert torch.equal(L.gelu_tanh_and_mul(gu[i : i + 1])[0], gelu[i])
 
 
 def test_bad_inputs_are_refused() -> None:
@@ -109,3 +137,5 @@ def test_bad_inputs_are_refused() -> None:
         L.add_rms_norm(torch.randn(2, 8).double(), torch.ones(8), 1e-5)
     with pytest.raises(ValueError, match="even"):
         L.silu_and_mul(torch.randn(2, 7))
+    with pytest.raises(ValueError, match="even"):
+        L.gelu_tanh_and_mul(torch.randn(2, 7))

@@ -8,7 +8,7 @@ import torch
 
 from kernels import cpu_native
 from kernels import reference as K
-from tests.unit.test_kernels_reference import CASES, D, run_paged
+from tests.unit.test_kernels_reference import CASES, WINDOW_SOFTCAP, D, run_paged
 
 # Only a missing compiler skips; a kernel that fails to build fails these tests.
 pytestmark = pytest.mark.skipif(
@@ -47,6 +47,19 @@ def test_matches_dense_attention(case: str, ratio: int) -> None:
     torch.testing.assert_close(out, torch.cat(refs), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("window,softcap", WINDOW_SOFTCAP)
+@pytest.mark.parametrize("ratio", [2, 3])
+@pytest.mark.parametrize("case", ["decode_mixed_lengths", "mixed_batch"])
+def test_window_and_softcap_match_dense_attention(
+    case: str, ratio: int, window: int, softcap: float
+) -> None:
+    out, refs = run_paged(
+        CASES[case], 2 * ratio, 2, seed=ratio, decode_fn=cpu_native.paged_decode_attention,
+        window=window, softcap=softcap, q_gain=3.0,
+    )  # fmt: skip
+    torch.testing.assert_close(out, torch.cat(refs), rtol=1e-5, atol=1e-5)
+
+
 def make_cache(lens: list[int], h: int, hkv: int, bs: int, seed: int) -> tuple[torch.Tensor, ...]:
     g = torch.Generator().manual_seed(seed)
     need = [-(-n // bs) for n in lens]
@@ -74,22 +87,57 @@ def test_matches_the_torch_decode_path() -> None:
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("window,softcap", [(0, 0.0), (50, 0.0), (9, 1.5), (0, 2.0)])
+def test_window_and_softcap_match_the_torch_decode_path(window: int, softcap: float) -> None:
+    q, kc, vc, tables, lens = make_cache([1, 16, 17, 250, 3, 60], h=9, hkv=3, bs=16, seed=5)
+    q = q * 3  # scores large enough for soft-capping to bite
+    plan = K.plan_attention(
+        tables.clamp(max=kc.shape[0] - 1).long(), lens.long(), torch.ones(6, dtype=torch.long), 16
+    )
+    ref = K.paged_attention(
+        q, kc, vc, None, None, None, D**-0.5, plan=plan, window=window, softcap=softcap
+    )
+    out = cpu_native.paged_decode_attention(q, kc, vc, tables, lens, D**-0.5, window, softcap)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_a_window_reads_no_block_before_it() -> None:
+    """Block-table entries wholly before a sequence's window are never read: garbage there
+    (a freed block's slot) neither fails the bounds check nor changes the result."""
+    q, kc, vc, tables, lens = make_cache([40, 33], h=4, hkv=2, bs=8, seed=6)
+    want = cpu_native.paged_decode_attention(q, kc, vc, tables, lens, 0.25, window=10)
+    tables[0, :3] = -1  # keys 0..23; the window of 40 starts at key 30
+    tables[1, :2] = 10**6  # keys 0..15; the window of 33 starts at key 23
+    got = cpu_native.paged_decode_attention(q, kc, vc, tables, lens, 0.25, window=10)
+    assert torch.equal(got, want)
+    with pytest.raises(ValueError, match="block id outside"):  # a window reaching into them
+        cpu_native.paged_decode_attention(q, kc, vc, tables, lens, 0.25, window=20)
+
+
+@pytest.mark.parametrize("window,softcap", [(0, 0.0), (50, 0.0), (7, 0.0), (50, 2.0)])
 @pytest.mark.parametrize("threads", [1, 2])
-def test_a_sequence_gets_the_same_bits_in_any_batch(threads: int) -> None:
+def test_a_sequence_gets_the_same_bits_in_any_batch(
+    threads: int, window: int, softcap: float
+) -> None:
     """Alone, first of many, or last of many (the kernel splits work differently for small and
-    large batches), with one or two threads: not one bit changes."""
+    large batches), with one or two threads, with or without a window and soft-capping: not one
+    bit changes."""
     q, kc, vc, tables, lens = make_cache([1, 40, 7, 300, 65, 12, 2, 99], h=6, hkv=2, bs=8, seed=2)
+    q = q * 3
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
+    kw = {"window": window, "softcap": softcap}
     try:
-        full = cpu_native.paged_decode_attention(q, kc, vc, tables, lens, 0.25)
+        full = cpu_native.paged_decode_attention(q, kc, vc, tables, lens, 0.25, **kw)
         for i in range(len(lens)):
             alone = cpu_native.paged_decode_attention(
-                q[i : i + 1], kc, vc, tables[i : i + 1], lens[i : i + 1], 0.25
+                q[i : i + 1], kc, vc, tables[i : i + 1], lens[i : i + 1], 0.25, **kw
             )
             assert torch.equal(alone[0], full[i])
         rev = torch.arange(len(lens) - 1, -1, -1)
-        flipped = cpu_native.paged_decode_attention(q[rev], kc, vc, tables[rev], lens[rev], 0.25)
+        flipped = cpu_native.paged_decode_attention(
+            q[rev], kc, vc, tables[rev], lens[rev], 0.25, **kw
+        )
         assert torch.equal(flipped, full[rev])
     finally:
         torch.set_num_threads(before)
@@ -118,6 +166,10 @@ def test_rejects_wrong_dtypes_and_lengths() -> None:
     with pytest.raises(ValueError, match="context length"):
         too_long = torch.tensor([20, tables.shape[1] * 8 + 1], dtype=torch.int32)
         cpu_native.paged_decode_attention(q, kc, vc, tables, too_long, 0.25)
+    with pytest.raises(ValueError, match=">= 0"):
+        cpu_native.paged_decode_attention(q, kc, vc, tables, lens, 0.25, window=-1)
+    with pytest.raises(ValueError, match=">= 0"):
+        cpu_native.paged_decode_attention(q, kc, vc, tables, lens, 0.25, softcap=-1.0)
 
 
 def test_the_library_is_cached_by_source_hash(tmp_path, monkeypatch) -> None:

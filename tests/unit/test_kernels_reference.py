@@ -21,14 +21,23 @@ D = 16
 BS = 5  # block size deliberately not a power of two
 
 
-def naive_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """q [nq, H, D] are the last nq of the nk positions in k/v [nk, Hkv, D]; fp64, dense."""
+def naive_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int = 0, softcap: float = 0.0
+) -> torch.Tensor:
+    """q [nq, H, D] are the last nq of the nk positions in k/v [nk, Hkv, D]; fp64, dense. With
+    ``window``, query position i sees keys ``i - window < j <= i`` only (HF's semantics); with
+    ``softcap``, scores become ``softcap * tanh(score / softcap)`` before the mask."""
     nq, h, _ = q.shape
     nk, hkv, _ = k.shape
     rep = h // hkv
     k, v = k.double().repeat_interleave(rep, 1), v.double().repeat_interleave(rep, 1)
     s = torch.einsum("qhd,khd->hqk", q.double(), k) * D**-0.5
-    allowed = torch.arange(nk)[None, :] <= torch.arange(nk - nq, nk)[:, None]
+    if softcap:
+        s = softcap * torch.tanh(s / softcap)
+    kpos, qpos = torch.arange(nk)[None, :], torch.arange(nk - nq, nk)[:, None]
+    allowed = kpos <= qpos
+    if window:
+        allowed &= kpos > qpos - window
     s = s.masked_fill(~allowed, float("-inf"))
     return torch.einsum("hqk,khd->qhd", s.softmax(-1), v).float()
 
@@ -40,10 +49,14 @@ def run_paged(
     seed: int = 0,
     kv_chunk: int = 128,
     decode_fn: K.DecodeFn | None = None,
+    window: int = 0,
+    softcap: float = 0.0,
+    q_gain: float = 1.0,
 ) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """Write K/V of sequences (seq_len, query_len) into a paged cache through shuffled block
-    tables, run paged_attention (decode rows through ``decode_fn`` when given), and return it
-    with the naive answers."""
+    tables, run paged_attention (decode rows through ``decode_fn`` when given) with ``window``
+    and ``softcap``, and return it with the naive answers. ``q_gain`` scales the queries (large
+    scores, for soft-capping to bite)."""
     g = torch.Generator().manual_seed(seed)
     num_blocks = sum(-(-n // BS) for n, _ in seqs) + 3
     kc, vc = torch.zeros(num_blocks, BS, hkv, D), torch.zeros(num_blocks, BS, hkv, D)
@@ -55,16 +68,18 @@ def run_paged(
         k, v = torch.randn(n, hkv, D, generator=g), torch.randn(n, hkv, D, generator=g)
         slots = K.context_slots(torch.tensor(table), n, BS)
         K.write_kv_cache(k, v, kc, vc, slots)
-        q = torch.randn(nq, h, D, generator=g)
+        q = torch.randn(nq, h, D, generator=g) * q_gain
         tables.append(table)
         qs.append(q)
-        refs.append(naive_attention(q, k, v))
+        refs.append(naive_attention(q, k, v, window, softcap))
     width = max(len(t) for t in tables)
     bt = torch.tensor([t + [-1] * (width - len(t)) for t in tables])
     seq_lens = torch.tensor([n for n, _ in seqs])
     query_lens = torch.tensor([nq for _, nq in seqs])
     plan = K.plan_attention(bt, seq_lens, query_lens, BS, kv_chunk, decode_fn=decode_fn)
-    out = K.paged_attention(torch.cat(qs), kc, vc, None, None, None, D**-0.5, plan=plan)
+    out = K.paged_attention(
+        torch.cat(qs), kc, vc, None, None, None, D**-0.5, plan=plan, window=window, softcap=softcap
+    )
     return out, refs
 
 
@@ -85,6 +100,37 @@ def test_paged_attention_matches_dense(case: str, ratio: int) -> None:
     torch.testing.assert_close(out, torch.cat(refs), rtol=1e-5, atol=1e-5)
 
 
+# (window, softcap): windows of one key, shorter than every context, longer than some (42 of
+# 301 keys spans chunk boundaries), longer than all; soft-capping alone and with a window
+WINDOW_SOFTCAP = [(1, 0.0), (3, 0.0), (8, 0.0), (42, 0.0), (1000, 0.0), (0, 2.0), (5, 1.5)]
+
+
+@pytest.mark.parametrize("window,softcap", WINDOW_SOFTCAP)
+@pytest.mark.parametrize("ratio", [2, 3])
+@pytest.mark.parametrize("case", list(CASES))
+def test_paged_attention_with_window_and_softcap_matches_dense(
+    case: str, ratio: int, window: int, softcap: float
+) -> None:
+    """Sliding windows and soft-capping on prefill (SDPA with a window mask, by hand with a
+    softcap), chunked prefill on a cached prefix and decode rows (the chunked torch path, in
+    32-key chunks too so that whole chunks fall outside a window), GQA 2 and 3."""
+    for kv_chunk in (128, 32):
+        out, refs = run_paged(
+            CASES[case], 2 * ratio, 2, seed=ratio, kv_chunk=kv_chunk, window=window,
+            softcap=softcap, q_gain=3.0,
+        )  # fmt: skip
+        torch.testing.assert_close(out, torch.cat(refs), rtol=1e-5, atol=1e-5)
+
+
+def test_a_window_longer_than_every_context_changes_no_bit() -> None:
+    """``window`` >= the context is plain causal attention, to the bit (the default 0 is the
+    pre-window code itself)."""
+    seqs = CASES["mixed_batch"] + CASES["decode_mixed_lengths"]
+    plain, _ = run_paged(seqs, 6, 2, seed=5, kv_chunk=32)
+    wide, _ = run_paged(seqs, 6, 2, seed=5, kv_chunk=32, window=301)
+    assert torch.equal(wide, plain)
+
+
 def test_paged_attention_without_plan() -> None:
     k = torch.randn(6, 1, D)
     kc, vc = torch.zeros(4, BS, 1, D), torch.zeros(4, BS, 1, D)
@@ -102,6 +148,17 @@ def test_decode_attention_is_bitwise_batch_invariant() -> None:
     alone, _ = run_paged([(200, 1)], 6, 2, seed=3, kv_chunk=32)
     for others in ([(5, 1)], [(700, 1), (3, 1), (64, 1)], [(1, 1)] * 9):
         together, _ = run_paged([(200, 1)] + others, 6, 2, seed=3, kv_chunk=32)
+        assert torch.equal(together[:1], alone)
+
+
+@pytest.mark.parametrize("window,softcap", [(50, 0.0), (7, 0.0), (50, 2.0)])
+def test_windowed_decode_attention_is_bitwise_batch_invariant(window: int, softcap: float) -> None:
+    """As above with a sliding window (whole chunks of a long neighbour outside it) and
+    soft-capping."""
+    kw = {"seed": 3, "kv_chunk": 32, "window": window, "softcap": softcap}
+    alone, _ = run_paged([(200, 1)], 6, 2, **kw)
+    for others in ([(5, 1)], [(700, 1), (3, 1), (64, 1)], [(1, 1)] * 9):
+        together, _ = run_paged([(200, 1)] + others, 6, 2, **kw)
         assert torch.equal(together[:1], alone)
 
 
@@ -139,6 +196,23 @@ def test_rotary_matches_hf_bitwise() -> None:
 def test_silu_and_mul() -> None:
     x = torch.randn(7, 2 * 48) * 4
     torch.testing.assert_close(K.silu_and_mul(x), F.silu(x[:, :48]) * x[:, 48:], rtol=1e-6, atol=0)
+
+
+def test_gelu_tanh_and_mul() -> None:
+    x = torch.randn(7, 2 * 48, generator=torch.Generator().manual_seed(0)) * 4
+    g, u = x[:, :48], x[:, 48:]
+    got = K.gelu_tanh_and_mul(x)
+    # torch's own formula loses ~1e-7 of |g| to the cancellation in 1 + tanh(y) for g < 0
+    torch.testing.assert_close(got, F.gelu(g, approximate="tanh") * u, rtol=1e-6, atol=1e-6)
+    gd = g.double()
+    exact = 0.5 * gd * (1 + torch.tanh((2 / torch.pi) ** 0.5 * (gd + 0.044715 * gd**3)))
+    near = g.abs() < 6  # beyond, fp32's rounding of y grows the relative error in the tail
+    torch.testing.assert_close(
+        got.double()[near], (exact * u.double())[near], rtol=5e-6, atol=1e-30
+    )
+    assert K.gelu_tanh_and_mul(torch.randn(2, 3, 8)).shape == (2, 3, 4)
+    # a row's bits do not depend on the other rows
+    assert torch.equal(K.gelu_tanh_and_mul(x[3:4]), got[3:4])
 
 
 def test_linear_layout_is_batch_invariant_and_correct() -> None:

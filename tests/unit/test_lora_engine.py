@@ -7,7 +7,6 @@ a clear error."""
 from __future__ import annotations
 
 import copy
-import itertools
 import json
 from pathlib import Path
 
@@ -17,13 +16,13 @@ from peft import LoraConfig, get_peft_model
 from safetensors.torch import load_file, save_file
 from transformers import LlamaForCausalLM
 
-from services.scheduler.core import SchedulerCore
-from services.scheduler.worker_state import SchedulerLimits
 from services.worker.lora import LoRASpec
 from services.worker.lora_weights import load_adapter
 from services.worker.runner import ModelRunner
 from shared.lora import LoRAError, adapter_salt, check_lora_settings, parse_lora_modules
-from shared.messages import FinishReason, LoRARef, SamplingParams, StepPlan, TokenizedRequest
+from shared.messages import FinishReason, LoRARef, SamplingParams
+from tests.unit.engine_support import new_core
+from tests.unit.engine_support import run as engine_run
 from tests.unit.test_runner_tiny import hf_model, make_runner  # noqa: F401
 
 ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -33,7 +32,10 @@ PROMPTS = [
     [11, 22, 33, 44, 55, 66, 77, 88, 99, 100, 101, 102, 103],
 ]
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
-_ids = itertools.count()
+
+
+def run(core, runner, jobs, params=GREEDY):
+    return engine_run(core, runner, jobs, params)
 
 
 def make_adapter(
@@ -82,41 +84,6 @@ def argmax_tokens(model: torch.nn.Module, prompt: list[int], n: int) -> list[int
         for _ in range(n):
             toks.append(int(model(input_ids=torch.tensor([toks])).logits[0, -1].argmax()))
     return toks[len(prompt) :]
-
-
-def run(
-    core: SchedulerCore,
-    runner: ModelRunner,
-    jobs: list[tuple[list[int], LoRARef | None]],
-    params: SamplingParams = GREEDY,
-) -> tuple[list[list[int]], list[StepPlan]]:
-    """Every (prompt, adapter) through ``core`` and ``runner`` to its end, submitted together."""
-    ws = next(iter(core.workers.values()))
-    ids = [f"r{next(_ids)}" for _ in jobs]
-    for rid, (prompt, lora) in zip(ids, jobs, strict=True):
-        req = TokenizedRequest(rid, "", prompt, params)
-        req.lora = lora
-        core.add_request(req)
-    out: dict[str, list[int]] = {rid: [] for rid in ids}
-    plans = []
-    for _ in range(500):
-        plan, _ = core.schedule(ws)
-        if plan is None:
-            break
-        plans.append(plan)
-        res = runner.execute(plan)
-        assert res.error is None, res.error
-        for rid, tok in zip(res.request_ids, res.token_ids, strict=True):
-            out[rid].append(tok)
-        core.on_result(res)
-    assert not core.requests
-    return [out[rid] for rid in ids], plans
-
-
-def new_core(max_loras: int = 2, blocks: int = 64, **limits) -> SchedulerCore:
-    core = SchedulerCore(SchedulerLimits(max_loras=max_loras, **limits))
-    core.add_worker("w", blocks, 4)
-    return core
 
 
 def lora_runner(hf: LlamaForCausalLM, max_loras: int = 2, max_rank: int = 16) -> ModelRunner:

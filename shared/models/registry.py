@@ -1,0 +1,121 @@
+"""The one place that knows which model families kvflow runs natively: every family file's
+``FAMILIES`` (shared/models/families/), looked up by config.json's ``architectures`` (or
+``model_type``) and by a GGUF's ``general.architecture``; ``hf_config`` turns a config.json into
+a ``ModelConfig`` through its family, naming any field that nothing read.
+
+Adding a family: a module in shared/models/families/ with its ``FAMILIES`` (config fields,
+norm names, GGUF names), its name in ``_MODULES`` below, and its tests; the worker's decoder
+(services/worker/model.py) runs what the ``ModelConfig`` features say."""
+
+from __future__ import annotations
+
+import importlib
+import logging
+from dataclasses import fields
+from functools import cache
+from typing import Any
+
+from shared.models.config import (
+    NORM_LAYOUTS,
+    ConfigReader,
+    ModelConfig,
+    ModelConfigError,
+    common_fields,
+)
+from shared.models.family import Family
+
+log = logging.getLogger("kvflow.model")
+
+_MODULES = ("llama", "qwen", "gemma", "phi3", "granite", "olmo2")
+
+
+@cache
+def families() -> dict[str, Family]:
+    """Every native family by name."""
+    out: dict[str, Family] = {}
+    for module in _MODULES:
+        for fam in importlib.import_module(f"shared.models.families.{module}").FAMILIES:
+            out[fam.name] = fam
+    return out
+
+
+def family(name: str) -> Family:
+    return families()[name]
+
+
+def supported_architectures() -> list[str]:
+    return sorted(a for f in families().values() for a in f.architectures)
+
+
+def unsupported(what: str, where: str) -> ModelConfigError:
+    """The refusal of an architecture kvflow has no family for."""
+    return ModelConfigError(
+        f"{where}: {what} is not supported natively; supported architectures: "
+        f"{', '.join(supported_architectures())}"
+    )
+
+
+def family_for_config(raw: dict[str, Any], where: str = "config.json") -> Family:
+    """The family of a config.json: by ``architectures``, else by ``model_type``."""
+    archs = raw.get("architectures") or []
+    for f in families().values():
+        if any(a in f.architectures for a in archs):
+            return f
+    model_type = raw.get("model_type", "")
+    if not archs:
+        for f in families().values():
+            if model_type in f.model_types:
+                return f
+    what = f"architecture {archs[0]!r}" if archs else f"model_type {model_type!r}"
+    raise unsupported(what, where)
+
+
+def family_for_gguf(arch: str, where: str) -> Family:
+    for f in families().values():
+        if arch in f.gguf_archs:
+            return f
+    archs = sorted(a for f in families().values() for a in f.gguf_archs)
+    raise ModelConfigError(
+        f"{where}: GGUF architecture {arch!r} is not supported; supported: {', '.join(archs)}"
+    )
+
+
+def hf_config(
+    raw: dict[str, Any],
+    where: str = "config.json",
+    eos_extra: list[int] | None = None,
+    strict: bool = False,
+) -> ModelConfig:
+    """A config.json's ``ModelConfig`` (ModelConfigError for what cannot be served). Fields
+    that nothing read are logged by name (``strict``: refused)."""
+    fam = family_for_config(raw, where)
+    r = ConfigReader(raw, where)
+    values = common_fields(r, eos_extra or []) | fam.read(r)
+    values["family"] = fam.name
+    cfg = ModelConfig(**values)
+    check(cfg, where)
+    left = r.unread(fam.ignored)
+    if left:
+        msg = f"{where}: fields not read by kvflow's {fam.name} implementation: {left}"
+        if strict:
+            raise ModelConfigError(msg)
+        log.warning("%s (they change nothing kvflow computes, or it would refuse them)", msg)
+    return cfg
+
+
+def check(cfg: ModelConfig, where: str) -> None:
+    """What any config must satisfy whatever its family."""
+    if cfg.norm_layout not in NORM_LAYOUTS:
+        raise ModelConfigError(f"{where}: norm layout {cfg.norm_layout!r}")
+    if cfg.num_heads % cfg.num_kv_heads:
+        raise ModelConfigError(
+            f"{where}: {cfg.num_heads} attention heads are not a multiple of "
+            f"{cfg.num_kv_heads} KV heads"
+        )
+    if cfg.layer_windows and len(cfg.layer_windows) != cfg.num_layers:
+        raise ModelConfigError(
+            f"{where}: {len(cfg.layer_windows)} windows for {cfg.num_layers} layers"
+        )
+
+
+MODEL_CONFIG_FIELDS = frozenset(f.name for f in fields(ModelConfig))

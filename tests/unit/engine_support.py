@@ -1,0 +1,52 @@
+"""The scheduler core and a model runner in one process (no network): requests through real
+planning (chunked prefill, prefix caching, preemption) and real steps."""
+
+from __future__ import annotations
+
+import itertools
+
+from services.scheduler.core import SchedulerCore
+from services.scheduler.worker_state import SchedulerLimits
+from services.worker.runner import ModelRunner
+from shared.messages import LoRARef, SamplingParams, StepPlan, TokenizedRequest
+
+_ids = itertools.count()
+
+
+def new_core(
+    max_loras: int = 2, blocks: int = 64, block_size: int = 4, **limits: int
+) -> SchedulerCore:
+    """A scheduler core with one worker ``w`` of ``blocks`` KV blocks."""
+    core = SchedulerCore(SchedulerLimits(max_loras=max_loras, **limits))
+    core.add_worker("w", blocks, block_size)
+    return core
+
+
+def run(
+    core: SchedulerCore,
+    runner: ModelRunner,
+    jobs: list[tuple[list[int], LoRARef | None]],
+    params: SamplingParams,
+) -> tuple[list[list[int]], list[StepPlan]]:
+    """Every (prompt, adapter) through ``core`` and ``runner`` to its end, submitted together;
+    the tokens each got, and the plans that ran."""
+    ws = next(iter(core.workers.values()))
+    ids = [f"r{next(_ids)}" for _ in jobs]
+    for rid, (prompt, lora) in zip(ids, jobs, strict=True):
+        req = TokenizedRequest(rid, "", prompt, params)
+        req.lora = lora
+        core.add_request(req)
+    out: dict[str, list[int]] = {rid: [] for rid in ids}
+    plans = []
+    for _ in range(2000):
+        plan, _ = core.schedule(ws)
+        if plan is None:
+            break
+        plans.append(plan)
+        res = runner.execute(plan)
+        assert res.error is None, res.error
+        for rid, tok in zip(res.request_ids, res.token_ids, strict=True):
+            out[rid].append(tok)
+        core.on_result(res)
+    assert not core.requests
+    return [out[rid] for rid in ids], plans
