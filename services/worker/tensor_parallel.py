@@ -1,4 +1,4 @@
-"""Tensor parallelism of one Llama over several ranks (Megatron-style), the model half: which part
+"""Tensor parallelism of one decoder (any native family) over several ranks (Megatron-style), the model half: which part
 of each weight a rank holds (``tp_layout``, ``shard_weights``) and the collectives the forward
 pass needs (``TPGroup``: sum partial outputs, gather vocabulary slices) over torch.distributed
 (gloo on CPU, NCCL on CUDA).
@@ -56,6 +56,11 @@ def tp_layout(cfg: ModelConfig, rank: int, world: int) -> TPLayout:
     would get no query head."""
     if not 0 <= rank < world:
         raise ValueError(f"rank {rank} is not in a group of {world}")
+    if cfg.qk_norm == "full" and world > 1:
+        raise ValueError(
+            f"{cfg.family}: its q/k norms run over all heads together (OLMo 2); tensor "
+            "parallelism would need one more all-reduce per layer and is not supported for it"
+        )
     if world > cfg.num_heads:
         raise ValueError(
             f"--tensor-parallel-size {world} is more than the model's {cfg.num_heads} heads"
@@ -99,24 +104,29 @@ def _features(cfg: ModelConfig, layout: TPLayout) -> tuple[torch.Tensor, ...]:
 def shard_weights(
     weights: dict[str, torch.Tensor], cfg: ModelConfig, layout: TPLayout
 ) -> dict[str, torch.Tensor]:
-    """Rank ``layout.rank``'s part of HF-named dense weights (a new dict; norms replicated,
-    the embedding and LM head cut to the rank's vocabulary rows)."""
+    """Rank ``layout.rank``'s part of HF-named dense weights (a new dict): column-parallel
+    projections (q/k/v, gate/up) and their biases cut by output rows, row-parallel ones (o,
+    down) by input columns (their biases whole: they are added once, after the sum), the
+    embedding and LM head cut to the rank's vocabulary rows; norms (q/k norms per head
+    included) replicated."""
     q_rows, kv_rows, inter = _features(cfg, layout)
     vocab = slice(layout.vocab.start, layout.vocab.stop)
     out: dict[str, torch.Tensor] = {}
     for name, w in weights.items():
         if not isinstance(w, torch.Tensor):
             raise ValueError(f"{name}: tensor parallelism takes dense weights (no --quantization)")
-        if name.endswith(("q_proj.weight",)):
+        module, _, kind = name.rpartition(".")
+        proj = module.rsplit(".", 1)[-1]
+        if proj == "q_proj":
             out[name] = w[q_rows].contiguous()
-        elif name.endswith(("k_proj.weight", "v_proj.weight")):
+        elif proj in ("k_proj", "v_proj"):
             out[name] = w[kv_rows].contiguous()
-        elif name.endswith("o_proj.weight"):
-            out[name] = w[:, q_rows].contiguous()
-        elif name.endswith(("gate_proj.weight", "up_proj.weight")):
+        elif proj in ("gate_proj", "up_proj"):
             out[name] = w[inter].contiguous()
-        elif name.endswith("down_proj.weight"):
-            out[name] = w[:, inter].contiguous()
+        elif proj == "o_proj":
+            out[name] = w[:, q_rows].contiguous() if kind == "weight" else w
+        elif proj == "down_proj":
+            out[name] = w[:, inter].contiguous() if kind == "weight" else w
         elif name in ("model.embed_tokens.weight", "lm_head.weight"):
             out[name] = w[vocab].contiguous()
         else:  # norms: replicated
