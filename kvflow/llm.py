@@ -99,17 +99,18 @@ class LLM:
         ms = self.settings.model
         check_lora_settings(ms.enable_lora, ms.lora_modules, ms.max_loras, ms.max_lora_rank)
         check_parallel_settings(self.settings)
+        from shared.model_loader import load_config
+
         try:
-            model_settings = self.settings.model
-            self.source = resolve_model(model_settings.path, model_settings.served_model_name)
+            ms = self.settings.model
+            self.source = resolve_model(ms.path, ms.served_model_name)
         except ModelNotFoundError as e:
             raise ValueError(f"{e} (kvflow never downloads weights: pass a local path)") from e
+        # the config is checked before the tokenizer is converted (seconds for a large vocab)
+        self.eos_token_ids = list(load_config(self.source, model_impl=ms.model_impl).eos_token_ids)
         self.tokenizer = load_tokenizer(self.source)
         if self.settings.model.chat_template:
             self.tokenizer.chat_template = read_chat_template(self.settings.model.chat_template)
-        from shared.model_loader import load_config
-
-        self.eos_token_ids = list(load_config(self.source).eos_token_ids)
         self.default_seed = seed
         self.max_in_flight = max(1, max_in_flight)
         self._ids = itertools.count()

@@ -25,10 +25,11 @@ import torch
 
 from kernels.cpu_quant import BLOCK_BYTES, QuantWeight
 from kernels.fp8_linear import Fp8Weight, quantize_fp8
-from shared.model_source import ModelSource
+from shared.model_source import ModelSource, resolve_model
 from shared.models.config import ModelConfig, ModelConfigError
 from shared.models.family import LINEARS, Family
-from shared.models.registry import family, family_for_gguf, hf_config
+from shared.models.generic import transformers_config
+from shared.models.registry import UnsupportedArchitecture, family, family_for_gguf, hf_config
 from shared.quantized_checkpoints import checkpoint_method, quantization_config, read_layer
 
 __all__ = ["ModelConfig", "ModelConfigError", "load_config", "load_weights", "round_weights"]
@@ -40,13 +41,35 @@ log = logging.getLogger("kvflow.model")
 # config
 
 
-def load_config(src: ModelSource, strict: bool = False) -> ModelConfig:
+MODEL_IMPLS = ("auto", "kvflow", "transformers")
+"""vLLM's ``--model-impl``: ``kvflow`` (a native family, shared/models/registry.py), ``transformers``
+(transformers' own modules around kvflow's paged attention), ``auto`` (native where the registry
+has the architecture, else transformers)."""
+
+
+def load_config(src: ModelSource, strict: bool = False, model_impl: str = "auto") -> ModelConfig:
     """The model's shape, features and special ids; raises ModelConfigError (a ValueError)
-    naming what kvflow cannot run."""
-    return _gguf_config(src.path) if src.kind == "gguf" else _hf_config(src.path, strict)
+    naming the field and value kvflow cannot run, and what to do instead."""
+    if model_impl not in MODEL_IMPLS:
+        raise ModelConfigError(f"--model-impl must be one of {', '.join(MODEL_IMPLS)}")
+    if src.kind == "gguf":
+        if model_impl == "transformers":
+            raise ModelConfigError(
+                f"{src.path.name}: --model-impl transformers serves Hugging Face directories, "
+                "not GGUF files"
+            )
+        return _gguf_config(src.path)
+    return _hf_config(src.path, strict, model_impl)
 
 
-def _hf_config(path: Path, strict: bool = False) -> ModelConfig:
+def check_model(path: str, served_name: str = "", model_impl: str = "auto") -> ModelConfig:
+    """What ``kvflow serve``, ``kvflow run`` and ``LLM()`` check before anything starts: the
+    model is found and its config can be served (ModelNotFoundError or ModelConfigError, both
+    naming what to change); only config.json or the GGUF header is read."""
+    return load_config(resolve_model(path, served_name), model_impl=model_impl)
+
+
+def _hf_config(path: Path, strict: bool = False, model_impl: str = "auto") -> ModelConfig:
     try:
         raw = json.loads((path / "config.json").read_text())
     except (OSError, ValueError) as e:
@@ -56,7 +79,20 @@ def _hf_config(path: Path, strict: bool = False) -> ModelConfig:
     if gen.is_file():
         got = json.loads(gen.read_text()).get("eos_token_id")
         eos = [] if got is None else [int(i) for i in (got if isinstance(got, list) else [got])]
-    return hf_config(raw, f"{path}/config.json", eos, strict)
+    where = f"{path}/config.json"
+    if model_impl == "transformers":
+        return transformers_config(raw, where, eos)
+    try:
+        return hf_config(raw, where, eos, strict)
+    except UnsupportedArchitecture as e:
+        if model_impl == "kvflow":
+            raise ModelConfigError(f"{e}; or serve it with --model-impl transformers") from e
+        try:
+            return transformers_config(raw, where, eos)
+        except ModelConfigError as fallback:
+            raise ModelConfigError(f"{e}; and {fallback}") from e
+    except ModelConfigError as e:
+        raise ModelConfigError(f"{e} (or serve it with --model-impl transformers)") from e
 
 
 _SKIP_FIELDS = {f"tokenizer.ggml.{k}" for k in ("tokens", "merges", "token_type", "scores")}

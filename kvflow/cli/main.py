@@ -43,6 +43,10 @@ def _run_service(name: str, settings: Settings) -> int:
     refused its credentials: restarting it would not help)."""
     setup_logging(name, settings.ops.log_level, settings.ops.log_format)
     setup_tracing(name)
+    refused = _check_model(name, settings)
+    if refused:
+        print(f"kvflow: {name}: {refused}", file=sys.stderr, flush=True)
+        return EXIT_REFUSED
     try:
         if name == "gateway":
             from services.gateway.main import main as gateway_main
@@ -57,6 +61,22 @@ def _run_service(name: str, settings: Settings) -> int:
         print(f"kvflow: {name}: {e}", file=sys.stderr, flush=True)
         return EXIT_REFUSED
     return 0
+
+
+def _check_model(name: str, settings: Settings) -> str:
+    """Why the model cannot be served ("" when it can), found from its config alone before the
+    service connects or loads anything (restarting would not help)."""
+    if name == "gateway":
+        return ""
+    from shared.model_loader import check_model
+    from shared.model_source import ModelNotFoundError
+
+    ms = settings.model
+    try:
+        check_model(ms.path, ms.served_model_name, ms.model_impl)
+    except (ModelNotFoundError, ValueError) as e:
+        return str(e)
+    return ""
 
 
 def build_parser(tool_name: str | None = None) -> argparse.ArgumentParser:

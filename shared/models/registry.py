@@ -47,9 +47,13 @@ def supported_architectures() -> list[str]:
     return sorted(a for f in families().values() for a in f.architectures)
 
 
+class UnsupportedArchitecture(ModelConfigError):
+    """An architecture no family file serves (``--model-impl auto`` then tries transformers)."""
+
+
 def unsupported(what: str, where: str) -> ModelConfigError:
     """The refusal of an architecture kvflow has no family for."""
-    return ModelConfigError(
+    return UnsupportedArchitecture(
         f"{where}: {what} is not supported natively; supported architectures: "
         f"{', '.join(supported_architectures())}"
     )

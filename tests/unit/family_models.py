@@ -106,6 +106,11 @@ CONFIGS: dict[str, Callable[[], tf.PretrainedConfig]] = {
 }
 
 
+def family_of(name: str) -> str:
+    """The kvflow family of ``CONFIGS[name]`` (``llama3`` and ``llama-yarn`` are Llama)."""
+    return "llama" if name.startswith("llama") else name
+
+
 def make_model(name: str, seed: int = 0) -> torch.nn.Module:
     """The tiny model of ``CONFIGS[name]``: 2-D weights x10, 1-D ones (norms, biases) with
     noise (a Gemma norm's weight is an offset from 1, so noise around 0 is a real scale)."""

@@ -7,6 +7,8 @@ prefix-cache hit."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -15,7 +17,7 @@ from shared.messages import SamplingParams
 from shared.model_loader import load_config
 from shared.model_source import ModelSource
 from tests.unit.engine_support import new_core, run
-from tests.unit.family_models import CONFIGS, hf_greedy, save_model
+from tests.unit.family_models import CONFIGS, family_of, hf_greedy, save_model
 
 PROMPTS = [
     [5, 17, 99, 3, 42, 8, 64, 21, 77, 1, 33],
@@ -42,13 +44,11 @@ def family_case(request, tmp_path_factory):
 
 
 def test_config_reads_every_field(family_case) -> None:
-    name, hf, runner, _ = family_case
-    src = ModelSource(
-        "hf", runner.model_path and __import__("pathlib").Path(runner.model_path), name
-    )
+    name, _, runner, _ = family_case
+    src = ModelSource("hf", Path(runner.model_path), name)
     cfg = load_config(src, strict=True)  # strict: a field nothing reads is an error
     assert cfg == runner.config
-    assert cfg.family == name.split("-")[0].replace("llama3", "llama")
+    assert cfg.family == family_of(name)
 
 
 def test_first_step_logits_equal_transformers(family_case) -> None:

@@ -24,8 +24,12 @@ def _gemma_common(r: ConfigReader) -> dict[str, Any]:
     hidden = int(r.require("hidden_size"))
     if r.get("use_bidirectional_attention"):
         raise r.refuse("use_bidirectional_attention", "bidirectional attention is not served")
+    # Gemma 2/3 configs default to GELU-tanh (transformers' Gemma2Config/Gemma3TextConfig); a
+    # GGUF names no activation (llama.cpp's gemma graphs hardcode it), so silu is never right
+    absent = not r.has("hidden_activation") and not r.has("hidden_act")
+    act = "gelu_tanh" if absent else activation(r, "hidden_activation", "hidden_act")
     return {
-        "hidden_act": activation(r, "hidden_activation", "hidden_act"),
+        "hidden_act": act,
         "qkv_bias": bool(r.get("attention_bias", False)),
         "o_bias": bool(r.get("attention_bias", False)),
         "norm_offset": 1.0,

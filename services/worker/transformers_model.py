@@ -1,0 +1,589 @@
+"""``--model-impl transformers``: any causal LM that transformers can build, run through
+kvflow's paged KV cache (vLLM's "Transformers backend").
+
+transformers v5 looks attention up by name in a registry (``AttentionInterface``) and calls it
+with the layer's queries, keys and values after RoPE. kvflow registers its own function under
+``ATTN_IMPLEMENTATION`` and builds the model with ``attn_implementation`` set to it, so every
+attention layer of the Hugging Face model writes its new K/V into the layer's paged cache at
+the step's slots and attends over the cache: continuous batching, chunked prefill, prefix
+caching and preemption work as with the native ``DecoderModel`` (services/worker/model.py).
+
+- The step's flat varlen batch runs as one row (``input_ids[None]``, ``position_ids`` the
+  tokens' own positions) with no transformers cache; sequences are separated by the paged
+  attention (the step's ``AttentionPlan`` on the CPU path, the kernel backend's decode / extend
+  attention on the device path), which honours the ``scaling``, ``sliding_window`` and
+  ``softcap`` each layer passes.
+- The name is deliberately absent from ``masking_utils.AttentionMaskInterface``: for such an
+  implementation ``create_causal_mask`` returns None at once (transformers' path for TGI/vLLM
+  backends), so no dense T x T mask is built.
+- The step's context (caches, slots, attention plan, GEMM row layout) reaches the attention
+  function and the linear layers through a context variable set around the model's forward
+  only: two models never see each other's step, and a call outside a step is an error.
+- Every ``nn.Linear`` (and GPT-2's ``Conv1D``) is replaced by a ``StepLinear`` computed by
+  ``kernels.reference.linear`` over the step's ``RowLayout``, with kvflow's packed weights on
+  the CPU: a sequence's logits are bit-identical whatever else shares the step, as with the
+  native model.
+
+What it refuses (ValueError): tensor parallelism, LoRA adapters, quantization, models that are
+not causal LMs or are encoder-decoders, and models whose layers do not all attend through
+the registry (checked by a warm-up forward at construction: the function must run once per
+layer with the config's head shapes and no mask of the model's own).
+"""
+
+from __future__ import annotations
+
+import copy
+import inspect
+import json
+import logging
+from collections.abc import Callable
+from contextvars import ContextVar
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.nn.functional as F
+import transformers
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+from transformers.pytorch_utils import Conv1D
+
+from kernels import reference as K
+from kernels.cpu_gemm import PackedWeight, PanelWeight, panel_available
+from kernels.ops import KernelBackend
+from services.worker.model import ForwardBatch
+from services.worker.step_inputs import DeviceBatch
+from shared.models.config import ModelConfig
+
+if TYPE_CHECKING:
+    from services.worker.lora import LoRAStep
+    from services.worker.tensor_parallel import TPGroup
+
+log = logging.getLogger("kvflow.worker")
+
+ATTN_IMPLEMENTATION = "kvflow_paged"
+"""The name kvflow's attention is registered under in transformers' ``AttentionInterface``."""
+
+POSITION_FIELDS = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length")
+DEFAULT_POSITIONS = 2048  # vLLM's default when a config names no length
+
+# attention(q [T, H, D], k [T, Hkv, D], v, layer, scale, window, softcap) -> [T, H, D]
+Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, int, float, int, float], torch.Tensor]
+
+
+@dataclass
+class StepContext:
+    """What one forward pass's attention calls and linear layers read (set around it)."""
+
+    attend: Attend
+    num_tokens: int  # T: the rows the step's GEMM layout describes
+    rows: K.RowLayout | None = None  # GEMM row layout of the T token rows (CPU path)
+    head_rows: K.RowLayout | None = None  # the same for the sampled rows through the LM head
+    hidden_rows: torch.Tensor | None = None  # rows whose final hidden states are wanted
+    hidden: torch.Tensor | None = None  # those hidden states (set by the base model's hook)
+    calls: list[tuple[int, tuple[int, ...], tuple[int, ...], bool]] = field(default_factory=list)
+    # per attention call: (layer, q shape, k shape, whether a mask of the model's own came)
+
+
+_STEP: ContextVar[StepContext | None] = ContextVar("kvflow_transformers_step", default=None)
+
+
+def paged_attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """transformers' attention-function signature (query [1, H, T, D], key / value
+    [1, Hkv, T, D], RoPE applied) over kvflow's paged cache: the current step's ``attend``
+    writes the layer's new K/V and attends. Returns ([1, T, H, D], no weights)."""
+    step = _STEP.get()
+    if step is None:
+        raise RuntimeError(
+            f"attn_implementation {ATTN_IMPLEMENTATION!r} runs only inside a TransformersModel "
+            "step (services/worker/transformers_model.py)"
+        )
+    layer = getattr(module, "layer_idx", None)
+    step.calls.append(
+        (
+            -1 if layer is None else int(layer),
+            tuple(query.shape),
+            tuple(key.shape),
+            attention_mask is not None or getattr(module, "is_causal", True) is False,
+        )
+    )
+    if layer is None or query.shape[0] != 1 or key.shape[2] != query.shape[2]:
+        raise ValueError(
+            f"{type(module).__name__}: not a causal self-attention layer with a layer_idx "
+            f"(query {tuple(query.shape)}, key {tuple(key.shape)})"
+        )
+    q, k, v = (x[0].transpose(0, 1).contiguous() for x in (query, key, value))
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    out = step.attend(q, k, v, int(layer), scale, int(sliding_window or 0), float(softcap or 0))
+    return out[None], None
+
+
+transformers.AttentionInterface.register(ATTN_IMPLEMENTATION, paged_attention_forward)
+
+
+def _host_attend(kv_caches: list[tuple[torch.Tensor, torch.Tensor]], batch: ForwardBatch) -> Attend:
+    """The CPU path: kernels/reference.py's cache write and paged attention with the step's
+    plan (the native C decode kernel where the plan has one)."""
+
+    def attend(q, k, v, layer, scale, window, cap):  # noqa: ANN001, ANN202
+        kc, vc = kv_caches[layer]
+        K.write_kv_cache(k, v, kc, vc, batch.slot_mapping)
+        return K.paged_attention(
+            q, kc, vc, None, None, None, scale, plan=batch.attn, window=window, softcap=cap
+        )
+
+    return attend
+
+
+def _device_attend(
+    ops: KernelBackend, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], b: DeviceBatch
+) -> Attend:
+    """The device path: the backend's cache write and decode / extend attention (no host
+    synchronisation, as ``DecoderModel``'s ``DeviceOps``)."""
+
+    def attend(q, k, v, layer, scale, window, cap):  # noqa: ANN001, ANN202
+        kc, vc = kv_caches[layer]
+        ops.write_kv_cache(k, v, kc, vc, b.slot_mapping)
+        if b.query_start_loc is None:
+            return ops.decode_attention(
+                q,
+                kc,
+                vc,
+                b.block_tables,
+                b.seq_lens,
+                scale,
+                b.num_splits,
+                window=window,
+                softcap=cap,
+            )
+        return ops.extend_attention(
+            q,
+            kc,
+            vc,
+            b.block_tables,
+            b.seq_lens,
+            b.query_start_loc,
+            b.max_query_len,
+            scale,
+            window=window,
+            softcap=cap,
+        )
+
+    return attend
+
+
+def _probe_attend(q, k, v, layer, scale, window, cap):  # noqa: ANN001, ANN202
+    """The warm-up's attention: plain causal SDPA on the call's own tokens (no cache)."""
+    o = F.scaled_dot_product_attention(
+        q.transpose(0, 1)[None],
+        k.transpose(0, 1)[None],
+        v.transpose(0, 1)[None],
+        is_causal=True,
+        scale=scale,
+        enable_gqa=q.shape[1] != k.shape[1],
+    )
+    return o[0].transpose(0, 1)
+
+
+class StepLinear(torch.nn.Module):
+    """A linear layer computed as ``kernels.reference.linear`` over the current step's GEMM row
+    layout (batch invariance on the CPU path), the weight dense or packed (``pack``). ``head``:
+    the LM head, whose rows are the sampled rows (laid out as the native model's head)."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, head: bool) -> None:
+        super().__init__()
+        self.w: torch.Tensor | K.Weight = weight.detach()
+        self.bias = None if bias is None else bias.detach()
+        self.head = head
+        # ``.weight`` for modeling code that reads its dtype or shape (never its values)
+        self.weight = torch.empty(weight.shape, dtype=weight.dtype, device="meta")
+        self.in_features, self.out_features = weight.shape[1], weight.shape[0]
+
+    @classmethod
+    def of(cls, mod: torch.nn.Module, head: bool) -> StepLinear:
+        """From an ``nn.Linear`` (weight [out, in]) or a GPT-2 ``Conv1D`` (weight [in, out])."""
+        w = mod.weight.t().contiguous() if isinstance(mod, Conv1D) else mod.weight
+        return cls(w, mod.bias, head)
+
+    def pack(self, kind: type) -> None:
+        """Hold the weight pre-packed (``PanelWeight`` or ``PackedWeight``)."""
+        if isinstance(self.w, torch.Tensor):
+            self.w = kind(self.w)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        step = _STEP.get()
+        x2 = x.reshape(-1, x.shape[-1])
+        layout = None
+        if step is not None and self.head:
+            layout = step.head_rows
+        elif step is not None and x2.shape[0] == step.num_tokens:
+            layout = step.rows
+        y = K.linear(x2, self.w, layout)
+        if self.bias is not None:
+            y = y + self.bias
+        return y.view(*x.shape[:-1], self.out_features)
+
+
+def _replace_linears(hf: torch.nn.Module) -> list[StepLinear]:
+    """Every ``nn.Linear`` / ``Conv1D`` under ``hf`` replaced in place by a ``StepLinear`` (one
+    per distinct module, shared ones stay shared); returns them."""
+    head = hf.get_output_embeddings()
+    done: dict[int, StepLinear] = {}
+    for parent in list(hf.modules()):
+        for name, child in list(parent.named_children()):
+            if not isinstance(child, (torch.nn.Linear, Conv1D)):
+                continue
+            new = done.get(id(child))
+            if new is None:
+                new = done[id(child)] = StepLinear.of(child, head=child is head)
+            setattr(parent, name, new)
+    return list(done.values())
+
+
+def _first(c: Any, names: tuple[str, ...]) -> Any:
+    """The first of ``names`` that ``c`` sets (not None)."""
+    for n in names:
+        v = getattr(c, n, None)
+        if v is not None:
+            return v
+    return None
+
+
+def _ids(v: Any) -> list[int]:
+    return [] if v is None else [int(i) for i in (v if isinstance(v, (list, tuple)) else [v])]
+
+
+def _hf_config(raw: dict[str, Any], where: str) -> Any:
+    """transformers' config object for ``raw`` (a config.json), refused with a ValueError if
+    kvflow's transformers backend cannot serve that kind of model."""
+    kind = raw.get("model_type")
+    if not kind or kind not in transformers.CONFIG_MAPPING:
+        raise ValueError(f"{where}: model_type {kind!r} is not one transformers knows")
+    c = transformers.CONFIG_MAPPING[kind].from_dict(raw)
+    check_supported(c, where)
+    return c
+
+
+def check_supported(c: Any, where: str) -> None:
+    """Refuse (ValueError) what the backend cannot run: encoder-decoders, models with no
+    causal-LM class in transformers, quantized checkpoints."""
+    if getattr(c, "is_encoder_decoder", False):
+        raise ValueError(
+            f"{where}: {c.model_type} is an encoder-decoder model; --model-impl transformers "
+            "runs decoder-only causal LMs"
+        )
+    if c.model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        raise ValueError(
+            f"{where}: {c.model_type} is not a causal LM (no AutoModelForCausalLM class in "
+            "transformers); --model-impl transformers runs causal LMs only"
+        )
+    if getattr(c, "quantization_config", None):
+        raise ValueError(
+            f"{where}: a quantized checkpoint ({c.quantization_config}); --model-impl "
+            "transformers serves unquantized weights only (use the native implementation)"
+        )
+
+
+def transformers_config(raw: dict[str, Any], where: str, eos_extra: list[int]) -> ModelConfig:
+    """The ``ModelConfig`` the runner and scheduler need (shape, positions, special ids) of any
+    causal LM's config.json, read through transformers' own config class (so its aliases,
+    e.g. GPT-2's ``n_embd``, and defaults apply); ``family="transformers"``."""
+    c = _hf_config(raw, where).get_text_config()
+    heads = int(c.num_attention_heads)
+    kv_heads = int(getattr(c, "num_key_value_heads", None) or heads)
+    head_dim = int(getattr(c, "head_dim", None) or c.hidden_size // heads)
+    positions = _first(c, POSITION_FIELDS)
+    if positions is None:
+        log.warning("%s: no maximum length in the config; assuming %d", where, DEFAULT_POSITIONS)
+    rope = getattr(c, "rope_parameters", None) or {}
+    theta = rope.get("rope_theta") if isinstance(rope, dict) else None
+    eos = _ids(c.eos_token_id) + [i for i in eos_extra if i not in _ids(c.eos_token_id)]
+    return ModelConfig(
+        vocab_size=int(c.vocab_size),
+        hidden_size=int(c.hidden_size),
+        num_layers=int(c.num_hidden_layers),
+        num_heads=heads,
+        num_kv_heads=kv_heads,
+        head_dim=head_dim,
+        intermediate_size=int(getattr(c, "intermediate_size", None) or 0),
+        rms_norm_eps=float(_first(c, ("rms_norm_eps", "layer_norm_eps")) or 0.0),
+        rope_theta=float(theta or 10000.0),
+        max_position_embeddings=int(positions or DEFAULT_POSITIONS),
+        tie_word_embeddings=bool(getattr(c, "tie_word_embeddings", False)),
+        bos_token_id=c.bos_token_id if isinstance(c.bos_token_id, int) else None,
+        eos_token_ids=tuple(eos),
+        family="transformers",
+    )
+
+
+class TransformersModel(torch.nn.Module):
+    """A Hugging Face causal LM with kvflow's attention and linear layers, behind the interface
+    the runner uses for ``DecoderModel`` (forward / forward_pooled on the CPU path,
+    forward_device / forward_device_pooled on the device path, KV caches, packing)."""
+
+    def __init__(self, hf: torch.nn.Module, cfg: ModelConfig) -> None:
+        """``hf`` must already use ``attn_implementation=ATTN_IMPLEMENTATION``; its linear
+        layers are replaced here, then a warm-up forward checks every layer attends through
+        kvflow (ValueError otherwise)."""
+        super().__init__()
+        if hf.config._attn_implementation != ATTN_IMPLEMENTATION:
+            raise ValueError(f"the model must be built with {ATTN_IMPLEMENTATION=}")
+        self.hf = hf.eval()
+        self.cfg = cfg
+        self.native_layer_ops = False  # the HF modules run their own norms, RoPE, activations
+        self._tp: TPGroup | None = None
+        self.linears = _replace_linears(hf)
+        self._keeps_logits = "logits_to_keep" in inspect.signature(hf.forward).parameters
+        hf.base_model.register_forward_hook(_keep_hidden)
+        self._check_attention()
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        path: str | Path,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+        quantization: str = "",
+    ) -> TransformersModel:
+        """Load a Hugging Face directory with ``AutoModelForCausalLM`` (kvflow's attention)."""
+        path = Path(path)
+        if quantization:
+            raise ValueError(
+                f"--quantization {quantization}: --model-impl transformers serves unquantized "
+                "weights only (use the native implementation)"
+            )
+        where = f"{path}/config.json"
+        raw = json.loads((path / "config.json").read_text())
+        eos: list[int] = []
+        gen = path / "generation_config.json"
+        if gen.is_file():
+            eos = _ids(json.loads(gen.read_text()).get("eos_token_id"))
+        cfg = transformers_config(raw, where, eos)
+        hf = transformers.AutoModelForCausalLM.from_pretrained(
+            path, dtype=dtype, attn_implementation=ATTN_IMPLEMENTATION
+        )
+        return cls(hf.to(device), cfg)
+
+    @classmethod
+    def from_model(cls, hf: torch.nn.Module) -> TransformersModel:
+        """Wrap a copy of an in-memory transformers causal LM (tests): the caller's model keeps
+        its own attention and linear layers."""
+        where = type(hf).__name__
+        check_supported(hf.config, where)
+        cfg = transformers_config(hf.config.to_dict(), where, [])
+        hf = copy.deepcopy(hf)
+        hf.set_attn_implementation(ATTN_IMPLEMENTATION)
+        return cls(hf, cfg)
+
+    # -- what the runner reads --------------------------------------------------------------
+
+    @property
+    def tp(self) -> TPGroup | None:
+        """Always None: tensor parallelism is refused (setting a group raises)."""
+        return self._tp
+
+    @tp.setter
+    def tp(self, group: TPGroup | None) -> None:
+        if group is not None:
+            raise ValueError("--model-impl transformers does not support tensor parallelism")
+        self._tp = None
+
+    @property
+    def length_dependent_rope(self) -> bool:
+        """False: positions go to the HF model as they are (it owns its RoPE)."""
+        return False
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.hf.get_input_embeddings().weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.hf.get_input_embeddings().weight.device
+
+    def pack_weights(self) -> str:
+        """Every linear weight pre-packed for the CPU, as ``DecoderModel.pack_weights``:
+        kvflow's panels where they run (batch invariant by construction), else oneDNN's
+        layout. Returns which ("panels" or "oneDNN")."""
+        kind = PanelWeight if panel_available() else PackedWeight
+        for lin in self.linears:
+            lin.pack(kind)
+        return "panels" if kind is PanelWeight else "oneDNN"
+
+    def use_native_layer_ops(self) -> bool:
+        """False: the HF modules compute norms, RoPE and activations themselves."""
+        return False
+
+    def linear_weights(self) -> list[Any]:
+        """One linear weight of each distinct shape (what batch-invariance calibration tests)."""
+        seen: dict[tuple[int, ...], Any] = {}
+        for lin in self.linears:
+            seen.setdefault(tuple(lin.w.shape), lin.w)
+        return list(seen.values())
+
+    def make_kv_caches(
+        self, num_blocks: int, block_size: int
+    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """One (k, v) pair per layer, each [num_blocks, block_size, Hkv, D], zero filled."""
+        shape = (num_blocks, block_size, self.cfg.num_kv_heads, self.cfg.head_dim)
+        dt, dev = self.dtype, self.device
+        return [
+            (torch.zeros(shape, dtype=dt, device=dev), torch.zeros(shape, dtype=dt, device=dev))
+            for _ in range(self.cfg.num_layers)
+        ]
+
+    # -- the two paths ----------------------------------------------------------------------
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        batch: ForwardBatch,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+    ) -> torch.Tensor:
+        """Run ``input_ids`` [T] at ``positions`` [T]; returns logits [S, vocab] (fp32) for
+        ``batch.sample_rows`` only."""
+        return self.forward_pooled(input_ids, positions, batch, kv_caches)[0]
+
+    @torch.inference_mode()
+    def forward_pooled(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        batch: ForwardBatch,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The CPU path: ``forward``'s logits, and the final hidden states (the base model's
+        output, after its last norm; fp32) [P, hidden] of ``batch.hidden_rows`` (None when
+        there are none)."""
+        _refuse_lora(batch.lora)
+        rows, s = batch.rows, batch.sample_rows.numel()
+        step = StepContext(
+            _host_attend(kv_caches, batch),
+            input_ids.numel(),
+            rows,
+            None if rows is None else K.RowLayout(s, (), rows.tile, rows.pad),
+            batch.hidden_rows,
+        )
+        return self._run(step, input_ids, positions, batch.sample_rows)
+
+    def forward_device(
+        self,
+        ops: KernelBackend,
+        batch: DeviceBatch,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+    ) -> torch.Tensor:
+        """``forward_device_pooled`` without hidden rows: fp32 logits [S, vocab]."""
+        return self.forward_device_pooled(ops, batch, kv_caches)[0]
+
+    @torch.inference_mode()
+    def forward_device_pooled(
+        self,
+        ops: KernelBackend,
+        batch: DeviceBatch,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        hidden_rows: torch.Tensor | None = None,
+        lora: LoRAStep | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The device path: attention through ``ops`` (no host synchronisation), linear layers
+        dense (cuBLAS on CUDA); fp32 logits [S, vocab] of ``batch.sample_rows`` (every row when
+        None) and, with ``hidden_rows``, those rows' final hidden states (fp32)."""
+        _refuse_lora(lora)
+        attend = _device_attend(ops, kv_caches, batch)
+        step = StepContext(attend, batch.input_ids.numel(), hidden_rows=hidden_rows)
+        return self._run(step, batch.input_ids, batch.positions, batch.sample_rows)
+
+    def _run(
+        self,
+        step: StepContext,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        sample_rows: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The HF model on the step's tokens as one row, ``step`` visible to its attention and
+        linear layers for exactly this call; logits of ``sample_rows`` (all when None). Where
+        the model's forward takes ``logits_to_keep``, its own head runs (with whatever it does
+        after the LM head: soft-caps, logit scales); else the base model, then the LM head."""
+        ids, pos = input_ids[None], positions[None]
+        token = _STEP.set(step)
+        try:
+            if self._keeps_logits:
+                keep = 0 if sample_rows is None else sample_rows.long()
+                out = self.hf(input_ids=ids, position_ids=pos, use_cache=False, logits_to_keep=keep)
+                logits = out.logits[0]
+            else:
+                h = self.hf.base_model(input_ids=ids, position_ids=pos, use_cache=False)[0][0]
+                if sample_rows is not None:
+                    h = h.index_select(0, sample_rows)
+                logits = self.hf.get_output_embeddings()(h)
+        finally:
+            _STEP.reset(token)
+        return logits.float(), step.hidden
+
+    # -- the construction check ----------------------------------------------------------------
+
+    @torch.inference_mode()
+    def _check_attention(self, n: int = 4) -> None:
+        """A warm-up forward of ``n`` tokens: kvflow's attention must run once for each layer,
+        with the config's head counts and head size, on a causal self-attention with no mask
+        of the model's own; ValueError naming what differs otherwise."""
+        cfg, name = self.cfg, type(self.hf).__name__
+        step = StepContext(_probe_attend, n)
+        pos = torch.arange(n, device=self.device)
+        token = _STEP.set(step)
+        try:
+            self.hf(input_ids=pos[None] % cfg.vocab_size, position_ids=pos[None], use_cache=False)
+        except Exception as e:
+            raise ValueError(
+                f"{name}: the warm-up forward through kvflow's attention failed: {e}"
+            ) from e
+        finally:
+            _STEP.reset(token)
+        layers = sorted(c[0] for c in step.calls)
+        if not layers:
+            raise ValueError(
+                f"{name}: the model's attention does not support transformers' attention "
+                "interface (it never called the registered attention function); use a model "
+                "with a native implementation"
+            )
+        if layers != list(range(cfg.num_layers)):
+            raise ValueError(
+                f"{name}: kvflow's attention ran for layers {layers} of {cfg.num_layers}: not "
+                "every layer's attention goes through transformers' attention interface"
+            )
+        want_q = (1, cfg.num_heads, n, cfg.head_dim)
+        want_k = (1, cfg.num_kv_heads, n, cfg.head_dim)
+        for layer, q, k, own_mask in step.calls:
+            if q != want_q or k != want_k:
+                raise ValueError(
+                    f"{name} layer {layer}: attention shapes q {q}, k {k}; the config says "
+                    f"q {want_q}, k {want_k}"
+                )
+            if own_mask:
+                raise ValueError(
+                    f"{name} layer {layer}: a mask of the model's own or non-causal attention, "
+                    "which the paged cache's causal attention cannot honour"
+                )
+
+
+def _keep_hidden(module: torch.nn.Module, args: Any, output: Any) -> None:
+    """Forward hook on the base model: the current step's ``hidden_rows`` of its output."""
+    step = _STEP.get()
+    if step is not None and step.hidden_rows is not None:
+        step.hidden = output[0][0].index_select(0, step.hidden_rows).float()
+
+
+def _refuse_lora(lora: Any) -> None:
+    if lora is not None:
+        raise ValueError("--model-impl transformers does not serve LoRA adapters")

@@ -1,0 +1,225 @@
+"""``--model-impl transformers`` (services/worker/transformers_model.py) against transformers
+itself on tiny random checkpoints made here (no hub): GPT-NeoX (partial RoPE, parallel
+residual), StableLM (partial RoPE, per-head q/k LayerNorm, GQA, q/k/v biases) and Qwen2 (a
+sliding-window layer; it also has a native implementation to compare with). Greedy output
+equals transformers' ``generate`` token for token through the real scheduler core and runner:
+alone, batched with chunked prefill and mixed prompt lengths, under preemption and after a
+prefix-cache hit. Also: bitwise batch invariance of the CPU path's logits, the device path
+under Triton's interpreter, and the refusals."""
+
+from __future__ import annotations
+
+import itertools
+from unittest import mock
+
+import pytest
+import torch
+import transformers as tf
+
+from kernels import reference as K
+from kernels.batch_invariance import GemmRows
+from services.worker import model_setup
+from services.worker.model import ForwardBatch
+from services.worker.runner import ModelRunner
+from services.worker.transformers_model import TransformersModel, transformers_config
+from shared.messages import SamplingParams, ScheduledSeq
+from shared.model_source import ModelSource
+from tests.unit import engine_support
+from tests.unit.engine_support import new_core, run
+from tests.unit.family_models import CONFIGS, hf_generate
+
+PROMPTS = [
+    [5, 17, 99, 3, 42, 8, 64, 21, 77, 1, 33],
+    [120, 6, 6, 90, 12, 7, 7, 31],
+    [11, 22, 33, 44, 55, 66, 77, 88, 99, 100, 101, 102, 103, 104, 105, 106, 107, 108, 109],
+    [9, 8],
+]
+NEW = 12
+GREEDY = SamplingParams(max_tokens=NEW, temperature=0.0, ignore_eos=True)
+BLOCK = 4
+ROWS = GemmRows(4, 4, True)  # a fixed row layout: no calibration in tests
+SMALL = {
+    "vocab_size": 128,
+    "hidden_size": 64,
+    "intermediate_size": 96,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "max_position_embeddings": 64,
+    "bos_token_id": 1,
+    "eos_token_id": 127,
+    "pad_token_id": 0,
+}
+MODELS = {
+    "gpt_neox": lambda: tf.GPTNeoXConfig(**SMALL, rotary_pct=0.25, use_parallel_residual=True),
+    "stablelm": lambda: tf.StableLmConfig(
+        **SMALL,
+        num_key_value_heads=2,
+        partial_rotary_factor=0.25,
+        qk_layernorm=True,
+        use_qkv_bias=True,
+    ),
+    "qwen2": CONFIGS["qwen2"],  # tests/unit/family_models.py: a 6-token window on layer 0
+}
+
+
+def make_hf(name: str, seed: int = 0) -> torch.nn.Module:
+    """The tiny model of ``MODELS[name]``: 2-D weights x10 (logits far from ties), 1-D ones
+    (norms, biases) with noise, as tests/unit/family_models.py does."""
+    torch.manual_seed(seed)
+    model = tf.AutoModelForCausalLM.from_config(MODELS[name]()).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(10.0) if p.dim() == 2 else p.add_(torch.randn_like(p) * 0.1)
+    return model
+
+
+def transformers_runner(model: TransformersModel, num_blocks: int = 64, **kw) -> ModelRunner:
+    """A ModelRunner around ``model``, built by the real ``load_model`` (packing, kernels,
+    row layout, KV cache), whose ``DecoderModel(config, weights)`` is made to return
+    ``model``: what ``load_model`` will do itself for ``--model-impl transformers``."""
+    kw = {"gemm_rows": ROWS, "worker_id": "w"} | kw
+    with mock.patch.object(model_setup, "DecoderModel", lambda config, weights: model):
+        return ModelRunner.from_weights(model.cfg, {}, BLOCK, num_blocks, **kw)
+
+
+@pytest.fixture(scope="module", params=sorted(MODELS))
+def case(request, tmp_path_factory):
+    """(name, transformers model, runner over TransformersModel, HF greedy outputs); Qwen2
+    goes through ``from_pretrained`` on a saved directory, the others ``from_model``."""
+    name = request.param
+    hf = make_hf(name)
+    if name == "qwen2":
+        path = tmp_path_factory.mktemp(name)
+        hf.save_pretrained(path)
+        model = TransformersModel.from_pretrained(path)
+    else:
+        model = TransformersModel.from_model(hf)
+    with torch.no_grad():
+        want = [hf_generate(hf, p, NEW) for p in PROMPTS]
+    return name, hf, transformers_runner(model), want
+
+
+def test_the_tiny_models_use_their_features(case) -> None:
+    name, hf, runner, _ = case
+    assert runner.config.family == "transformers"
+    if name == "gpt_neox":
+        assert hf.gpt_neox.layers[0].attention.rotary_ndims == 4
+    if name == "stablelm":
+        assert hf.model.layers[0].self_attn.rotary_ndims == 4 and runner.config.num_kv_heads == 2
+
+
+def test_greedy_alone_equals_transformers(case) -> None:
+    _, _, runner, want = case
+    for prompt, w in zip(PROMPTS, want, strict=True):
+        got, _ = run(new_core(), runner, [(prompt, None)], GREEDY)
+        assert got[0] == w
+
+
+def test_batched_chunked_equals_transformers(case) -> None:
+    _, _, runner, want = case
+    core = new_core(max_num_batched_tokens=8)  # every prompt but one in several chunks
+    got, plans = run(core, runner, [(p, None) for p in PROMPTS], GREEDY)
+    assert got == want
+    assert max(len(p.seqs) for p in plans) == len(PROMPTS)
+
+
+def test_preempted_and_prefix_hit_equal_transformers(case) -> None:
+    _, _, runner, want = case
+    core = new_core(blocks=16)  # 64 token slots for 4 sequences of up to 31 tokens
+    got, _ = run(core, runner, [(p, None) for p in PROMPTS], GREEDY)
+    assert got == want
+    assert core.stats().num_preemptions > 0
+    hits = core.stats().prefix_cache_hits
+    again, _ = run(core, runner, [(PROMPTS[2], None)], GREEDY)
+    assert core.stats().prefix_cache_hits > hits
+    assert again[0] == want[2]
+
+
+def test_logits_and_hidden_states_equal_transformers(case) -> None:
+    """One prefill through ``forward_pooled``: the last row's logits and every row's final
+    hidden states (what embedding requests pool) against the HF model's own forward."""
+    _, hf, runner, _ = case
+    ids = torch.tensor(PROMPTS[2])
+    n = len(ids)
+    plan = K.plan_attention(torch.arange(5)[None], torch.tensor([n]), torch.tensor([n]), BLOCK)
+    batch = ForwardBatch(torch.arange(n), plan, None, torch.tensor([n - 1]), torch.arange(n))
+    caches = runner.model.make_kv_caches(5, BLOCK)
+    logits, hidden = runner.model.forward_pooled(ids, torch.arange(n), batch, caches)
+    with torch.no_grad():
+        out = hf(ids[None], output_hidden_states=True)
+        ref_hidden = hf.base_model(ids[None]).last_hidden_state[0]
+    torch.testing.assert_close(logits[0], out.logits[0, -1], rtol=1e-4, atol=1e-3)
+    torch.testing.assert_close(hidden, ref_hidden, rtol=1e-4, atol=1e-4)
+
+
+def test_qwen2_native_and_transformers_agree(tmp_path) -> None:
+    """The same Qwen2 checkpoint through the native decoder and the transformers backend:
+    the same greedy tokens, first-step logits equal to fp32 rounding."""
+    hf = make_hf("qwen2")
+    hf.save_pretrained(tmp_path)
+    src = ModelSource("hf", tmp_path, "qwen2")
+    native = ModelRunner.create(src, block_size=BLOCK, num_blocks=64, worker_id="w", gemm_rows=ROWS)
+    fallback = transformers_runner(TransformersModel.from_pretrained(tmp_path))
+    first = {}
+    for key, r in (("native", native), ("transformers", fallback)):
+        rows = _spy_rows(r)
+        got, _ = run(new_core(max_num_batched_tokens=8), r, [(p, None) for p in PROMPTS], GREEDY)
+        first[key] = (got, rows[0])
+    assert first["native"][0] == first["transformers"][0]
+    torch.testing.assert_close(first["native"][1], first["transformers"][1], rtol=1e-4, atol=1e-3)
+
+
+def _spy_rows(runner: ModelRunner) -> list[torch.Tensor]:
+    """Every step's sampled logits, as the runner's ``_sample`` gets them."""
+    rows: list[torch.Tensor] = []
+    sample = runner._sample
+
+    def spy(logits: torch.Tensor, sampled: list[ScheduledSeq]) -> torch.Tensor:
+        rows.append(logits.detach().float().cpu().clone())
+        return sample(logits, sampled)
+
+    runner._sample = spy
+    return rows
+
+
+def test_logits_bitwise_batch_invariant(monkeypatch) -> None:
+    """A sequence's logits do not change by one bit when other sequences (decoding, or
+    prefilling in chunks) share its steps."""
+    model = TransformersModel.from_model(make_hf("gpt_neox"))
+    got: list[list[torch.Tensor]] = []
+    for prompts in ([PROMPTS[2]], [PROMPTS[2], *PROMPTS[:2], PROMPTS[3], [9] * 30]):
+        monkeypatch.setattr(engine_support, "_ids", itertools.count())  # the target is r0
+        runner = transformers_runner(model)
+        rows: list[torch.Tensor] = []
+        sample = runner._sample
+
+        def spy(logits, sampled, rows=rows, sample=sample):  # noqa: ANN001, ANN202
+            ids = [s.request_id for s in sampled]
+            if "r0" in ids:
+                rows.append(logits[ids.index("r0")].clone())
+            return sample(logits, sampled)
+
+        runner._sample = spy
+        run(new_core(max_num_batched_tokens=12), runner, [(p, None) for p in prompts], GREEDY)
+        got.append(rows)
+    assert len(got[0]) == len(got[1]) == NEW
+    for a, b in zip(*got, strict=True):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter runs without a GPU")
+@pytest.mark.parametrize("graphs", [False, True], ids=["eager", "padded-static-buffers"])
+def test_device_path_under_the_triton_interpreter(graphs: bool) -> None:
+    """The device path (the Triton backend's cache write and decode / extend attention, here
+    in Triton's interpreter on the CPU) gives transformers' greedy tokens, batched with
+    chunked prefill; with ``graphs`` decode steps go through the padded static buffers of
+    the CUDA-graph path (every row's logits, run eagerly)."""
+    hf = make_hf("stablelm")
+    model = TransformersModel.from_model(hf)
+    runner = transformers_runner(model, backend="triton", cuda_graphs=graphs, max_num_seqs=4)
+    assert runner.ops is not None and (runner.graphs is not None) == graphs
+    prompts, params = [PROMPTS[0], PROMPTS[3]], SamplingParams(max_tokens=4, temperature=0.0)
+    with torch.no_grad():
+        want = [hf_generate(hf, p, 4) for p in prompts]
+    got, _ = run(new_core(max_num_batched_tokens=8), runner, [(p, None) for p in prompts], params)
+    assert got == want
