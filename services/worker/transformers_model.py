@@ -260,6 +260,18 @@ def _first(c: Any, names: tuple[str, ...]) -> Any:
     return None
 
 
+def _need(c: Any, name: str, where: str) -> Any:
+    """``c.name``, or a ValueError: a model without it (Mamba has no attention heads) is not
+    a transformer kvflow's paged attention can serve."""
+    v = getattr(c, name, None)
+    if v is None:
+        raise ValueError(
+            f"{where}: {c.model_type} has no {name}; --model-impl transformers runs "
+            "attention-based causal LMs"
+        )
+    return v
+
+
 def _ids(v: Any) -> list[int]:
     return [] if v is None else [int(i) for i in (v if isinstance(v, (list, tuple)) else [v])]
 
@@ -300,7 +312,7 @@ def transformers_config(raw: dict[str, Any], where: str, eos_extra: list[int]) -
     causal LM's config.json, read through transformers' own config class (so its aliases,
     e.g. GPT-2's ``n_embd``, and defaults apply); ``family="transformers"``."""
     c = _hf_config(raw, where).get_text_config()
-    heads = int(c.num_attention_heads)
+    heads = int(_need(c, "num_attention_heads", where))
     kv_heads = int(getattr(c, "num_key_value_heads", None) or heads)
     head_dim = int(getattr(c, "head_dim", None) or c.hidden_size // heads)
     positions = _first(c, POSITION_FIELDS)
@@ -310,9 +322,9 @@ def transformers_config(raw: dict[str, Any], where: str, eos_extra: list[int]) -
     theta = rope.get("rope_theta") if isinstance(rope, dict) else None
     eos = _ids(c.eos_token_id) + [i for i in eos_extra if i not in _ids(c.eos_token_id)]
     return ModelConfig(
-        vocab_size=int(c.vocab_size),
-        hidden_size=int(c.hidden_size),
-        num_layers=int(c.num_hidden_layers),
+        vocab_size=int(_need(c, "vocab_size", where)),
+        hidden_size=int(_need(c, "hidden_size", where)),
+        num_layers=int(_need(c, "num_hidden_layers", where)),
         num_heads=heads,
         num_kv_heads=kv_heads,
         head_dim=head_dim,

@@ -14,6 +14,7 @@ import os
 import random
 import subprocess
 import sys
+from dataclasses import astuple
 from pathlib import Path
 
 import pytest
@@ -22,8 +23,10 @@ import torch
 from tests.kernels.common import HAS_CUDA, TOL, close, f32, randn  # first: TRITON_INTERPRET
 
 # isort: split
-from kernels import llama_step
+from benchmarks.random_model import LlamaShape, random_llama
 from kernels.ops import get_backend, select_backend
+from services.worker.model import DecoderModel
+from services.worker.step_inputs import DeviceBatch
 
 REF = get_backend("reference")
 TRI = get_backend("triton")
@@ -416,22 +419,18 @@ def test_select_backend():
 
 @pytest.mark.parametrize("device,dtype", DEVICE_DTYPES)
 def test_llama_prefill_then_decode_matches_reference(device, dtype):
-    """A tiny random Llama (kernels/llama_step.py, what the bench times): a prefix-hit extend
-    step, then decode steps with a padded row, through both backends: the kernels compose."""
-    shape = llama_step.LlamaShape(
+    """A tiny random Llama through the worker's own decoder (``DecoderModel.forward_device``,
+    what the bench times): a prefix-hit extend step, then decode steps with a padded row,
+    through both backends: the kernels compose."""
+    shape = LlamaShape(
         vocab=64, hidden=64, layers=2, heads=4, kv_heads=2, intermediate=96, max_position=128
     )
     bs, num_blocks = 4, 24
-    weights = llama_step.random_llama(shape, dtype, device, seed=1)
-    ref_weights = llama_step.LlamaWeights(
-        f32(weights.embed),
-        [{n: f32(t) for n, t in layer.items()} for layer in weights.layers],
-        f32(weights.norm),
-        f32(weights.lm_head),
-        f32(weights.cos_sin),
-    )
-    caches = llama_step.make_kv_caches(shape, num_blocks, bs, dtype, device)
-    ref_caches = llama_step.make_kv_caches(shape, num_blocks, bs, torch.float32, "cpu")
+    cfg, weights = random_llama(dtype, torch.device(device), seed=1, shape=shape)
+    model = DecoderModel(cfg, weights)
+    ref_model = DecoderModel(cfg, {n: f32(t) for n, t in weights.items()})
+    caches = model.make_kv_caches(num_blocks, bs)
+    ref_caches = ref_model.make_kv_caches(num_blocks, bs)
     tables = torch.tensor([[3, 9, 1, 17, 5], [20, 2, 11, 0, 8]], dtype=torch.int32)
     g = torch.Generator().manual_seed(2)
     prompt_lens = [11, 6]
@@ -439,50 +438,46 @@ def test_llama_prefill_then_decode_matches_reference(device, dtype):
     def slots(seq: int, positions: list[int]) -> list[int]:
         return [int(tables[seq, p // bs]) * bs + p % bs for p in positions]
 
-    def run(step_cpu: llama_step.StepInputs, rows: torch.Tensor | None) -> None:
-        step_dev = llama_step.StepInputs(
-            *(x.to(device) for x in (step_cpu.tokens, step_cpu.positions, step_cpu.slot_mapping)),
-            step_cpu.block_tables.to(device),
-            step_cpu.seq_lens.to(device),
-            None if step_cpu.query_start_loc is None else step_cpu.query_start_loc.to(device),
-            step_cpu.max_query_len,
+    def run(step: DeviceBatch) -> None:
+        on_dev = DeviceBatch(
+            *(None if x is None else x.to(device) for x in astuple(step)[:6]),
+            step.max_query_len,
+            None if step.sample_rows is None else step.sample_rows.to(device),
         )
-        got = llama_step.forward(TRI, shape, weights, caches, step_dev, rows)
-        want = llama_step.forward(REF, shape, ref_weights, ref_caches, step_cpu, rows)
+        got = model.forward_device(TRI, on_dev, caches)
+        want = ref_model.forward_device(REF, step, ref_caches)
         atol, rtol = TOL[dtype]
         torch.testing.assert_close(got.cpu(), want, atol=atol * 20, rtol=rtol * 20)
 
     # step 1: both prompts, as if the first 4 tokens of sequence 0 had been a prefix-cache hit
     # (written by an earlier step: here a first extend step of 4 tokens)
     toks = torch.randint(0, shape.vocab, (sum(prompt_lens),), generator=g)
-    first = llama_step.StepInputs(
+    run(DeviceBatch(
         toks[:4], torch.arange(4), torch.tensor(slots(0, list(range(4)))),
         tables[:1], torch.tensor([4], dtype=torch.int32),
-        torch.tensor([0, 4], dtype=torch.int32), 4,
-    )  # fmt: skip
-    run(first, None)
+        torch.tensor([0, 4], dtype=torch.int32), 4, None,
+    ))  # fmt: skip
     rest = list(range(4, 11))
-    second = llama_step.StepInputs(
+    run(DeviceBatch(
         torch.cat([toks[4:11], toks[11:]]),
         torch.tensor(rest + list(range(6))),
         torch.tensor(slots(0, rest) + slots(1, list(range(6)))),
         tables, torch.tensor(prompt_lens, dtype=torch.int32),
-        torch.tensor([0, 7, 13], dtype=torch.int32), 7,
-    )  # fmt: skip
-    run(second, torch.tensor([6, 12]))
+        torch.tensor([0, 7, 13], dtype=torch.int32), 7, torch.tensor([6, 12]),
+    ))  # fmt: skip
     # decode steps with a padded third row (slot -1, seq_len 0), as a CUDA-graph batch has
     lens = list(prompt_lens)
     padded_tables = torch.cat([tables, tables[:1]])
     for _ in range(2):
         pos = [lens[0], lens[1], 0]
-        step = llama_step.StepInputs(
+        run(DeviceBatch(
             torch.randint(0, shape.vocab, (3,), generator=g),
             torch.tensor(pos),
             torch.tensor(slots(0, [pos[0]]) + slots(1, [pos[1]]) + [-1]),
             padded_tables,
             torch.tensor([lens[0] + 1, lens[1] + 1, 0], dtype=torch.int32),
-        )
-        run(step, torch.tensor([0, 1]))
+            None, 1, torch.tensor([0, 1]),
+        ))  # fmt: skip
         lens = [n + 1 for n in lens]
 
 

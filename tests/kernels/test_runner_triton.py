@@ -254,10 +254,10 @@ def test_gpu_decode_bench_code_path(monkeypatch) -> None:
     random Llama drawn on the device, decode steps through the decode graphs), on a tiny
     shape in the interpreter, so the GPU bench does not first fail on a GPU."""
     from benchmarks import decode as bench_decode
-    from kernels.llama_step import LlamaShape
+    from benchmarks.random_model import LlamaShape, random_llama
 
     shape = LlamaShape(vocab=64, hidden=32, layers=1, heads=2, kv_heads=1, intermediate=48)
-    cfg, weights = bench_decode.random_llama(torch.float32, torch.device("cpu"), shape=shape)
+    cfg, weights = random_llama(torch.float32, torch.device("cpu"), shape=shape)
     assert cfg.head_dim == 16 and weights["lm_head.weight"].shape == (64, 32)
     runner = ModelRunner.from_weights(
         cfg, weights, 4, 16, backend="triton", cuda_graphs=True, max_num_seqs=4

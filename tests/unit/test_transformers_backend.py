@@ -218,8 +218,73 @@ def test_device_path_under_the_triton_interpreter(graphs: bool) -> None:
     model = TransformersModel.from_model(hf)
     runner = transformers_runner(model, backend="triton", cuda_graphs=graphs, max_num_seqs=4)
     assert runner.ops is not None and (runner.graphs is not None) == graphs
-    prompts, params = [PROMPTS[0], PROMPTS[3]], SamplingParams(max_tokens=4, temperature=0.0)
+    prompts, params = (
+        [PROMPTS[0], PROMPTS[3]],
+        SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True),
+    )
     with torch.no_grad():
         want = [hf_generate(hf, p, 4) for p in prompts]
     got, _ = run(new_core(max_num_batched_tokens=8), runner, [(p, None) for p in prompts], params)
     assert got == want
+
+
+# -- refusals and config reading ---------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def neox() -> TransformersModel:
+    return TransformersModel.from_model(make_hf("gpt_neox"))
+
+
+def test_refuses_tensor_parallelism_and_lora(neox) -> None:
+    with pytest.raises(ValueError, match="tensor parallelism"):
+        neox.tp = object()
+    plan = K.plan_attention(
+        torch.zeros(1, 1, dtype=torch.long), torch.tensor([1]), torch.tensor([1]), BLOCK
+    )
+    batch = ForwardBatch(torch.tensor([0]), plan, None, torch.tensor([0]), lora=object())
+    with pytest.raises(ValueError, match="LoRA"):
+        neox(torch.tensor([3]), torch.tensor([0]), batch, neox.make_kv_caches(1, BLOCK))
+    with pytest.raises(ValueError, match="LoRA"):
+        neox.forward_device_pooled(None, None, [], lora=object())
+
+
+def test_refuses_quantization(tmp_path) -> None:
+    with pytest.raises(ValueError, match="unquantized"):
+        TransformersModel.from_pretrained(tmp_path, quantization="int8")
+    raw = MODELS["qwen2"]().to_dict() | {"quantization_config": {"quant_method": "gptq"}}
+    with pytest.raises(ValueError, match="quantized checkpoint"):
+        transformers_config(raw, "q/config.json", [])
+
+
+def test_refuses_encoder_decoders_and_models_that_are_not_causal_lms() -> None:
+    with pytest.raises(ValueError, match="encoder-decoder"):
+        transformers_config(tf.T5Config().to_dict(), "t5/config.json", [])
+    with pytest.raises(ValueError, match="not a causal LM"):
+        transformers_config(tf.ViTConfig().to_dict(), "vit/config.json", [])
+    with pytest.raises(ValueError, match="not one transformers knows"):
+        transformers_config({"model_type": "no-such-model"}, "x/config.json", [])
+
+
+def test_refuses_attention_outside_the_interface() -> None:
+    """A layer whose attention never calls the registered function (here: replaced by one
+    that does its own thing), and a model with no attention at all (Mamba)."""
+    hf = make_hf("gpt_neox")
+    attention = hf.gpt_neox.layers[1].attention
+    attention.forward = lambda hidden_states, *a, **kw: (attention.dense(hidden_states), None)
+    with pytest.raises(ValueError, match=r"ran for layers \[0\] of 2"):
+        TransformersModel.from_model(hf)
+    torch.manual_seed(0)
+    mamba = tf.MambaForCausalLM(tf.MambaConfig(vocab_size=128, hidden_size=32, num_hidden_layers=2))
+    with pytest.raises(ValueError, match="attention"):
+        TransformersModel.from_model(mamba)
+
+
+def test_config_reads_any_causal_lm() -> None:
+    """GPT-2's config names its fields n_embd, n_layer, n_head, n_positions: transformers'
+    aliases give the shape; generation_config EOS ids are added to the config's."""
+    raw = tf.GPT2Config(n_embd=64, n_layer=3, n_head=4, n_positions=96, vocab_size=100).to_dict()
+    cfg = transformers_config(raw, "gpt2/config.json", [7, 50256])
+    assert (cfg.hidden_size, cfg.num_layers, cfg.num_heads, cfg.num_kv_heads) == (64, 3, 4, 4)
+    assert (cfg.head_dim, cfg.max_position_embeddings, cfg.vocab_size) == (16, 96, 100)
+    assert cfg.eos_token_ids == (50256, 7) and cfg.family == "transformers"

@@ -1,0 +1,179 @@
+"""The real Gemma 3 270M GGUF (Q4_K_M: Q5_0, Q4_K, Q6_K and Q8_0 tensors, dequantized at load):
+the config kvflow reads from llama.cpp's metadata (every field read; GELU-tanh, every 6th layer
+global, two RoPE bases, ``<end_of_turn>`` as a stop token), weights equal to transformers' GGUF
+loader tensor for tensor, and ModelRunner's greedy output equal to HF ``generate`` on the same
+file token for token, one prompt at a time and all prompts batched in the same steps: short and
+long prompts (one past the 512-token sliding window), text, code, and a chat turn that stops
+on ``<end_of_turn>``."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from services.worker.runner import ModelRunner
+from shared.messages import FinishReason, NewRequest, SamplingParams, ScheduledSeq, StepPlan
+from shared.model_loader import load_config, load_weights
+from shared.model_source import load_tokenizer, resolve_model
+
+pytestmark = pytest.mark.integration
+
+NEW_TOKENS = 20
+BLOCK = 16
+EOS, END_OF_TURN = 1, 106
+LONG = " ".join(f"Line {i}: the square of {i} is {i * i}." for i in range(1, 48))
+PROMPTS = [
+    "The capital of France is",
+    'def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n',
+    "Once upon a time, in a small village by the sea,",
+    "Ingredients for a simple pancake recipe:\n1.",
+    "Translate to French: I would like a cup of coffee.\nFrench:",
+    "Q: What is 17 + 25?\nA:",
+    "<start_of_turn>user\nWhat is the capital of Italy? Answer in one word.<end_of_turn>\n"
+    "<start_of_turn>model\n",
+    LONG + " Line 48: the square of 48 is",  # past the sliding window (512 tokens)
+]
+
+
+@pytest.fixture(scope="module")
+def gemma3(gemma3_gguf: Path) -> dict:
+    """kvflow's config, weights and runner for the file, and transformers' model and greedy
+    tokens for ``PROMPTS`` (loaded once: the GGUF header alone takes seconds to parse)."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from transformers import AutoModelForCausalLM
+
+    src = resolve_model(str(gemma3_gguf))
+    cfg = load_config(src)
+    weights = load_weights(src, cfg)
+    hf = AutoModelForCausalLM.from_pretrained(
+        str(src.directory), gguf_file=src.path.name, dtype=torch.float32
+    ).eval()
+    tok = load_tokenizer(src)
+    prompts = [list(tok(p)["input_ids"]) for p in PROMPTS]
+    with torch.no_grad():
+        want = [
+            hf.generate(
+                torch.tensor([p]),
+                do_sample=False,
+                max_new_tokens=NEW_TOKENS,
+                eos_token_id=[EOS, END_OF_TURN],  # Gemma's generation_config.json: both stop
+                pad_token_id=0,
+            )[0, len(p) :].tolist()
+            for p in prompts
+        ]
+    blocks = sum(-(-(len(p) + NEW_TOKENS) // BLOCK) for p in prompts)
+    runner = ModelRunner.from_weights(cfg, weights, BLOCK, num_blocks=blocks)
+    return {
+        "src": src,
+        "cfg": cfg,
+        "weights": weights,
+        "hf": hf,
+        "tok": tok,
+        "prompts": prompts,
+        "want": want,
+        "runner": runner,
+    }
+
+
+def generate(
+    runner: ModelRunner, prompts: list[list[int]], first: list[int]
+) -> tuple[list[list[int]], list[list[torch.Tensor]]]:
+    """Greedy generation of all ``prompts`` in the same steps until each stops (prompt ``i``'s
+    blocks start at ``first[i]``, in descending order); returns the tokens and the logits each
+    token was picked from."""
+    step = runner.total_computed_tokens  # any increasing id will do
+    rids = [f"s{step}-{i}" for i in range(len(prompts))]
+    tables, live = {}, {}
+    outs: dict[str, list[int]] = {r: [] for r in rids}
+    logits: dict[str, list[torch.Tensor]] = {r: [] for r in rids}
+    new = []
+    for rid, p, b in zip(rids, prompts, first, strict=True):
+        n_blocks = -(-(len(p) + NEW_TOKENS) // BLOCK)
+        tables[rid] = list(range(b, b + n_blocks))[::-1]
+        live[rid] = list(p)
+        new.append(NewRequest(rid, SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0), len(p)))
+    sample = runner._sample
+
+    def spy(step_logits: torch.Tensor, sampled: list[ScheduledSeq]) -> torch.Tensor:
+        for row, s in enumerate(sampled):
+            logits[s.request_id].append(step_logits[row].clone())
+        return sample(step_logits, sampled)
+
+    runner._sample = spy
+    pos = dict.fromkeys(live, 0)
+    try:
+        while live:
+            seqs = [ScheduledSeq(r, t[pos[r] :], pos[r], tables[r]) for r, t in live.items()]
+            res = runner.execute(StepPlan(step, seqs, new))
+            assert res.error is None, res.error
+            step, new = step + 1, []
+            for r, tok, fr in zip(res.request_ids, res.token_ids, res.finish_reasons, strict=True):
+                pos[r] = len(live[r])
+                live[r].append(tok)
+                outs[r].append(tok)
+                if fr != FinishReason.NONE:
+                    stop = tok in (EOS, END_OF_TURN)
+                    assert fr == (FinishReason.STOP if stop else FinishReason.LENGTH)
+                    del live[r]
+    finally:
+        del runner._sample
+    return [outs[r] for r in rids], [logits[r] for r in rids]
+
+
+def first_blocks(prompts: list[list[int]]) -> list[int]:
+    """Each prompt's first block id: disjoint ranges, one after the other."""
+    out, b = [], 0
+    for p in prompts:
+        out.append(b)
+        b += -(-(len(p) + NEW_TOKENS) // BLOCK)
+    return out
+
+
+def test_config_reads_every_field_llama_cpp_hardcodes_the_rest(gemma3) -> None:
+    """strict: every field the GGUF metadata gives is read by the Gemma 3 reader."""
+    cfg = load_config(gemma3["src"], strict=True)
+    assert cfg == gemma3["cfg"] and cfg.family == "gemma3"
+    shape = (cfg.num_layers, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.hidden_size)
+    assert shape == (18, 4, 1, 256, 640) and cfg.vocab_size == 262144
+    assert cfg.hidden_act == "gelu_tanh" and cfg.tie_word_embeddings
+    assert cfg.bos_token_id == 2 and cfg.eos_token_ids == (EOS, END_OF_TURN)
+    assert cfg.layer_windows == (512,) * 5 + (0,) + (512,) * 5 + (0,) + (512,) * 5 + (0,)
+    assert (cfg.rope.theta, cfg.rope_local.theta) == (1_000_000.0, 10_000.0)
+    assert cfg.rope.rope_type == cfg.rope_local.rope_type == "default"
+    assert cfg.scale == 256**-0.5 and cfg.final_softcap == cfg.attn_softcap == 0.0
+    hf = gemma3["hf"].config
+    assert (hf.sliding_window, hf.query_pre_attn_scalar, hf.hidden_activation) == (
+        512,
+        256,
+        "gelu_pytorch_tanh",
+    )
+    assert gemma3["tok"].convert_tokens_to_ids("<end_of_turn>") == END_OF_TURN
+
+
+def test_weights_equal_transformers_gguf_loader(gemma3) -> None:
+    ours, theirs = gemma3["weights"], gemma3["hf"].state_dict()
+    assert set(ours) == set(theirs) - {"lm_head.weight"}  # tied to the embedding
+    for name, w in ours.items():
+        assert w.dtype == torch.float32 and torch.equal(w, theirs[name]), name
+
+
+def test_greedy_matches_hf_alone_and_batched(gemma3) -> None:
+    runner, prompts, want = gemma3["runner"], gemma3["prompts"], gemma3["want"]
+    assert len(prompts[-1]) > 512  # the long prompt's sliding layers drop its first tokens
+    assert want[6][-1] == END_OF_TURN and len(want[6]) < NEW_TOKENS  # the chat turn ends
+    assert all(len(w) == NEW_TOKENS for i, w in enumerate(want) if i != 6)
+    assert gemma3["tok"].decode(want[6][:-1]).strip() == "Rome"
+    first = first_blocks(prompts)
+    alone_logits = []
+    for i, p in enumerate(prompts):
+        tokens, logits = generate(runner, [p], [first[i]])
+        assert tokens == [want[i]], i
+        alone_logits += logits
+    tokens, batched_logits = generate(runner, prompts, first)
+    assert tokens == want
+    # batching changes no bit of any sequence's logits, not only its argmax
+    for alone, batched in zip(alone_logits, batched_logits, strict=True):
+        assert all(torch.equal(a, b) for a, b in zip(alone, batched, strict=True))
