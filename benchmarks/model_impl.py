@@ -11,7 +11,8 @@ Per implementation: one ``--context``-token prompt's prefill (tokens/s), then, p
 ``--batch`` size, greedy decode steps of sequences that already hold ``--context`` tokens
 (benchmarks/decode.py's ``decode_steps``: the cache's values do not change a decode step's
 work), ``--new`` timed steps after 3 warm-up steps. Prints progress lines and a table with the
-CPU's name; tokens/s = batch / median step time.
+CPU's name; tokens/s = batch / median step time, and the cheapest step's process CPU time
+(steadier on a shared machine; ``--threads 1`` steadier still).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from unittest import mock
 
@@ -79,37 +81,48 @@ def transformers_runner(path: Path, num_blocks: int, gemm_rows: GemmRows | None)
         return ModelRunner.from_weights(model.cfg, {}, BLOCK, num_blocks, gemm_rows=gemm_rows)
 
 
-def prefill_rate(runner: ModelRunner, context: int, first_block: int) -> float:
-    """Tokens/s of one ``context``-token prompt's prefill (one step, one sampled token)."""
+def prefill_time(runner: ModelRunner, context: int, first_block: int) -> tuple[float, float]:
+    """Wall and process CPU seconds of one ``context``-token prompt's prefill (one step,
+    one sampled token)."""
     prompt = [(7 * i + 3) % runner.config.vocab_size for i in range(context)]
     table = list(range(first_block, first_block + -(-context // BLOCK)))
     params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
     plan = StepPlan(0, [ScheduledSeq("p", prompt, 0, table)], [NewRequest("p", params, context)])
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     res = runner.execute(plan)
-    dt = time.perf_counter() - t0
+    wall, cpu = time.perf_counter() - t0, time.process_time() - c0
     if res.error:
         raise RuntimeError(res.error)
     runner.execute(StepPlan(1, [], [], ["p"]))
-    return context / dt
+    return wall, cpu
 
 
-def measure(
-    name: str, runner: ModelRunner, args: argparse.Namespace
-) -> list[tuple[str, str, float, float]]:
-    """(impl, what, ms per step, tokens/s) rows of one implementation, with progress lines."""
-    rows = []
+@dataclass
+class Row:
+    """One figure: ``tokens`` per step, the step's median wall and cheapest CPU seconds."""
+
+    impl: str
+    what: str
+    tokens: int
+    wall: float
+    cpu: float
+
+
+def measure(name: str, runner: ModelRunner, args: argparse.Namespace) -> list[Row]:
+    """The rows of one implementation, with progress lines."""
     per_seq = -(-(args.context + 3 + args.new + 1) // BLOCK)
-    rate = prefill_rate(runner, args.context, 0)
-    rows.append((name, f"prefill {args.context}", args.context / rate * 1e3, rate))
-    print(f"  {name}: prefill of {args.context} tokens at {rate:.0f} tokens/s", flush=True)
+    wall, cpu = prefill_time(runner, args.context, 0)
+    rows = [Row(name, f"prefill {args.context}", args.context, wall, cpu)]
+    print(f"  {name}: prefill {args.context} tokens in {wall:.2f}s", flush=True)
     first = per_seq
     for b in args.batch:
-        wall, _ = decode_steps(runner, b, args.context, args.new, 3, first)
+        walls, cpus = decode_steps(runner, b, args.context, args.new, 3, first)
         first += b * per_seq
-        med = statistics.median(wall)
-        rows.append((name, f"decode batch {b}", med * 1e3, b / med))
-        print(f"  {name}: batch {b}: {med * 1e3:.1f} ms/step, {b / med:.1f} tokens/s", flush=True)
+        rows.append(Row(name, f"decode batch {b}", b, statistics.median(walls), min(cpus)))
+        r = rows[-1]
+        print(
+            f"  {name}: batch {b}: {r.wall * 1e3:.1f} ms/step, {b / r.wall:.1f} tok/s", flush=True
+        )
     return rows
 
 
@@ -157,13 +170,18 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _table(rows: list[tuple[str, str, float, float]]) -> None:
-    """The figures side by side, the transformers backend as a fraction of native."""
-    native = {what: rate for impl, what, _, rate in rows if impl == "native"}
-    print("\n| impl | what | ms/step | tokens/s | vs native |")
-    print("|---|---|---:|---:|---:|")
-    for impl, what, ms, rate in rows:
-        print(f"| {impl} | {what} | {ms:.1f} | {rate:.1f} | {rate / native[what]:.2f}x |")
+def _table(rows: list[Row]) -> None:
+    """The figures side by side, the transformers backend as a fraction of native (by wall
+    time and by CPU time: on a busy machine the CPU time is the steadier one)."""
+    native = {r.what: r for r in rows if r.impl == "native"}
+    print("\n| impl | step | wall ms | tokens/s | vs native | CPU ms (min) | vs native (CPU) |")
+    print("|---|---|---:|---:|---:|---:|---:|")
+    for r in rows:
+        n = native[r.what]
+        print(
+            f"| {r.impl} | {r.what} | {r.wall * 1e3:.1f} | {r.tokens / r.wall:.1f} | "
+            f"{n.wall / r.wall:.2f}x | {r.cpu * 1e3:.1f} | {n.cpu / r.cpu:.2f}x |"
+        )
 
 
 if __name__ == "__main__":

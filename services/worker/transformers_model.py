@@ -355,6 +355,11 @@ class TransformersModel(torch.nn.Module):
         self.cfg = cfg
         self.native_layer_ops = False  # the HF modules run their own norms, RoPE, activations
         self._tp: TPGroup | None = None
+        if hf.base_model is hf:
+            raise ValueError(
+                f"{type(hf).__name__}: no base model inside the causal LM (base_model_prefix) "
+                "to take final hidden states from"
+            )
         self.linears = _replace_linears(hf)
         self._keeps_logits = "logits_to_keep" in inspect.signature(hf.forward).parameters
         hf.base_model.register_forward_hook(_keep_hidden)

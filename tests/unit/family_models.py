@@ -111,11 +111,15 @@ def family_of(name: str) -> str:
     return "llama" if name.startswith("llama") else name
 
 
-def make_model(name: str, seed: int = 0) -> torch.nn.Module:
-    """The tiny model of ``CONFIGS[name]``: 2-D weights x10, 1-D ones (norms, biases) with
-    noise (a Gemma norm's weight is an offset from 1, so noise around 0 is a real scale)."""
+def make_model(name: str, seed: int = 0, **overrides: object) -> torch.nn.Module:
+    """The tiny model of ``CONFIGS[name]`` (``overrides``: config fields, e.g. a real
+    tokenizer's vocabulary): 2-D weights x10, 1-D ones (norms, biases) with noise (a Gemma
+    norm's weight is an offset from 1, so noise around 0 is a real scale)."""
     torch.manual_seed(seed)
-    model = tf.AutoModelForCausalLM.from_config(CONFIGS[name]()).eval()
+    config = CONFIGS[name]()
+    for key, value in overrides.items():
+        setattr(config, key, value)
+    model = tf.AutoModelForCausalLM.from_config(config).eval()
     with torch.no_grad():
         for p in model.parameters():
             p.mul_(10.0) if p.dim() == 2 else p.add_(torch.randn_like(p) * 0.1)
