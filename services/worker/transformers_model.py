@@ -35,7 +35,6 @@ from __future__ import annotations
 import copy
 import inspect
 import json
-import logging
 from collections.abc import Callable
 from contextvars import ContextVar
 from dataclasses import dataclass, field
@@ -53,19 +52,17 @@ from kernels.cpu_gemm import PackedWeight, PanelWeight, panel_available
 from kernels.ops import KernelBackend
 from services.worker.model import ForwardBatch
 from services.worker.step_inputs import DeviceBatch
-from shared.models.config import ModelConfig
+from shared.models import generic
+from shared.models.config import ModelConfig, ModelConfigError
 
 if TYPE_CHECKING:
     from services.worker.lora import LoRAStep
     from services.worker.tensor_parallel import TPGroup
 
-log = logging.getLogger("kvflow.worker")
 
 ATTN_IMPLEMENTATION = "kvflow_paged"
 """The name kvflow's attention is registered under in transformers' ``AttentionInterface``."""
 
-POSITION_FIELDS = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length")
-DEFAULT_POSITIONS = 2048  # vLLM's default when a config names no length
 
 # attention(q [T, H, D], k [T, Hkv, D], v, layer, scale, window, softcap) -> [T, H, D]
 Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, int, float, int, float], torch.Tensor]
@@ -251,92 +248,53 @@ def _replace_linears(hf: torch.nn.Module) -> list[StepLinear]:
     return list(done.values())
 
 
-def _first(c: Any, names: tuple[str, ...]) -> Any:
-    """The first of ``names`` that ``c`` sets (not None)."""
-    for n in names:
-        v = getattr(c, n, None)
-        if v is not None:
-            return v
-    return None
-
-
-def _need(c: Any, name: str, where: str) -> Any:
-    """``c.name``, or a ValueError: a model without it (Mamba has no attention heads) is not
-    a transformer kvflow's paged attention can serve."""
-    v = getattr(c, name, None)
-    if v is None:
-        raise ValueError(
-            f"{where}: {c.model_type} has no {name}; --model-impl transformers runs "
-            "attention-based causal LMs"
-        )
-    return v
-
-
 def _ids(v: Any) -> list[int]:
     return [] if v is None else [int(i) for i in (v if isinstance(v, (list, tuple)) else [v])]
 
 
-def _hf_config(raw: dict[str, Any], where: str) -> Any:
-    """transformers' config object for ``raw`` (a config.json), refused with a ValueError if
-    kvflow's transformers backend cannot serve that kind of model."""
+SHAPE_FIELDS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads")
+
+
+def check_supported(raw: dict[str, Any], where: str) -> None:
+    """Refuse (ModelConfigError, a ValueError) what the backend cannot run, from config.json
+    alone: model types transformers does not know, encoder-decoders, models with no
+    causal-LM class, quantized checkpoints, models with no attention shape (Mamba)."""
     kind = raw.get("model_type")
     if not kind or kind not in transformers.CONFIG_MAPPING:
-        raise ValueError(f"{where}: model_type {kind!r} is not one transformers knows")
+        raise ModelConfigError(f"{where}: model_type {kind!r} is not one transformers knows")
     c = transformers.CONFIG_MAPPING[kind].from_dict(raw)
-    check_supported(c, where)
-    return c
-
-
-def check_supported(c: Any, where: str) -> None:
-    """Refuse (ValueError) what the backend cannot run: encoder-decoders, models with no
-    causal-LM class in transformers, quantized checkpoints."""
     if getattr(c, "is_encoder_decoder", False):
-        raise ValueError(
-            f"{where}: {c.model_type} is an encoder-decoder model; --model-impl transformers "
-            "runs decoder-only causal LMs"
+        raise ModelConfigError(
+            f"{where}: {kind} is an encoder-decoder model; --model-impl transformers runs "
+            "decoder-only causal LMs"
         )
-    if c.model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
-        raise ValueError(
-            f"{where}: {c.model_type} is not a causal LM (no AutoModelForCausalLM class in "
+    if kind not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        raise ModelConfigError(
+            f"{where}: {kind} is not a causal LM (no AutoModelForCausalLM class in "
             "transformers); --model-impl transformers runs causal LMs only"
         )
     if getattr(c, "quantization_config", None):
-        raise ValueError(
+        raise ModelConfigError(
             f"{where}: a quantized checkpoint ({c.quantization_config}); --model-impl "
             "transformers serves unquantized weights only (use the native implementation)"
+        )
+    text = c.get_text_config()
+    missing = [n for n in SHAPE_FIELDS if getattr(text, n, None) is None]
+    if missing:
+        raise ModelConfigError(
+            f"{where}: {kind} has no {', '.join(missing)}; --model-impl transformers runs "
+            "attention-based causal LMs"
         )
 
 
 def transformers_config(raw: dict[str, Any], where: str, eos_extra: list[int]) -> ModelConfig:
-    """The ``ModelConfig`` the runner and scheduler need (shape, positions, special ids) of any
-    causal LM's config.json, read through transformers' own config class (so its aliases,
-    e.g. GPT-2's ``n_embd``, and defaults apply); ``family="transformers"``."""
-    c = _hf_config(raw, where).get_text_config()
-    heads = int(_need(c, "num_attention_heads", where))
-    kv_heads = int(getattr(c, "num_key_value_heads", None) or heads)
-    head_dim = int(getattr(c, "head_dim", None) or c.hidden_size // heads)
-    positions = _first(c, POSITION_FIELDS)
-    if positions is None:
-        log.warning("%s: no maximum length in the config; assuming %d", where, DEFAULT_POSITIONS)
-    rope = getattr(c, "rope_parameters", None) or {}
-    theta = rope.get("rope_theta") if isinstance(rope, dict) else None
-    eos = _ids(c.eos_token_id) + [i for i in eos_extra if i not in _ids(c.eos_token_id)]
-    return ModelConfig(
-        vocab_size=int(_need(c, "vocab_size", where)),
-        hidden_size=int(_need(c, "hidden_size", where)),
-        num_layers=int(_need(c, "num_hidden_layers", where)),
-        num_heads=heads,
-        num_kv_heads=kv_heads,
-        head_dim=head_dim,
-        intermediate_size=int(getattr(c, "intermediate_size", None) or 0),
-        rms_norm_eps=float(_first(c, ("rms_norm_eps", "layer_norm_eps")) or 0.0),
-        rope_theta=float(theta or 10000.0),
-        max_position_embeddings=int(positions or DEFAULT_POSITIONS),
-        tie_word_embeddings=bool(getattr(c, "tie_word_embeddings", False)),
-        bos_token_id=c.bos_token_id if isinstance(c.bos_token_id, int) else None,
-        eos_token_ids=tuple(eos),
-        family="transformers",
-    )
+    """The ``ModelConfig`` (shape, positions, special ids; ``family="transformers"``) of any
+    causal LM's config.json: ``check_supported``'s refusals, then the shared reader
+    (shared/models/generic.py, what ``load_config`` uses for ``--model-impl transformers``),
+    which parses it with transformers' own config class (its aliases, e.g. GPT-2's
+    ``n_embd``, and defaults apply)."""
+    check_supported(raw, where)
+    return generic.transformers_config(raw, where, eos_extra)
 
 
 class TransformersModel(torch.nn.Module):
@@ -396,9 +354,7 @@ class TransformersModel(torch.nn.Module):
     def from_model(cls, hf: torch.nn.Module) -> TransformersModel:
         """Wrap a copy of an in-memory transformers causal LM (tests): the caller's model keeps
         its own attention and linear layers."""
-        where = type(hf).__name__
-        check_supported(hf.config, where)
-        cfg = transformers_config(hf.config.to_dict(), where, [])
+        cfg = transformers_config(hf.config.to_dict(), type(hf).__name__, [])
         hf = copy.deepcopy(hf)
         hf.set_attn_implementation(ATTN_IMPLEMENTATION)
         return cls(hf, cfg)
