@@ -276,6 +276,8 @@ def expected_names(cfg: ModelConfig) -> set[str]:
     """Every tensor name a model of ``cfg`` needs (the lm_head only when untied)."""
     fam = family(cfg.family)
     names = {"model.embed_tokens.weight", "model.norm.weight"}
+    if cfg.norm_kind == "layer":
+        names.add("model.norm.bias")
     if not cfg.tie_word_embeddings:
         names.add("lm_head.weight")
     for i in range(cfg.num_layers):
@@ -352,6 +354,7 @@ def _gguf_names(arch: str, num_layers: int) -> dict[str, str]:
     table = get_tensor_name_map(code, num_layers)
     hf = ["model.embed_tokens", "model.norm", "lm_head"]
     layer = [*LINEARS, "self_attn.qkv_proj", "mlp.gate_up_proj", "self_attn.q_norm"]
+    layer += ["mlp.c_fc", "mlp.c_proj"]
     layer += ["self_attn.k_norm", "input_layernorm", "post_attention_layernorm"]
     layer += ["pre_feedforward_layernorm", "post_feedforward_layernorm"]
     hf += [f"model.layers.{i}.{n}" for i in range(num_layers) for n in layer]

@@ -91,7 +91,7 @@ class DecoderModel(torch.nn.Module):
         self.embed = weights["model.embed_tokens.weight"]
         # tied: the embedding itself, or its quantized copy (--quantization gguf)
         self.lm_head: Any = weights.get("lm_head.weight", self.embed)
-        self.norm = self._norm_weight(weights["model.norm.weight"])
+        self.norm = self._norm_weight(weights["model.norm.weight"], weights.get("model.norm.bias"))
         self.layers: list[Layer] = [
             self._build_layer(weights, f"model.layers.{i}.", fam.norms)
             for i in range(cfg.num_layers)
@@ -111,9 +111,11 @@ class DecoderModel(torch.nn.Module):
         # None: the whole model here
         self.tp: TPGroup | None = None
 
-    def _norm_weight(self, w: torch.Tensor) -> torch.Tensor:
+    def _norm_weight(self, w: torch.Tensor, bias: torch.Tensor | None = None) -> Any:
         """A norm's scale as the kernels multiply by it: ``offset + w`` (Gemma's ``1 + w``,
-        added in fp32 as transformers does)."""
+        added in fp32 as transformers does); a LayerNorm's is (weight, bias)."""
+        if self.cfg.norm_kind == "layer":
+            return (w, bias)
         if not self.cfg.norm_offset:
             return w
         return (self.cfg.norm_offset + w.float()).to(w.dtype)
@@ -121,7 +123,7 @@ class DecoderModel(torch.nn.Module):
     def _build_layer(self, weights: dict[str, Any], p: str, norms: dict[str, str]) -> Layer:
         dt = self.embed.dtype
         attn = [f"{p}self_attn.{n}_proj" for n in "qkv"]
-        mlp = [f"{p}mlp.{n}_proj" for n in ("gate", "up")]
+        mlp = [f"{p}mlp.{n}_proj" for n in (("gate", "up") if self.cfg.gated_mlp else ("up",))]
         layer: Layer = {
             "qkv": _fuse([weights[n + ".weight"] for n in attn], dt),
             "qkv_bias": _cat_bias(weights, [n + ".bias" for n in attn]),
@@ -135,7 +137,8 @@ class DecoderModel(torch.nn.Module):
         for role in ("attn_norm", "attn_out_norm", "mlp_norm", "mlp_out_norm", "q_norm", "k_norm"):
             name = norms.get(role)
             w = weights.get(f"{p}{name}.weight") if name else None
-            layer[role] = None if w is None else self._norm_weight(w)
+            b = weights.get(f"{p}{name}.bias") if name else None
+            layer[role] = None if w is None else self._norm_weight(w, b)
         return layer
 
     @property
@@ -405,8 +408,13 @@ class StepOps:
         return q, k, v
 
 
-def _act_torch(kind: str, x: torch.Tensor) -> torch.Tensor:
-    """``act(gate) * up`` of a fused gate | up projection in plain torch."""
+def _act_torch(kind: str, x: torch.Tensor, gated: bool = True) -> torch.Tensor:
+    """``act(gate) * up`` of a fused gate | up projection in plain torch (``act(x)`` when not
+    ``gated``)."""
+    if not gated:
+        if kind == "silu":
+            return F.silu(x)
+        return F.gelu(x, approximate="tanh" if kind == "gelu_tanh" else "none")
     if kind == "silu":
         return K.silu_and_mul(x)
     if kind == "gelu_tanh":
@@ -430,8 +438,10 @@ class HostOps(StepOps):
         ]
 
     def norm(
-        self, x: torch.Tensor, w: torch.Tensor, residual: torch.Tensor | None = None
+        self, x: torch.Tensor, w: Any, residual: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        if isinstance(w, tuple):
+            return _layer_norm(x, w, self.eps, residual)
         if self.native:
             return cpu_layer_ops.add_rms_norm(x, w, self.eps, residual)
         return K.rms_norm(x, w, self.eps, residual)
@@ -446,12 +456,13 @@ class HostOps(StepOps):
         return K.linear(x, w, head_rows)
 
     def act(self, gate_up: torch.Tensor) -> torch.Tensor:
-        kind = self.model.cfg.hidden_act
-        if self.native and kind == "silu":
+        cfg = self.model.cfg
+        kind = cfg.hidden_act
+        if self.native and cfg.gated_mlp and kind == "silu":
             return cpu_layer_ops.silu_and_mul(gate_up)
-        if self.native and kind == "gelu_tanh":
+        if self.native and cfg.gated_mlp and kind == "gelu_tanh":
             return cpu_layer_ops.gelu_tanh_and_mul(gate_up)
-        return _act_torch(kind, gate_up)
+        return _act_torch(kind, gate_up, cfg.gated_mlp)
 
     def rope_write(
         self, qkv: torch.Tensor, table: int, cache: tuple[torch.Tensor, torch.Tensor]
@@ -490,8 +501,10 @@ class DeviceOps(StepOps):
         ]
 
     def norm(
-        self, x: torch.Tensor, w: torch.Tensor, residual: torch.Tensor | None = None
+        self, x: torch.Tensor, w: Any, residual: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        if isinstance(w, tuple):
+            return _layer_norm(x, w, self.eps, residual)
         return self.ops.rms_norm(x, w, self.eps, residual)
 
     def linear(self, x: torch.Tensor, w: Any) -> torch.Tensor:
@@ -501,12 +514,12 @@ class DeviceOps(StepOps):
         return K.linear(x, w)
 
     def act(self, gate_up: torch.Tensor) -> torch.Tensor:
-        kind = self.model.cfg.hidden_act
-        if kind == "silu":
+        cfg = self.model.cfg
+        if cfg.gated_mlp and cfg.hidden_act == "silu":
             return self.ops.silu_and_mul(gate_up)
-        if kind == "gelu_tanh":
+        if cfg.gated_mlp and cfg.hidden_act == "gelu_tanh":
             return self.ops.gelu_tanh_and_mul(gate_up)
-        return _act_torch(kind, gate_up)
+        return _act_torch(cfg.hidden_act, gate_up, cfg.gated_mlp)
 
     def rope_write(
         self, qkv: torch.Tensor, table: int, cache: tuple[torch.Tensor, torch.Tensor]
@@ -546,6 +559,18 @@ class DeviceOps(StepOps):
             window=window,
             softcap=cap,
         )
+
+
+def _layer_norm(
+    x: torch.Tensor,
+    wb: tuple[torch.Tensor, torch.Tensor | None],
+    eps: float,
+    residual: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """LayerNorm (StarCoder2) in the norms' fused-residual form: normalise ``x + residual`` and
+    return that sum too. One ATen kernel each way (a row's result does not depend on others)."""
+    s = x if residual is None else x + residual
+    return F.layer_norm(s, (s.shape[-1],), wb[0], wb[1], eps), s
 
 
 def _plus(x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

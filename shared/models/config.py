@@ -91,6 +91,8 @@ class ModelConfig:
     qk_norm: str = ""  # "" | "head" (RMSNorm per head: Qwen3, Gemma 3) | "full" (OLMo 2)
     norm_offset: float = 0.0  # RMSNorm scales by (offset + w): Gemma's (1 + w)
     norm_layout: str = "pre"  # NORM_LAYOUTS
+    norm_kind: str = "rms"  # "rms" (RMSNorm) | "layer" (LayerNorm with a bias: StarCoder2)
+    gated_mlp: bool = True  # act(gate) * up, then down; False: act(up), then down (StarCoder2)
     layer_windows: tuple[int, ...] = ()  # per layer: sliding window in tokens, 0 = full
     attn_softcap: float = 0.0  # attention scores s -> c * tanh(s / c) (Gemma 2)
     final_softcap: float = 0.0  # logits likewise (Gemma 2)

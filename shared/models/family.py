@@ -47,17 +47,20 @@ class Family:
     def layer_weight_names(self, cfg: Any) -> list[str]:
         """The names of one layer's tensors (suffixes after ``model.layers.N.``) that ``cfg``
         needs."""
-        names = [f"{n}.weight" for n in LINEARS]
+        mlp = ("gate", "up", "down") if cfg.gated_mlp else ("up", "down")
+        names = [f"{n}.weight" for n in LINEARS if cfg.gated_mlp or n != "mlp.gate_proj"]
         if cfg.qkv_bias:
             names += [f"self_attn.{p}_proj.bias" for p in "qkv"]
         if cfg.o_bias:
             names.append("self_attn.o_proj.bias")
         if cfg.mlp_bias:
-            names += [f"mlp.{p}_proj.bias" for p in ("gate", "up", "down")]
+            names += [f"mlp.{p}_proj.bias" for p in mlp]
         for role, name in self.norms.items():
             if role in ("q_norm", "k_norm") and not cfg.qk_norm:
                 continue
             names.append(f"{name}.weight")
+            if cfg.norm_kind == "layer":
+                names.append(f"{name}.bias")
         return names
 
 

@@ -103,6 +103,12 @@ CONFIGS: dict[str, Callable[[], tf.PretrainedConfig]] = {
         logits_scaling=4.0,
     ),
     "olmo2": lambda: tf.Olmo2Config(**SHAPE),
+    "starcoder2": lambda: tf.Starcoder2Config(
+        **{k: v for k, v in SHAPE.items() if k != "rms_norm_eps"},
+        norm_epsilon=1e-5,
+        sliding_window=WINDOW,
+        use_bias=True,
+    ),
 }
 
 
