@@ -7,6 +7,7 @@ from ties (greedy output is then a sharp test)."""
 from __future__ import annotations
 
 import copy
+import inspect
 from collections.abc import Callable
 from pathlib import Path
 
@@ -153,12 +154,14 @@ def hf_greedy_stepped(model: torch.nn.Module, prompt: list[int], n: int) -> list
     all with the long RoPE factors; kvflow, like vLLM, keeps the keys already computed, which
     is what the model's forward does step by step."""
     toks = list(prompt)
+    # transformers 5.x renames the forward's past_key_values to cache
+    key = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
     with torch.no_grad():
         out = model(torch.tensor([toks]), use_cache=True)
         for _ in range(n):
             toks.append(int(out.logits[0, -1].argmax()))
             pos = torch.tensor([[len(toks) - 1]])
-            kw = {"past_key_values": out.past_key_values, "position_ids": pos, "use_cache": True}
+            kw = {key: out.past_key_values, "position_ids": pos, "use_cache": True}
             out = model(torch.tensor([[toks[-1]]]), **kw)
     return toks[len(prompt) :]
 
