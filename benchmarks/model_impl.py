@@ -7,10 +7,10 @@ native C layer ops), once as the Hugging Face model run by ``TransformersModel``
 and packed GEMMs). The shape is Qwen2.5-0.5B's scaled down so it loads in seconds on 2 cores
 (8 layers, hidden 896, 14 heads, 2 KV heads, intermediate 4864, vocab 32000; tied embeddings).
 
-Per implementation: one ``--context``-token prompt's prefill (tokens/s), then, per
-``--batch`` size, greedy decode steps of sequences that already hold ``--context`` tokens
-(benchmarks/decode.py's ``decode_steps``: the cache's values do not change a decode step's
-work), ``--new`` timed steps after 3 warm-up steps. Prints progress lines and a table with the
+Per implementation: one ``--context``-token prompt's prefill (tokens/s; 3 timed runs after a
+warm-up), then, per ``--batch`` size, greedy decode steps of sequences that already hold
+``--context`` tokens (benchmarks/decode.py's ``decode_steps``: the cache's values do not change
+a decode step's work), ``--new`` timed steps after 3 warm-up steps. Prints progress lines and a table with the
 CPU's name; tokens/s = batch / median step time, and the cheapest step's process CPU time
 (steadier on a shared machine; ``--threads 1`` steadier still).
 """
@@ -26,16 +26,13 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from unittest import mock
 
 import torch
 import transformers as tf
 
 from benchmarks.decode import decode_steps
 from kernels.batch_invariance import GemmRows
-from services.worker import model_setup
 from services.worker.runner import ModelRunner
-from services.worker.transformers_model import TransformersModel
 from shared.messages import NewRequest, SamplingParams, ScheduledSeq, StepPlan
 from shared.model_source import ModelSource
 
@@ -73,12 +70,11 @@ def save_random_qwen2(path: Path, args: argparse.Namespace) -> None:
 
 
 def transformers_runner(path: Path, num_blocks: int, gemm_rows: GemmRows | None) -> ModelRunner:
-    """A runner around ``TransformersModel.from_pretrained(path)``, built by the real
-    ``load_model`` whose ``DecoderModel(...)`` returns it (until ``load_model`` takes
-    ``model_impl`` itself)."""
-    model = TransformersModel.from_pretrained(path)
-    with mock.patch.object(model_setup, "DecoderModel", lambda config, weights: model):
-        return ModelRunner.from_weights(model.cfg, {}, BLOCK, num_blocks, gemm_rows=gemm_rows)
+    """A runner of ``path`` through transformers' modules (``--model-impl transformers``)."""
+    src = ModelSource("hf", path, path.name)
+    return ModelRunner.create(
+        src, BLOCK, num_blocks, gemm_rows=gemm_rows, model_impl="transformers"
+    )
 
 
 def prefill_time(runner: ModelRunner, context: int, first_block: int) -> tuple[float, float]:
@@ -111,7 +107,8 @@ class Row:
 def measure(name: str, runner: ModelRunner, args: argparse.Namespace) -> list[Row]:
     """The rows of one implementation, with progress lines."""
     per_seq = -(-(args.context + 3 + args.new + 1) // BLOCK)
-    wall, cpu = prefill_time(runner, args.context, 0)
+    runs = [prefill_time(runner, args.context, 0) for _ in range(4)][1:]  # after a warm-up
+    wall, cpu = statistics.median(w for w, _ in runs), min(c for _, c in runs)
     rows = [Row(name, f"prefill {args.context}", args.context, wall, cpu)]
     print(f"  {name}: prefill {args.context} tokens in {wall:.2f}s", flush=True)
     first = per_seq

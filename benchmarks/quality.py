@@ -9,7 +9,9 @@ kernels). Nothing is downloaded.
 
 ``--second-half`` scores only the second half of each window, as llama.cpp's ``llama-perplexity``
 does (each prediction then has at least half a window of context), and ``--text-out`` writes the
-windows' text, so that tool can be run on the same text for a side-by-side figure. ``fp8`` is
+windows' text, so that tool can be run on the same text for a side-by-side figure (a model whose
+tokenizer adds a BOS gets it as llama-perplexity gives it: in front of the text and in place of
+each window's first token). ``fp8`` is
 the GPU path's scheme; here its GEMMs run through torch's CPU fallback of ``_scaled_mm`` (the
 same rounding of both operands as cuBLASLt, slower), so its accuracy is measured without a
 GPU."""
@@ -26,17 +28,35 @@ SCHEMES = ("", "gguf", "int8", "fp8")
 BLOCK = 16
 
 
-def corpus_ids(tokenizer, num_tokens: int, window: int) -> list[list[int]]:  # noqa: ANN001
-    """Windows of ``window`` token ids from the documentation topics, in sorted topic order."""
+def bos_id(tokenizer) -> int | None:  # noqa: ANN001
+    """The BOS the tokenizer puts in front of a prompt (Gemma's ``<bos>``), None if it adds none
+    (SmolLM2)."""
+    ids = tokenizer("")["input_ids"]
+    return ids[0] if ids and ids[0] == tokenizer.bos_token_id else None
+
+
+def corpus_tokens(tokenizer, num_tokens: int, window: int) -> list[int]:  # noqa: ANN001
+    """The documentation topics' token ids in sorted topic order, cut to whole windows; BOS in
+    front where the tokenizer adds one (as llama-perplexity tokenizes its text file)."""
     from pydoc_data.topics import topics
 
-    ids: list[int] = []
+    bos = bos_id(tokenizer)
+    ids: list[int] = [] if bos is None else [bos]
     for name in sorted(topics):
         ids += tokenizer(topics[name], add_special_tokens=False)["input_ids"]
         if len(ids) >= num_tokens:
             break
-    ids = ids[: num_tokens - num_tokens % window]
-    return [ids[i : i + window] for i in range(0, len(ids), window)]
+    return ids[: num_tokens - num_tokens % window]
+
+
+def corpus_ids(tokenizer, num_tokens: int, window: int) -> list[list[int]]:  # noqa: ANN001
+    """Windows of ``window`` token ids of ``corpus_tokens``. Where the tokenizer adds a BOS,
+    each window starts with it in place of its first token, as llama-perplexity's chunks do:
+    a model trained always to see BOS first (Gemma) predicts badly without it."""
+    ids = corpus_tokens(tokenizer, num_tokens, window)
+    windows = [ids[i : i + window] for i in range(0, len(ids), window)]
+    bos = bos_id(tokenizer)
+    return windows if bos is None else [[bos, *w[1:]] for w in windows]
 
 
 def prompt_predictions(  # noqa: ANN201
@@ -95,12 +115,16 @@ def main(args: argparse.Namespace) -> int:
 
     src = resolve_model(args.model)
     cfg = load_config(src)
-    windows = corpus_ids(load_tokenizer(src), args.tokens, args.window)
+    tokenizer = load_tokenizer(src)
+    windows = corpus_ids(tokenizer, args.tokens, args.window)
     first = args.window // 2 if args.second_half else 1
     n = sum(len(w) - first for w in windows)
     print(f"{src.name}: {len(windows)} windows of {args.window} tokens ({n} predicted positions)")
     if args.text_out:
-        text = load_tokenizer(src).decode([t for w in windows for t in w])
+        ids = corpus_tokens(tokenizer, args.tokens, args.window)
+        if bos_id(tokenizer) is not None:
+            ids = ids[1:]  # llama-perplexity puts its own BOS in front of the file's text
+        text = tokenizer.decode(ids)
         with open(args.text_out, "w", encoding="utf-8") as f:
             f.write(text)
         print(f"text written to {args.text_out}")

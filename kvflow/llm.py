@@ -99,7 +99,7 @@ class LLM:
         ms = self.settings.model
         check_lora_settings(ms.enable_lora, ms.lora_modules, ms.max_loras, ms.max_lora_rank)
         check_parallel_settings(self.settings)
-        from shared.model_loader import load_config
+        from shared.model_loader import check_model
 
         try:
             ms = self.settings.model
@@ -107,7 +107,9 @@ class LLM:
         except ModelNotFoundError as e:
             raise ValueError(f"{e} (kvflow never downloads weights: pass a local path)") from e
         # the config is checked before the tokenizer is converted (seconds for a large vocab)
-        self.eos_token_ids = list(load_config(self.source, model_impl=ms.model_impl).eos_token_ids)
+        tp, lora = self.settings.worker.tensor_parallel_size, ms.enable_lora
+        cfg = check_model(ms.path, ms.served_model_name, ms.model_impl, tp, lora)
+        self.eos_token_ids = list(cfg.eos_token_ids)
         self.tokenizer = load_tokenizer(self.source)
         if self.settings.model.chat_template:
             self.tokenizer.chat_template = read_chat_template(self.settings.model.chat_template)

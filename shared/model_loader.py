@@ -62,11 +62,25 @@ def load_config(src: ModelSource, strict: bool = False, model_impl: str = "auto"
     return _hf_config(src.path, strict, model_impl)
 
 
-def check_model(path: str, served_name: str = "", model_impl: str = "auto") -> ModelConfig:
+def check_model(
+    path: str,
+    served_name: str = "",
+    model_impl: str = "auto",
+    tensor_parallel_size: int = 1,
+    enable_lora: bool = False,
+) -> ModelConfig:
     """What ``kvflow serve``, ``kvflow run`` and ``LLM()`` check before anything starts: the
-    model is found and its config can be served (ModelNotFoundError or ModelConfigError, both
-    naming what to change); only config.json or the GGUF header is read."""
-    return load_config(resolve_model(path, served_name), model_impl=model_impl)
+    model is found and its config can be served as asked (ModelNotFoundError or
+    ModelConfigError, both naming what to change); only config.json or the GGUF header is
+    read."""
+    cfg = load_config(resolve_model(path, served_name), model_impl=model_impl)
+    if cfg.family == "transformers" and (tensor_parallel_size > 1 or enable_lora):
+        what = "--tensor-parallel-size > 1" if tensor_parallel_size > 1 else "--enable-lora"
+        raise ModelConfigError(
+            f"{path}: {what} needs kvflow's own implementation of the model; this one runs "
+            f"through transformers (--model-impl {model_impl}), which serves neither"
+        )
+    return cfg
 
 
 def _hf_config(path: Path, strict: bool = False, model_impl: str = "auto") -> ModelConfig:
@@ -153,7 +167,7 @@ def _gguf_config(path: Path, strict: bool = False) -> ModelConfig:
         "attention_bias": "blk.0.attn_q.bias" in names and "blk.0.attn_output.bias" in names,
     }
     if fam.name.startswith("gemma"):
-        raw |= _gguf_gemma(fam.name, raw)
+        raw |= _gguf_gemma(fam.name, raw, f, arch)
     if fam.name == "qwen2" and raw["sliding_window"]:
         raw["use_sliding_window"] = False  # llama.cpp runs Qwen2 without its window too
     scaling = f.get(f"{arch}.rope.scaling.type", "none")
@@ -193,22 +207,35 @@ _GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
 HF's own configs: query_pre_attn_scalar 144 and 168)."""
 
 
-def _gguf_gemma(name: str, raw: dict[str, Any]) -> dict[str, Any]:
-    """The Gemma 2/3 settings llama.cpp hardcodes instead of reading them from the GGUF: GELU-tanh
-    and the query scale; for Gemma 3 every 6th layer global, the sliding layers' RoPE base 10000
-    (``rope_freq_base_train_swa``), and no sliding layer at all when the GGUF names no window."""
+def _gguf_gemma(name: str, raw: dict[str, Any], f: dict[str, Any], arch: str) -> dict[str, Any]:
+    """What llama.cpp's Gemma 2/3 loaders (src/models/gemma2.cpp, gemma3.cpp) hardcode or
+    default instead of reading from the GGUF: GELU-tanh, the query scale, which layers slide
+    (``attention.sliding_window_pattern``: every Nth layer global, default 2 and 6, or one flag
+    per layer); Gemma 2: a 4096 window and soft-caps 50 / 30 where absent; Gemma 3: the sliding
+    layers' RoPE base (``rope.freq_base_swa``, default 10000), no soft-cap, and no sliding layer
+    at all when the GGUF names no window."""
     layers, hidden = raw["num_hidden_layers"], raw["hidden_size"]
     big = layers == _GEMMA_27B_LAYERS[name]
     out: dict[str, Any] = {
         "hidden_activation": "gelu_pytorch_tanh",
         "query_pre_attn_scalar": hidden // raw["num_attention_heads"] if big else raw["head_dim"],
     }
-    if name == "gemma3":
-        out["rope_local_base_freq"] = 10000.0
-        if raw.get("sliding_window"):
-            out["sliding_window_pattern"] = 6
-        else:
-            out["layer_types"] = ["full_attention"] * layers
+    if name == "gemma2":
+        out["sliding_window"] = raw.get("sliding_window") or 4096
+        for key, default in (("attn_logit_softcapping", 50.0), ("final_logit_softcapping", 30.0)):
+            out[key] = default if raw.get(key) is None else raw[key]
+    elif raw.get("sliding_window"):
+        out["rope_local_base_freq"] = float(f.get(f"{arch}.rope.freq_base_swa", 10000.0))
+    else:
+        out["layer_types"] = ["full_attention"] * layers
+        return out
+    pattern = f.get(f"{arch}.attention.sliding_window_pattern", 2 if name == "gemma2" else 6)
+    if isinstance(pattern, list):
+        slides = [bool(x) for x in pattern[:layers]]
+    else:  # llama_hparams::set_swa_pattern: 0 means every layer slides
+        n = int(pattern)
+        slides = [n == 0 or i % n < n - 1 for i in range(layers)]
+    out["layer_types"] = ["sliding_attention" if x else "full_attention" for x in slides]
     return out
 
 

@@ -366,7 +366,13 @@ def serve(
     topology = topology or Topology()
     try:
         ms = settings.model
-        check_model(ms.path, ms.served_model_name, ms.model_impl)
+        check_model(
+            ms.path,
+            ms.served_model_name,
+            ms.model_impl,
+            settings.worker.tensor_parallel_size,
+            ms.enable_lora,
+        )
         stack = Stack(settings, topology, nats_tls=nats_tls)
     except (ModelNotFoundError, ValueError) as e:
         return _fail(str(e))

@@ -73,7 +73,13 @@ def _check_model(name: str, settings: Settings) -> str:
 
     ms = settings.model
     try:
-        check_model(ms.path, ms.served_model_name, ms.model_impl)
+        check_model(
+            ms.path,
+            ms.served_model_name,
+            ms.model_impl,
+            settings.worker.tensor_parallel_size,
+            ms.enable_lora,
+        )
     except (ModelNotFoundError, ValueError) as e:
         return str(e)
     return ""

@@ -9,7 +9,7 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -28,6 +28,13 @@ from shared.model_source import ModelSource
 from shared.quantized_checkpoints import METHODS, checkpoint_method
 
 log = logging.getLogger("kvflow.worker")
+
+if TYPE_CHECKING:
+    from services.worker.transformers_model import TransformersModel
+
+    AnyModel = DecoderModel | TransformersModel
+else:
+    AnyModel = DecoderModel
 
 QUANTIZATIONS = ("", "gguf", "int8", "gptq", "awq", "fp8")
 
@@ -58,6 +65,7 @@ class DeviceSpec:
     backend: str | None = None
     cuda_graphs: bool | None = None
     max_num_seqs: int = 64
+    model_impl: str = "auto"  # --model-impl: auto | kvflow | transformers
 
 
 @dataclass(frozen=True)
@@ -168,7 +176,7 @@ class LoadedModel:
 
     device: torch.device
     ops: KernelBackend | None  # the device path's kernels; None: the CPU path
-    model: DecoderModel
+    model: AnyModel
     gemm_rows: GemmRows | None  # batch-invariant row layout (CPU path)
     decode_fn: Callable[..., Any] | None  # the C decode-attention kernel (CPU path)
     gemm: str  # how linear layers run, for the log
@@ -180,8 +188,12 @@ def load_model(
     cpu: CpuPathSpec,
     config: ModelConfig | None = None,
     weights: dict[str, torch.Tensor] | None = None,
+    model: AnyModel | None = None,
 ) -> LoadedModel:
-    """Load ``src`` (or take in-memory ``config`` + ``weights``) onto ``spec.device``."""
+    """Load ``src`` (or take in-memory ``config`` + ``weights``, or a built ``model``) onto
+    ``spec.device``: kvflow's ``DecoderModel`` for a native family, transformers' own modules
+    (``TransformersModel``) for ``--model-impl transformers`` or an architecture the registry
+    lacks under ``auto``."""
     device = torch.device(spec.device)
     backend = spec.backend or default_backend(device)
     quantization = check_quantization(spec.quantization, src, device, spec.dtype, backend)
@@ -190,15 +202,8 @@ def load_model(
     ops = get_backend(backend) if backend != "reference" else None
     if device.type == "cuda" and device.index is not None:
         torch.cuda.set_device(device)  # this (model) thread's current device
-    if config is None or weights is None:
-        if src is None:
-            raise ValueError("ModelRunner needs a ModelSource or config + weights")
-        log.info("loading model %s from %s", src.name, src.path)
-        config = load_config(src)
-        weights = load_weights(src, config, spec.dtype, quantization)
-    if ops is not None:
-        weights = {n: to_device_weight(w, device) for n, w in weights.items()}
-    model = DecoderModel(config, weights)
+    if model is None:
+        model = _build(src, spec, device, quantization, ops, config, weights)
     fp32 = model.dtype == torch.float32 and ops is None
     packed = cpu.packed_gemm
     if packed is None:
@@ -217,7 +222,33 @@ def load_model(
     return LoadedModel(device, ops, model, gemm_rows if batch_invariant else None, decode_fn, gemm)
 
 
-def calibrate_gemm_rows(model: DecoderModel) -> GemmRows:
+def _build(
+    src: ModelSource | None,
+    spec: DeviceSpec,
+    device: torch.device,
+    quantization: str,
+    ops: KernelBackend | None,
+    config: ModelConfig | None,
+    weights: dict[str, Any] | None,
+) -> AnyModel:
+    """The model of ``src`` (or of in-memory ``config`` + ``weights``) on ``device``."""
+    if config is None or weights is None:
+        if src is None:
+            raise ValueError("ModelRunner needs a ModelSource, config + weights, or a model")
+        log.info("loading model %s from %s", src.name, src.path)
+        config = load_config(src, model_impl=spec.model_impl)
+        if config.family == "transformers":
+            from services.worker.transformers_model import TransformersModel
+
+            log.info("%s runs through transformers' modules (--model-impl)", src.name)
+            return TransformersModel.from_pretrained(src.path, spec.dtype, device, quantization)
+        weights = load_weights(src, config, spec.dtype, quantization)
+    if ops is not None:
+        weights = {n: to_device_weight(w, device) for n, w in weights.items()}
+    return DecoderModel(config, weights)
+
+
+def calibrate_gemm_rows(model: AnyModel) -> GemmRows:
     """Test this machine's GEMM on the model's own weights, one of each shape (15-20 s on
     2 cores), or reuse this machine's earlier answer for the same shapes."""
     t0 = time.perf_counter()
@@ -232,7 +263,7 @@ def kv_block_bytes(cfg: ModelConfig, kv_heads: int, block_size: int, dtype: torc
     return 2 * cfg.num_layers * block_size * kv_heads * cfg.head_dim * torch.finfo(dtype).bits // 8
 
 
-def kv_cache_blocks(model: DecoderModel, kv: KvSpec) -> int:
+def kv_cache_blocks(model: AnyModel, kv: KvSpec) -> int:
     """``kv.num_blocks``, or as many blocks as ``kv.kv_cache_gib`` holds for this model."""
     cfg = model.cfg
     per_block = kv_block_bytes(cfg, cfg.num_kv_heads, kv.block_size, model.dtype)
@@ -351,4 +382,5 @@ def runner_specs(
         model.quantization,
         cuda_graphs=False if worker.enforce_eager else None,
         max_num_seqs=max_num_seqs,
+        model_impl=model.model_impl,
     )

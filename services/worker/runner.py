@@ -119,15 +119,17 @@ class ModelRunner:
         draft: LoadedModel | None = None,
         lora: LoRASpec | None = None,
         tp: TPGroup | None = None,
+        model: Any = None,
     ) -> None:
         """Load ``src`` (or in-memory ``config`` + ``weights``) as ``device`` says and
         allocate the KV cache ``kv`` describes (services/worker/model_setup.py); ``draft``: a
         loaded draft model for speculative decoding (services/worker/draft.py); ``lora``:
         serve LoRA adapters (services/worker/lora.py); ``tp``: this rank's collectives when
-        the model is a tensor-parallel shard (services/worker/tp_group.py)."""
+        the model is a tensor-parallel shard (services/worker/tp_group.py); ``model``: a
+        model built already (a ``TransformersModel`` in tests) instead of ``src``."""
         t0 = time.perf_counter()
         device = device or DeviceSpec()
-        loaded = load_model(src, device, cpu or CpuPathSpec(), config, weights)
+        loaded = load_model(src, device, cpu or CpuPathSpec(), config, weights, model)
         self.device, self.ops, self.model = loaded.device, loaded.ops, loaded.model
         self.model.tp = tp  # before graph capture: the captured steps run the collectives
         self.gemm_rows, self.decode_fn = loaded.gemm_rows, loaded.decode_fn
@@ -178,6 +180,7 @@ class ModelRunner:
         worker_id: str = "w0",
         draft: LoadedModel | None = None,
         lora: LoRASpec | None = None,
+        model: Any = None,
         **options: Any,
     ) -> ModelRunner:
         """A runner from flat option names (``dtype=``, ``max_model_len=``, ``gemm_rows=``:
@@ -193,6 +196,7 @@ class ModelRunner:
             worker_id=worker_id,
             draft=draft,
             lora=lora,
+            model=model,
         )
 
     @classmethod

@@ -44,7 +44,6 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.nn.functional as F
 import transformers
-from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 from transformers.pytorch_utils import Conv1D
 
 from kernels import reference as K
@@ -53,7 +52,7 @@ from kernels.ops import KernelBackend
 from services.worker.model import ForwardBatch
 from services.worker.step_inputs import DeviceBatch
 from shared.models import generic
-from shared.models.config import ModelConfig, ModelConfigError
+from shared.models.config import ModelConfig
 
 if TYPE_CHECKING:
     from services.worker.lora import LoRAStep
@@ -252,51 +251,6 @@ def _ids(v: Any) -> list[int]:
     return [] if v is None else [int(i) for i in (v if isinstance(v, (list, tuple)) else [v])]
 
 
-SHAPE_FIELDS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads")
-
-
-def check_supported(raw: dict[str, Any], where: str) -> None:
-    """Refuse (ModelConfigError, a ValueError) what the backend cannot run, from config.json
-    alone: model types transformers does not know, encoder-decoders, models with no
-    causal-LM class, quantized checkpoints, models with no attention shape (Mamba)."""
-    kind = raw.get("model_type")
-    if not kind or kind not in transformers.CONFIG_MAPPING:
-        raise ModelConfigError(f"{where}: model_type {kind!r} is not one transformers knows")
-    c = transformers.CONFIG_MAPPING[kind].from_dict(raw)
-    if getattr(c, "is_encoder_decoder", False):
-        raise ModelConfigError(
-            f"{where}: {kind} is an encoder-decoder model; --model-impl transformers runs "
-            "decoder-only causal LMs"
-        )
-    if kind not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
-        raise ModelConfigError(
-            f"{where}: {kind} is not a causal LM (no AutoModelForCausalLM class in "
-            "transformers); --model-impl transformers runs causal LMs only"
-        )
-    if getattr(c, "quantization_config", None):
-        raise ModelConfigError(
-            f"{where}: a quantized checkpoint ({c.quantization_config}); --model-impl "
-            "transformers serves unquantized weights only (use the native implementation)"
-        )
-    text = c.get_text_config()
-    missing = [n for n in SHAPE_FIELDS if getattr(text, n, None) is None]
-    if missing:
-        raise ModelConfigError(
-            f"{where}: {kind} has no {', '.join(missing)}; --model-impl transformers runs "
-            "attention-based causal LMs"
-        )
-
-
-def transformers_config(raw: dict[str, Any], where: str, eos_extra: list[int]) -> ModelConfig:
-    """The ``ModelConfig`` (shape, positions, special ids; ``family="transformers"``) of any
-    causal LM's config.json: ``check_supported``'s refusals, then the shared reader
-    (shared/models/generic.py, what ``load_config`` uses for ``--model-impl transformers``),
-    which parses it with transformers' own config class (its aliases, e.g. GPT-2's
-    ``n_embd``, and defaults apply)."""
-    check_supported(raw, where)
-    return generic.transformers_config(raw, where, eos_extra)
-
-
 class TransformersModel(torch.nn.Module):
     """A Hugging Face causal LM with kvflow's attention and linear layers, behind the interface
     the runner uses for ``DecoderModel`` (forward / forward_pooled on the CPU path,
@@ -344,7 +298,7 @@ class TransformersModel(torch.nn.Module):
         gen = path / "generation_config.json"
         if gen.is_file():
             eos = _ids(json.loads(gen.read_text()).get("eos_token_id"))
-        cfg = transformers_config(raw, where, eos)
+        cfg = generic.transformers_config(raw, where, eos)
         hf = transformers.AutoModelForCausalLM.from_pretrained(
             path, dtype=dtype, attn_implementation=ATTN_IMPLEMENTATION
         )
@@ -354,7 +308,7 @@ class TransformersModel(torch.nn.Module):
     def from_model(cls, hf: torch.nn.Module) -> TransformersModel:
         """Wrap a copy of an in-memory transformers causal LM (tests): the caller's model keeps
         its own attention and linear layers."""
-        cfg = transformers_config(hf.config.to_dict(), type(hf).__name__, [])
+        cfg = generic.transformers_config(hf.config.to_dict(), type(hf).__name__, [])
         hf = copy.deepcopy(hf)
         hf.set_attn_implementation(ATTN_IMPLEMENTATION)
         return cls(hf, cfg)

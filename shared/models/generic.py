@@ -18,14 +18,9 @@ def transformers_config(
     cannot build a causal LM from it."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from transformers import AutoConfig
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-    model_type = raw.get("model_type", "")
-    if model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
-        raise ModelConfigError(
-            f"{where}: model_type {model_type!r} is not a causal language model transformers "
-            "can build (AutoModelForCausalLM)"
-        )
+    check_supported(raw, where)
+    model_type = raw["model_type"]
     fields = {k: v for k, v in raw.items() if k not in ("model_type", "transformers_version")}
     try:
         c = AutoConfig.for_model(model_type, **fields)
@@ -61,3 +56,42 @@ def transformers_config(
         eos_token_ids=tuple(dict.fromkeys([int(e) for e in eos_ids] + (eos_extra or []))),
         family="transformers",
     )
+
+
+SHAPE_FIELDS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads")
+
+
+def check_supported(raw: dict[str, Any], where: str) -> None:
+    """Refuse (ModelConfigError, a ValueError) what the backend cannot run, from config.json
+    alone: model types transformers does not know, encoder-decoders, models with no
+    causal-LM class, quantized checkpoints, models with no attention shape (Mamba)."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from transformers import CONFIG_MAPPING
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    kind = raw.get("model_type")
+    if not kind or kind not in CONFIG_MAPPING:
+        raise ModelConfigError(f"{where}: model_type {kind!r} is not one transformers knows")
+    c = CONFIG_MAPPING[kind].from_dict(raw)
+    if getattr(c, "is_encoder_decoder", False):
+        raise ModelConfigError(
+            f"{where}: {kind} is an encoder-decoder model; --model-impl transformers runs "
+            "decoder-only causal LMs"
+        )
+    if kind not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        raise ModelConfigError(
+            f"{where}: {kind} is not a causal LM (no AutoModelForCausalLM class in "
+            "transformers); --model-impl transformers runs causal LMs only"
+        )
+    if getattr(c, "quantization_config", None):
+        raise ModelConfigError(
+            f"{where}: a quantized checkpoint ({c.quantization_config}); --model-impl "
+            "transformers serves unquantized weights only (use the native implementation)"
+        )
+    text = c.get_text_config()
+    missing = [n for n in SHAPE_FIELDS if getattr(text, n, None) is None]
+    if missing:
+        raise ModelConfigError(
+            f"{where}: {kind} has no {', '.join(missing)}; --model-impl transformers runs "
+            "attention-based causal LMs"
+        )

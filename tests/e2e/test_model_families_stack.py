@@ -1,5 +1,6 @@
-"""A family other than Llama through the whole stack as a user runs it: a tiny random Qwen3
-(q/k norms, a sliding-window layer) and Gemma 2 (sandwich norms, soft-caps, GELU) saved as
+"""Families other than Llama through the whole stack as a user runs it: a tiny random Qwen3
+(q/k norms, a sliding-window layer), Gemma 2 (sandwich norms, soft-caps, GELU) and GPT-NeoX
+(no kvflow family file: `--model-impl auto` serves it through transformers' modules) saved as
 Hugging Face directories with SmolLM2's tokenizer, served by `kvflow serve --model DIR`: the
 openai SDK's greedy completions equal transformers' greedy text on the same directory, alone
 and in a shared batch."""
@@ -24,7 +25,7 @@ PROMPTS = [
 ]
 
 
-@pytest.fixture(scope="module", params=["qwen3", "gemma2"])
+@pytest.fixture(scope="module", params=["qwen3", "gemma2", "gpt_neox"])
 def family_dir(request, tmp_path_factory, tokenizer):
     """A tiny model of the family with SmolLM2's vocabulary and tokenizer, saved to disk."""
     path = tmp_path_factory.mktemp(request.param)

@@ -1,10 +1,13 @@
 """The real Gemma 3 270M GGUF (Q4_K_M: Q5_0, Q4_K, Q6_K and Q8_0 tensors, dequantized at load):
 the config kvflow reads from llama.cpp's metadata (every field read; GELU-tanh, every 6th layer
-global, two RoPE bases, ``<end_of_turn>`` as a stop token), weights equal to transformers' GGUF
+global, two RoPE bases, ``<end_of_turn>`` a stop token), weights equal to transformers' GGUF
 loader tensor for tensor, and ModelRunner's greedy output equal to HF ``generate`` on the same
 file token for token, one prompt at a time and all prompts batched in the same steps: short and
-long prompts (one past the 512-token sliding window), text, code, and a chat turn that stops
-on ``<end_of_turn>``."""
+long prompts (one past the 512-token sliding window), text, code, special tokens.
+
+The file is the pretrained model (no chat template; its ``<end_of_turn>`` embedding is as
+untrained as the ``<unusedN>`` rows), so it never ends a turn itself: the stop is checked by
+forcing the token."""
 
 from __future__ import annotations
 
@@ -79,7 +82,10 @@ def gemma3(gemma3_gguf: Path) -> dict:
 
 
 def generate(
-    runner: ModelRunner, prompts: list[list[int]], first: list[int]
+    runner: ModelRunner,
+    prompts: list[list[int]],
+    first: list[int],
+    params: SamplingParams = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0),
 ) -> tuple[list[list[int]], list[list[torch.Tensor]]]:
     """Greedy generation of all ``prompts`` in the same steps until each stops (prompt ``i``'s
     blocks start at ``first[i]``, in descending order); returns the tokens and the logits each
@@ -94,7 +100,7 @@ def generate(
         n_blocks = -(-(len(p) + NEW_TOKENS) // BLOCK)
         tables[rid] = list(range(b, b + n_blocks))[::-1]
         live[rid] = list(p)
-        new.append(NewRequest(rid, SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0), len(p)))
+        new.append(NewRequest(rid, params, len(p)))
     sample = runner._sample
 
     def spy(step_logits: torch.Tensor, sampled: list[ScheduledSeq]) -> torch.Tensor:
@@ -163,9 +169,9 @@ def test_weights_equal_transformers_gguf_loader(gemma3) -> None:
 def test_greedy_matches_hf_alone_and_batched(gemma3) -> None:
     runner, prompts, want = gemma3["runner"], gemma3["prompts"], gemma3["want"]
     assert len(prompts[-1]) > 512  # the long prompt's sliding layers drop its first tokens
-    assert want[6][-1] == END_OF_TURN and len(want[6]) < NEW_TOKENS  # the chat turn ends
-    assert all(len(w) == NEW_TOKENS for i, w in enumerate(want) if i != 6)
-    assert gemma3["tok"].decode(want[6][:-1]).strip() == "Rome"
+    assert prompts[6][:3] == [2, 105, 2364]  # <bos> <start_of_turn> user: special tokens parsed
+    assert [len(w) for w in want] == [NEW_TOKENS] * len(PROMPTS)  # none stops early
+    assert gemma3["tok"].decode(want[0]).startswith(" the capital of the country of France.")
     first = first_blocks(prompts)
     alone_logits = []
     for i, p in enumerate(prompts):
@@ -177,3 +183,13 @@ def test_greedy_matches_hf_alone_and_batched(gemma3) -> None:
     # batching changes no bit of any sequence's logits, not only its argmax
     for alone, batched in zip(alone_logits, batched_logits, strict=True):
         assert all(torch.equal(a, b) for a, b in zip(alone, batched, strict=True))
+
+
+def test_end_of_turn_and_eos_stop_a_request(gemma3) -> None:
+    """``<end_of_turn>`` (which the GGUF does not name: found by its text, as llama.cpp does)
+    ends a request like ``<eos>``; the token is forced by a logit bias."""
+    prompt = gemma3["prompts"][6]
+    for stop in (END_OF_TURN, EOS):
+        params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, logit_bias={stop: 100.0})
+        tokens, _ = generate(gemma3["runner"], [prompt], [0], params)
+        assert tokens == [[stop]]  # generate asserts FinishReason.STOP

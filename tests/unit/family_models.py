@@ -113,17 +113,33 @@ CONFIGS: dict[str, Callable[[], tf.PretrainedConfig]] = {
 }
 
 
+TRANSFORMERS_ONLY: dict[str, Callable[[], tf.PretrainedConfig]] = {
+    # architectures with no kvflow family file: served by --model-impl transformers
+    "gpt_neox": lambda: tf.GPTNeoXConfig(
+        **{k: v for k, v in SHAPE.items() if k not in ("head_dim", "num_key_value_heads")},
+        rotary_pct=0.25,
+        use_parallel_residual=True,
+    ),
+    "stablelm": lambda: tf.StableLmConfig(
+        **{k: v for k, v in SHAPE.items() if k != "head_dim"},
+        partial_rotary_factor=0.25,
+        qk_layernorm=True,
+        use_qkv_bias=True,
+    ),
+}
+
+
 def family_of(name: str) -> str:
     """The kvflow family of ``CONFIGS[name]`` (``llama3`` and ``llama-yarn`` are Llama)."""
     return "llama" if name.startswith("llama") else name
 
 
 def make_model(name: str, seed: int = 0, **overrides: object) -> torch.nn.Module:
-    """The tiny model of ``CONFIGS[name]`` (``overrides``: config fields, e.g. a real
+    """The tiny model of ``CONFIGS[name]`` or ``TRANSFORMERS_ONLY[name]`` (``overrides``: config fields, e.g. a real
     tokenizer's vocabulary): 2-D weights x10, 1-D ones (norms, biases) with noise (a Gemma
     norm's weight is an offset from 1, so noise around 0 is a real scale)."""
     torch.manual_seed(seed)
-    config = CONFIGS[name]()
+    config = (CONFIGS | TRANSFORMERS_ONLY)[name]()
     for key, value in overrides.items():
         setattr(config, key, value)
     model = tf.AutoModelForCausalLM.from_config(config).eval()

@@ -10,7 +10,6 @@ under Triton's interpreter, and the refusals."""
 from __future__ import annotations
 
 import itertools
-from unittest import mock
 
 import pytest
 import torch
@@ -18,15 +17,15 @@ import transformers as tf
 
 from kernels import reference as K
 from kernels.batch_invariance import GemmRows
-from services.worker import model_setup
 from services.worker.model import ForwardBatch
 from services.worker.runner import ModelRunner
-from services.worker.transformers_model import TransformersModel, transformers_config
+from services.worker.transformers_model import TransformersModel
 from shared.messages import SamplingParams, ScheduledSeq
 from shared.model_source import ModelSource
+from shared.models.generic import transformers_config
 from tests.unit import engine_support
 from tests.unit.engine_support import new_core, run
-from tests.unit.family_models import CONFIGS, hf_generate
+from tests.unit.family_models import CONFIGS, hf_generate, make_model
 
 PROMPTS = [
     [5, 17, 99, 3, 42, 8, 64, 21, 77, 1, 33],
@@ -38,56 +37,22 @@ NEW = 12
 GREEDY = SamplingParams(max_tokens=NEW, temperature=0.0, ignore_eos=True)
 BLOCK = 4
 ROWS = GemmRows(4, 4, True)  # a fixed row layout: no calibration in tests
-SMALL = {
-    "vocab_size": 128,
-    "hidden_size": 64,
-    "intermediate_size": 96,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "max_position_embeddings": 64,
-    "bos_token_id": 1,
-    "eos_token_id": 127,
-    "pad_token_id": 0,
-}
-MODELS = {
-    "gpt_neox": lambda: tf.GPTNeoXConfig(**SMALL, rotary_pct=0.25, use_parallel_residual=True),
-    "stablelm": lambda: tf.StableLmConfig(
-        **SMALL,
-        num_key_value_heads=2,
-        partial_rotary_factor=0.25,
-        qk_layernorm=True,
-        use_qkv_bias=True,
-    ),
-    "qwen2": CONFIGS["qwen2"],  # tests/unit/family_models.py: a 6-token window on layer 0
-}
-
-
-def make_hf(name: str, seed: int = 0) -> torch.nn.Module:
-    """The tiny model of ``MODELS[name]``: 2-D weights x10 (logits far from ties), 1-D ones
-    (norms, biases) with noise, as tests/unit/family_models.py does."""
-    torch.manual_seed(seed)
-    model = tf.AutoModelForCausalLM.from_config(MODELS[name]()).eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            p.mul_(10.0) if p.dim() == 2 else p.add_(torch.randn_like(p) * 0.1)
-    return model
+MODELS = ["gpt_neox", "stablelm", "qwen2"]  # qwen2: native too, so the two can be compared
 
 
 def transformers_runner(model: TransformersModel, num_blocks: int = 64, **kw) -> ModelRunner:
-    """A ModelRunner around ``model``, built by the real ``load_model`` (packing, kernels,
-    row layout, KV cache), whose ``DecoderModel(config, weights)`` is made to return
-    ``model``: what ``load_model`` will do itself for ``--model-impl transformers``."""
+    """A ModelRunner around ``model``, set up by the real ``load_model`` (packing, kernels,
+    row layout, KV cache)."""
     kw = {"gemm_rows": ROWS, "worker_id": "w"} | kw
-    with mock.patch.object(model_setup, "DecoderModel", lambda config, weights: model):
-        return ModelRunner.from_weights(model.cfg, {}, BLOCK, num_blocks, **kw)
+    return ModelRunner.create(None, BLOCK, num_blocks, model=model, **kw)
 
 
-@pytest.fixture(scope="module", params=sorted(MODELS))
+@pytest.fixture(scope="module", params=MODELS)
 def case(request, tmp_path_factory):
     """(name, transformers model, runner over TransformersModel, HF greedy outputs); Qwen2
     goes through ``from_pretrained`` on a saved directory, the others ``from_model``."""
     name = request.param
-    hf = make_hf(name)
+    hf = make_model(name)
     if name == "qwen2":
         path = tmp_path_factory.mktemp(name)
         hf.save_pretrained(path)
@@ -146,7 +111,7 @@ def test_logits_and_hidden_states_equal_transformers(case) -> None:
     caches = runner.model.make_kv_caches(5, BLOCK)
     logits, hidden = runner.model.forward_pooled(ids, torch.arange(n), batch, caches)
     with torch.no_grad():
-        out = hf(ids[None], output_hidden_states=True)
+        out = hf(ids[None])
         ref_hidden = hf.base_model(ids[None]).last_hidden_state[0]
     torch.testing.assert_close(logits[0], out.logits[0, -1], rtol=1e-4, atol=1e-3)
     torch.testing.assert_close(hidden, ref_hidden, rtol=1e-4, atol=1e-4)
@@ -155,7 +120,7 @@ def test_logits_and_hidden_states_equal_transformers(case) -> None:
 def test_qwen2_native_and_transformers_agree(tmp_path) -> None:
     """The same Qwen2 checkpoint through the native decoder and the transformers backend:
     the same greedy tokens, first-step logits equal to fp32 rounding."""
-    hf = make_hf("qwen2")
+    hf = make_model("qwen2")
     hf.save_pretrained(tmp_path)
     src = ModelSource("hf", tmp_path, "qwen2")
     native = ModelRunner.create(src, block_size=BLOCK, num_blocks=64, worker_id="w", gemm_rows=ROWS)
@@ -185,7 +150,7 @@ def _spy_rows(runner: ModelRunner) -> list[torch.Tensor]:
 def test_logits_bitwise_batch_invariant(monkeypatch) -> None:
     """A sequence's logits do not change by one bit when other sequences (decoding, or
     prefilling in chunks) share its steps."""
-    model = TransformersModel.from_model(make_hf("gpt_neox"))
+    model = TransformersModel.from_model(make_model("gpt_neox"))
     got: list[list[torch.Tensor]] = []
     for prompts in ([PROMPTS[2]], [PROMPTS[2], *PROMPTS[:2], PROMPTS[3], [9] * 30]):
         monkeypatch.setattr(engine_support, "_ids", itertools.count())  # the target is r0
@@ -214,7 +179,7 @@ def test_device_path_under_the_triton_interpreter(graphs: bool) -> None:
     in Triton's interpreter on the CPU) gives transformers' greedy tokens, batched with
     chunked prefill; with ``graphs`` decode steps go through the padded static buffers of
     the CUDA-graph path (every row's logits, run eagerly)."""
-    hf = make_hf("stablelm")
+    hf = make_model("stablelm")
     model = TransformersModel.from_model(hf)
     runner = transformers_runner(model, backend="triton", cuda_graphs=graphs, max_num_seqs=4)
     assert runner.ops is not None and (runner.graphs is not None) == graphs
@@ -233,7 +198,7 @@ def test_device_path_under_the_triton_interpreter(graphs: bool) -> None:
 
 @pytest.fixture(scope="module")
 def neox() -> TransformersModel:
-    return TransformersModel.from_model(make_hf("gpt_neox"))
+    return TransformersModel.from_model(make_model("gpt_neox"))
 
 
 def test_refuses_tensor_parallelism_and_lora(neox) -> None:
@@ -252,7 +217,7 @@ def test_refuses_tensor_parallelism_and_lora(neox) -> None:
 def test_refuses_quantization(tmp_path) -> None:
     with pytest.raises(ValueError, match="unquantized"):
         TransformersModel.from_pretrained(tmp_path, quantization="int8")
-    raw = MODELS["qwen2"]().to_dict() | {"quantization_config": {"quant_method": "gptq"}}
+    raw = CONFIGS["qwen2"]().to_dict() | {"quantization_config": {"quant_method": "gptq"}}
     with pytest.raises(ValueError, match="quantized checkpoint"):
         transformers_config(raw, "q/config.json", [])
 
@@ -269,7 +234,7 @@ def test_refuses_encoder_decoders_and_models_that_are_not_causal_lms() -> None:
 def test_refuses_attention_outside_the_interface() -> None:
     """A layer whose attention never calls the registered function (here: replaced by one
     that does its own thing), and a model with no attention at all (Mamba)."""
-    hf = make_hf("gpt_neox")
+    hf = make_model("gpt_neox")
     attention = hf.gpt_neox.layers[1].attention
     attention.forward = lambda hidden_states, *a, **kw: (attention.dense(hidden_states), None)
     with pytest.raises(ValueError, match=r"ran for layers \[0\] of 2"):
