@@ -25,6 +25,7 @@ import torch
 
 from kernels.cpu_quant import BLOCK_BYTES, QuantWeight
 from kernels.fp8_linear import Fp8Weight, quantize_fp8
+from shared.gguf_header import read_header
 from shared.model_source import ModelSource, resolve_model
 from shared.models.config import ModelConfig, ModelConfigError
 from shared.models.family import LINEARS, Family
@@ -113,7 +114,8 @@ _SKIP_FIELDS = {f"tokenizer.ggml.{k}" for k in ("tokens", "merges", "token_type"
 
 
 def _gguf_fields(reader: Any) -> dict[str, Any]:
-    """Metadata values, without the big vocab arrays the config does not need."""
+    """Metadata values of a ``GGUFReader`` (the weights' reader), without the big vocab
+    arrays."""
     return {k: f.contents() for k, f in reader.fields.items() if k not in _SKIP_FIELDS}
 
 
@@ -133,19 +135,19 @@ def _gguf_config(path: Path, strict: bool = False) -> ModelConfig:
     """A GGUF's metadata as the config.json its family reads (llama.cpp's keys -> HF's, as
     transformers' GGUF loader maps them), then the family's own reader (``strict``: a field
     it does not read is refused, as for a config.json)."""
-    reader = _reader(path)
-    f = _gguf_fields(reader)
+    header = read_header(path, keep_strings=frozenset({"tokenizer.ggml.tokens"}))
+    f = header.fields
     arch = f.get("general.architecture", "llama")
     fam = family_for_gguf(arch, path.name)
-    names = {t.name for t in reader.tensors}
-    emb = next(t for t in reader.tensors if t.name == "token_embd.weight")
+    names = set(header.tensors)
+    emb = header.tensors["token_embd.weight"]
     hidden = int(f[f"{arch}.embedding_length"])
     heads = int(f[f"{arch}.attention.head_count"])
     head_dim = int(f.get(f"{arch}.attention.key_length", hidden // heads))
     eos = [f.get("tokenizer.ggml.eos_token_id")]
     eos += [f.get(f"tokenizer.ggml.{k}_token_id") for k in ("eot", "eom")]
     if fam.name in _GGUF_EOT_TEXT and f.get("tokenizer.ggml.eot_token_id") is None:
-        eos.append(_token_id(reader, _GGUF_EOT_TEXT[fam.name]))
+        eos.append(header.token_id(_GGUF_EOT_TEXT[fam.name]))
     raw: dict[str, Any] = {
         "architectures": [fam.architectures[0]],
         "vocab_size": int(f.get(f"{arch}.vocab_size", int(emb.shape[1]))),
@@ -180,8 +182,8 @@ def _gguf_config(path: Path, strict: bool = False) -> ModelConfig:
             ),
         }
     if "rope_freqs.weight" in names:  # llama 3.1+: per-frequency divisors precomputed
-        t = next(t for t in reader.tensors if t.name == "rope_freqs.weight")
-        raw["rope_scaling"] = {"rope_type": "default", "freq_factors": [float(x) for x in t.data]}
+        factors = header.f32_tensor("rope_freqs.weight").tolist()
+        raw["rope_scaling"] = {"rope_type": "default", "freq_factors": factors}
     for key in ("granite.embedding_scale", "granite.residual_scale", "granite.logit_scale"):
         if key in f:
             hf = {
@@ -237,18 +239,6 @@ def _gguf_gemma(name: str, raw: dict[str, Any], f: dict[str, Any], arch: str) ->
         slides = [n == 0 or i % n < n - 1 for i in range(layers)]
     out["layer_types"] = ["sliding_attention" if x else "full_attention" for x in slides]
     return out
-
-
-def _token_id(reader: Any, text: str) -> int | None:
-    """The id of the vocab entry spelled ``text`` (None without one)."""
-    field = reader.fields.get("tokenizer.ggml.tokens")
-    if field is None:
-        return None
-    want = text.encode()
-    for i, part in enumerate(field.data):
-        if field.parts[part].tobytes() == want:
-            return i
-    return None
 
 
 def _first(x: Any) -> int:
