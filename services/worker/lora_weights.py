@@ -85,6 +85,12 @@ def load_adapter(
     """Read ``ref``'s PEFT directory and check every tensor against the model ``cfg``; raises
     LoRAError naming what is wrong (and nothing is kept). ``shard``: keep a tensor-parallel
     rank's part (``cfg`` is then the whole model)."""
+    if not cfg.gated_mlp:
+        raise LoRAError(
+            f"{ref.path}: LoRA adapters of models with an ungated MLP ({cfg.family}) are not "
+            "served",
+            "lora_path",
+        )
     conf = read_adapter_config(ref.path)
     tensors = _read_tensors(Path(ref.path))
     shapes = module_shapes(cfg)
