@@ -166,8 +166,19 @@ def _gguf_config(path: Path, strict: bool = False) -> ModelConfig:
         "sliding_window": f.get(f"{arch}.attention.sliding_window"),
         "attn_logit_softcapping": f.get(f"{arch}.attn_logit_softcapping"),
         "final_logit_softcapping": f.get(f"{arch}.final_logit_softcapping"),
-        "attention_bias": "blk.0.attn_q.bias" in names and "blk.0.attn_output.bias" in names,
+        # only where present: Qwen2's q/k/v biases and Phi-3 are read without this field
+        "attention_bias": ("blk.0.attn_q.bias" in names and "blk.0.attn_output.bias" in names)
+        or None,
     }
+    if fam.name in ("llama", "granite"):  # llama.cpp loads their FFN biases where present
+        raw["mlp_bias"] = "blk.0.ffn_down.bias" in names
+    if fam.name == "starcoder2":  # LayerNorm's epsilon; llama.cpp's graph: GELU (tanh)
+        raw |= {
+            "hidden_act": "gelu_pytorch_tanh",
+            "norm_epsilon": float(f.get(f"{arch}.attention.layer_norm_epsilon", 1e-5)),
+            "use_bias": "blk.0.attn_q.bias" in names,
+        }
+        raw.pop("attention_bias", None)
     if fam.name.startswith("gemma"):
         raw |= _gguf_gemma(fam.name, raw, f, arch)
     if fam.name == "qwen2" and raw["sliding_window"]:
@@ -184,6 +195,16 @@ def _gguf_config(path: Path, strict: bool = False) -> ModelConfig:
     if "rope_freqs.weight" in names:  # llama 3.1+: per-frequency divisors precomputed
         factors = header.f32_tensor("rope_freqs.weight").tolist()
         raw["rope_scaling"] = {"rope_type": "default", "freq_factors": factors}
+    if "rope_factors_long.weight" in names:  # Phi-3's longrope: its factors as tensors
+        raw["rope_scaling"] = {
+            "rope_type": "longrope",
+            "short_factor": header.f32_tensor("rope_factors_short.weight").tolist(),
+            "long_factor": header.f32_tensor("rope_factors_long.weight").tolist(),
+            "original_max_position_embeddings": f.get(
+                f"{arch}.rope.scaling.original_context_length"
+            ),
+            "attention_factor": f.get(f"{arch}.rope.scaling.attn_factor"),
+        }
     for key in ("granite.embedding_scale", "granite.residual_scale", "granite.logit_scale"):
         if key in f:
             hf = {
@@ -401,6 +422,8 @@ def _gguf_weights(
     for i, t in enumerate(tensors):
         shape = tuple(int(d) for d in reversed(t.shape))  # GGUF lists dims fastest-first
         name = names[t.name]
+        if name.endswith("mlp.up_proj.weight") and shape[0] == 2 * cfg.intermediate_size:
+            name = name.replace("up_proj", "gate_up_proj")  # Phi-3: gate and up in one ffn_up
         keep = quantized and int(t.tensor_type) in BLOCK_BYTES and len(shape) == 2
         if keep and name != "model.embed_tokens.weight":
             w: torch.Tensor | QuantWeight = QuantWeight.from_gguf(t.data, int(t.tensor_type), shape)
@@ -415,9 +438,10 @@ def _gguf_weights(
             w = w.to(dtype).contiguous()
             if keep and cfg.tie_word_embeddings:  # the tied lm_head reads the blocks
                 out["lm_head.weight"] = QuantWeight.from_gguf(t.data, int(t.tensor_type), shape)
-        if fam.gguf_permute_qk and name.endswith("self_attn.q_proj.weight"):
+        # the converter permutes the Q/K biases (attention_bias) as their weights' rows
+        if fam.gguf_permute_qk and name.endswith(("self_attn.q_proj.weight", "q_proj.bias")):
             w = _unpermute(w, cfg.num_heads)
-        elif fam.gguf_permute_qk and name.endswith("self_attn.k_proj.weight"):
+        elif fam.gguf_permute_qk and name.endswith(("self_attn.k_proj.weight", "k_proj.bias")):
             w = _unpermute(w, cfg.num_kv_heads)
         out[name] = w
         if (i + 1) % 50 == 0:
