@@ -192,6 +192,15 @@ def _gguf_config(path: Path, strict: bool = False) -> ModelConfig:
                 f"{arch}.rope.scaling.original_context_length"
             ),
         }
+    raw |= _gguf_extras(header, f, arch, names)
+    raw = {k: v for k, v in raw.items() if v is not None}
+    return hf_config(raw, path.name, strict=strict)
+
+
+def _gguf_extras(header: Any, f: dict[str, Any], arch: str, names: set[str]) -> dict[str, Any]:
+    """What a GGUF keeps as tensors or family keys: Llama 3.1's ``rope_freqs``, Phi-3's
+    longrope factors, Granite's multipliers, an explicit attention scale."""
+    raw: dict[str, Any] = {}
     if "rope_freqs.weight" in names:  # llama 3.1+: per-frequency divisors precomputed
         factors = header.f32_tensor("rope_freqs.weight").tolist()
         raw["rope_scaling"] = {"rope_type": "default", "freq_factors": factors}
@@ -214,8 +223,7 @@ def _gguf_config(path: Path, strict: bool = False) -> ModelConfig:
             raw[hf.get(key.split(".")[1], "logits_scaling")] = float(f[key])
     if f"{arch}.attention.scale" in f:
         raw["attention_multiplier"] = float(f[f"{arch}.attention.scale"])
-    raw = {k: v for k, v in raw.items() if v is not None}
-    return hf_config(raw, path.name, strict=strict)
+    return raw
 
 
 _GGUF_EOT_TEXT = {"gemma2": "<end_of_turn>", "gemma3": "<end_of_turn>"}

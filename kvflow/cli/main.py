@@ -41,12 +41,12 @@ TOOLS = {
 def _run_service(name: str, settings: Settings) -> int:
     """Run one service until it stops; its exit status (EXIT_REFUSED when NATS or Redis
     refused its credentials: restarting it would not help)."""
-    setup_logging(name, settings.ops.log_level, settings.ops.log_format)
-    setup_tracing(name)
-    refused = _check_model(name, settings)
+    refused = _check_model(name, settings)  # before logging and tracing are set up
     if refused:
         print(f"kvflow: {name}: {refused}", file=sys.stderr, flush=True)
         return EXIT_REFUSED
+    setup_logging(name, settings.ops.log_level, settings.ops.log_format)
+    setup_tracing(name)
     try:
         if name == "gateway":
             from services.gateway.main import main as gateway_main

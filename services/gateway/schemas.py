@@ -89,7 +89,8 @@ class ToolCallOut(BaseModel):
 
 
 class ChatMessageOut(BaseModel):
-    role: Literal["assistant"]
+    # "assistant"; with add_generation_prompt false, the last message's role (vLLM's rule)
+    role: str
     content: str | None
     tool_calls: list[ToolCallOut] | None = None
 

@@ -22,6 +22,7 @@ from shared.config import (
 OLD_FLAT = {
     "model": ("model.path", "/m/x.gguf", "/m/x.gguf", ""),
     "served_model_name": ("model.served_model_name", "alias", "alias", ""),
+    "model_impl": ("model.model_impl", "transformers", "transformers", "auto"),
     "nats_url": ("bus.nats_url", "nats://h:1", "nats://h:1", "nats://127.0.0.1:4222"),
     "redis_url": ("bus.redis_url", "redis://h:2", "redis://h:2", ""),
     "host": ("gateway.host", "0.0.0.0", "0.0.0.0", "127.0.0.1"),
