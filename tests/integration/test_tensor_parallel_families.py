@@ -18,9 +18,9 @@ from services.worker.tensor_parallel import TPGroup, shard_config, shard_weights
 from shared.messages import SamplingParams
 from shared.model_loader import load_config, load_weights
 from shared.model_source import ModelSource
+from tests.models.test_model_families import NEW, PROMPTS
 from tests.unit.engine_support import new_core, run
 from tests.unit.family_models import hf_greedy, save_model
-from tests.unit.test_model_families import NEW, PROMPTS
 
 pytestmark = pytest.mark.integration
 GREEDY = SamplingParams(max_tokens=NEW, temperature=0.0, ignore_eos=True)

@@ -18,9 +18,9 @@ from services.worker.runner import ModelRunner
 from shared.messages import LoRARef, SamplingParams
 from shared.model_loader import load_config, load_weights
 from shared.model_source import ModelSource
+from tests.models.test_model_families import NEW, PROMPTS
 from tests.unit.engine_support import new_core, run
 from tests.unit.family_models import hf_greedy, save_model
-from tests.unit.test_model_families import NEW, PROMPTS
 
 FAMILIES = ["qwen2", "gemma2"]
 GREEDY = SamplingParams(max_tokens=NEW, temperature=0.0, ignore_eos=True)
