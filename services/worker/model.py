@@ -76,7 +76,50 @@ def _cat_bias(weights: dict[str, Any], names: list[str]) -> torch.Tensor | None:
     return None if got[0] is None else torch.cat(got)
 
 
-class DecoderModel(torch.nn.Module):
+class PagedModel(torch.nn.Module):
+    """What the runner asks of a model (``DecoderModel``; ``TransformersModel`` in
+    services/worker/transformers_model.py): ``forward_pooled`` on the CPU path,
+    ``forward_device_pooled`` on the device path, ``cfg``, ``dtype``, ``device``; the KV
+    caches and the logits-only calls are the same for both."""
+
+    cfg: ModelConfig
+    dtype: torch.dtype
+    device: torch.device
+
+    def make_kv_caches(
+        self, num_blocks: int, block_size: int
+    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """One (k, v) pair per layer, each [num_blocks, block_size, Hkv, D], zero filled (so
+        padded gathers never meet NaNs)."""
+        shape = (num_blocks, block_size, self.cfg.num_kv_heads, self.cfg.head_dim)
+        dt, dev = self.dtype, self.device
+        return [
+            (torch.zeros(shape, dtype=dt, device=dev), torch.zeros(shape, dtype=dt, device=dev))
+            for _ in range(self.cfg.num_layers)
+        ]
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        batch: ForwardBatch,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+    ) -> torch.Tensor:
+        """Run ``input_ids`` [T] at ``positions`` [T]; returns logits [S, vocab] (fp32) for
+        ``batch.sample_rows`` only."""
+        return self.forward_pooled(input_ids, positions, batch, kv_caches)[0]
+
+    def forward_device(
+        self,
+        ops: KernelBackend,
+        batch: DeviceBatch,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+    ) -> torch.Tensor:
+        """``forward_device_pooled`` without hidden rows: fp32 logits [S, vocab]."""
+        return self.forward_device_pooled(ops, batch, kv_caches)[0]
+
+
+class DecoderModel(PagedModel):
     """A decoder built from a ``ModelConfig`` and its family's HF-named weights."""
 
     def __init__(self, cfg: ModelConfig, weights: dict[str, Any]) -> None:
@@ -189,30 +232,7 @@ class DecoderModel(torch.nn.Module):
             seen.setdefault(tuple(w.shape), w)
         return list(seen.values())
 
-    def make_kv_caches(
-        self, num_blocks: int, block_size: int
-    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """One (k, v) pair per layer, each [num_blocks, block_size, Hkv, D], zero filled (so
-        padded gathers never meet NaNs)."""
-        shape = (num_blocks, block_size, self.cfg.num_kv_heads, self.cfg.head_dim)
-        dt, dev = self.dtype, self.device
-        return [
-            (torch.zeros(shape, dtype=dt, device=dev), torch.zeros(shape, dtype=dt, device=dev))
-            for _ in range(self.cfg.num_layers)
-        ]
-
     # -- the two paths --------------------------------------------------------------------
-
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        batch: ForwardBatch,
-        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-    ) -> torch.Tensor:
-        """Run ``input_ids`` [T] at ``positions`` [T]; returns logits [S, vocab] (fp32) for
-        ``batch.sample_rows`` only."""
-        return self.forward_pooled(input_ids, positions, batch, kv_caches)[0]
 
     @torch.inference_mode()
     def forward_pooled(
@@ -228,15 +248,6 @@ class DecoderModel(torch.nn.Module):
         st = HostOps(self, batch, positions)
         h, residual = self._body(st, input_ids, kv_caches, batch.lora)
         return self._head(st, h, residual, batch.sample_rows, batch.hidden_rows)
-
-    def forward_device(
-        self,
-        ops: KernelBackend,
-        batch: DeviceBatch,
-        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-    ) -> torch.Tensor:
-        """``forward_device_pooled`` without hidden rows: fp32 logits [S, vocab]."""
-        return self.forward_device_pooled(ops, batch, kv_caches)[0]
 
     @torch.inference_mode()
     def forward_device_pooled(

@@ -49,7 +49,7 @@ from transformers.pytorch_utils import Conv1D
 from kernels import reference as K
 from kernels.cpu_gemm import PackedWeight, PanelWeight, panel_available
 from kernels.ops import KernelBackend
-from services.worker.model import ForwardBatch
+from services.worker.model import ForwardBatch, PagedModel
 from services.worker.step_inputs import DeviceBatch
 from shared.models import generic
 from shared.models.config import ModelConfig
@@ -251,7 +251,7 @@ def _ids(v: Any) -> list[int]:
     return [] if v is None else [int(i) for i in (v if isinstance(v, (list, tuple)) else [v])]
 
 
-class TransformersModel(torch.nn.Module):
+class TransformersModel(PagedModel):
     """A Hugging Face causal LM with kvflow's attention and linear layers, behind the interface
     the runner uses for ``DecoderModel`` (forward / forward_pooled on the CPU path,
     forward_device / forward_device_pooled on the device path, KV caches, packing)."""
@@ -359,29 +359,7 @@ class TransformersModel(torch.nn.Module):
             seen.setdefault(tuple(lin.w.shape), lin.w)
         return list(seen.values())
 
-    def make_kv_caches(
-        self, num_blocks: int, block_size: int
-    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """One (k, v) pair per layer, each [num_blocks, block_size, Hkv, D], zero filled."""
-        shape = (num_blocks, block_size, self.cfg.num_kv_heads, self.cfg.head_dim)
-        dt, dev = self.dtype, self.device
-        return [
-            (torch.zeros(shape, dtype=dt, device=dev), torch.zeros(shape, dtype=dt, device=dev))
-            for _ in range(self.cfg.num_layers)
-        ]
-
     # -- the two paths ----------------------------------------------------------------------
-
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        batch: ForwardBatch,
-        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-    ) -> torch.Tensor:
-        """Run ``input_ids`` [T] at ``positions`` [T]; returns logits [S, vocab] (fp32) for
-        ``batch.sample_rows`` only."""
-        return self.forward_pooled(input_ids, positions, batch, kv_caches)[0]
 
     @torch.inference_mode()
     def forward_pooled(
@@ -404,15 +382,6 @@ class TransformersModel(torch.nn.Module):
             batch.hidden_rows,
         )
         return self._run(step, input_ids, positions, batch.sample_rows)
-
-    def forward_device(
-        self,
-        ops: KernelBackend,
-        batch: DeviceBatch,
-        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-    ) -> torch.Tensor:
-        """``forward_device_pooled`` without hidden rows: fp32 logits [S, vocab]."""
-        return self.forward_device_pooled(ops, batch, kv_caches)[0]
 
     @torch.inference_mode()
     def forward_device_pooled(
