@@ -168,7 +168,7 @@ def test_killed_decode_worker_mid_stream_loses_nothing(faults_stack) -> None:
     wait_all_blocks_free(base, timeout=30)
 
 
-def test_killed_leader_scheduler_the_standby_takes_over(faults_stack) -> None:
+def test_killed_leader_scheduler_another_takes_over(faults_stack) -> None:
     base, _, _ = faults_stack
     nats_url, _ = stack_urls(NAME)
     ps = prompts(4)
@@ -191,7 +191,11 @@ def test_killed_leader_scheduler_the_standby_takes_over(faults_stack) -> None:
     takeover_s = time.monotonic() - t_kill
     print(f"\nscheduler takeover: a new request was served {takeover_s:.1f} s after SIGKILL")
     after = httpx.get(f"{base}/stats", timeout=5).json()
-    assert after["scheduler_id"] != before["scheduler_id"] and after["epoch"] > before["epoch"]
+    # a new leadership (the lease's epoch counter moved on): the standby, or the killed
+    # scheduler's replacement that the launcher starts under the same id, whichever takes the
+    # free lease first (both are fenced by the epoch; CI has seen either win)
+    assert after["epoch"] > before["epoch"]
+    assert f"scheduler:{after['scheduler_id']}" in service_pids(nats_url)
     for s in streams:
         s.join()
     assert [s.error for s in streams] == [None] * 4
