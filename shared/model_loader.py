@@ -292,6 +292,10 @@ def load_weights(
     The embedding stays dense for lookups. ValueError names a missing or unexpected tensor."""
     t0 = time.perf_counter()
     fam = family(cfg.family)
+    if cfg.encoder:  # BERT / RoBERTa: their own names, checked by the encoder model
+        if src.kind == "gguf" or quantization:
+            raise ValueError(f"{src.path}: encoders load from HF directories, unquantized")
+        return encoder_weights(src.path, dtype)
     if src.kind == "gguf":
         weights = _gguf_weights(src.path, cfg, fam, dtype, quantized=quantization == "gguf")
     else:
@@ -488,6 +492,27 @@ def _hf_weights(path: Path, dtype: torch.dtype) -> dict[str, torch.Tensor]:
                 # GPTQ/AWQ packed ints and fp16 scales stay as stored (_quantized_layers)
                 keep = not v.is_floating_point() or k.endswith(".scales")
                 out[k] = v if keep else v.to(dtype)
+    return out
+
+
+ENCODER_PREFIXES = ("bert.", "roberta.")
+
+
+def encoder_weights(path: Path, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """An encoder's tensors (shared/models/families/bert.py) under BERT's names without the
+    base model's prefix; position-id buffers are dropped."""
+    from safetensors.torch import load_file
+
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"{path}: no safetensors weights")
+    out: dict[str, torch.Tensor] = {}
+    for f in files:
+        for k, v in load_file(str(f)).items():
+            for prefix in ENCODER_PREFIXES:
+                k = k.removeprefix(prefix)
+            if not k.endswith(("position_ids", "token_type_ids")):
+                out[k] = v.to(dtype)
     return out
 
 

@@ -91,12 +91,23 @@ class ModelSettings:
     max_lora_rank: int = field(
         default=16, metadata={"help": "the highest LoRA rank served (adapters over it are refused)"}
     )
+    task: str = field(
+        default="auto",
+        metadata={
+            "help": "what the model is served for (vLLM's --task): auto (from the checkpoint: "
+            "generate for a causal LM, embed for an encoder or a sentence-transformers "
+            "directory, classify for a *ForSequenceClassification model, score for one with a "
+            "single label: a cross-encoder) | generate | embed | classify | score",
+            "choices": ("auto", "generate", "embed", "classify", "score", "reward"),
+        },
+    )
     pooling_type: str = field(
-        default="LAST",
+        default="",
         metadata={
             "help": "how /v1/embeddings and LLM.embed pool the final hidden states (vLLM's "
-            "--pooling-type): LAST (the last token's, vLLM's default for decoder models) | MEAN "
-            "(the mean of every token's) | CLS (the first token's); vectors are L2-normalized",
-            "choices": ("LAST", "MEAN", "CLS"),  # shared/messages/params.py's POOLING_TYPES
+            "--pooling-type): '' (the model's: its sentence-transformers pooling config, else "
+            "CLS for an encoder and LAST for a decoder) | LAST (the last token's) | MEAN (the "
+            "mean of every token's) | CLS (the first token's); vectors are L2-normalized",
+            "choices": ("", "LAST", "MEAN", "CLS"),  # shared/messages/params.py's POOLING_TYPES
         },
     )

@@ -150,7 +150,8 @@ def _admit_in_order(
 
 def _fit(ws: WorkerState, seq: Sequence, budget: int) -> Admission | None:
     """How ``seq`` would be admitted on ``ws`` now, or None when its blocks do not fit. With
-    prompt_logprobs or MEAN/CLS pooling the whole prompt is computed (no cache, no tier)."""
+    prompt_logprobs, MEAN/CLS pooling or an encoder the whole prompt is computed (no cache, no
+    tier); an encoder's in one step."""
     use_cache = not seq.computes_whole_prompt
     cached = ws.bm.lookup_prefix(seq.token_ids, cache_salt=seq.cache_salt) if use_cache else []
     tier = ws.router.tier_lookup(seq, ws, len(cached)) if use_cache else []
@@ -159,6 +160,12 @@ def _fit(ws: WorkerState, seq: Sequence, budget: int) -> Admission | None:
     else:
         num_computed = len(cached) * ws.bm.block_size
         num_new = min(seq.num_tokens - num_computed, budget)
+        if num_new < seq.num_tokens and seq.pooling is not None and seq.pooling.bidirectional:
+            # an encoder's input runs whole: it waits for a step with room, or runs alone in
+            # one past the budget (vLLM raises an encoder's budget to max_model_len)
+            if budget < ws.limits.max_num_batched_tokens:
+                return None
+            num_new = seq.num_tokens
         need = ws.bm.blocks_needed(num_computed + num_new) - len(cached)
     if not ws.bm.can_allocate(need, cached):
         return None

@@ -243,6 +243,10 @@ def _build(
             log.info("%s runs through transformers' modules (--model-impl)", src.name)
             return TransformersModel.from_pretrained(src.path, spec.dtype, device, quantization)
         weights = load_weights(src, config, spec.dtype, quantization)
+    if config.encoder:
+        from services.worker.encoder_model import EncoderModel
+
+        return EncoderModel(config, {n: w.to(device) for n, w in weights.items()})
     if ops is not None:
         weights = {n: to_device_weight(w, device) for n, w in weights.items()}
     return DecoderModel(config, weights)
@@ -268,7 +272,10 @@ def kv_cache_blocks(model: AnyModel, kv: KvSpec) -> int:
     cfg = model.cfg
     per_block = kv_block_bytes(cfg, cfg.num_kv_heads, kv.block_size, model.dtype)
     num_blocks = kv.num_blocks or max(1, int(kv.kv_cache_gib * 2**30) // per_block)
-    log.info("allocating KV cache: %.2f GiB", num_blocks * per_block / 2**30)
+    if cfg.encoder:
+        log.info("no KV cache (an encoder): %d blocks count the tokens in flight", num_blocks)
+    else:
+        log.info("allocating KV cache: %.2f GiB", num_blocks * per_block / 2**30)
     return num_blocks
 
 

@@ -1,6 +1,8 @@
-"""Embeddings (vLLM's pooling task ``embed``): a request with ``NewRequest.pooling`` computes its
-prompt like any prefill, but instead of sampling it pools the final hidden states (the model's
-last RMSNorm output, what HF ``LlamaModel`` returns as ``last_hidden_state``) into one vector.
+"""Pooling requests (vLLM's pooling tasks ``embed``, ``classify``, ``score``): a request with
+``NewRequest.pooling`` computes its prompt like any prefill, but instead of sampling it pools the
+final hidden states (the model's last norm output, what HF ``LlamaModel`` or ``BertModel``
+returns as ``last_hidden_state``) into one vector: the embedding, or what a classification head
+makes of it (``finish``).
 
 Chunked prefill: each chunk contributes the rows the pooling type reads (``rows_of``); MEAN keeps
 a running fp32 sum and count across chunks, CLS keeps row 0 from the chunk that starts the
@@ -13,6 +15,7 @@ preemption or a migration arrives again as a NewRequest, so its state starts ove
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -51,14 +54,28 @@ class PoolState:
             self.total = h[-1].clone()
             self.count = 1
 
-    def finish(self) -> torch.Tensor:
-        """The pooled vector (fp32), normalized when asked."""
+    def finish(
+        self,
+        head: Callable[[torch.Tensor], torch.Tensor] | None = None,
+        score_activation: str = "sigmoid",
+    ) -> torch.Tensor:
+        """The request's output (fp32): ``embed``, the pooled vector (L2-normalized when
+        asked); ``classify``, the class probabilities of ``head``'s logits (softmax; a sigmoid
+        for one class); ``score``, the one logit through ``score_activation``."""
         if self.total is None or self.count == 0:
             raise RuntimeError("no rows were pooled (the prompt was not computed here)")
         v = self.total / self.count
-        if self.pooling.normalize:
-            v = torch.nn.functional.normalize(v, p=2.0, dim=0)
-        return v
+        task = self.pooling.task
+        if task == "embed":
+            if self.pooling.normalize:
+                v = torch.nn.functional.normalize(v, p=2.0, dim=0)
+            return v
+        if head is None:
+            raise ValueError(f"task {task!r} needs a model with a classification head")
+        logits = head(v).float()
+        if task == "classify" and logits.numel() > 1:
+            return torch.softmax(logits, dim=0)
+        return logits if score_activation == "identity" else torch.sigmoid(logits)
 
 
 def pooled_output(request_id: str, vector: torch.Tensor) -> PooledOutput:

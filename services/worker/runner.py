@@ -28,6 +28,7 @@ import torch
 from services.worker import sampler, speculation, structured
 from services.worker.cuda_graphs import DecodeGraphs
 from services.worker.draft import DraftProposer
+from services.worker.encoder_model import encoder_step
 from services.worker.lora import LoRACache, LoRASpec, LoRAStep, lora_rows
 from services.worker.model_setup import (
     CpuPathSpec,
@@ -158,7 +159,11 @@ class ModelRunner:
         self.total_computed_tokens = 0
         self.graphs: DecodeGraphs | None = None
         graphs = device.cuda_graphs
-        if self.ops is not None and (graphs or graphs is None and self.on_cuda):
+        if (
+            self.ops is not None
+            and not self.config.encoder
+            and (graphs or graphs is None and self.on_cuda)
+        ):
             self.graphs = make_decode_graphs(
                 loaded, self.kv_caches, self._max_model_len, kv.block_size, device.max_num_seqs
             )
@@ -302,6 +307,14 @@ class ModelRunner:
             self._add_request(r)
         if not plan.seqs:
             return [], [], [], 0, [], [], []
+        if self.config.encoder:  # whole inputs, pooled: nothing is sampled or kept
+            pools = [self.requests[s.request_id].pool for s in plan.seqs]
+            if any(p is None for p in pools):
+                raise ValueError("an encoder serves pooling requests only (embed, classify, score)")
+            self._pooled = encoder_step(self.model, plan.seqs, pools, self.gemm_rows is not None)
+            n = sum(len(s.token_ids) for s in plan.seqs)
+            self.total_computed_tokens += n
+            return [], [], [], n, [], [], []
         # a draft model runs the step's tokens and appends its drafts (services/worker/draft.py)
         plan_seqs = self.draft.step(plan.seqs) if self.draft is not None else plan.seqs
         step = lay_out(

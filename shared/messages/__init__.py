@@ -33,6 +33,7 @@ from shared.messages.outputs import (
     ToolCallDelta,
 )
 from shared.messages.params import (
+    POOLING_TASKS,
     POOLING_TYPES,
     ChatMessage,
     LoRARef,
@@ -49,6 +50,8 @@ from shared.messages.requests import (
     DetokenizeRequest,
     DetokenizeResult,
     GenerateRequest,
+    ModelInfo,
+    ModelInfoRequest,
     RequestError,
     TokenizedRequest,
     TokenizeRequest,
@@ -80,6 +83,8 @@ __all__ = [
     "DeltaBatch",
     "DetokenizeRequest",
     "DetokenizeResult",
+    "ModelInfo",
+    "ModelInfoRequest",
     "FinishReason",
     "GenerateRequest",
     "KvChunk",
@@ -97,6 +102,7 @@ __all__ = [
     "MetricsReport",
     "MetricsRequest",
     "NewRequest",
+    "POOLING_TASKS",
     "POOLING_TYPES",
     "Ping",
     "PoolingParams",
@@ -152,6 +158,8 @@ Message = (
     | TokenizeResult
     | DetokenizeRequest
     | DetokenizeResult
+    | ModelInfoRequest
+    | ModelInfo
     | MetricsRequest
     | MetricsReport
     | Ping

@@ -68,22 +68,35 @@ class SamplingParams(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
 
 
 class PoolingParams(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
-    """Marks an embedding request (vLLM's pooling task ``embed``): the prompt is computed and
-    its final hidden states (after the model's last norm) are pooled into one vector instead of
-    sampling a token. ``pooling_type``: "LAST" (the last prompt token's row, vLLM's default for
-    decoder models), "MEAN" (the mean of every prompt row) or "CLS" (the first row);
-    ``normalize``: L2-normalized, as vLLM's embed task gives by default."""
+    """Marks a pooling request (vLLM's pooling tasks): the prompt is computed and its final
+    hidden states are pooled into one vector instead of sampling a token.
+
+    ``task``: "embed" (the pooled vector, /v1/embeddings), "classify" (the model's
+    classification head over the pooled vector, then softmax: class probabilities, /classify)
+    or "score" (the head's one logit through the model's score activation, a sigmoid unless
+    its sentence-transformers config names another: /score, /rerank with a cross-encoder).
+    ``pooling_type``: "LAST" (the last prompt token's row, vLLM's default for decoder models),
+    "MEAN" (the mean of every prompt row), "CLS" (the first row) or "" (the model's own: its
+    sentence-transformers pooling config, else CLS for encoders and LAST for decoders; the
+    tokenizer fills it in). ``normalize``: L2-normalized (embed only), as vLLM gives by default.
+    Set by the tokenizer: ``bidirectional`` (an encoder: the prompt is computed whole, in one
+    step, never from the prefix cache) and ``pair_start`` (a text pair's second text starts at
+    this token: token type 1 from there; 0: one text)."""
 
     pooling_type: str = "LAST"
     normalize: bool = True
+    task: str = "embed"
+    bidirectional: bool = False
+    pair_start: int = 0
 
     def needs_whole_prompt(self) -> bool:
-        """MEAN and CLS read rows a prefix-cache hit would skip: such requests compute their
-        whole prompt (as prompt_logprobs requests do); LAST reads only the last row, which is
-        always computed."""
-        return self.pooling_type != "LAST"
+        """MEAN and CLS read rows a prefix-cache hit would skip, and an encoder attends to
+        every token of the prompt: such requests compute their whole prompt (as prompt_logprobs
+        requests do); LAST in a decoder reads only the last row, which is always computed."""
+        return self.pooling_type != "LAST" or self.bidirectional
 
 
+POOLING_TASKS = ("embed", "classify", "score")
 POOLING_TYPES = ("LAST", "MEAN", "CLS")
 
 

@@ -41,6 +41,9 @@ class GenerateRequest(_Msg, tag=1):
     # comes back (Delta.embedding) instead of generated tokens; ``params`` is unused
     pooling: PoolingParams | None = None
     lora: LoRARef | None = None  # the adapter the request's ``model`` names (None: the base)
+    # a cross-encoder's text pair (/score, /rerank): ``prompt`` and this, tokenized as one input
+    # the way the model's tokenizer joins two texts (token type 1 for the second)
+    prompt_pair: str | None = None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -119,3 +122,17 @@ class DetokenizeRequest(_Msg, tag=22):
 
 class DetokenizeResult(_Msg, tag=23):
     prompt: str
+
+
+class ModelInfoRequest(_Msg, tag=24):
+    """What the served model is for (the gateway asks once: it may run without the model)."""
+
+
+class ModelInfo(_Msg, tag=25):
+    """The served model's task (shared/models/tasks.py ``ServedTask``): ``task`` generate |
+    embed | classify | score; ``labels``: a classifier's class names by index; ``max_model_len``
+    the longest input."""
+
+    task: str
+    max_model_len: int
+    labels: list[str] = []

@@ -102,6 +102,13 @@ class ModelConfig:
     logits_divisor: float = 1.0  # logits / this (Granite's logits_scaling)
     rope: RopeSpec = None  # type: ignore[assignment]  # None: default RoPE at rope_theta
     rope_local: RopeSpec | None = None  # sliding-window layers' own RoPE (Gemma 3); None: rope
+    # encoders (BERT, RoBERTa: shared/models/families/bert.py) and classification heads
+    encoder: bool = False  # bidirectional attention, absolute positions, token types, no KV
+    type_vocab_size: int = 0  # token-type embeddings (BERT: 2; RoBERTa: 1)
+    position_offset: int = 0  # absolute positions start here (RoBERTa: padding_idx + 1)
+    num_labels: int = 0  # a sequence-classification head's classes (0: no head)
+    classifier: str = ""  # "bert" (pooler + classifier) | "roberta" (classifier.dense/out_proj)
+    score_activation: str = "sigmoid"  # a one-label head's score: "sigmoid" | "identity"
 
     def __post_init__(self) -> None:
         if self.rope is None:
