@@ -26,17 +26,19 @@ import weakref
 from collections.abc import Sequence
 from typing import Any
 
+from kvflow import pooling
 from kvflow.cli.launcher import Stack, start_pipeline
 from kvflow.client import Completion, PipelineClient, PipelineError
-from kvflow.embedding import embed_all
 from kvflow.loop_thread import LoopThread
 from kvflow.lora_request import LoRARequest
 from kvflow.outputs import (
     BeamSearchOutput,
     BeamSearchSequence,
+    ClassificationRequestOutput,
     CompletionOutput,
     EmbeddingRequestOutput,
     RequestOutput,
+    ScoringRequestOutput,
     prompt_logprobs_of,
     token_logprobs,
 )
@@ -99,7 +101,8 @@ class LLM:
         ms = self.settings.model
         check_lora_settings(ms.enable_lora, ms.lora_modules, ms.max_loras, ms.max_lora_rank)
         check_parallel_settings(self.settings)
-        from shared.model_loader import check_model
+        from shared.model_loader import check_settings_model
+        from shared.models.tasks import served_task
 
         try:
             ms = self.settings.model
@@ -107,8 +110,9 @@ class LLM:
         except ModelNotFoundError as e:
             raise ValueError(f"{e} (kvflow never downloads weights: pass a local path)") from e
         # the config is checked before the tokenizer is converted (seconds for a large vocab)
-        tp, lora = self.settings.worker.tensor_parallel_size, ms.enable_lora
-        cfg = check_model(ms.path, ms.served_model_name, ms.model_impl, tp, lora)
+        cfg = check_settings_model(self.settings)
+        where = self.source.path if self.source.kind == "hf" else None
+        self.served = served_task(cfg, where, ms.task, ms.pooling_type)  # what it is for
         self.eos_token_ids = list(cfg.eos_token_ids)
         self.tokenizer = load_tokenizer(self.source)
         if self.settings.model.chat_template:
@@ -374,8 +378,29 @@ class LLM:
         truncate_prompt_tokens: int | None = None,
         use_tqdm: bool = True,
     ) -> list[EmbeddingRequestOutput]:
-        """vLLM's ``LLM.embed``: each prompt's pooled, normalized vector (kvflow/embedding.py)."""
-        return self._loop.run(embed_all(self, prompts, truncate_prompt_tokens, use_tqdm))
+        """vLLM's ``LLM.embed``: each prompt's pooled, normalized vector (kvflow/pooling.py)."""
+        return pooling.embed(self, prompts, truncate_prompt_tokens, use_tqdm)
+
+    def classify(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        truncate_prompt_tokens: int | None = None,
+        use_tqdm: bool = True,
+    ) -> list[ClassificationRequestOutput]:
+        """vLLM's ``LLM.classify``: each prompt's class probabilities (a model served for
+        classify or score)."""
+        return pooling.classify(self, prompts, truncate_prompt_tokens, use_tqdm)
+
+    def score(
+        self,
+        text_1: str | Sequence[str],
+        text_2: str | Sequence[str],
+        truncate_prompt_tokens: int | None = None,
+        use_tqdm: bool = True,
+    ) -> list[ScoringRequestOutput]:
+        """vLLM's ``LLM.score``: one score per pair (one ``text_1`` against each ``text_2``, or
+        pairs by position): a cross-encoder's, or the cosine of an embedding model's vectors."""
+        return pooling.score(self, text_1, text_2, truncate_prompt_tokens, use_tqdm)
 
     # -- beam search ------------------------------------------------------------------------
 

@@ -76,6 +76,44 @@ class EmbeddingRequestOutput:
     finished: bool = True
 
 
+@dataclass
+class ClassificationOutput:
+    """One input's class probabilities (vLLM's ``ClassificationOutput``)."""
+
+    probs: list[float]
+
+    @property
+    def num_classes(self) -> int:
+        return len(self.probs)
+
+
+@dataclass
+class ClassificationRequestOutput:
+    """What ``LLM.classify`` returns per input (vLLM's ``ClassificationRequestOutput``)."""
+
+    request_id: str
+    outputs: ClassificationOutput
+    prompt_token_ids: list[int]
+    finished: bool = True
+
+
+@dataclass
+class ScoringOutput:
+    """One pair's score (vLLM's ``ScoringOutput``)."""
+
+    score: float
+
+
+@dataclass
+class ScoringRequestOutput:
+    """What ``LLM.score`` returns per pair (vLLM's ``ScoringRequestOutput``)."""
+
+    request_id: str
+    outputs: ScoringOutput
+    prompt_token_ids: list[int]
+    finished: bool = True
+
+
 # wire logprobs -> vLLM's output shapes
 
 

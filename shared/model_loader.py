@@ -12,13 +12,14 @@ as ``w``.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import logging
 import math
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -31,7 +32,11 @@ from shared.models.config import ModelConfig, ModelConfigError
 from shared.models.family import LINEARS, Family
 from shared.models.generic import transformers_config
 from shared.models.registry import UnsupportedArchitecture, family, family_for_gguf, hf_config
+from shared.models.tasks import served_task, st_max_seq_length
 from shared.quantized_checkpoints import checkpoint_method, quantization_config, read_layer
+
+if TYPE_CHECKING:
+    from shared.config import Settings
 
 __all__ = ["ModelConfig", "ModelConfigError", "load_config", "load_weights", "round_weights"]
 
@@ -60,7 +65,11 @@ def load_config(src: ModelSource, strict: bool = False, model_impl: str = "auto"
                 "not GGUF files"
             )
         return _gguf_config(src.path, strict)
-    return _hf_config(src.path, strict, model_impl)
+    cfg = _hf_config(src.path, strict, model_impl)
+    cap = st_max_seq_length(src.path)  # sentence-transformers truncates its inputs here
+    if 0 < cap < cfg.max_position_embeddings:
+        cfg = dataclasses.replace(cfg, max_position_embeddings=cap)
+    return cfg
 
 
 def check_model(
@@ -69,19 +78,43 @@ def check_model(
     model_impl: str = "auto",
     tensor_parallel_size: int = 1,
     enable_lora: bool = False,
+    task: str = "auto",
+    pooling_type: str = "",
 ) -> ModelConfig:
     """What ``kvflow serve``, ``kvflow run`` and ``LLM()`` check before anything starts: the
-    model is found and its config can be served as asked (ModelNotFoundError or
-    ModelConfigError, both naming what to change); only config.json or the GGUF header is
-    read."""
-    cfg = load_config(resolve_model(path, served_name), model_impl=model_impl)
+    model is found and its config can be served as asked, ``--task`` included
+    (ModelNotFoundError or ModelConfigError, both naming what to change); only config.json (and
+    a sentence-transformers directory's own configs) or the GGUF header is read."""
+    src = resolve_model(path, served_name)
+    cfg = load_config(src, model_impl=model_impl)
+    served_task(cfg, src.path if src.kind == "hf" else None, task, pooling_type)
     if cfg.family == "transformers" and (tensor_parallel_size > 1 or enable_lora):
         what = "--tensor-parallel-size > 1" if tensor_parallel_size > 1 else "--enable-lora"
         raise ModelConfigError(
             f"{path}: {what} needs kvflow's own implementation of the model; this one runs "
             f"through transformers (--model-impl {model_impl}), which serves neither"
         )
+    if cfg.encoder and (tensor_parallel_size > 1 or enable_lora):
+        what = "--tensor-parallel-size > 1" if tensor_parallel_size > 1 else "--enable-lora"
+        raise ModelConfigError(
+            f"{path}: {what} is not served for encoders ({cfg.family}); they are small: serve "
+            "one per worker, and scale workers"
+        )
     return cfg
+
+
+def check_settings_model(settings: Settings) -> ModelConfig:
+    """``check_model`` with what the settings ask for."""
+    ms = settings.model
+    return check_model(
+        ms.path,
+        ms.served_model_name,
+        ms.model_impl,
+        settings.worker.tensor_parallel_size,
+        ms.enable_lora,
+        ms.task,
+        ms.pooling_type,
+    )
 
 
 def _hf_config(path: Path, strict: bool = False, model_impl: str = "auto") -> ModelConfig:

@@ -33,7 +33,7 @@ from shared.access.credentials import Credentials, generate
 from shared.config import Settings
 from shared.infra import Server, port_is_free, start_nats, start_redis
 from shared.lora import check_lora_settings
-from shared.model_loader import check_model
+from shared.model_loader import check_settings_model
 from shared.model_source import ModelNotFoundError
 from shared.parallel import check_parallel_settings
 from shared.processes import spawn_service, stop_processes
@@ -365,14 +365,7 @@ def serve(
     """``kvflow serve``: the whole stack with a gateway, until Ctrl-C or SIGTERM."""
     topology = topology or Topology()
     try:
-        ms = settings.model
-        check_model(
-            ms.path,
-            ms.served_model_name,
-            ms.model_impl,
-            settings.worker.tensor_parallel_size,
-            ms.enable_lora,
-        )
+        check_settings_model(settings)
         stack = Stack(settings, topology, nats_tls=nats_tls)
     except (ModelNotFoundError, ValueError) as e:
         return _fail(str(e))

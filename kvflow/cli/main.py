@@ -68,18 +68,11 @@ def _check_model(name: str, settings: Settings) -> str:
     service connects or loads anything (restarting would not help)."""
     if name == "gateway":
         return ""
-    from shared.model_loader import check_model
+    from shared.model_loader import check_settings_model
     from shared.model_source import ModelNotFoundError
 
-    ms = settings.model
     try:
-        check_model(
-            ms.path,
-            ms.served_model_name,
-            ms.model_impl,
-            settings.worker.tensor_parallel_size,
-            ms.enable_lora,
-        )
+        check_settings_model(settings)
     except (ModelNotFoundError, ValueError) as e:
         return str(e)
     return ""

@@ -20,6 +20,7 @@ from nats.aio.msg import Msg
 from opentelemetry.trace import Span, SpanKind, Status, StatusCode
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
+from services.tokenizer.pooling_inputs import check_task, pooling_input
 from services.tokenizer.prompts import (
     PromptError,
     bad_words_token_ids,
@@ -39,12 +40,15 @@ from shared.messages import (
     DetokenizeRequest,
     GenerateRequest,
     Message,
+    ModelInfo,
+    ModelInfoRequest,
     RequestError,
     SamplingParams,
     StructuredOutput,
     TokenizedRequest,
     TokenizeRequest,
 )
+from shared.models.tasks import ServedTask, served_task
 from shared.structured_output import GrammarCompiler, GrammarError, tokenizer_info
 from shared.telemetry import extract, inject, tracer
 
@@ -77,8 +81,10 @@ class TokenizerService:
         max_model_len: int,
         eos_ids: list[int],
         vocab_size: int | None = None,
+        served: ServedTask | None = None,
     ) -> None:
         self.settings = settings
+        self.served = served or ServedTask("generate", "LAST")  # what the model is served for
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
         self.eos_ids = eos_ids
@@ -116,6 +122,9 @@ class TokenizerService:
                 reply: Any = tokenize(self.tokenizer, msg, self.max_model_len)
             elif isinstance(msg, DetokenizeRequest):
                 reply = detokenize(self.tokenizer, msg)
+            elif isinstance(msg, ModelInfoRequest):
+                sv = self.served
+                reply = ModelInfo(sv.task, self.max_model_len, list(sv.labels))
             else:
                 reply = RequestError("", f"unexpected {type(msg).__name__}", "BadRequestError")
         except PromptError as e:
@@ -146,11 +155,14 @@ class TokenizerService:
     async def _tokenize(self, msg: GenerateRequest, span: Span) -> str:
         """Tokenize and check ``msg``; publish the result or the error. Returns the outcome."""
         try:
-            ids = prompt_token_ids(self.tokenizer, msg)
-            ids = truncate(ids, msg.truncate_prompt_tokens, self.max_model_len)
-            if msg.pooling is not None:  # an embedding: the whole context, no output token
+            pooling = msg.pooling
+            if pooling is not None:  # a pooling input: the whole context, no output token
+                ids, pooling = pooling_input(self.tokenizer, msg, self.served, self.max_model_len)
                 params = check_embedding_length(ids, msg.params, self.max_model_len)
             else:
+                check_task(self.served, "generate")
+                ids = prompt_token_ids(self.tokenizer, msg)
+                ids = truncate(ids, msg.truncate_prompt_tokens, self.max_model_len)
                 params = check_length(ids, msg.params, self.max_model_len)
             check_logit_bias(params, len(self.tokenizer))
             if params.bad_words:
@@ -160,7 +172,7 @@ class TokenizerService:
                 await asyncio.to_thread(self.check_structured_output, params.structured_output)
         except PromptError as e:
             span.set_status(Status(StatusCode.ERROR, str(e)))
-            if msg.pooling is not None:  # /v1/embeddings has one field for its prompts
+            if msg.pooling is not None and e.param is not None:  # the APIs' one input field
                 e.param = "input"
             await self.bus.publish(msg.reply_to, e.to_message(msg.request_id))
             return "rejected"
@@ -183,7 +195,7 @@ class TokenizerService:
             priority=msg.priority,
             cache_salt=msg.cache_salt,
             tool_parsing=msg.tool_parsing,
-            pooling=msg.pooling,
+            pooling=pooling,
             lora=msg.lora,
         )
         await self.bus.publish(subjects.REQUESTS, out, inject())
@@ -218,7 +230,11 @@ async def run(settings: Settings) -> None:
     if settings.model.chat_template:
         tok.chat_template = read_chat_template(settings.model.chat_template)
     max_len = min(settings.model.max_model_len, cfg.max_position_embeddings)
-    service = TokenizerService(settings, tok, max_len, list(cfg.eos_token_ids), cfg.vocab_size)
+    ms = settings.model
+    served = served_task(cfg, src.path if src.kind == "hf" else None, ms.task, ms.pooling_type)
+    service = TokenizerService(
+        settings, tok, max_len, list(cfg.eos_token_ids), cfg.vocab_size, served
+    )
     await service.start()
     ops.registry.register(service.metrics.registry)
     ops.set_ready(lambda: service.bus.client.is_connected, service.bus)

@@ -97,6 +97,11 @@ class EncoderModel(torch.nn.Module):
         return self.word.device
 
     @property
+    def token_types(self) -> int:
+        """How many token types the embeddings have (RoBERTa: 1, pairs get none)."""
+        return 0 if self.token_type is None else self.token_type.shape[0]
+
+    @property
     def length_dependent_rope(self) -> bool:
         return False
 
@@ -227,7 +232,7 @@ def encoder_step(
                 f"{s.request_id}: an encoder computes a whole input in one step (got tokens "
                 f"{s.start_pos}..{s.start_pos + n} of {st.prompt_len})"
             )
-        start = st.pooling.pair_start
+        start = st.pooling.pair_start if model.token_types > 1 else 0  # RoBERTa: one type
         types += [0] * n if not start else [0] * start + [1] * (n - start)
         rows += [len(ids) + r for r in st.rows_of(s)]
         ids += s.token_ids

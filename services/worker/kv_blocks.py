@@ -59,8 +59,11 @@ class KvBlockIO:
     rank's KV heads, so only a worker split the same way exchanges blocks with it."""
 
     def __init__(self, kv_caches: KvCaches, shards: list[KvCaches] | None = None) -> None:
-        if not kv_caches:
-            raise ValueError("no KV caches")
+        if not kv_caches:  # an encoder's worker: no KV at all (layout "none", no bytes)
+            self.caches, self._shards = kv_caches, []
+            self.num_layers = self.num_blocks = self.block_size = self.head_dim = 0
+            self.num_kv_heads, self.layer_bytes, self.dtype = 0, 0, torch.float32
+            return
         k0 = kv_caches[0][0]
         self.caches = kv_caches
         self._shards = [_Shard(c) for c in (shards or [kv_caches])]
@@ -71,6 +74,8 @@ class KvBlockIO:
         self.layer_bytes = sum(sh.layer_bytes for sh in self._shards)  # K and V of one block
 
     def layout(self) -> str:
+        if not self._shards:
+            return "none"
         dtype = str(self.dtype).removeprefix("torch.")
         heads = "+".join(str(sh.num_kv_heads) for sh in self._shards)
         return f"{dtype}:{self.num_layers}x{self.block_size}x{heads}x{self.head_dim}"
@@ -82,6 +87,8 @@ class KvBlockIO:
     def layer_chunks(self, max_bytes: int) -> list[tuple[int, int]]:
         """Layer ranges whose bytes for one block stay within ``max_bytes`` (at least one
         layer each)."""
+        if not self.num_layers:
+            return []
         per = max(1, max_bytes // self.layer_bytes)
         return [(a, min(a + per, self.num_layers)) for a in range(0, self.num_layers, per)]
 
@@ -92,6 +99,8 @@ class KvBlockIO:
             raise ValueError(f"layers [{l0}, {l1}) are outside [0, {self.num_layers})")
 
     def read(self, block: int, l0: int = 0, l1: int | None = None) -> bytes:
+        if not self._shards:
+            return b""  # nothing is kept
         l1 = self.num_layers if l1 is None else l1
         self._check(block, l0, l1)
         if len(self._shards) == 1:
@@ -99,6 +108,8 @@ class KvBlockIO:
         return b"".join(sh.read(block, l0, l1) for sh in self._shards)
 
     def write(self, block: int, data: bytes, l0: int = 0, l1: int | None = None) -> None:
+        if not self._shards and not data:
+            return
         l1 = self.num_layers if l1 is None else l1
         self._check(block, l0, l1)
         if len(data) != self.layer_bytes * (l1 - l0):
