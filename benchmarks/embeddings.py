@@ -3,8 +3,11 @@ length (64 tokens by default, given as token ids so every input is exactly that 
 ways: one input per request, sent one after another (batch 1); one request of ``--embed-batch``
 inputs; and ``--embed-batch`` single-input requests in flight at once. Against a running stack
 (``--url``) or a ``kvflow serve`` it starts (``--serve-args`` for its flags). For reference,
-``--embed-hf`` also times Hugging Face transformers' LlamaModel forward (the same pooled state,
-in process, no server) on the same inputs, one at a time and as one batch."""
+``--embed-hf`` also times, in process and after the server has stopped (the same cores, no
+server): for a decoder, Hugging Face transformers' forward (the same pooled state); for an
+encoder (an embedding model such as all-MiniLM-L6-v2), sentence-transformers' ``encode``; on the
+same inputs, one at a time and as one batch. An encoder's inputs are sent as text (its
+tokenizer adds [CLS] and [SEP]: ``--embed-len`` + 2 tokens), so both sides tokenize the same."""
 
 from __future__ import annotations
 
@@ -57,7 +60,7 @@ def inputs(tokenizer, n: int, length: int) -> list[list[int]]:
     return [ids[i * length : (i + 1) * length] for i in range(n)]
 
 
-async def _post(client: httpx.AsyncClient, model: str, inp: list[list[int]]) -> float:
+async def _post(client: httpx.AsyncClient, model: str, inp: list[list[int]] | list[str]) -> float:
     t0 = time.perf_counter()
     r = await client.post("/v1/embeddings", json={"model": model, "input": inp})
     r.raise_for_status()
@@ -65,7 +68,9 @@ async def _post(client: httpx.AsyncClient, model: str, inp: list[list[int]]) -> 
     return time.perf_counter() - t0
 
 
-async def measure(url: str, model: str, data: list[list[int]], rounds: int) -> list[Mode]:
+async def measure(
+    url: str, model: str, data: list[list[int]] | list[str], rounds: int
+) -> list[Mode]:
     n = len(data)
     async with httpx.AsyncClient(base_url=url, timeout=600) as client:
         await _post(client, model, data[:4])  # warm-up
@@ -119,15 +124,45 @@ def hf_modes(src, data: list[list[int]], rounds: int) -> list[Mode]:  # noqa: AN
     ]
 
 
+def st_modes(src, texts: list[str], rounds: int) -> list[Mode]:  # noqa: ANN001
+    """sentence-transformers' ``encode`` of the same texts: one at a time, then as one batch."""
+    from sentence_transformers import SentenceTransformer
+
+    model = SentenceTransformer(str(src.path), device="cpu")
+    n = len(texts)
+
+    def encode(batch: list[str]) -> float:
+        t0 = time.perf_counter()
+        model.encode(batch, batch_size=len(batch))
+        return time.perf_counter() - t0
+
+    encode(texts[:4])  # warm-up
+    one = [encode([x]) for _ in range(rounds) for x in texts]
+    batched = [encode(texts) for _ in range(rounds)]
+    return [
+        Mode("sentence-transformers, 1 at a time", n * rounds, sum(one), one),
+        Mode(f"sentence-transformers, batch of {n}", n * rounds, sum(batched), batched),
+    ]
+
+
 def main(args: argparse.Namespace) -> int:
     from benchmarks.serving import start_stack
+    from shared.model_loader import load_config
 
     src = resolve_model(args.model)
-    data = inputs(load_tokenizer(src), args.embed_batch, args.embed_len)
+    tok = load_tokenizer(src)
+    ids = inputs(tok, args.embed_batch, args.embed_len)
+    encoder = load_config(src).encoder
+    data: list[list[int]] | list[str] = ids
+    if encoder:  # texts of embed_len tokens (each re-tokenizes to them, plus [CLS] and [SEP])
+        data = [tok.decode(x) for x in ids]
     proc, url = None, args.url
     if url is None:
         print("starting kvflow serve ...", flush=True)
-        proc, url = start_stack(args.serve_args.split())
+        extra = args.serve_args.split()
+        if args.model and "--model" not in extra:  # serve the model measured
+            extra = ["--model", args.model, *extra]
+        proc, url = start_stack(extra)
     try:
         modes = asyncio.run(measure(url, src.name, data, args.embed_rounds))
     finally:
@@ -135,7 +170,10 @@ def main(args: argparse.Namespace) -> int:
             os.killpg(proc.pid, signal.SIGTERM)
             proc.wait(30)
     if args.embed_hf:
-        modes += hf_modes(src, data, args.embed_rounds)
+        if encoder:
+            modes += st_modes(src, data, args.embed_rounds)  # type: ignore[arg-type]
+        else:
+            modes += hf_modes(src, ids, args.embed_rounds)
     print(f"\ninputs of {args.embed_len} tokens, {args.embed_rounds} rounds per mode")
     print(f"{'mode':<34} {'inputs':>6} {'embeds/s':>10} {'p50 latency ms':>14}")
     for m in modes:

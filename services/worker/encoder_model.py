@@ -179,11 +179,14 @@ class EncoderModel(torch.nn.Module):
         q, k, v = qkv.view(-1, 3, h, d).unbind(1)
         out = torch.empty(x.shape[0], h, d, dtype=x.dtype, device=x.device)
         for a, b in zip(starts[:-1], starts[1:], strict=True):
-            # [H, n, D] per input: every token attends to every token of its own input
+            # [1, H, n, D] per input (4-D: torch's fused CPU kernel, 2x its 3-D path): every
+            # token attends to every token of its own input
             o = F.scaled_dot_product_attention(
-                q[a:b].transpose(0, 1), k[a:b].transpose(0, 1), v[a:b].transpose(0, 1)
+                q[a:b].transpose(0, 1)[None],
+                k[a:b].transpose(0, 1)[None],
+                v[a:b].transpose(0, 1)[None],
             )
-            out[a:b] = o.transpose(0, 1)
+            out[a:b] = o[0].transpose(0, 1)
         o = K.linear(out.view(-1, h * d), layer["o"], layout).add_(layer["o_bias"])
         x = F.layer_norm(o + x, (cfg.hidden_size,), *layer["attn_norm"], cfg.rms_norm_eps)
         m = K.linear(x, layer["up"], layout).add_(layer["up_bias"])
