@@ -126,7 +126,10 @@ def hf_modes(src, data: list[list[int]], rounds: int) -> list[Mode]:  # noqa: AN
 
 def st_modes(src, texts: list[str], rounds: int) -> list[Mode]:  # noqa: ANN001
     """sentence-transformers' ``encode`` of the same texts: one at a time, then as one batch."""
-    from sentence_transformers import SentenceTransformer
+    try:
+        from sentence_transformers import SentenceTransformer
+    except ImportError as e:  # a dev dependency (`make install` installs it)
+        raise SystemExit(f"--embed-hf on an encoder needs sentence-transformers: {e}") from e
 
     model = SentenceTransformer(str(src.path), device="cpu")
     n = len(texts)

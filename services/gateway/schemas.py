@@ -245,3 +245,62 @@ class EmbeddingResponse(BaseModel):
     model: str
     data: list[EmbeddingData]
     usage: EmbeddingUsage
+
+
+class ScoreData(BaseModel):
+    index: int
+    object: Literal["score"]
+    score: float
+
+
+class ScoreResponse(BaseModel):
+    """vLLM's /score answer: one score per text pair, in pair order."""
+
+    id: str
+    object: Literal["list"]
+    created: int
+    model: str
+    data: list[ScoreData]
+    usage: EmbeddingUsage
+
+
+class RerankDocument(BaseModel):
+    text: str
+
+
+class RerankResult(BaseModel):
+    index: int  # the document's index in the request
+    document: RerankDocument | None = None  # absent with return_documents false
+    relevance_score: float
+
+
+class RerankUsage(BaseModel):
+    total_tokens: int
+
+
+class RerankResponse(BaseModel):
+    """vLLM's /rerank answer (Jina's and Cohere's shape): documents by relevance, best first."""
+
+    id: str
+    model: str
+    usage: RerankUsage
+    results: list[RerankResult]
+
+
+class ClassificationData(BaseModel):
+    index: int
+    label: str  # the most probable class's name
+    probs: list[float]
+    num_classes: int
+    object: Literal["classification"]
+
+
+class ClassificationResponse(BaseModel):
+    """vLLM's /classify answer: class probabilities per input."""
+
+    id: str
+    object: Literal["list"]
+    created: int
+    model: str
+    data: list[ClassificationData]
+    usage: Usage

@@ -24,6 +24,8 @@ from shared.messages import (
     GenerateRequest,
     LoRARef,
     Message,
+    ModelInfo,
+    ModelInfoRequest,
     Ping,
     Pong,
     RequestError,
@@ -62,6 +64,7 @@ class GatewayState:
         self.metrics.registry.register(BusCollector("gateway", self.bus))
         self._sub: Any = None
         self._tasks: set[asyncio.Task[Any]] = set()
+        self._model_info: ModelInfo | None = None  # the tokenizer's first answer (model_info)
 
     async def start(self) -> None:
         """Connect (unless given a connected bus) and listen on the inbox before serving."""
@@ -177,6 +180,28 @@ class GatewayState:
                 503, f"unexpected reply {type(reply).__name__}", "ServiceUnavailableError"
             )
         return reply
+
+    async def model_info(self, timeout: float = 10.0) -> ModelInfo:
+        """What the served model is for (its task, length, a classifier's labels), asked of a
+        tokenizer once: the gateway may run without the model files. The first answer is kept
+        (a stack serves one model); no answer is the 503 of ``tokenizer_call``."""
+        if self._model_info is None:
+            self._model_info = await self.tokenizer_call(ModelInfoRequest(), ModelInfo, timeout)
+        return self._model_info
+
+    async def served_task(self) -> str | None:
+        """The served task where it can be known cheaply, for routes that only check it: the
+        tokenizer's answer (cached), else an explicit ``--task``, else a short question to a
+        tokenizer; None when none answers. The tokenizer checks every request's task itself
+        (a 400 too), so a gateway that cannot tell yet lets the request go on."""
+        if self._model_info is not None:
+            return self._model_info.task
+        if self.settings.model.task != "auto":
+            return self.settings.model.task
+        try:
+            return (await self.model_info(timeout=2.0)).task
+        except APIError:
+            return None
 
     async def metrics_text(self, whole_stack_view: bool = True) -> bytes:
         """This gateway's series, and with ``whole_stack_view`` every other service's,

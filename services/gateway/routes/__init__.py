@@ -2,7 +2,9 @@
 through the ``Gateway`` dependency, routes/common.py), one module per kind of work:
 completions.py (chat, completions, legacy /generate), responses.py (/v1/responses), tokens.py
 (/tokenize, /detokenize), status.py (models, version, health, stats, metrics), embeddings.py
-(/v1/embeddings), lora.py (vLLM's /v1/load_lora_adapter and /v1/unload_lora_adapter)."""
+(/v1/embeddings), score.py (vLLM's /score and /rerank), classify.py (vLLM's /classify), over
+pooling.py (the path the pooling routes share), lora.py (vLLM's /v1/load_lora_adapter and
+/v1/unload_lora_adapter)."""
 
 from __future__ import annotations
 
@@ -16,7 +18,16 @@ from services.gateway.protocol import (
     TokenizeCompletionRequest,
 )
 from services.gateway.responses_api import ResponsesRequest
-from services.gateway.routes import completions, embeddings, lora, responses, status, tokens
+from services.gateway.routes import (
+    classify,
+    completions,
+    embeddings,
+    lora,
+    responses,
+    score,
+    status,
+    tokens,
+)
 
 ROUTERS = (
     completions.router,
@@ -24,6 +35,8 @@ ROUTERS = (
     tokens.router,
     status.router,
     embeddings.router,
+    score.router,
+    classify.router,
     lora.router,
 )
 
@@ -36,6 +49,9 @@ BODY_MODELS: dict[str, list[type[BaseModel]]] = {
     "/tokenize": [TokenizeCompletionRequest, TokenizeChatRequest],
     "/detokenize": [DetokenizeRequestBody],
     "/v1/embeddings": [embeddings.EmbeddingRequest],
+    **{path: [score.ScoreRequest] for path in score.SCORE_ROUTES},
+    **{path: [score.RerankRequest] for path in score.RERANK_ROUTES},
+    **{path: [classify.ClassificationRequest] for path in classify.ROUTES},
     "/v1/load_lora_adapter": [lora.LoadLoRAAdapterRequest],
     "/v1/unload_lora_adapter": [lora.UnloadLoRAAdapterRequest],
 }

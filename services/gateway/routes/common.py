@@ -1,5 +1,6 @@
 """What every route module uses: the gateway's state as a dependency, bodies read within the
-size limit, JSON answers, the version, and the OpenAPI response specs of generation routes.
+size limit, JSON answers, the version, the OpenAPI response specs of generation routes, and the
+400 for a route the served model's task does not do.
 
 Bodies are read and validated by hand (``convert.parse_request``) rather than by FastAPI's body
 injection, so invalid JSON and bad fields get OpenAI-shaped 400s naming the field, bodies over
@@ -20,6 +21,7 @@ from starlette.requests import ClientDisconnect
 from services.gateway.errors import APIError
 from services.gateway.schemas import error_responses
 from services.gateway.state import GatewayState
+from shared.models.tasks import task_error
 
 
 def gateway_state(request: Request) -> GatewayState:
@@ -86,3 +88,21 @@ async def authorized_body(request: Request, state: GatewayState) -> tuple[str | 
     when the client left)."""
     key = await state.auth.check(request)
     return key, await read_body(request, state.settings.gateway.max_body_bytes)
+
+
+def check_task(served: str, api: str, route: str) -> None:
+    """A 400 naming the served task when ``route``, an API of kind ``api`` (generate, embed,
+    classify or score: shared/models/tasks.py ``API_TASKS``), is not what the model is served
+    for (a chat request to an embedding model, /classify to a decoder)."""
+    message = task_error(served, api, route)
+    if message is not None:
+        raise APIError(400, message, "BadRequestError")
+
+
+async def require_task(state: GatewayState, api: str, route: str) -> None:
+    """``check_task`` against the served task where the gateway knows it
+    (``GatewayState.served_task``); where it does not yet, the tokenizer's own check refuses
+    the request instead."""
+    served = await state.served_task()
+    if served is not None:
+        check_task(served, api, route)

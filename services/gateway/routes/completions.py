@@ -1,6 +1,7 @@
 """The OpenAI generation routes: /v1/chat/completions, /v1/completions, and vLLM's legacy
 /generate; ``generate`` is the path they (and /v1/responses) share: auth, body, job, response
-format, then generation.serve."""
+format, then generation.serve. A model served for another task than generate (an embedding
+model, a classifier) answers them with a 400 naming its task."""
 
 from __future__ import annotations
 
@@ -30,6 +31,7 @@ from services.gateway.routes.common import (
     STREAM_CONTENT,
     Gateway,
     authorized_body,
+    require_task,
     tenant,
 )
 from services.gateway.schemas import STREAM_NOTE, ChatCompletionResponse, CompletionResponse
@@ -86,6 +88,7 @@ async def generate_legacy(request: Request, state: Gateway) -> Response:
     key, body = await authorized_body(request, state)
     if body is None:
         return Response(status_code=CLIENT_CLOSED)
+    await require_task(state, "generate", "/generate")
     return await legacy_generate(request, state, body, tenant(state, key))
 
 
@@ -108,6 +111,7 @@ async def generate(
             return Response(status_code=CLIENT_CLOSED)
         req = parse_request(model_cls, body)
         model, lora = await state.resolve_model(req.model)
+        await require_task(state, "generate", route)
         rid = new_request_id(prefix)
         job = make_job(req, rid, state.inbox, time.time(), state.settings)
         salt_job(job, tenant(state, key))
