@@ -62,10 +62,10 @@ def prepared(
     try:
         ids, params = pooling_input(llm.tokenizer, req, llm.served, llm.max_model_len)
     except PromptError as e:
-        raise ValueError(str(e)) from None
+        raise ValueError(f"input: {e}") from None
     if not ids or len(ids) > llm.max_model_len:
         raise ValueError(
-            f"an input has {len(ids)} tokens; this model takes 1 to {llm.max_model_len} "
+            f"input: {len(ids)} tokens; this model takes 1 to {llm.max_model_len} "
             "(truncate_prompt_tokens=-1 truncates to the limit)"
         )
     return ids, params, salt
