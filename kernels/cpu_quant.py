@@ -32,13 +32,17 @@ log = logging.getLogger("kvflow.kernels")
 
 _SRC = Path(__file__).parent / "csrc" / "quant_matmul_cpu.c"
 # no -ffast-math: the sums keep their written order (see the C file)
-_COMPILE_FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-c"]
+# no fused multiply-adds the source does not write (the decoders match gguf-py's rounding)
+_COMPILE_FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-ffp-contract=off", "-c"]
 QK = 32
 Q4_Z = 1000  # kvflow's own block (no GGUF id): fp16 d, uint8 z, pad, 16 nibble bytes;
 # w = d * (q - z), what GPTQ and AWQ groups are (shared/quantized_checkpoints.py)
-# GGMLQuantizationType value (or Q4_Z) -> bytes per block of 32 weights
-BLOCK_BYTES = {8: 34, 2: 18, 3: 20, Q4_Z: 20}  # Q8_0, Q4_0, Q4_1, Q4_Z
-TYPE_NAMES = {8: "Q8_0", 2: "Q4_0", 3: "Q4_1", Q4_Z: "Q4_Z"}
+QK_K = 256  # a K-quant's super-block
+# GGMLQuantizationType value (or Q4_Z) -> bytes per block (of BLOCK_WEIGHTS weights)
+BLOCK_BYTES = {8: 34, 2: 18, 3: 20, Q4_Z: 20, 6: 22, 7: 24, 12: 144, 13: 176, 14: 210}
+TYPE_NAMES = {8: "Q8_0", 2: "Q4_0", 3: "Q4_1", Q4_Z: "Q4_Z", 6: "Q5_0", 7: "Q5_1", 12: "Q4_K",
+              13: "Q5_K", 14: "Q6_K"}  # fmt: skip
+BLOCK_WEIGHTS = {t: QK_K if t in (12, 13, 14) else QK for t in BLOCK_BYTES}
 PANEL_ROWS = 16  # more rows than this: the panel kernel (decode tiles never have more)
 
 
@@ -81,11 +85,13 @@ class QuantWeight:
         n, k = self.shape
         if self.qtype not in BLOCK_BYTES:
             raise ValueError(
-                f"quantization type {self.qtype} has no CPU kernel (Q8_0, Q4_0, Q4_1, Q4_Z)"
+                f"quantization type {self.qtype} has no CPU kernel "
+                f"({', '.join(TYPE_NAMES.values())})"
             )
-        if k % QK:
-            raise ValueError(f"K = {k} is not a multiple of {QK}")
-        want = (n, k // QK * BLOCK_BYTES[self.qtype])
+        bw = BLOCK_WEIGHTS[self.qtype]
+        if k % bw:
+            raise ValueError(f"K = {k} is not a multiple of {self.type_name}'s {bw}")
+        want = (n, k // bw * BLOCK_BYTES[self.qtype])
         if self.blocks.dtype != torch.uint8 or tuple(self.blocks.shape) != want:
             raise ValueError(f"blocks {tuple(self.blocks.shape)} {self.blocks.dtype}, want {want}")
         self.blocks = self.blocks.contiguous()

@@ -1,4 +1,5 @@
-// y = x @ W.T with W held in GGUF's quantized blocks (Q8_0, Q4_0, Q4_1), read in place.
+// y = x @ W.T with W held in GGUF's quantized blocks (Q8_0, Q4_0, Q4_1; Q5_0, Q5_1 and the
+// K-quants Q4_K, Q5_K, Q6_K as "units", below), read in place.
 //
 // W is N rows of K/32 blocks each (one row of blocks per output feature, as GGUF stores a
 // [N, K] tensor). Each block covers 32 consecutive weights of a row:
@@ -8,6 +9,12 @@
 //   Q4_Z: fp16 d, uint8 z, pad, uint8 nibbles[16]  w = d * (q - z)   (kvflow's own, not GGUF's:
 //         GPTQ and AWQ 4-bit groups with their integer zero points, shared/quantized_checkpoints.py)
 // (nibble i holds element i in its low half and element i + 16 in its high half).
+//   Q5_0, Q5_1: as Q4_0 / Q4_1 with a fifth bit per weight (32 bits qh): d * (q - 16), d * q + m
+//   Q4_K, Q5_K: super-blocks of 256: fp16 d, dmin, 8 sub-blocks of 32 with 6-bit scale sc and
+//               min m: w = (d * sc) * q - dmin * m (q 4 or 5 bits)
+//   Q6_K: super-blocks of 256: 16 sub-blocks of 16 with int8 scales: w = (d * sc) * (q - 32)
+// Unit types are decoded one block at a time into floats (exactly as gguf-py's dequantize:
+// the same float32 operations, none fused), then multiplied by 8-lane fma chains.
 //
 // Every output y[m, n] is computed by the same sequence of operations whatever else is in the
 // call, so a row's result never depends on the batch (batch invariant by construction); the
@@ -34,7 +41,11 @@
 
 #define QK 32
 
-enum { KVF_Q8_0 = 8, KVF_Q4_0 = 2, KVF_Q4_1 = 3, KVF_Q4_Z = 1000 };  // GGML types; Q4_Z ours
+enum {
+    KVF_Q8_0 = 8, KVF_Q4_0 = 2, KVF_Q4_1 = 3, KVF_Q4_Z = 1000,  // GGML types; Q4_Z ours
+    KVF_Q5_0 = 6, KVF_Q5_1 = 7, KVF_Q4_K = 12, KVF_Q5_K = 13, KVF_Q6_K = 14,  // "units" below
+};
+#define QK_K 256
 
 static inline float fp16_to_fp32(uint16_t h) {
     uint32_t sign = (uint32_t)(h & 0x8000) << 16;
@@ -69,15 +80,108 @@ static int block_bytes(int type) {
         case KVF_Q4_0: return 2 + QK / 2;
         case KVF_Q4_1: return 4 + QK / 2;
         case KVF_Q4_Z: return 4 + QK / 2;
+        case KVF_Q5_0: return 2 + 4 + QK / 2;
+        case KVF_Q5_1: return 4 + 4 + QK / 2;
+        case KVF_Q4_K: return 4 + 12 + QK_K / 2;
+        case KVF_Q5_K: return 4 + 12 + QK_K / 8 + QK_K / 2;
+        case KVF_Q6_K: return QK_K / 2 + QK_K / 4 + QK_K / 16 + 2;
         default: return 0;
     }
 }
 
+// Types decoded a whole block ("unit") at a time into floats before the products: Q5_0/Q5_1
+// (32 weights) and the K-quants' super-blocks of 256 (their 6-bit sub-block scales decoded
+// once per super-block). The four types above have their own vector paths.
+static int is_unit_type(int type) {
+    return type == KVF_Q5_0 || type == KVF_Q5_1 || type == KVF_Q4_K || type == KVF_Q5_K ||
+           type == KVF_Q6_K;
+}
+
+// Weights per block.
+static int block_weights(int type) {
+    return type == KVF_Q4_K || type == KVF_Q5_K || type == KVF_Q6_K ? QK_K : QK;
+}
+
 static inline uint16_t rd16(const uint8_t* p) { return (uint16_t)(p[0] | (p[1] << 8)); }
 
-// Decode one row of `nb` blocks into `out` (nb * 32 floats).
+// A K-quant's 6-bit scale and min of sub-block j (llama.cpp's get_scale_min_k4).
+static inline void scale_min_k4(int j, const uint8_t* q, int* sc, int* m) {
+    if (j < 4) {
+        *sc = q[j] & 63;
+        *m = q[j + 4] & 63;
+    } else {
+        *sc = (q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4);
+        *m = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
+    }
+}
+
+// One unit-type block as floats, each exactly gguf-py's dequantize (the same float32 operations
+// in the same order: a product then a difference, never fused: built with -ffp-contract=off).
+// The loops are plain so the compiler vectorizes them.
+static void decode_unit(const uint8_t* blk, int type, float* o) {
+    if (type == KVF_Q5_0 || type == KVF_Q5_1) {
+        const float d = fp16_to_fp32(rd16(blk));
+        const int q1 = type == KVF_Q5_1;
+        const float m = q1 ? fp16_to_fp32(rd16(blk + 2)) : 0.0f;
+        const uint8_t* h = blk + (q1 ? 4 : 2);
+        const uint32_t qh = (uint32_t)h[0] | ((uint32_t)h[1] << 8) | ((uint32_t)h[2] << 16) |
+                            ((uint32_t)h[3] << 24);
+        const uint8_t* qs = h + 4;
+        for (int i = 0; i < QK; i++) {
+            const int lo = i < QK / 2 ? (qs[i] & 0x0f) : (qs[i - QK / 2] >> 4);
+            const int q = lo | (int)(((qh >> i) & 1u) << 4);
+            o[i] = q1 ? d * (float)q + m : d * (float)(q - 16);
+        }
+        return;
+    }
+    if (type == KVF_Q6_K) {
+        const uint8_t* ql = blk;
+        const uint8_t* qh = blk + QK_K / 2;
+        const int8_t* sc = (const int8_t*)(blk + QK_K / 2 + QK_K / 4);
+        const float d = fp16_to_fp32(rd16(blk + QK_K / 2 + QK_K / 4 + QK_K / 16));
+        float ds[QK_K / 16];
+        for (int j = 0; j < QK_K / 16; j++) ds[j] = d * (float)sc[j];
+        for (int c = 0; c < 8; c++) {  // 32 weights: ql half, nibble and qh shift by chunk
+            const int h = c / 4, nib = (c / 2) % 2, half = c % 2, shift = 2 * (c % 4);
+            const uint8_t* l = ql + 64 * h + 32 * half;
+            const uint8_t* u = qh + 32 * h;
+            for (int i = 0; i < 32; i++) {
+                const int q = (((l[i] >> (4 * nib)) & 0xF) | (((u[i] >> shift) & 3) << 4)) - 32;
+                o[32 * c + i] = ds[(32 * c + i) / 16] * (float)q;
+            }
+        }
+        return;
+    }
+    // Q4_K, Q5_K: d, dmin, 12 bytes of 6-bit scales and mins, (Q5_K: 32 bytes of high bits)
+    const float d = fp16_to_fp32(rd16(blk));
+    const float dmin = fp16_to_fp32(rd16(blk + 2));
+    const uint8_t* scales = blk + 4;
+    const uint8_t* qh = blk + 16;
+    const uint8_t* qs = type == KVF_Q5_K ? blk + 16 + QK_K / 8 : blk + 16;
+    for (int j = 0; j < 8; j++) {  // sub-block j: nibble j % 2 of bytes 32 (j / 2) ..
+        int sc, m;
+        scale_min_k4(j, scales, &sc, &m);
+        const float ds = d * (float)sc, dm = dmin * (float)m;
+        const uint8_t* q = qs + 32 * (j / 2);
+        const int shift = 4 * (j % 2);
+        float* out = o + 32 * j;
+        if (type == KVF_Q5_K) {
+            for (int i = 0; i < 32; i++)
+                out[i] = ds * (float)(((q[i] >> shift) & 0xF) | (((qh[i] >> j) & 1) << 4)) - dm;
+        } else {
+            for (int i = 0; i < 32; i++) out[i] = ds * (float)((q[i] >> shift) & 0xF) - dm;
+        }
+    }
+}
+
+// Decode one row of `nb` blocks into `out` (nb * block_weights floats).
 static void decode_row(const uint8_t* row, int nb, int type, float* out) {
     const int bb = block_bytes(type);
+    if (is_unit_type(type)) {
+        const int bw = block_weights(type);
+        for (int b = 0; b < nb; b++) decode_unit(row + (size_t)b * bb, type, out + (size_t)b * bw);
+        return;
+    }
     for (int b = 0; b < nb; b++) {
         const uint8_t* blk = row + (size_t)b * bb;
         float* o = out + (size_t)b * QK;
@@ -237,6 +341,47 @@ static void pack_panel(const uint8_t* w, size_t row_bytes, int bb, int type, int
     }
 }
 
+// Unit types, up to 16 rows [m0, m0 + R) of y for output n: each block is decoded once into
+// floats (buf), then each row's four 8-lane fma chains run over it (lanes i, i + 8, i + 16,
+// i + 24 of every 32 weights), summed as ((a0 + a1) + (a2 + a3)) and then across lanes: the
+// same operations in the same order whatever M, so a row's result never depends on the batch.
+static void unit_rows_for_output(const float* x, int x_stride, int m0, int R, int nb, int bw,
+                                 const uint8_t* row, int bb, int type, float* buf, float* y,
+                                 int y_stride, int n) {
+    __m256 acc[16][4];
+    for (int r = 0; r < R; r++)
+        for (int c = 0; c < 4; c++) acc[r][c] = _mm256_setzero_ps();
+    for (int b = 0; b < nb; b++) {
+        decode_unit(row + (size_t)b * bb, type, buf);
+        for (int r = 0; r < R; r++) {
+            const float* xb = x + (size_t)(m0 + r) * x_stride + (size_t)b * bw;
+            __m256 a0 = acc[r][0], a1 = acc[r][1], a2 = acc[r][2], a3 = acc[r][3];
+            for (int i = 0; i < bw; i += 32) {
+                a0 = _mm256_fmadd_ps(_mm256_loadu_ps(xb + i), _mm256_loadu_ps(buf + i), a0);
+                a1 = _mm256_fmadd_ps(_mm256_loadu_ps(xb + i + 8), _mm256_loadu_ps(buf + i + 8), a1);
+                a2 = _mm256_fmadd_ps(_mm256_loadu_ps(xb + i + 16), _mm256_loadu_ps(buf + i + 16), a2);
+                a3 = _mm256_fmadd_ps(_mm256_loadu_ps(xb + i + 24), _mm256_loadu_ps(buf + i + 24), a3);
+            }
+            acc[r][0] = a0, acc[r][1] = a1, acc[r][2] = a2, acc[r][3] = a3;
+        }
+    }
+    for (int r = 0; r < R; r++) {
+        const __m256 s = _mm256_add_ps(_mm256_add_ps(acc[r][0], acc[r][1]),
+                                       _mm256_add_ps(acc[r][2], acc[r][3]));
+        y[(size_t)(m0 + r) * y_stride + n] = hsum8(s);
+    }
+}
+
+// The panel of outputs [n0, n0 + nr) for a unit type: each row decoded whole (rowbuf, K
+// floats), then written k-major; columns j >= nr are zero.
+static void pack_panel_units(const uint8_t* w, size_t row_bytes, int type, int n0, int nr,
+                             int nrp, int nb, int K, float* P, float* rowbuf) {
+    for (int j = 0; j < nrp; j++) {
+        if (j < nr) decode_row(w + (size_t)(n0 + j) * row_bytes, nb, type, rowbuf);
+        for (int k = 0; k < K; k++) P[(size_t)k * nrp + j] = j < nr ? rowbuf[k] : 0.0f;
+    }
+}
+
 // Each output y[m][n] is one fma chain over k = 0, 1, ..., K-1, the same whatever the tile
 // shape, M or the thread: batch invariant. 4 rows (pointers; repeat one for fewer) x 24 outputs.
 static void micro_4x24(const float* x0, const float* x1, const float* x2, const float* x3,
@@ -326,11 +471,31 @@ static void micro_1x64(const float* x, const float* P, int K, float* out) {
 // Returns 0, -1 on bad arguments, -2 when scratch memory cannot be had.
 int kvf_quant_matmul(const float* x, int M, int K, int x_stride, const uint8_t* w, int N,
                      int type, float* y, int y_stride, int threads) {
-    const int bb = block_bytes(type);
-    if (bb == 0 || K % QK || M < 0 || N < 0 || x_stride < K || y_stride < N) return -1;
-    const int nb = K / QK;
+    const int bb = block_bytes(type), bw = block_weights(type);
+    if (bb == 0 || K % bw || M < 0 || N < 0 || x_stride < K || y_stride < N) return -1;
+    const int nb = K / bw;
     const size_t row_bytes = (size_t)nb * bb;
 #ifdef KVF_AVX2
+    if (is_unit_type(type)) {
+        int failed = 0;
+#pragma omp parallel num_threads(threads > 0 ? threads : 1)
+        {
+            float* buf = aligned_alloc(64, QK_K * sizeof(float));
+            if (!buf) {
+#pragma omp atomic write
+                failed = 1;
+            }
+#pragma omp for schedule(static)
+            for (int n = 0; n < N; n++) {
+                if (!buf) continue;
+                for (int m0 = 0; m0 < M; m0 += 16)
+                    unit_rows_for_output(x, x_stride, m0, M - m0 < 16 ? M - m0 : 16, nb, bw,
+                                         w + (size_t)n * row_bytes, bb, type, buf, y, y_stride, n);
+            }
+            free(buf);
+        }
+        return failed ? -2 : 0;
+    }
     float* xs = NULL;
     if (type == KVF_Q4_1) {  // each row's block sums, in a fixed order
         xs = malloc((size_t)M * nb * sizeof(float) + 1);
@@ -380,10 +545,10 @@ int kvf_quant_matmul(const float* x, int M, int K, int x_stride, const uint8_t* 
 // without AVX2 (callers then use kvf_quant_matmul).
 int kvf_quant_matmul_panel(const float* x, int M, int K, int x_stride, const uint8_t* w, int N,
                            int type, float* y, int y_stride, int threads) {
-    const int bb = block_bytes(type);
-    if (bb == 0 || K % QK || M < 0 || N < 0 || x_stride < K || y_stride < N) return -1;
+    const int bb = block_bytes(type), bw = block_weights(type);
+    if (bb == 0 || K % bw || M < 0 || N < 0 || x_stride < K || y_stride < N) return -1;
 #ifdef KVF_AVX2
-    const int nb = K / QK;
+    const int nb = K / bw, units = is_unit_type(type);
     const size_t row_bytes = (size_t)nb * bb;
     // one output tile of nrp (a multiple of 8) per task: M == 1 takes 64 outputs (8 chains
     // keep the FMA units busy), more rows 24 (4 rows x 3 vectors in registers)
@@ -394,15 +559,18 @@ int kvf_quant_matmul_panel(const float* x, int M, int K, int x_stride, const uin
     {
         float* P = aligned_alloc(64, ((size_t)K * nrp * sizeof(float) + 63) / 64 * 64);
         float* tmp = aligned_alloc(64, 4 * (size_t)nrp * sizeof(float));
-        if (!P || !tmp) {
+        float* rowbuf = units ? aligned_alloc(64, ((size_t)K * sizeof(float) + 63) / 64 * 64)
+                              : tmp;
+        if (!P || !tmp || !rowbuf) {
 #pragma omp atomic write
             failed = 1;
         }
 #pragma omp for schedule(static)
         for (int t = 0; t < tiles; t++) {
-            if (!P || !tmp) continue;
+            if (!P || !tmp || !rowbuf) continue;
             const int n0 = t * nrp, nr = N - n0 < nrp ? N - n0 : nrp;
-            pack_panel(w, row_bytes, bb, type, n0, nr, nrp, nb, P);
+            if (units) pack_panel_units(w, row_bytes, type, n0, nr, nrp, nb, K, P, rowbuf);
+            else pack_panel(w, row_bytes, bb, type, n0, nr, nrp, nb, P);
             const int direct = nr == nrp;  // a ragged last tile goes through tmp
             for (int m0 = 0; m0 < M;) {
                 const int R = M == 1 ? 1 : (M - m0 < 4 ? M - m0 : 4);
@@ -420,6 +588,7 @@ int kvf_quant_matmul_panel(const float* x, int M, int K, int x_stride, const uin
             }
         }
         free(P);
+        if (units) free(rowbuf);
         free(tmp);
     }
     if (failed) return -2;
@@ -469,9 +638,9 @@ int kvf_panel_matmul_f32(const float* x, int M, int K, int x_stride, const float
 
 // The whole [N, K] weight as fp32 (for long prefill chunks, which run as one dense GEMM).
 int kvf_dequantize(const uint8_t* w, int N, int K, int type, float* out, int threads) {
-    const int bb = block_bytes(type);
-    if (bb == 0 || K % QK || N < 0) return -1;
-    const int nb = K / QK;
+    const int bb = block_bytes(type), bw = block_weights(type);
+    if (bb == 0 || K % bw || N < 0) return -1;
+    const int nb = K / bw;
     const size_t row_bytes = (size_t)nb * bb;
 #pragma omp parallel for schedule(static) num_threads(threads > 0 ? threads : 1)
     for (int n = 0; n < N; n++) decode_row(w + (size_t)n * row_bytes, nb, type, out + (size_t)n * K);
