@@ -115,10 +115,109 @@ static inline void scale_min_k4(int j, const uint8_t* q, int* sc, int* m) {
     }
 }
 
+#ifdef KVF_AVX2
+// 32 small integers (bytes, signed) -> floats scaled: o[i] = s0 * q[i] - m0 for i < 16 and
+// s1 * q[i] - m1 after (Q6_K's two 16-weight scales; Q4_K passes one scale twice), the
+// scalar decoder's operations lane by lane (a product, then a difference).
+static inline void scale32(__m256i q, float s0, float s1, float m0, float m1, float* o) {
+    const __m128i a = _mm256_castsi256_si128(q), b = _mm256_extracti128_si256(q, 1);
+    const __m128i part[4] = {a, _mm_srli_si128(a, 8), b, _mm_srli_si128(b, 8)};
+    for (int c = 0; c < 4; c++) {
+        const __m256 v = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(part[c]));
+        const __m256 s = _mm256_set1_ps(c < 2 ? s0 : s1), m = _mm256_set1_ps(c < 2 ? m0 : m1);
+        _mm256_storeu_ps(o + 8 * c, _mm256_sub_ps(_mm256_mul_ps(s, v), m));
+    }
+}
+
+static inline void scale_min_k4(int j, const uint8_t* q, int* sc, int* m);
+
+// Q4_K and Q6_K super-blocks with AVX2 (the two types of a Q4_K_M file's layers), equal to the
+// scalar decoder bit for bit.
+static void decode_unit_avx2(const uint8_t* blk, int type, float* o) {
+    const __m256i low4 = _mm256_set1_epi8(0x0f);
+    if (type == KVF_Q5_0 || type == KVF_Q5_1) {
+        const int q1 = type == KVF_Q5_1;
+        const float d = _cvtsh_ss(rd16(blk));
+        const float m = q1 ? _cvtsh_ss(rd16(blk + 2)) : 0.0f;
+        const uint8_t* h = blk + (q1 ? 4 : 2);
+        uint32_t qh;
+        memcpy(&qh, h, 4);
+        // bit i of qh -> 0x10 in byte i (llama.cpp's bytes_from_bits_32)
+        __m256i bits = _mm256_shuffle_epi8(
+            _mm256_set1_epi32((int)qh),
+            _mm256_set_epi64x(0x0303030303030303, 0x0202020202020202, 0x0101010101010101, 0));
+        bits = _mm256_cmpeq_epi8(_mm256_or_si256(bits, _mm256_set1_epi64x(0x7fbfdfeff7fbfdfe)),
+                                 _mm256_set1_epi64x(-1));
+        const __m128i raw = _mm_loadu_si128((const __m128i*)(h + 4));
+        const __m128i lo = _mm_and_si128(raw, _mm_set1_epi8(0x0f));
+        const __m128i hi = _mm_and_si128(_mm_srli_epi16(raw, 4), _mm_set1_epi8(0x0f));
+        __m256i q = _mm256_set_m128i(hi, lo);  // weights 0..15, then 16..31
+        q = _mm256_or_si256(q, _mm256_and_si256(bits, _mm256_set1_epi8(0x10)));
+        if (q1) {  // d * q + m (as d * q - (-m): the same rounding)
+            scale32(q, d, d, -m, -m, o);
+        } else {  // d * (q - 16)
+            scale32(_mm256_sub_epi8(q, _mm256_set1_epi8(16)), d, d, 0.0f, 0.0f, o);
+        }
+        return;
+    }
+    if (type == KVF_Q5_K) {
+        const float d = _cvtsh_ss(rd16(blk)), dmin = _cvtsh_ss(rd16(blk + 2));
+        const __m256i qh = _mm256_loadu_si256((const __m256i*)(blk + 16));
+        for (int g = 0; g < 4; g++) {
+            const __m256i raw = _mm256_loadu_si256((const __m256i*)(blk + 48 + 32 * g));
+            for (int h = 0; h < 2; h++) {
+                const int j = 2 * g + h;
+                int sc, m;
+                scale_min_k4(j, blk + 4, &sc, &m);
+                const float ds = d * (float)sc, dm = dmin * (float)m;
+                __m256i q = _mm256_and_si256(h ? _mm256_srli_epi16(raw, 4) : raw, low4);
+                const __m256i b = _mm256_and_si256(_mm256_srli_epi16(qh, j), _mm256_set1_epi8(1));
+                q = _mm256_or_si256(q, _mm256_slli_epi16(b, 4));
+                scale32(q, ds, ds, dm, dm, o + 32 * j);
+            }
+        }
+        return;
+    }
+    if (type == KVF_Q4_K) {
+        const float d = _cvtsh_ss(rd16(blk)), dmin = _cvtsh_ss(rd16(blk + 2));
+        for (int g = 0; g < 4; g++) {  // bytes 32 g ..: sub-blocks 2 g (low) and 2 g + 1 (high)
+            const __m256i raw = _mm256_loadu_si256((const __m256i*)(blk + 16 + 32 * g));
+            for (int h = 0; h < 2; h++) {
+                int sc, m;
+                scale_min_k4(2 * g + h, blk + 4, &sc, &m);
+                const float ds = d * (float)sc, dm = dmin * (float)m;
+                const __m256i q = _mm256_and_si256(h ? _mm256_srli_epi16(raw, 4) : raw, low4);
+                scale32(q, ds, ds, dm, dm, o + 32 * (2 * g + h));
+            }
+        }
+        return;
+    }
+    const uint8_t* ql = blk;  // Q6_K
+    const uint8_t* qh = blk + QK_K / 2;
+    const int8_t* sc = (const int8_t*)(blk + QK_K / 2 + QK_K / 4);
+    const float d = _cvtsh_ss(rd16(blk + QK_K / 2 + QK_K / 4 + QK_K / 16));
+    for (int c = 0; c < 8; c++) {
+        const int h = c / 4, nib = (c / 2) % 2, half = c % 2, shift = 2 * (c % 4);
+        __m256i l = _mm256_loadu_si256((const __m256i*)(ql + 64 * h + 32 * half));
+        if (nib) l = _mm256_srli_epi16(l, 4);
+        l = _mm256_and_si256(l, low4);
+        __m256i u = _mm256_loadu_si256((const __m256i*)(qh + 32 * h));
+        u = _mm256_and_si256(_mm256_srli_epi16(u, shift), _mm256_set1_epi8(3));
+        __m256i q = _mm256_or_si256(l, _mm256_slli_epi16(u, 4));  // 6 bits: no byte overflow
+        q = _mm256_sub_epi8(q, _mm256_set1_epi8(32));
+        scale32(q, d * (float)sc[2 * c], d * (float)sc[2 * c + 1], 0.0f, 0.0f, o + 32 * c);
+    }
+}
+#endif
+
 // One unit-type block as floats, each exactly gguf-py's dequantize (the same float32 operations
 // in the same order: a product then a difference, never fused: built with -ffp-contract=off).
 // The loops are plain so the compiler vectorizes them.
 static void decode_unit(const uint8_t* blk, int type, float* o) {
+#ifdef KVF_AVX2
+    decode_unit_avx2(blk, type, o);
+    return;
+#endif
     if (type == KVF_Q5_0 || type == KVF_Q5_1) {
         const float d = fp16_to_fp32(rd16(blk));
         const int q1 = type == KVF_Q5_1;
@@ -127,11 +226,15 @@ static void decode_unit(const uint8_t* blk, int type, float* o) {
         const uint32_t qh = (uint32_t)h[0] | ((uint32_t)h[1] << 8) | ((uint32_t)h[2] << 16) |
                             ((uint32_t)h[3] << 24);
         const uint8_t* qs = h + 4;
-        for (int i = 0; i < QK; i++) {
-            const int lo = i < QK / 2 ? (qs[i] & 0x0f) : (qs[i - QK / 2] >> 4);
-            const int q = lo | (int)(((qh >> i) & 1u) << 4);
-            o[i] = q1 ? d * (float)q + m : d * (float)(q - 16);
+        float v[QK];
+        for (int i = 0; i < QK / 2; i++) {  // low nibbles: weights 0..15, high: 16..31
+            v[i] = (float)((qs[i] & 0x0f) | (int)(((qh >> i) & 1u) << 4));
+            v[i + QK / 2] = (float)((qs[i] >> 4) | (int)(((qh >> (i + QK / 2)) & 1u) << 4));
         }
+        if (q1)
+            for (int i = 0; i < QK; i++) o[i] = d * v[i] + m;
+        else
+            for (int i = 0; i < QK; i++) o[i] = d * (v[i] - 16.0f);  // q - 16: exact
         return;
     }
     if (type == KVF_Q6_K) {
@@ -351,12 +454,14 @@ static void unit_rows_for_output(const float* x, int x_stride, int m0, int R, in
     __m256 acc[16][4];
     for (int r = 0; r < R; r++)
         for (int c = 0; c < 4; c++) acc[r][c] = _mm256_setzero_ps();
-    for (int b = 0; b < nb; b++) {
-        decode_unit(row + (size_t)b * bb, type, buf);
+    const int per = QK_K / bw;  // blocks decoded per pass: 256 weights (Q5_0/Q5_1: 8 blocks)
+    for (int b = 0; b < nb; b += per) {
+        const int nblk = nb - b < per ? nb - b : per, len = nblk * bw;
+        for (int u = 0; u < nblk; u++) decode_unit(row + (size_t)(b + u) * bb, type, buf + u * bw);
         for (int r = 0; r < R; r++) {
             const float* xb = x + (size_t)(m0 + r) * x_stride + (size_t)b * bw;
             __m256 a0 = acc[r][0], a1 = acc[r][1], a2 = acc[r][2], a3 = acc[r][3];
-            for (int i = 0; i < bw; i += 32) {
+            for (int i = 0; i < len; i += 32) {
                 a0 = _mm256_fmadd_ps(_mm256_loadu_ps(xb + i), _mm256_loadu_ps(buf + i), a0);
                 a1 = _mm256_fmadd_ps(_mm256_loadu_ps(xb + i + 8), _mm256_loadu_ps(buf + i + 8), a1);
                 a2 = _mm256_fmadd_ps(_mm256_loadu_ps(xb + i + 16), _mm256_loadu_ps(buf + i + 16), a2);
