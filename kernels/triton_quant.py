@@ -27,15 +27,16 @@ import triton
 import triton.language as tl
 
 from kernels.cpu_quant import QK, QuantWeight
+from kernels.quant_planes import UNIT_TYPES, unit_planes
 
 
 @triton.jit
 def _quant_matmul_kernel(
     X,  # [M, K] activations
     Q,  # int8 [N, K] (BITS 8) or uint8 [N, K / 2] (BITS 4, GGUF nibble order per group)
-    D,  # fp16 [N, K / 32] scales
-    Z,  # uint8 [N, K / 32] zero points (BITS 4 only)
-    Mn,  # fp16 [N, K / 32] offsets (HAS_MIN only)
+    D,  # fp16 or fp32 [N, K / GROUP] scales
+    Z,  # uint8 [N, K / GROUP] zero points (BITS 4 only)
+    Mn,  # fp16 or fp32 [N, K / GROUP] offsets (HAS_MIN only)
     Y,  # [M, N]
     M,
     N,
@@ -45,6 +46,7 @@ def _quant_matmul_kernel(
     stride_g,
     stride_ym,
     BITS: tl.constexpr,
+    GROUP: tl.constexpr,
     HAS_MIN: tl.constexpr,
     IEEE: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -68,20 +70,20 @@ def _quant_matmul_kernel(
         )
         wmask = k_ok[:, None] & n_ok[None, :]
         row = rn[None, :].to(tl.int64)
-        group = rk // 32
+        group = rk // GROUP
         g_off = row * stride_g + group[:, None]
         d = tl.load(D + g_off, mask=wmask, other=0.0).to(tl.float32)
         if BITS == 8:
             q = tl.load(Q + row * stride_q + rk[:, None], mask=wmask, other=0).to(tl.float32)
             w = d * q
-        else:
+        else:  # nibbles in groups of 32 (GROUP 32)
             j = rk % 32
             byte = tl.load(Q + row * stride_q + (group * 16 + j % 16)[:, None], mask=wmask, other=0)
             nib = (byte.to(tl.int32) >> ((j // 16) * 4)[:, None]) & 15
             z = tl.load(Z + g_off, mask=wmask, other=0).to(tl.int32)
             w = d * (nib - z).to(tl.float32)
-            if HAS_MIN:
-                w = w + tl.load(Mn + g_off, mask=wmask, other=0.0).to(tl.float32)
+        if HAS_MIN:
+            w = w + tl.load(Mn + g_off, mask=wmask, other=0.0).to(tl.float32)
         wt = w.to(X.dtype.element_ty)  # [BLOCK_K, BLOCK_N]
         if IEEE:
             acc += tl.dot(x, wt, input_precision="ieee")
@@ -106,10 +108,13 @@ class DeviceQuantWeight:
     bits: int
     shape: tuple[int, int]
     type_name: str
+    group: int = QK  # weights per scale (Q6_K: 16)
 
     @classmethod
     def from_blocks(cls, w: QuantWeight, device: torch.device | str) -> DeviceQuantWeight:
         """``w``'s blocks split into planes on ``device`` (the values unchanged)."""
+        if w.type_name in UNIT_TYPES:
+            return cls(*unit_planes(w, device))
         n, k = w.shape
         nb = k // QK
         blk = w.blocks.view(n, nb, -1)
@@ -153,6 +158,7 @@ class DeviceQuantWeight:
             first.bits,
             (q.shape[0], first.shape[1]),
             first.type_name,
+            first.group,
         )
 
     @property
@@ -164,15 +170,15 @@ class DeviceQuantWeight:
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The weight as ``dtype`` [N, K] (torch ops; for references and tests)."""
         n, k = self.shape
-        d = self.d.float().repeat_interleave(QK, dim=1)
+        d = self.d.float().repeat_interleave(self.group, dim=1)
         if self.bits == 8:
             w = d * self.q.float()
         else:
             q = self.q.view(n, k // QK, QK // 2)
             nib = torch.cat([q & 15, q >> 4], dim=2).view(n, k).float()
             w = d * (nib - self.z.float().repeat_interleave(QK, dim=1))
-            if self.m is not None:
-                w = w + self.m.float().repeat_interleave(QK, dim=1)
+        if self.m is not None:
+            w = w + self.m.float().repeat_interleave(self.group, dim=1)
         return w.to(dtype)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
@@ -203,6 +209,7 @@ class DeviceQuantWeight:
             self.d.stride(0),
             y.stride(0),
             BITS=self.bits,
+            GROUP=self.group,
             HAS_MIN=self.m is not None,
             IEEE=x.dtype == torch.float32,
             BLOCK_M=block_m,

@@ -28,6 +28,7 @@ from kernels import cpu_layer_ops
 from kernels import reference as K
 from kernels.cpu_gemm import PackedWeight, PanelWeight, panel_available
 from kernels.ops import KernelBackend
+from kernels.stacked_weight import StackedWeight
 from services.worker.step_inputs import DeviceBatch
 from shared.models.config import ModelConfig
 from shared.models.registry import family
@@ -56,8 +57,10 @@ class ForwardBatch:
 
 def _fuse(parts: list, dtype: torch.dtype) -> torch.Tensor | K.Weight:
     """Linear weights stacked by output rows (fused QKV, gate/up); quantized ones stay
-    quantized when they are of one kind and type (QuantWeight, DeviceQuantWeight, Fp8Weight:
-    each has ``cat``), else all are dequantized to ``dtype``."""
+    quantized when they are of one kind (QuantWeight, DeviceQuantWeight, Fp8Weight: each has
+    ``cat``): one weight when they share a block type, else a ``StackedWeight`` of the runs
+    that do (a Q4_K_M file's Q4_K q/k beside its Q6_K v); a mix of kinds is dequantized to
+    ``dtype``."""
     if all(isinstance(p, torch.Tensor) for p in parts):
         return torch.cat(parts)
     kind = type(parts[0])
@@ -65,7 +68,8 @@ def _fuse(parts: list, dtype: torch.dtype) -> torch.Tensor | K.Weight:
         try:
             return kind.cat(parts)
         except ValueError:
-            pass
+            if hasattr(parts[0], "qtype") or hasattr(parts[0], "type_name"):
+                return StackedWeight.of(parts)
     return torch.cat(
         [p if isinstance(p, torch.Tensor) else p.dequantize().to(dtype) for p in parts]
     )

@@ -1,5 +1,6 @@
 """The device path's quantized-weight kernel (kernels/triton_quant.py) against dequantize-then-
-matmul: every block type (GGUF's Q8_0, Q4_0, Q4_1 and kvflow's Q4_Z for GPTQ/AWQ) decodes to
+matmul: every block type (GGUF's Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K and kvflow's
+Q4_Z for GPTQ/AWQ) decodes to
 exactly the CPU kernels' weights, and products agree with a dense matmul of those weights.
 
 Without a GPU the kernel runs on CPU tensors in Triton's interpreter in fp32 (TRITON_INTERPRET=1,
@@ -24,6 +25,7 @@ from gguf.quants import quantize  # noqa: E402
 from kernels.cpu_quant import Q4_Z, QuantWeight  # noqa: E402
 from kernels.triton_quant import DeviceQuantWeight  # noqa: E402
 from shared.quantized_checkpoints import to_blocks  # noqa: E402
+from tests.unit.kquant_blocks import UNIT_TYPES, random_blocks  # noqa: E402
 
 DEVICE = "cuda" if HAS_CUDA else "cpu"
 DTYPE = torch.bfloat16 if HAS_CUDA else torch.float32
@@ -39,27 +41,32 @@ def _blocks(qtype: int, n: int, k: int, seed: int = 0) -> QuantWeight:
         w = to_blocks(q, zeros, scales, g_idx)
         assert w is not None
         return w
+    if qtype in UNIT_TYPES.values():  # gguf-py cannot quantize to K-quants: random blocks
+        return random_blocks(qtype, n, k, seed)
     raw = quantize(rng.standard_normal((n, k)).astype(np.float32), Q(qtype))
     return QuantWeight.from_gguf(raw, qtype, (n, k))
 
 
-TYPES = [int(Q.Q8_0), int(Q.Q4_0), int(Q.Q4_1), Q4_Z]
-NAMES = ["Q8_0", "Q4_0", "Q4_1", "Q4_Z"]
+TYPES = [int(Q.Q8_0), int(Q.Q4_0), int(Q.Q4_1), Q4_Z, *UNIT_TYPES.values()]
+NAMES = ["Q8_0", "Q4_0", "Q4_1", "Q4_Z", *UNIT_TYPES]
 
 
 @pytest.mark.parametrize("qtype", TYPES, ids=NAMES)
 def test_planes_decode_to_exactly_the_cpu_kernels_weights(qtype: int) -> None:
-    qw = _blocks(qtype, 40, 96)
+    k = 256 if qtype in (12, 13, 14) else 96
+    qw = _blocks(qtype, 40, k)
     dw = DeviceQuantWeight.from_blocks(qw, "cpu")
-    assert dw.type_name == qw.type_name and dw.shape == (40, 96)
+    assert dw.type_name == qw.type_name and dw.shape == (40, k)
     assert torch.equal(dw.dequantize(), qw.dequantize())
-    assert dw.nbytes < 40 * 96 * 2  # fewer bytes than the weight in bf16
+    assert dw.nbytes < 40 * k * 2  # fewer bytes than the weight in bf16
 
 
 @pytest.mark.parametrize("qtype", TYPES, ids=NAMES)
 @pytest.mark.parametrize("rows", [1, 5, 20])  # one decode row, a decode batch, a prefill chunk
 def test_products_match_dequantize_then_matmul(qtype: int, rows: int) -> None:
     n, k = 72, 160  # a ragged last N tile and a K that is not a multiple of the K tile
+    if qtype in (12, 13, 14):
+        k = 512  # whole super-blocks (the K tile of 64 still splits them)
     qw = _blocks(qtype, n, k, seed=rows)
     dw = DeviceQuantWeight.from_blocks(qw, DEVICE)
     x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows)).to(DTYPE)
