@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from kernels.cpu_quant import BLOCK_BYTES, QuantWeight
+from kernels.cpu_quant import BLOCK_BYTES, TYPE_NAMES, QuantWeight
 from kernels.fp8_linear import Fp8Weight, quantize_fp8
 from shared.gguf_header import read_header
 from shared.model_source import ModelSource, resolve_model
@@ -461,8 +461,11 @@ def _gguf_weights(
     arch = _gguf_fields(reader).get("general.architecture", "llama")
     names = _gguf_names(arch, cfg.num_layers)
     tensors = [t for t in reader.tensors if t.name in names]
-    kinds = sorted({t.tensor_type.name for t in tensors})
-    log.info("dequantizing %d tensors (%s)", len(tensors), ", ".join(kinds))
+    if quantized:
+        _log_kept(path, tensors)
+    else:
+        kinds = sorted({t.tensor_type.name for t in tensors})
+        log.info("dequantizing %d tensors (%s)", len(tensors), ", ".join(kinds))
     out: dict[str, torch.Tensor | QuantWeight] = {}
     for i, t in enumerate(tensors):
         shape = tuple(int(d) for d in reversed(t.shape))  # GGUF lists dims fastest-first
@@ -492,6 +495,41 @@ def _gguf_weights(
         if (i + 1) % 50 == 0:
             log.info("dequantized %d/%d tensors", i + 1, len(tensors))
     return out
+
+
+def _log_kept(path: Path, tensors: list[Any]) -> None:
+    """Which of a GGUF's tensors ``--quantization gguf`` keeps in their blocks and which it
+    densifies, and why; ValueError when it would keep none (the flag would change nothing)."""
+    from collections import Counter
+
+    dense = {"F32", "F16", "BF16"}
+    kept = Counter(
+        t.tensor_type.name
+        for t in tensors
+        if int(t.tensor_type) in BLOCK_BYTES and len(t.shape) == 2 and t.name != "token_embd.weight"
+    )
+    other = Counter(
+        t.tensor_type.name
+        for t in tensors
+        if int(t.tensor_type) not in BLOCK_BYTES and t.tensor_type.name not in dense
+    )
+    if not kept:
+        raise ValueError(
+            f"--quantization gguf: {path.name} has no linear weight in a block type kvflow "
+            f"multiplies in place ({', '.join(TYPE_NAMES[t] for t in BLOCK_BYTES if t in TYPE_NAMES and t < 1000)}); "
+            f"its {', '.join(sorted(other)) or 'float'} tensors would all be densified: serve "
+            "it without --quantization"
+        )
+    log.info(
+        "kept in their blocks: %s; the token embedding is dense for lookups (a tied head "
+        "reads its blocks); norms and biases in fp32",
+        ", ".join(f"{k} x{n}" for k, n in sorted(kept.items())),
+    )
+    if other:
+        log.warning(
+            "densified to fp32 (no kvflow kernel reads these blocks in place): %s",
+            ", ".join(f"{k} x{n}" for k, n in sorted(other.items())),
+        )
 
 
 def unpermute_rotary(w: torch.Tensor, n_head: int) -> torch.Tensor:

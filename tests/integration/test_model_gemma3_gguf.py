@@ -193,3 +193,30 @@ def test_end_of_turn_and_eos_stop_a_request(gemma3) -> None:
         params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, logit_bias={stop: 100.0})
         tokens, _ = generate(gemma3["runner"], [prompt], [0], params)
         assert tokens == [[stop]]  # generate asserts FinishReason.STOP
+
+
+def test_kept_in_blocks_equals_the_dense_run(gemma3) -> None:
+    """``--quantization gguf``: every linear weight stays in its own block type (Q4_K_M's Q5_0,
+    Q4_K, Q6_K, Q8_0; a fused projection of two types as a StackedWeight) at a fraction of the
+    dense bytes, and greedy output equals the dense run's (the same weights: the products differ
+    only in the order of fp32 sums)."""
+    from kernels import cpu_quant
+    from kernels.cpu_quant import QuantWeight
+    from kernels.stacked_weight import StackedWeight
+
+    if not cpu_quant.available():
+        pytest.skip("no C compiler: the block kernels are C")
+    src, cfg = gemma3["src"], gemma3["cfg"]
+    blocks = load_weights(src, cfg, quantization="gguf")
+    linear = {n: w for n, w in blocks.items() if n.endswith("_proj.weight")}
+    assert all(isinstance(w, QuantWeight) for w in linear.values())
+    assert {w.type_name for w in linear.values()} == {"Q5_0", "Q4_K", "Q6_K", "Q8_0"}
+    dense_bytes = sum(gemma3["weights"][n].numel() * 4 for n in linear)
+    assert sum(w.nbytes for w in linear.values()) < dense_bytes / 5
+    prompts, want = gemma3["prompts"], gemma3["want"]
+    n_blocks = sum(-(-(len(p) + NEW_TOKENS) // BLOCK) for p in prompts)
+    runner = ModelRunner.from_weights(cfg, blocks, BLOCK, num_blocks=n_blocks)
+    fused = [layer["qkv"] for layer in runner.model.layers]
+    assert all(isinstance(w, QuantWeight | StackedWeight) for w in fused)
+    tokens, _ = generate(runner, prompts, first_blocks(prompts))
+    assert tokens == want
