@@ -79,3 +79,37 @@ def test_lora_equals_transformers_peft(family: str, tmp_path: Path) -> None:
     jobs = [(p, ref) for p in PROMPTS] + [(p, None) for p in PROMPTS]  # adapter and base mixed
     got, _ = run(new_core(max_num_batched_tokens=8), runner, jobs, GREEDY)
     assert got == want + base
+
+
+# K-quants need rows of whole 256-weight super-blocks: every input dimension a multiple of 256
+KQ_SHAPE = dict(hidden_size=256, intermediate_size=512, head_dim=64, num_attention_heads=4)
+
+
+@pytest.mark.skipif(not cpu_quant.available(), reason="no C compiler: the blocks run in C kernels")
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("qtype", ["Q4_K", "Q5_K", "Q6_K", "Q5_0", "Q5_1"])
+def test_gguf_blocks_equal_transformers_on_their_values(family: str, qtype: str) -> None:
+    """Every linear weight in GGUF blocks of ``qtype`` (random blocks: gguf-py cannot write
+    K-quants), multiplied in place, beside transformers running the blocks' dequantized
+    values: the same greedy tokens, batched under chunked prefill."""
+    from shared.models.registry import hf_config
+    from tests.unit.family_models import make_model
+    from tests.unit.kquant_blocks import UNIT_TYPES, random_blocks
+
+    hf = make_model(family, **KQ_SHAPE)
+    state = hf.state_dict()
+    weights: dict[str, object] = {}
+    with torch.no_grad():
+        for i, (name, w) in enumerate(state.items()):
+            if name.endswith("_proj.weight"):
+                blocks = random_blocks(UNIT_TYPES[qtype], *w.shape, seed=i)
+                w.copy_(blocks.dequantize())
+                weights[name] = blocks
+            else:
+                weights[name] = w.clone()
+    cfg = hf_config(hf.config.to_dict())
+    want = [hf_greedy(hf, p, NEW) for p in PROMPTS]
+    runner = ModelRunner.from_weights(cfg, weights, 4, 64, worker_id="w")  # type: ignore[arg-type]
+    assert isinstance(runner.model.layers[0]["gate_up"], cpu_quant.QuantWeight)
+    got, _ = run(new_core(max_num_batched_tokens=8), runner, [(p, None) for p in PROMPTS], GREEDY)
+    assert got == want
