@@ -1,5 +1,6 @@
-"""Linear weights kept in GGUF's quantized blocks (Q8_0, Q4_0, Q4_1) on the CPU
-(``--quantization gguf``), multiplied by ``csrc/quant_matmul_cpu.c`` where they lie.
+"""Linear weights kept in GGUF's quantized blocks (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1 and the K-quants
+Q4_K, Q5_K, Q6_K) on the CPU (``--quantization gguf``), multiplied by
+``csrc/quant_matmul_cpu.c`` where they lie.
 
 A decode step reads every weight once, so its time is the bytes read: SmolLM2-135M is ~540 MB
 in fp32 and ~96 MB in its GGUF's Q4_1 layers + Q8_0 embedding. ``QuantWeight(x)`` runs the

@@ -317,7 +317,8 @@ def load_weights(
 ) -> dict[str, torch.Tensor | QuantWeight | Fp8Weight]:
     """All weights under HF names (see the module docstring), as ``dtype`` (``lm_head.weight``
     only if untied, or as the embedding's quantized copy when quantized). ``quantization``:
-    ``"gguf"`` keeps a GGUF's Q8_0/Q4_0/Q4_1 linear weights in their blocks
+    ``"gguf"`` keeps a GGUF's Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K and Q6_K linear weights
+    in their blocks
     (``kernels.cpu_quant.QuantWeight``); ``"int8"`` rounds every linear weight to int8 blocks
     (``quantize_int8``); ``"fp8"`` rounds the layers' linear weights to e4m3 per output channel
     (kernels/fp8_linear.py); ``"gptq"`` / ``"awq"`` keep such a checkpoint's 4-bit groups as

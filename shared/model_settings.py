@@ -45,7 +45,8 @@ class ModelSettings:
         default="",
         metadata={
             "help": "weights: '' (the checkpoint's, GGUF dequantized to fp32: output equal to "
-            "Hugging Face's) | gguf (a GGUF's Q8_0/Q4_0/Q4_1 tensors kept quantized and read "
+            "Hugging Face's) | gguf (a GGUF's Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K and "
+            "Q6_K tensors kept quantized and read "
             "in place by CPU or Triton kernels: ~5x fewer bytes per decode step) | int8 (any "
             "checkpoint's linear weights rounded to int8 with a scale per 32 weights, same "
             "kernels) | gptq | awq (a 4-bit GPTQ/AWQ HF checkpoint's groups read in place; found "

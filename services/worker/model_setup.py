@@ -107,7 +107,8 @@ def check_quantization(
 ) -> str:
     """The weight scheme to load with, or a ValueError that says what to change.
 
-    ``gguf`` keeps a GGUF's Q8_0/Q4_0/Q4_1 linear weights quantized; ``int8`` quantizes any
+    ``gguf`` keeps a GGUF's Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K and Q6_K linear weights
+    quantized; ``int8`` quantizes any
     checkpoint's linear weights to int8 blocks at load (shared/model_loader.quantize_int8);
     ``gptq`` / ``awq`` serve such a 4-bit checkpoint's groups in place
     (shared/quantized_checkpoints.py). On the CPU path (fp32 activations) they run
