@@ -213,6 +213,8 @@ def main(args: argparse.Namespace) -> int:
     meta["kvflow"] = {}
     for name, flags in kvflow_configs(args.kvflow_configs, args.kvflow_args):
         flags = ["--max-num-seqs", str(max(64, *concurrencies)), *flags]
+        if "--model" not in flags:  # the file llama-server serves
+            flags = ["--model", str(src.path), *flags]
         meta["kvflow"][name] = flags
         print(f"starting kvflow serve {' '.join(flags)} ...", flush=True)
         proc, base = start_stack(flags)

@@ -46,6 +46,11 @@ class PackedWeight:
         return self.shape[0]
 
     @property
+    def nbytes(self) -> int:
+        """Bytes held (fp32 in oneDNN's layout)."""
+        return self.shape[0] * self.shape[1] * 4
+
+    @property
     def in_features(self) -> int:
         return self.shape[1]
 
@@ -76,6 +81,11 @@ class PanelWeight:
         padded[:n] = weight
         self.panels = padded.view(tiles, PANEL, k).transpose(1, 2).contiguous()
         self.shape = (n, k)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held (the panels, zero-padded to a multiple of 24 outputs)."""
+        return self.panels.numel() * 4
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         n, k = self.shape

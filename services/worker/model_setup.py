@@ -328,6 +328,30 @@ def make_decode_graphs(
     return graphs
 
 
+def weight_bytes(model: Any) -> int:
+    """Bytes the model's weights hold as loaded: dense tensors by their size, packed and
+    quantized weights by their own ``nbytes`` (blocks, panels), each object once (a tied head
+    is its embedding). Walks the model's attributes (layer dicts and lists included) and its
+    parameters."""
+    seen: set[int] = set()
+
+    def size(x: Any) -> int:
+        if id(x) in seen:
+            return 0
+        seen.add(id(x))
+        if isinstance(x, torch.Tensor):
+            return x.numel() * x.element_size()
+        if isinstance(x, dict):
+            return sum(size(v) for v in x.values())
+        if isinstance(x, list | tuple):
+            return sum(size(v) for v in x)
+        nbytes = getattr(x, "nbytes", None)
+        return int(nbytes) if isinstance(nbytes, int) else 0
+
+    own = {k: v for k, v in vars(model).items() if not k.startswith("_")}
+    return size(own) + sum(size(p) for p in model.parameters())
+
+
 def log_ready(
     loaded: LoadedModel,
     num_blocks: int,
@@ -340,9 +364,10 @@ def log_ready(
     cfg, model = loaded.model.cfg, loaded.model
     if loaded.ops is None:
         log.info(
-            "model ready in %.1fs: %d layers, %d KV blocks x %d tokens, max_model_len %d, "
-            "decode attention %s, layer ops %s, GEMMs %s in rows %s",
+            "model ready in %.1fs: weights %.0f MiB, %d layers, %d KV blocks x %d tokens, "
+            "max_model_len %d, decode attention %s, layer ops %s, GEMMs %s in rows %s",
             time.perf_counter() - t0,
+            weight_bytes(model) / 2**20,
             cfg.num_layers,
             num_blocks,
             block_size,

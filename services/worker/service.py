@@ -23,6 +23,7 @@ from nats.aio.msg import Msg
 from services.worker.kv_blocks import KvBlockIO
 from services.worker.kv_connectors.base import connector_spec, create_worker_connector
 from services.worker.kv_connectors.tiers import KvTiers
+from services.worker.model_setup import weight_bytes
 from services.worker.runner import ModelRunner
 from services.worker.runner_loading import load_runner
 from services.worker.sim_runner import SimRunner
@@ -88,6 +89,9 @@ class WorkerService:
         self.bus = Bus(self.worker_id)
         self.plans: asyncio.Queue[StepPlan] = asyncio.Queue()
         self.telemetry = WorkerTelemetry(self.worker_id, self.plans.qsize)  # metrics and spans
+        model = getattr(runner, "model", None)  # the simulated worker has none
+        if model is not None:
+            self.telemetry.weight_bytes.labels(self.worker_id).set(weight_bytes(model))
         shards = group.rank_caches if group is not None else None
         self.kv_io = KvBlockIO(runner.kv_caches, shards)  # a group's: every rank's blocks
         # the transport between workers, by name (services/worker/kv_connectors)

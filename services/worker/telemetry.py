@@ -23,7 +23,7 @@ from typing import Any
 
 from opentelemetry.context import Context
 from opentelemetry.trace import Link, Span, SpanKind, Status, StatusCode
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -92,6 +92,13 @@ class WorkerTelemetry:
             "Time of one KV pull (all its blocks)",
             w,
             buckets=STEP_BUCKETS,
+            registry=r,
+        )
+        self.weight_bytes = Gauge(
+            "kvflow:worker_weight_bytes",
+            "Bytes the model's weights hold in memory as loaded (blocks of a quantized weight "
+            "count as they are held)",
+            w,
             registry=r,
         )
         r.register(_Queued(worker_id, queued))
