@@ -107,7 +107,11 @@ async def run_load(
     sem = asyncio.Semaphore(concurrency)
     done = 0
 
-    async with httpx.AsyncClient(timeout=600) as client:
+    # a new connection per request: llama-server (build 11434) exits after a streamed response
+    # on a reused keep-alive connection now and then (seen with Gemma 3, 8 to 71 requests in);
+    # every system gets the same client (a local connect costs well under a millisecond)
+    limits = httpx.Limits(max_keepalive_connections=0)
+    async with httpx.AsyncClient(timeout=600, limits=limits) as client:
         # warm-up first: lazy start-up work (model load on first use, allocator growth) is not
         # what the run measures
         warm = list(warmup) or [workload[0][0]]
