@@ -46,6 +46,13 @@ class Lease:
         self.held_until = 0.0  # monotonic deadline of the lease as last confirmed
         self.epoch = 0
 
+    async def led_before(self) -> bool:
+        """Whether some scheduler has led this cell before (the epoch counter exists)."""
+        try:
+            return int(await self.redis.get(self.epoch_key) or 0) > 0
+        except (RedisError, OSError):
+            return False
+
     async def try_acquire(self) -> bool:
         """Take the lease if it is free; on success the epoch is incremented and kept."""
         try:

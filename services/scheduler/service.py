@@ -135,6 +135,11 @@ class SchedulerService:
     async def _campaign(self) -> None:
         """Standby: try for the lease; leader: keep it, or stop if another scheduler has it."""
         assert self.lease is not None
+        if await self.lease.led_before():
+            # a scheduler started after a leader existed knows none of the requests in flight
+            # (its shadow is empty): it lets a standby that shadowed them take the lease first
+            # (a standby tries every 0.25 s once the lease is free), and leads only if none did
+            await asyncio.sleep(2 * self.lease.ttl_s)
         while not self.stopped.is_set():
             if not self.leading:
                 if not self.draining and await self.lease.try_acquire():

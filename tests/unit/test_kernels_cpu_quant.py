@@ -77,8 +77,8 @@ def test_what_the_kernel_cannot_take_is_refused() -> None:
     with pytest.raises(ValueError, match="fp32"):
         qw(torch.randn(2, 95))
     with pytest.raises(ValueError, match="no CPU kernel"):
-        QuantWeight(torch.zeros(4, 40, dtype=torch.uint8), int(Q.Q5_K), (4, 96))
-    with pytest.raises(ValueError, match="multiple of 32"):
+        QuantWeight(torch.zeros(4, 40, dtype=torch.uint8), int(Q.Q3_K), (4, 256))
+    with pytest.raises(ValueError, match="multiple of Q8_0.s 32"):
         QuantWeight(torch.zeros(4, 34, dtype=torch.uint8), int(Q.Q8_0), (4, 33))
     with pytest.raises(ValueError, match="blocks"):
         QuantWeight(torch.zeros(4, 33, dtype=torch.uint8), int(Q.Q8_0), (4, 32))
