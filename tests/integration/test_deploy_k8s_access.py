@@ -24,6 +24,7 @@ import pytest
 from kvflow.cli.main import build_parser
 from shared.access.credentials import NATS_PASSWORD, REDIS_PASSWORD
 from shared.access.grants import NATS_ROLES, REDIS_ROLES, ROLES
+from tests.integration.test_deploy_k8s import COMPONENTS, OVERLAYS
 from tests.unit.deploy_support import (
     ROOT,
     _copy_k8s,
@@ -32,7 +33,6 @@ from tests.unit.deploy_support import (
     parse_kvflow_command,
     render_k8s,
 )
-from tests.unit.test_deploy_k8s import COMPONENTS, OVERLAYS
 
 SECRETS = PurePosixPath("/run/secrets/kvflow")  # where a service finds its role's files
 MONITORING = {"kubernetes.io/metadata.name": "monitoring"}  # the monitoring stack's namespace
