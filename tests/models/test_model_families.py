@@ -16,7 +16,13 @@ from services.worker.runner import ModelRunner
 from shared.messages import SamplingParams
 from shared.model_loader import load_config
 from shared.model_source import ModelSource
-from tests.unit.engine_support import new_core, run
+from tests.unit.engine_support import (
+    check_alone,
+    check_batched_chunked,
+    check_preempted_and_prefix_hit,
+    new_core,
+    run,
+)
 from tests.unit.family_models import CONFIGS, family_of, hf_greedy, save_model
 
 PROMPTS = [
@@ -73,26 +79,16 @@ def test_first_step_logits_equal_transformers(family_case) -> None:
 
 def test_greedy_alone_equals_transformers(family_case) -> None:
     _, _, runner, want = family_case
-    for prompt, w in zip(PROMPTS, want, strict=True):
-        got, _ = run(new_core(), runner, [(prompt, None)], GREEDY)
-        assert got[0] == w
+    check_alone(runner, PROMPTS, want, GREEDY)
 
 
 def test_batched_chunked_equals_transformers(family_case) -> None:
     _, _, runner, want = family_case
-    core = new_core(max_num_batched_tokens=8)  # every prompt but one in several chunks
-    got, plans = run(core, runner, [(p, None) for p in PROMPTS], GREEDY)
-    assert got == want
-    assert max(len(p.seqs) for p in plans) == len(PROMPTS)
+    check_batched_chunked(runner, PROMPTS, want, GREEDY)
 
 
 def test_preempted_and_prefix_hit_equal_transformers(family_case) -> None:
     _, _, runner, want = family_case
-    core = new_core(blocks=20)  # 80 token slots for 4 sequences of up to 33 tokens
-    got, _ = run(core, runner, [(p, None) for p in PROMPTS], GREEDY)
-    assert got == want
-    assert core.stats().num_preemptions > 0
-    hits = core.stats().prefix_cache_hits
-    again, _ = run(core, runner, [(PROMPTS[2], None)], GREEDY)
-    assert core.stats().prefix_cache_hits > hits
-    assert again[0] == want[2]
+    check_preempted_and_prefix_hit(
+        runner, PROMPTS, want, GREEDY, blocks=20
+    )  # 80 token slots for 4 sequences of up to 33 tokens

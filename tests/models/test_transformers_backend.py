@@ -24,7 +24,13 @@ from shared.messages import SamplingParams, ScheduledSeq
 from shared.model_source import ModelSource
 from shared.models.generic import transformers_config
 from tests.unit import engine_support
-from tests.unit.engine_support import new_core, run
+from tests.unit.engine_support import (
+    check_alone,
+    check_batched_chunked,
+    check_preempted_and_prefix_hit,
+    new_core,
+    run,
+)
 from tests.unit.family_models import CONFIGS, hf_generate, make_model
 
 PROMPTS = [
@@ -75,29 +81,19 @@ def test_the_tiny_models_use_their_features(case) -> None:
 
 def test_greedy_alone_equals_transformers(case) -> None:
     _, _, runner, want = case
-    for prompt, w in zip(PROMPTS, want, strict=True):
-        got, _ = run(new_core(), runner, [(prompt, None)], GREEDY)
-        assert got[0] == w
+    check_alone(runner, PROMPTS, want, GREEDY)
 
 
 def test_batched_chunked_equals_transformers(case) -> None:
     _, _, runner, want = case
-    core = new_core(max_num_batched_tokens=8)  # every prompt but one in several chunks
-    got, plans = run(core, runner, [(p, None) for p in PROMPTS], GREEDY)
-    assert got == want
-    assert max(len(p.seqs) for p in plans) == len(PROMPTS)
+    check_batched_chunked(runner, PROMPTS, want, GREEDY)
 
 
 def test_preempted_and_prefix_hit_equal_transformers(case) -> None:
     _, _, runner, want = case
-    core = new_core(blocks=16)  # 64 token slots for 4 sequences of up to 31 tokens
-    got, _ = run(core, runner, [(p, None) for p in PROMPTS], GREEDY)
-    assert got == want
-    assert core.stats().num_preemptions > 0
-    hits = core.stats().prefix_cache_hits
-    again, _ = run(core, runner, [(PROMPTS[2], None)], GREEDY)
-    assert core.stats().prefix_cache_hits > hits
-    assert again[0] == want[2]
+    check_preempted_and_prefix_hit(
+        runner, PROMPTS, want, GREEDY, blocks=16
+    )  # 64 token slots for 4 sequences of up to 31 tokens
 
 
 def test_logits_and_hidden_states_equal_transformers(case) -> None:

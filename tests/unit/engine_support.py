@@ -50,3 +50,38 @@ def run(
         core.on_result(res)
     assert not core.requests
     return [out[rid] for rid in ids], plans
+
+
+def check_alone(runner: ModelRunner, prompts: list[list[int]], want: list[list[int]], params: SamplingParams) -> None:  # fmt: skip
+    """Each prompt by itself gives ``want``'s tokens."""
+    for prompt, w in zip(prompts, want, strict=True):
+        got, _ = run(new_core(), runner, [(prompt, None)], params)
+        assert got[0] == w
+
+
+def check_batched_chunked(runner: ModelRunner, prompts: list[list[int]], want: list[list[int]], params: SamplingParams) -> None:  # fmt: skip
+    """All prompts in the same steps under an 8-token budget (every long prompt in several
+    chunks) give ``want``."""
+    core = new_core(max_num_batched_tokens=8)
+    got, plans = run(core, runner, [(p, None) for p in prompts], params)
+    assert got == want
+    assert max(len(p.seqs) for p in plans) == len(prompts)
+
+
+def check_preempted_and_prefix_hit(
+    runner: ModelRunner,
+    prompts: list[list[int]],
+    want: list[list[int]],
+    params: SamplingParams,
+    blocks: int,
+) -> None:
+    """All prompts in a KV cache of ``blocks`` too small for them at once (preemption), then
+    prompt 2 again through a prefix-cache hit: ``want`` both times."""
+    core = new_core(blocks=blocks)
+    got, _ = run(core, runner, [(p, None) for p in prompts], params)
+    assert got == want
+    assert core.stats().num_preemptions > 0
+    hits = core.stats().prefix_cache_hits
+    again, _ = run(core, runner, [(prompts[2], None)], params)
+    assert core.stats().prefix_cache_hits > hits
+    assert again[0] == want[2]
