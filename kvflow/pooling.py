@@ -109,27 +109,33 @@ def _floats(data: bytes) -> list[float]:
     return array("f", data).tolist()  # hosts are little-endian
 
 
+def _per_prompt(
+    llm: LLM, prompts: Prompt | Sequence[Prompt], task: str, keep: int | None, use_tqdm: bool
+) -> list[tuple[list[float], list[int]]]:
+    """Each prompt's pooled output for ``task`` and the token ids that ran, in input order."""
+    check_truncation(keep)
+    inputs = [prepared(llm, p, task, keep) for p in _prompt_list(prompts)]
+    desc = {"embed": "Embedded prompts", "classify": "Classified prompts"}[task]
+    got = llm._loop.run(pool_all(llm, inputs, use_tqdm, desc))
+    return [(_floats(v), ids) for v, (ids, _, _) in zip(got, inputs, strict=True)]
+
+
 def embed(
     llm: LLM, prompts: Prompt | Sequence[Prompt], keep: int | None, use_tqdm: bool
 ) -> list[EmbeddingRequestOutput]:
-    check_truncation(keep)
-    inputs = [prepared(llm, p, "embed", keep) for p in _prompt_list(prompts)]
-    got = llm._loop.run(pool_all(llm, inputs, use_tqdm, "Embedded prompts"))
+    outs = _per_prompt(llm, prompts, "embed", keep, use_tqdm)
     return [
-        EmbeddingRequestOutput(str(i), EmbeddingOutput(_floats(v)), ids)
-        for i, (v, (ids, _, _)) in enumerate(zip(got, inputs, strict=True))
+        EmbeddingRequestOutput(str(i), EmbeddingOutput(v), ids) for i, (v, ids) in enumerate(outs)
     ]
 
 
 def classify(
     llm: LLM, prompts: Prompt | Sequence[Prompt], keep: int | None, use_tqdm: bool
 ) -> list[ClassificationRequestOutput]:
-    check_truncation(keep)
-    inputs = [prepared(llm, p, "classify", keep) for p in _prompt_list(prompts)]
-    got = llm._loop.run(pool_all(llm, inputs, use_tqdm, "Classified prompts"))
+    outs = _per_prompt(llm, prompts, "classify", keep, use_tqdm)
     return [
-        ClassificationRequestOutput(str(i), ClassificationOutput(_floats(v)), ids)
-        for i, (v, (ids, _, _)) in enumerate(zip(got, inputs, strict=True))
+        ClassificationRequestOutput(str(i), ClassificationOutput(v), ids)
+        for i, (v, ids) in enumerate(outs)
     ]
 
 
