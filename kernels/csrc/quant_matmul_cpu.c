@@ -216,8 +216,7 @@ static void decode_unit_avx2(const uint8_t* blk, int type, float* o) {
 static void decode_unit(const uint8_t* blk, int type, float* o) {
 #ifdef KVF_AVX2
     decode_unit_avx2(blk, type, o);
-    return;
-#endif
+#else  // the portable decoder: the same values, operation for operation
     if (type == KVF_Q5_0 || type == KVF_Q5_1) {
         const float d = fp16_to_fp32(rd16(blk));
         const int q1 = type == KVF_Q5_1;
@@ -275,6 +274,7 @@ static void decode_unit(const uint8_t* blk, int type, float* o) {
             for (int i = 0; i < 32; i++) out[i] = ds * (float)((q[i] >> shift) & 0xF) - dm;
         }
     }
+#endif
 }
 
 // Decode one row of `nb` blocks into `out` (nb * block_weights floats).
