@@ -129,7 +129,11 @@ def calibrate_cached(
 ) -> tuple[GemmRows, bool]:
     """``calibrate``, answered from the cache when this machine already ran the same one;
     (layout, whether it came from the cache). A cache that cannot be read or written is
-    skipped with a log line, never an error."""
+    skipped with a log line, never an error. Weights invariant by construction are answered
+    at once and never cached (their answer is each kernel's own ``max_invariant_rows``, which a
+    new version of the kernel may change)."""
+    if all(getattr(w, "batch_invariant", False) for w in weights):
+        return calibrate(weights, max_rows, seed), False
     path = _cache_dir() / f"{cache_key(weights, max_rows, seed)}.json"
     try:
         return GemmRows(**json.loads(path.read_text())), True

@@ -22,8 +22,11 @@
 //
 // With AVX2 + FMA + F16C: per block, p = x . q in 8 lanes (4 FMAs over the block's integer
 // values converted to float), acc += d * p, and for Q4_1 a separate scalar m * sum(x_block)
-// (x's block sums are computed once per call); y = sum of acc's 8 lanes + the m terms. Rows go
-// four at a time through each decoded block, so the decode is shared. Elsewhere: each row of W
+// (x's block sums are computed once per call); y = sum of acc's 8 lanes + the m terms. Unit
+// types: each output's row of W is decoded to floats, then each x row runs four fixed 8-lane fma
+// chains over it. Threads take chunks of outputs; within a chunk, rows of x go four at a time
+// through every output (the four share each decoded block), so the group's rows of x stay in L1
+// and the chunk's weights in cache while the groups go by. Elsewhere: each row of W
 // is decoded to fp32 (exactly: d * q has at most 19 significant bits) and dotted in 32 lanes.
 // Both differ from dequantize-then-matmul only in the order of the sums.
 //
@@ -46,6 +49,8 @@ enum {
     KVF_Q5_0 = 6, KVF_Q5_1 = 7, KVF_Q4_K = 12, KVF_Q5_K = 13, KVF_Q6_K = 14,  // "units" below
 };
 #define QK_K 256
+#define ROWS_CHUNK 32  // outputs per task of the rows kernel (their blocks stay in L2)
+#define UNIT_CHUNK 16  // ... for the unit types (decoded to floats once per task)
 
 static inline float fp16_to_fp32(uint16_t h) {
     uint32_t sign = (uint32_t)(h & 0x8000) << 16;
@@ -355,30 +360,62 @@ static inline float hsum8(__m256 a) {
     return ((t[0] + t[1]) + (t[2] + t[3])) + ((t[4] + t[5]) + (t[6] + t[7]));
 }
 
-// Rows [m0, m0 + R) of y for output n; R <= 4. xs: x's block sums (Q4_1 only).
-static inline void rows_for_output(const float* x, int x_stride, const float* xs, int nb,
-                                   const uint8_t* row, int bb, int type, int m0, int R,
-                                   float* y, int y_stride, int n) {
+// One row's share of a block: p = x . v in 8 lanes (a product, then three fmas in order), then
+// acc += d * p. The same operations for a row whatever rows share the call (batch invariant).
+#define KVF_ROW_BLOCK(xb, acc)                                         \
+    do {                                                               \
+        __m256 p_ = _mm256_mul_ps(_mm256_loadu_ps(xb), v[0]);          \
+        p_ = _mm256_fmadd_ps(_mm256_loadu_ps((xb) + 8), v[1], p_);     \
+        p_ = _mm256_fmadd_ps(_mm256_loadu_ps((xb) + 16), v[2], p_);    \
+        p_ = _mm256_fmadd_ps(_mm256_loadu_ps((xb) + 24), v[3], p_);    \
+        (acc) = _mm256_fmadd_ps(d, p_, (acc));                         \
+    } while (0)
+
+// Rows [m0, m0 + R) of y for output n, R (1, 2 or 4, a constant once inlined) sharing each
+// decoded block. xs: x's block sums (Q4_1 only).
+static inline __attribute__((always_inline)) void rows_for_output(
+    const float* x, int x_stride, const float* xs, int nb, const uint8_t* row, int bb, int type,
+    int m0, const int R, float* y, int y_stride, int n) {
     __m256 acc[4];
     float msum[4] = {0, 0, 0, 0};
-    for (int r = 0; r < 4; r++) acc[r] = _mm256_setzero_ps();
+#pragma GCC unroll 4
+    for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
+    const float* x0 = x + (size_t)m0 * x_stride;
     for (int b = 0; b < nb; b++) {
         const uint8_t* blk = row + (size_t)b * bb;
         __m256 v[4];
         block_values(blk, type, v);
         const __m256 d = _mm256_set1_ps(_cvtsh_ss(rd16(blk)));
-        const float m = type == KVF_Q4_1 ? _cvtsh_ss(rd16(blk + 2)) : 0.0f;
-        for (int r = 0; r < R; r++) {
-            const float* xb = x + (size_t)(m0 + r) * x_stride + (size_t)b * QK;
-            __m256 p = _mm256_mul_ps(_mm256_loadu_ps(xb), v[0]);
-            p = _mm256_fmadd_ps(_mm256_loadu_ps(xb + 8), v[1], p);
-            p = _mm256_fmadd_ps(_mm256_loadu_ps(xb + 16), v[2], p);
-            p = _mm256_fmadd_ps(_mm256_loadu_ps(xb + 24), v[3], p);
-            acc[r] = _mm256_fmadd_ps(d, p, acc[r]);
-            if (type == KVF_Q4_1) msum[r] += m * xs[(size_t)(m0 + r) * nb + b];
+        const float* xb = x0 + (size_t)b * QK;
+#pragma GCC unroll 4
+        for (int r = 0; r < R; r++) KVF_ROW_BLOCK(xb + (size_t)r * x_stride, acc[r]);
+        if (type == KVF_Q4_1) {
+            const float m = _cvtsh_ss(rd16(blk + 2));
+#pragma GCC unroll 4
+            for (int r = 0; r < R; r++) msum[r] += m * xs[(size_t)(m0 + r) * nb + b];
         }
     }
     for (int r = 0; r < R; r++) y[(size_t)(m0 + r) * y_stride + n] = hsum8(acc[r]) + msum[r];
+}
+
+// Outputs [n0, n1) for all M rows: for each group of rows (fours, then a two and a one as M's
+// bits say), every output of the chunk in turn, so the group's rows of x stay in L1 and
+// the chunk's blocks in L2 while the groups go by.
+static void rows_for_outputs(const float* x, int x_stride, const float* xs, int nb,
+                             const uint8_t* w, size_t row_bytes, int bb, int type, int M,
+                             float* y, int y_stride, int n0, int n1) {
+    int m0 = 0;
+    for (; m0 + 4 <= M; m0 += 4)
+        for (int n = n0; n < n1; n++)
+            rows_for_output(x, x_stride, xs, nb, w + n * row_bytes, bb, type, m0, 4, y, y_stride, n);
+    if (M - m0 >= 2) {
+        for (int n = n0; n < n1; n++)
+            rows_for_output(x, x_stride, xs, nb, w + n * row_bytes, bb, type, m0, 2, y, y_stride, n);
+        m0 += 2;
+    }
+    if (M - m0 >= 1)
+        for (int n = n0; n < n1; n++)
+            rows_for_output(x, x_stride, xs, nb, w + n * row_bytes, bb, type, m0, 1, y, y_stride, n);
 }
 // Weights 8c .. 8c + 7 of a block, w = d * q (+ m), as 8 floats: exact (d * q has at most 19
 // significant bits; Q4_1 adds m in one rounding, as every dequantizer does).
@@ -444,37 +481,59 @@ static void pack_panel(const uint8_t* w, size_t row_bytes, int bb, int type, int
     }
 }
 
-// Unit types, up to 16 rows [m0, m0 + R) of y for output n: each block is decoded once into
-// floats (buf), then each row's four 8-lane fma chains run over it (lanes i, i + 8, i + 16,
-// i + 24 of every 32 weights), summed as ((a0 + a1) + (a2 + a3)) and then across lanes: the
-// same operations in the same order whatever M, so a row's result never depends on the batch.
-static void unit_rows_for_output(const float* x, int x_stride, int m0, int R, int nb, int bw,
-                                 const uint8_t* row, int bb, int type, float* buf, float* y,
-                                 int y_stride, int n) {
-    __m256 acc[16][4];
+// Unit types: rows [m0, m0 + R) of y for output n (R 1, 2 or 4, a constant once inlined) from
+// the output's decoded weights wv (K floats). Each row runs four 8-lane fma chains over k in
+// order (lanes i, i + 8, i + 16, i + 24 of every 32 weights), summed as ((a0 + a1) + (a2 + a3))
+// and then across lanes: the same operations in the same order whatever M or R, so a row's
+// result never depends on the batch. The R rows share each load of wv.
+static inline __attribute__((always_inline)) void unit_rows_for_output(
+    const float* x, int x_stride, int m0, const int R, const float* wv, int K, float* y,
+    int y_stride, int n) {
+    __m256 acc[4][4];
+#pragma GCC unroll 4
     for (int r = 0; r < R; r++)
         for (int c = 0; c < 4; c++) acc[r][c] = _mm256_setzero_ps();
-    const int per = QK_K / bw;  // blocks decoded per pass: 256 weights (Q5_0/Q5_1: 8 blocks)
-    for (int b = 0; b < nb; b += per) {
-        const int nblk = nb - b < per ? nb - b : per, len = nblk * bw;
-        for (int u = 0; u < nblk; u++) decode_unit(row + (size_t)(b + u) * bb, type, buf + u * bw);
+    const float* x0 = x + (size_t)m0 * x_stride;
+    for (int i = 0; i < K; i += 32) {
+        const __m256 w0 = _mm256_loadu_ps(wv + i), w1 = _mm256_loadu_ps(wv + i + 8);
+        const __m256 w2 = _mm256_loadu_ps(wv + i + 16), w3 = _mm256_loadu_ps(wv + i + 24);
+#pragma GCC unroll 4
         for (int r = 0; r < R; r++) {
-            const float* xb = x + (size_t)(m0 + r) * x_stride + (size_t)b * bw;
-            __m256 a0 = acc[r][0], a1 = acc[r][1], a2 = acc[r][2], a3 = acc[r][3];
-            for (int i = 0; i < len; i += 32) {
-                a0 = _mm256_fmadd_ps(_mm256_loadu_ps(xb + i), _mm256_loadu_ps(buf + i), a0);
-                a1 = _mm256_fmadd_ps(_mm256_loadu_ps(xb + i + 8), _mm256_loadu_ps(buf + i + 8), a1);
-                a2 = _mm256_fmadd_ps(_mm256_loadu_ps(xb + i + 16), _mm256_loadu_ps(buf + i + 16), a2);
-                a3 = _mm256_fmadd_ps(_mm256_loadu_ps(xb + i + 24), _mm256_loadu_ps(buf + i + 24), a3);
-            }
-            acc[r][0] = a0, acc[r][1] = a1, acc[r][2] = a2, acc[r][3] = a3;
+            const float* xb = x0 + (size_t)r * x_stride + i;
+            acc[r][0] = _mm256_fmadd_ps(_mm256_loadu_ps(xb), w0, acc[r][0]);
+            acc[r][1] = _mm256_fmadd_ps(_mm256_loadu_ps(xb + 8), w1, acc[r][1]);
+            acc[r][2] = _mm256_fmadd_ps(_mm256_loadu_ps(xb + 16), w2, acc[r][2]);
+            acc[r][3] = _mm256_fmadd_ps(_mm256_loadu_ps(xb + 24), w3, acc[r][3]);
         }
     }
+#pragma GCC unroll 4
     for (int r = 0; r < R; r++) {
         const __m256 s = _mm256_add_ps(_mm256_add_ps(acc[r][0], acc[r][1]),
                                        _mm256_add_ps(acc[r][2], acc[r][3]));
         y[(size_t)(m0 + r) * y_stride + n] = hsum8(s);
     }
+}
+
+// Unit types, outputs [n0, n1) (at most UNIT_CHUNK) for all M rows: the chunk's rows of W are
+// decoded once into dec (UNIT_CHUNK x K floats, in L2), then each group of rows (fours, then a
+// two and a one as M's bits say) goes through every output of the chunk.
+static void unit_rows_for_outputs(const float* x, int x_stride, int M, int nb, int bw,
+                                  const uint8_t* w, size_t row_bytes, int type, float* dec,
+                                  float* y, int y_stride, int n0, int n1) {
+    const int K = nb * bw;
+    for (int n = n0; n < n1; n++) decode_row(w + n * row_bytes, nb, type, dec + (size_t)(n - n0) * K);
+    int m0 = 0;
+    for (; m0 + 4 <= M; m0 += 4)
+        for (int n = n0; n < n1; n++)
+            unit_rows_for_output(x, x_stride, m0, 4, dec + (size_t)(n - n0) * K, K, y, y_stride, n);
+    if (M - m0 >= 2) {
+        for (int n = n0; n < n1; n++)
+            unit_rows_for_output(x, x_stride, m0, 2, dec + (size_t)(n - n0) * K, K, y, y_stride, n);
+        m0 += 2;
+    }
+    if (M - m0 >= 1)
+        for (int n = n0; n < n1; n++)
+            unit_rows_for_output(x, x_stride, m0, 1, dec + (size_t)(n - n0) * K, K, y, y_stride, n);
 }
 
 // The panel of outputs [n0, n0 + nr) for a unit type: each row decoded whole (rowbuf, K
@@ -583,21 +642,22 @@ int kvf_quant_matmul(const float* x, int M, int K, int x_stride, const uint8_t* 
 #ifdef KVF_AVX2
     if (is_unit_type(type)) {
         int failed = 0;
+        const int chunks = (N + UNIT_CHUNK - 1) / UNIT_CHUNK;
 #pragma omp parallel num_threads(threads > 0 ? threads : 1)
         {
-            float* buf = aligned_alloc(64, QK_K * sizeof(float));
-            if (!buf) {
+            float* dec = aligned_alloc(64, (size_t)UNIT_CHUNK * K * sizeof(float));
+            if (!dec) {
 #pragma omp atomic write
                 failed = 1;
             }
 #pragma omp for schedule(static)
-            for (int n = 0; n < N; n++) {
-                if (!buf) continue;
-                for (int m0 = 0; m0 < M; m0 += 16)
-                    unit_rows_for_output(x, x_stride, m0, M - m0 < 16 ? M - m0 : 16, nb, bw,
-                                         w + (size_t)n * row_bytes, bb, type, buf, y, y_stride, n);
+            for (int c = 0; c < chunks; c++) {
+                if (!dec) continue;
+                const int n0 = c * UNIT_CHUNK, n1 = n0 + UNIT_CHUNK < N ? n0 + UNIT_CHUNK : N;
+                unit_rows_for_outputs(x, x_stride, M, nb, bw, w, row_bytes, type, dec, y,
+                                      y_stride, n0, n1);
             }
-            free(buf);
+            free(dec);
         }
         return failed ? -2 : 0;
     }
@@ -613,11 +673,11 @@ int kvf_quant_matmul(const float* x, int M, int K, int x_stride, const uint8_t* 
                 xs[(size_t)m * nb + b] = s;
             }
     }
+    const int chunks = (N + ROWS_CHUNK - 1) / ROWS_CHUNK;
 #pragma omp parallel for schedule(static) num_threads(threads > 0 ? threads : 1)
-    for (int n = 0; n < N; n++)
-        for (int m0 = 0; m0 < M; m0 += 4)
-            rows_for_output(x, x_stride, xs, nb, w + (size_t)n * row_bytes, bb, type, m0,
-                            M - m0 < 4 ? M - m0 : 4, y, y_stride, n);
+    for (int c = 0; c < chunks; c++)
+        rows_for_outputs(x, x_stride, xs, nb, w, row_bytes, bb, type, M, y, y_stride,
+                         c * ROWS_CHUNK, c * ROWS_CHUNK + ROWS_CHUNK < N ? c * ROWS_CHUNK + ROWS_CHUNK : N);
     free(xs);
 #else
     int failed = 0;

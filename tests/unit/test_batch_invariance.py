@@ -68,3 +68,17 @@ def test_a_damaged_or_unwritable_cache_is_skipped(tmp_path, monkeypatch) -> None
     monkeypatch.setenv("KVFLOW_CACHE_DIR", str(tmp_path / "file"))
     (tmp_path / "file").write_text("")  # a file where the folder should be
     assert bi.calibrate_cached(weights, max_rows=16) == (rows, False)
+
+
+def test_kernels_invariant_by_construction_are_not_cached(tmp_path, monkeypatch) -> None:  # noqa: ANN001
+    """Their tile is the kernel's own ``max_invariant_rows``: a stale entry (an older kernel's
+    smaller tile) must not outlive the kernel that wrote it."""
+    from kernels import batch_invariance as bi
+    from kernels.cpu_quant import PANEL_ROWS, QuantWeight
+
+    monkeypatch.setenv("KVFLOW_CACHE_DIR", str(tmp_path))
+    qw = QuantWeight(torch.zeros(8, 34, dtype=torch.uint8), 8, (8, 32))
+    path = tmp_path / "gemm-rows" / f"{bi.cache_key([qw], 64, 0)}.json"
+    path.parent.mkdir()
+    path.write_text('{"pad": 1, "tile": 16, "invariant": true}')
+    assert bi.calibrate_cached([qw], max_rows=64) == (bi.GemmRows(1, PANEL_ROWS, True), False)

@@ -41,16 +41,17 @@ def test_decoding_is_exact_and_products_match_dequantize_then_matmul(qtype: Q) -
 def test_a_rows_bits_do_not_depend_on_the_batch(qtype: Q) -> None:
     qw, _ = _weight(qtype, n=64 + 13, k=128, seed=2)  # a ragged last panel tile
     tile = cpu_quant.PANEL_ROWS
-    x = torch.randn(48, 128, generator=torch.Generator().manual_seed(3))
+    rows = 2 * tile + 8
+    x = torch.randn(rows, 128, generator=torch.Generator().manual_seed(3))
     decode = qw(x[:tile])  # the rows kernel: any subset of a decode tile, in any order
     for m in (1, 2, 5, tile - 1):
         idx = torch.randperm(tile)[:m]
         assert torch.equal(qw(x[:tile][idx]), decode[idx]), m
     chunk = qw(x)  # the panel kernel (long chunks): a row's bits do not depend on M either
-    for m in (tile + 1, 30):
-        idx = torch.randperm(48)[:m]
+    for m in (tile + 1, tile + 30):
+        idx = torch.randperm(rows)[:m]
         assert torch.equal(qw(x[idx]), chunk[idx]), m
-    strided = torch.randn(48, 200)[:, :128].copy_(x)  # rows 200 floats apart
+    strided = torch.randn(rows, 200)[:, :128].copy_(x)  # rows 200 floats apart
     assert torch.equal(qw(strided), chunk)
     assert torch.equal(qw(strided[:tile]), decode)
     # invariant by construction: calibration has nothing to test, and decode tiles stay within
