@@ -127,6 +127,12 @@ class QuantWeight:
         blocks = torch.cat([p.blocks for p in parts])
         return QuantWeight(blocks, first.qtype, (blocks.shape[0], first.shape[1]))
 
+    def __getitem__(self, ids: torch.Tensor) -> torch.Tensor:
+        """An embedding lookup: the rows ``ids`` (any shape) decoded to fp32, exactly the dense
+        table's rows, without a dense copy of the table."""
+        flat = ids.reshape(-1)
+        return self.rows(flat).dequantize().reshape(*ids.shape, self.shape[1])
+
     def dequantize(self) -> torch.Tensor:
         """The weight as fp32 [N, K]."""
         lib = _lib()

@@ -323,7 +323,9 @@ def load_weights(
     (``quantize_int8``); ``"fp8"`` rounds the layers' linear weights to e4m3 per output channel
     (kernels/fp8_linear.py); ``"gptq"`` / ``"awq"`` keep such a checkpoint's 4-bit groups as
     Q4_Z blocks (otherwise its packed layers are dequantized: shared/quantized_checkpoints.py).
-    The embedding stays dense for lookups. ValueError names a missing or unexpected tensor."""
+    The embedding stays dense for lookups, except under ``"gguf"``: there it stays in its blocks
+    (rows decoded as they are looked up; a tied head reads the same blocks). ValueError names a
+    missing or unexpected tensor."""
     t0 = time.perf_counter()
     fam = family(cfg.family)
     if cfg.encoder:  # BERT / RoBERTa: their own names, checked by the encoder model
@@ -474,7 +476,7 @@ def _gguf_weights(
         if name.endswith("mlp.up_proj.weight") and shape[0] == 2 * cfg.intermediate_size:
             name = name.replace("up_proj", "gate_up_proj")  # Phi-3: gate and up in one ffn_up
         keep = quantized and int(t.tensor_type) in BLOCK_BYTES and len(shape) == 2
-        if keep and name != "model.embed_tokens.weight":
+        if keep:  # the embedding too: looked up row by row; a tied head reads the same blocks
             w: torch.Tensor | QuantWeight = QuantWeight.from_gguf(t.data, int(t.tensor_type), shape)
         else:
             if t.tensor_type in (GGMLQuantizationType.F32, GGMLQuantizationType.F16):
@@ -485,8 +487,6 @@ def _gguf_weights(
             if fam.gguf_norm_offset and name.endswith("norm.weight"):
                 w = w - fam.gguf_norm_offset  # stored as offset + w; the model adds it back
             w = w.to(dtype).contiguous()
-            if keep and cfg.tie_word_embeddings:  # the tied lm_head reads the blocks
-                out["lm_head.weight"] = QuantWeight.from_gguf(t.data, int(t.tensor_type), shape)
         # the converter permutes the Q/K biases (attention_bias) as their weights' rows
         if fam.gguf_permute_qk and name.endswith(("self_attn.q_proj.weight", "q_proj.bias")):
             w = _unpermute(w, cfg.num_heads)

@@ -135,10 +135,13 @@ class DecoderModel(PagedModel):
         self.scale = cfg.scale
         self.q_size = cfg.num_heads * cfg.head_dim
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
-        self.embed = weights["model.embed_tokens.weight"]
-        # tied: the embedding itself, or its quantized copy (--quantization gguf)
+        # a dense table, or GGUF blocks looked up row by row (--quantization gguf on the CPU)
+        self.embed: Any = weights["model.embed_tokens.weight"]
+        # tied: the embedding itself (dense or blocks)
         self.lm_head: Any = weights.get("lm_head.weight", self.embed)
-        self.norm = self._norm_weight(weights["model.norm.weight"], weights.get("model.norm.bias"))
+        final_norm = weights["model.norm.weight"]  # always dense: the model's dtype and device
+        self._dtype, self._device = final_norm.dtype, final_norm.device
+        self.norm = self._norm_weight(final_norm, weights.get("model.norm.bias"))
         self.layers: list[Layer] = [
             self._build_layer(weights, f"model.layers.{i}.", fam.norms)
             for i in range(cfg.num_layers)
@@ -146,8 +149,8 @@ class DecoderModel(PagedModel):
         # one cos | sin table per distinct RoPE (Gemma 3: global and local), by layer
         specs = list(dict.fromkeys(cfg.layer_rope(i) for i in range(cfg.num_layers)))
         self.rope_tables = [
-            cos_sin_table(s, cfg.head_dim, cfg.max_position_embeddings, self.embed.dtype).to(
-                self.embed.device
+            cos_sin_table(s, cfg.head_dim, cfg.max_position_embeddings, self._dtype).to(
+                self._device
             )
             for s in specs
         ]
@@ -168,7 +171,7 @@ class DecoderModel(PagedModel):
         return (self.cfg.norm_offset + w.float()).to(w.dtype)
 
     def _build_layer(self, weights: dict[str, Any], p: str, norms: dict[str, str]) -> Layer:
-        dt = self.embed.dtype
+        dt = self._dtype
         attn = [f"{p}self_attn.{n}_proj" for n in "qkv"]
         mlp = [f"{p}mlp.{n}_proj" for n in (("gate", "up") if self.cfg.gated_mlp else ("up",))]
         layer: Layer = {
@@ -200,11 +203,11 @@ class DecoderModel(PagedModel):
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.embed.dtype
+        return self._dtype
 
     @property
     def device(self) -> torch.device:
-        return self.embed.device
+        return self._device
 
     def pack_weights(self) -> str:
         """Hold every dense linear weight pre-packed for the CPU: kvflow's panels where the

@@ -161,9 +161,14 @@ def check_quantization(
     return quantization
 
 
-def to_device_weight(w: torch.Tensor | QuantWeight | Fp8Weight, device: torch.device) -> Any:
+def to_device_weight(
+    w: torch.Tensor | QuantWeight | Fp8Weight, device: torch.device, name: str = ""
+) -> Any:
     """A loaded weight as the device path computes with it on ``device``: dense tensors moved,
-    integer blocks split into the Triton kernel's planes, fp8 weights moved."""
+    integer blocks split into the Triton kernel's planes (an embedding's blocks decoded: the
+    device looks rows up in a dense table), fp8 weights moved."""
+    if isinstance(w, QuantWeight) and name == "model.embed_tokens.weight":
+        return w.dequantize().to(device)
     if isinstance(w, QuantWeight):
         from kernels.triton_quant import DeviceQuantWeight
 
@@ -249,7 +254,10 @@ def _build(
 
         return EncoderModel(config, {n: w.to(device) for n, w in weights.items()})
     if ops is not None:
-        weights = {n: to_device_weight(w, device) for n, w in weights.items()}
+        embed = weights["model.embed_tokens.weight"]
+        if isinstance(embed, QuantWeight) and "lm_head.weight" not in weights:
+            weights = {**weights, "lm_head.weight": embed}  # tied: the head keeps the blocks
+        weights = {n: to_device_weight(w, device, n) for n, w in weights.items()}
     return DecoderModel(config, weights)
 
 

@@ -213,6 +213,10 @@ def test_kept_in_blocks_equals_the_dense_run(gemma3) -> None:
     assert {w.type_name for w in linear.values()} == {"Q5_0", "Q4_K", "Q6_K", "Q8_0"}
     dense_bytes = sum(gemma3["weights"][n].numel() * 4 for n in linear)
     assert sum(w.nbytes for w in linear.values()) < dense_bytes / 5
+    # the embedding (Q8_0, also the tied head) is looked up from its blocks: no dense copy
+    embed, ids = blocks["model.embed_tokens.weight"], torch.tensor([2, 106, 262143, 2])
+    assert isinstance(embed, QuantWeight) and "lm_head.weight" not in blocks
+    assert torch.equal(embed[ids], gemma3["weights"]["model.embed_tokens.weight"][ids])
     prompts, want = gemma3["prompts"], gemma3["want"]
     n_blocks = sum(-(-(len(p) + NEW_TOKENS) // BLOCK) for p in prompts)
     runner = ModelRunner.from_weights(cfg, blocks, BLOCK, num_blocks=n_blocks)

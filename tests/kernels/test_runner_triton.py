@@ -342,6 +342,31 @@ def test_quantized_weights_on_the_device_path_match_the_cpu_path(model, scheme: 
     assert bool((cos >= (0.999 if scheme == "int8" else 0.95)).all()), cos
 
 
+@requires_interpreter
+def test_an_embedding_in_blocks_feeds_the_device_path_and_its_tied_head(model) -> None:
+    """``--quantization gguf`` keeps a tied embedding in its blocks on the CPU (rows decoded as
+    they are looked up); the device path looks rows up in the decoded table and multiplies by
+    the head's blocks as a quantized weight. Both give the same tokens."""
+    import dataclasses
+
+    from kernels.triton_quant import DeviceQuantWeight
+
+    cfg, weights = _quantized(model, "int8")
+    cfg = dataclasses.replace(cfg, tie_word_embeddings=True)
+    weights["model.embed_tokens.weight"] = weights.pop("lm_head.weight")  # Q8_0 blocks, tied
+    cpu = ModelRunner.from_weights(cfg, dict(weights), BLOCK, NUM_BLOCKS)
+    dev = ModelRunner.from_weights(
+        cfg, dict(weights), BLOCK, NUM_BLOCKS, backend="triton", max_num_seqs=4
+    )
+    assert cpu.model.embed is cpu.model.lm_head  # one copy: the blocks
+    assert isinstance(dev.model.embed, torch.Tensor)
+    assert isinstance(dev.model.lm_head, DeviceQuantWeight)
+    assert torch.equal(dev.model.embed.cpu(), weights["model.embed_tokens.weight"].dequantize())
+    want_tokens, _ = drive(cpu)
+    tokens, _ = drive(dev)
+    assert tokens == want_tokens
+
+
 def _embed_steps(runner: ModelRunner, kind: str) -> tuple[bytes, list[int]]:
     """A's prompt as an embedding request in two chunks, beside C generating (its prefill,
     then decode rows; one-row steps of the embedding itself: E's pattern); returns the vector's
