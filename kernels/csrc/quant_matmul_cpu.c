@@ -123,14 +123,18 @@ static inline void scale_min_k4(int j, const uint8_t* q, int* sc, int* m) {
 #ifdef KVF_AVX2
 // 32 small integers (bytes, signed) -> floats scaled: o[i] = s0 * q[i] - m0 for i < 16 and
 // s1 * q[i] - m1 after (Q6_K's two 16-weight scales; Q4_K passes one scale twice), the
-// scalar decoder's operations lane by lane (a product, then a difference).
-static inline void scale32(__m256i q, float s0, float s1, float m0, float m1, float* o) {
+// scalar decoder's operations lane by lane (a product, then a difference; the types without a
+// min take the product alone, as their decoders do).
+static inline __attribute__((always_inline)) void scale32(__m256i q, float s0, float s1,
+                                                          float m0, float m1, float* o,
+                                                          const int with_min) {
     const __m128i a = _mm256_castsi256_si128(q), b = _mm256_extracti128_si256(q, 1);
     const __m128i part[4] = {a, _mm_srli_si128(a, 8), b, _mm_srli_si128(b, 8)};
     for (int c = 0; c < 4; c++) {
         const __m256 v = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(part[c]));
-        const __m256 s = _mm256_set1_ps(c < 2 ? s0 : s1), m = _mm256_set1_ps(c < 2 ? m0 : m1);
-        _mm256_storeu_ps(o + 8 * c, _mm256_sub_ps(_mm256_mul_ps(s, v), m));
+        __m256 r = _mm256_mul_ps(_mm256_set1_ps(c < 2 ? s0 : s1), v);
+        if (with_min) r = _mm256_sub_ps(r, _mm256_set1_ps(c < 2 ? m0 : m1));
+        _mm256_storeu_ps(o + 8 * c, r);
     }
 }
 
@@ -159,9 +163,9 @@ static void decode_unit_avx2(const uint8_t* blk, int type, float* o) {
         __m256i q = _mm256_set_m128i(hi, lo);  // weights 0..15, then 16..31
         q = _mm256_or_si256(q, _mm256_and_si256(bits, _mm256_set1_epi8(0x10)));
         if (q1) {  // d * q + m (as d * q - (-m): the same rounding)
-            scale32(q, d, d, -m, -m, o);
+            scale32(q, d, d, -m, -m, o, 1);
         } else {  // d * (q - 16)
-            scale32(_mm256_sub_epi8(q, _mm256_set1_epi8(16)), d, d, 0.0f, 0.0f, o);
+            scale32(_mm256_sub_epi8(q, _mm256_set1_epi8(16)), d, d, 0.0f, 0.0f, o, 0);
         }
         return;
     }
@@ -178,7 +182,7 @@ static void decode_unit_avx2(const uint8_t* blk, int type, float* o) {
                 __m256i q = _mm256_and_si256(h ? _mm256_srli_epi16(raw, 4) : raw, low4);
                 const __m256i b = _mm256_and_si256(_mm256_srli_epi16(qh, j), _mm256_set1_epi8(1));
                 q = _mm256_or_si256(q, _mm256_slli_epi16(b, 4));
-                scale32(q, ds, ds, dm, dm, o + 32 * j);
+                scale32(q, ds, ds, dm, dm, o + 32 * j, 1);
             }
         }
         return;
@@ -192,7 +196,7 @@ static void decode_unit_avx2(const uint8_t* blk, int type, float* o) {
                 scale_min_k4(2 * g + h, blk + 4, &sc, &m);
                 const float ds = d * (float)sc, dm = dmin * (float)m;
                 const __m256i q = _mm256_and_si256(h ? _mm256_srli_epi16(raw, 4) : raw, low4);
-                scale32(q, ds, ds, dm, dm, o + 32 * (2 * g + h));
+                scale32(q, ds, ds, dm, dm, o + 32 * (2 * g + h), 1);
             }
         }
         return;
@@ -210,7 +214,7 @@ static void decode_unit_avx2(const uint8_t* blk, int type, float* o) {
         u = _mm256_and_si256(_mm256_srli_epi16(u, shift), _mm256_set1_epi8(3));
         __m256i q = _mm256_or_si256(l, _mm256_slli_epi16(u, 4));  // 6 bits: no byte overflow
         q = _mm256_sub_epi8(q, _mm256_set1_epi8(32));
-        scale32(q, d * (float)sc[2 * c], d * (float)sc[2 * c + 1], 0.0f, 0.0f, o + 32 * c);
+        scale32(q, d * (float)sc[2 * c], d * (float)sc[2 * c + 1], 0.0f, 0.0f, o + 32 * c, 0);
     }
 }
 #endif
