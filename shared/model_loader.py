@@ -94,6 +94,12 @@ def check_model(
             f"{path}: {what} needs kvflow's own implementation of the model; this one runs "
             f"through transformers (--model-impl {model_impl}), which serves neither"
         )
+    if cfg.num_experts and (tensor_parallel_size > 1 or enable_lora):
+        what = "--tensor-parallel-size > 1" if tensor_parallel_size > 1 else "--enable-lora"
+        raise ModelConfigError(
+            f"{path}: {what} is not served yet for mixtures of experts ({cfg.family}): serve "
+            "it on one device per worker without adapters, and scale workers"
+        )
     if cfg.encoder and (tensor_parallel_size > 1 or enable_lora):
         what = "--tensor-parallel-size > 1" if tensor_parallel_size > 1 else "--enable-lora"
         raise ModelConfigError(
@@ -367,7 +373,7 @@ def expected_names(cfg: ModelConfig) -> set[str]:
     if not cfg.tie_word_embeddings:
         names.add("lm_head.weight")
     for i in range(cfg.num_layers):
-        names |= {f"model.layers.{i}.{n}" for n in fam.layer_weight_names(cfg)}
+        names |= {f"model.layers.{i}.{n}" for n in fam.layer_weight_names(cfg, i)}
     return names
 
 

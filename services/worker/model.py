@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from kernels import cpu_layer_ops
 from kernels import reference as K
 from kernels.cpu_gemm import PackedWeight, PanelWeight, panel_available
+from kernels.moe import MoEWeights, moe_block
 from kernels.ops import KernelBackend
 from kernels.stacked_weight import StackedWeight
 from services.worker.step_inputs import DeviceBatch
@@ -143,8 +144,7 @@ class DecoderModel(PagedModel):
         self._dtype, self._device = final_norm.dtype, final_norm.device
         self.norm = self._norm_weight(final_norm, weights.get("model.norm.bias"))
         self.layers: list[Layer] = [
-            self._build_layer(weights, f"model.layers.{i}.", fam.norms)
-            for i in range(cfg.num_layers)
+            self._build_layer(weights, i, fam.norms) for i in range(cfg.num_layers)
         ]
         # one cos | sin table per distinct RoPE (Gemma 3: global and local), by layer
         specs = list(dict.fromkeys(cfg.layer_rope(i) for i in range(cfg.num_layers)))
@@ -160,6 +160,19 @@ class DecoderModel(PagedModel):
         # tensor parallelism: this rank's collectives (services/worker/tensor_parallel.py);
         # None: the whole model here
         self.tp: TPGroup | None = None
+        # tokens per routed expert, summed over the MoE layers of the steps since the last
+        # take_expert_load() (None: none ran)
+        self._expert_load: torch.Tensor | None = None
+
+    def record_expert_load(self, load: torch.Tensor) -> None:
+        """Add one MoE layer's tokens per expert [E] to the load since the last take."""
+        self._expert_load = load if self._expert_load is None else self._expert_load + load
+
+    def take_expert_load(self) -> list[int] | None:
+        """The tokens each expert took (summed over MoE layers) since the last call; None for a
+        dense model or when no MoE layer ran."""
+        load, self._expert_load = self._expert_load, None
+        return None if load is None else load.tolist()
 
     def _norm_weight(self, w: torch.Tensor, bias: torch.Tensor | None = None) -> Any:
         """A norm's scale as the kernels multiply by it: ``offset + w`` (Gemma's ``1 + w``,
@@ -170,8 +183,8 @@ class DecoderModel(PagedModel):
             return w
         return (self.cfg.norm_offset + w.float()).to(w.dtype)
 
-    def _build_layer(self, weights: dict[str, Any], p: str, norms: dict[str, str]) -> Layer:
-        dt = self._dtype
+    def _build_layer(self, weights: dict[str, Any], i: int, norms: dict[str, str]) -> Layer:
+        dt, p, moe = self._dtype, f"model.layers.{i}.", self.cfg.is_moe(i)
         attn = [f"{p}self_attn.{n}_proj" for n in "qkv"]
         mlp = [f"{p}mlp.{n}_proj" for n in (("gate", "up") if self.cfg.gated_mlp else ("up",))]
         layer: Layer = {
@@ -179,10 +192,11 @@ class DecoderModel(PagedModel):
             "qkv_bias": _cat_bias(weights, [n + ".bias" for n in attn]),
             "o": weights[f"{p}self_attn.o_proj.weight"],
             "o_bias": weights.get(f"{p}self_attn.o_proj.bias"),
-            "gate_up": _fuse([weights[n + ".weight"] for n in mlp], dt),
-            "gate_up_bias": _cat_bias(weights, [n + ".bias" for n in mlp]),
-            "down": weights[f"{p}mlp.down_proj.weight"],
-            "down_bias": weights.get(f"{p}mlp.down_proj.bias"),
+            "gate_up": None if moe else _fuse([weights[n + ".weight"] for n in mlp], dt),
+            "gate_up_bias": None if moe else _cat_bias(weights, [n + ".bias" for n in mlp]),
+            "down": None if moe else weights[f"{p}mlp.down_proj.weight"],
+            "down_bias": None if moe else weights.get(f"{p}mlp.down_proj.bias"),
+            "moe": self._build_moe(weights, p) if moe else None,
         }
         for role in ("attn_norm", "attn_out_norm", "mlp_norm", "mlp_out_norm", "q_norm", "k_norm"):
             name = norms.get(role)
@@ -190,6 +204,28 @@ class DecoderModel(PagedModel):
             b = weights.get(f"{p}{name}.bias") if name else None
             layer[role] = None if w is None else self._norm_weight(w, b)
         return layer
+
+    def _build_moe(self, weights: dict[str, Any], p: str) -> MoEWeights:
+        """An MoE layer's router and experts (each expert's gate and up fused)."""
+        cfg, dt = self.cfg, self._dtype
+
+        def gate_up(prefix: str) -> Any:
+            return _fuse([weights[f"{prefix}.{n}_proj.weight"] for n in ("gate", "up")], dt)
+
+        experts = [f"{p}mlp.experts.{e}" for e in range(cfg.num_experts)]
+        shared = f"{p}mlp.shared_expert"
+        return MoEWeights(
+            router=weights[f"{p}mlp.gate.weight"],
+            gate_up=[gate_up(e) for e in experts],
+            down=[weights[f"{e}.down_proj.weight"] for e in experts],
+            top_k=cfg.experts_per_token,
+            renormalize=cfg.moe_renormalize,
+            shared_gate_up=gate_up(shared) if cfg.shared_expert_size else None,
+            shared_down=weights[f"{shared}.down_proj.weight"] if cfg.shared_expert_size else None,
+            shared_gate=weights[f"{p}mlp.shared_expert_gate.weight"]
+            if cfg.shared_expert_size
+            else None,
+        )
 
     @property
     def length_dependent_rope(self) -> bool:
@@ -220,6 +256,14 @@ class DecoderModel(PagedModel):
                 w = layer[name]
                 if isinstance(w, torch.Tensor):
                     layer[name] = pack(w)
+            m = layer["moe"]
+            if m is not None:
+                m.gate_up = [pack(w) if isinstance(w, torch.Tensor) else w for w in m.gate_up]
+                m.down = [pack(w) if isinstance(w, torch.Tensor) else w for w in m.down]
+                for name in ("router", "shared_gate_up", "shared_down", "shared_gate"):
+                    w = getattr(m, name)
+                    if isinstance(w, torch.Tensor):
+                        setattr(m, name, pack(w))
         if isinstance(self.lm_head, torch.Tensor):
             self.lm_head = pack(self.lm_head)
         return "panels" if pack is PanelWeight else "oneDNN"
@@ -235,8 +279,16 @@ class DecoderModel(PagedModel):
     def linear_weights(self) -> list[Any]:
         """One linear weight of each distinct shape (what batch-invariance calibration tests)."""
         seen: dict[tuple[int, ...], Any] = {}
-        for w in (*(self.layers[0][n] for n in ("qkv", "o", "gate_up", "down")), self.lm_head):
-            seen.setdefault(tuple(w.shape), w)
+        ws = [self.layers[0][n] for n in ("qkv", "o")]
+        for layer in self.layers:  # one dense MLP and one MoE layer (the first of each)
+            ws += [layer["gate_up"], layer["down"]]
+            m = layer["moe"]
+            if m is not None:
+                ws += [m.router, m.gate_up[0], m.down[0]]
+                ws += [m.shared_gate_up, m.shared_down, m.shared_gate]
+        for w in (*ws, self.lm_head):
+            if w is not None:
+                seen.setdefault(tuple(w.shape), w)
         return list(seen.values())
 
     # -- the two paths --------------------------------------------------------------------
@@ -329,12 +381,16 @@ class DecoderModel(PagedModel):
             residual = x
         else:
             x, residual = st.norm(h, layer["mlp_norm"], residual)
-        gate_up = _lora(
-            lora, i, "gate_up", x, _plus(st.linear(x, layer["gate_up"]), layer["gate_up_bias"])
-        )
-        m = st.act(gate_up)
-        h = _reduce(tp, _lora(lora, i, "down", m, st.linear(m, layer["down"])))
-        h = _plus(h, layer["down_bias"])
+        if layer["moe"] is not None:
+            h, load = moe_block(x, layer["moe"], st.linear, st.head_linear, st.act)
+            st.expert_load(i, load)
+        else:
+            gate_up = _lora(
+                lora, i, "gate_up", x, _plus(st.linear(x, layer["gate_up"]), layer["gate_up_bias"])
+            )
+            m = st.act(gate_up)
+            h = _reduce(tp, _lora(lora, i, "down", m, st.linear(m, layer["down"])))
+            h = _plus(h, layer["down_bias"])
         if layer["mlp_out_norm"] is not None:
             h = st.norm(h, layer["mlp_out_norm"])[0]
         if cfg.residual_multiplier != 1.0:
@@ -403,6 +459,10 @@ class StepOps:
 
     def act(self, gate_up: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
+
+    def expert_load(self, layer: int, load: torch.Tensor) -> None:
+        """Record the tokens each expert of MoE layer ``layer`` took this step."""
+        self.model.record_expert_load(load)
 
     def rope_write(
         self, qkv: torch.Tensor, table: int, cache: tuple[torch.Tensor, torch.Tensor]

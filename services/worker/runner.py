@@ -141,6 +141,8 @@ class ModelRunner:
         self.kv_caches = self.model.make_kv_caches(self._num_blocks, kv.block_size)
         self._max_model_len = max_model_len(self.config, self._num_blocks, kv)
         self.draft = DraftProposer(draft, self._num_blocks, kv.block_size) if draft else None
+        if lora is not None and self.config.num_experts:
+            raise ValueError(f"{self.config.family}: LoRA adapters on experts are not served yet")
         self.loras = (
             LoRACache(
                 self.config,
@@ -162,6 +164,7 @@ class ModelRunner:
         if (
             self.ops is not None
             and not self.config.encoder
+            and not self.config.num_experts  # experts' token counts are data: eager steps
             and (graphs or graphs is None and self.on_cuda)
         ):
             self.graphs = make_decode_graphs(

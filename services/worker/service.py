@@ -239,6 +239,8 @@ class WorkerService:
             await self.bus.publish(subjects.RESULTS, result)
             self.last_heard = time.monotonic()  # a step's time is not the scheduler's silence
             self.telemetry.step_done(plan, result, t0)
+            take = getattr(getattr(self.runner, "model", None), "take_expert_load", None)
+            self.telemetry.expert_load(take() if take is not None else None)
             if stored:
                 self.bus.spawn(self.tiers.store(stored))
 

@@ -94,6 +94,14 @@ class WorkerTelemetry:
             buckets=STEP_BUCKETS,
             registry=r,
         )
+        self.expert_tokens = Histogram(
+            "kvflow:worker_expert_tokens",
+            "Tokens one routed expert took in one step, summed over the MoE layers (one "
+            "observation per expert per step: a wide spread is an imbalanced load)",
+            w,
+            buckets=(0, *TOKEN_BUCKETS),
+            registry=r,
+        )
         self.weight_bytes = Gauge(
             "kvflow:worker_weight_bytes",
             "Bytes the model's weights hold in memory as loaded (blocks of a quantized weight "
@@ -185,6 +193,13 @@ class WorkerTelemetry:
                 "kvflow.new_requests": len(plan.new_requests),
             },
         )
+
+    def expert_load(self, load: list[int] | None) -> None:
+        """A step's tokens per expert (``DecoderModel.take_expert_load``; None: no MoE)."""
+        if load:
+            h = self.expert_tokens.labels(self.worker_id)
+            for n in load:
+                h.observe(n)
 
     def step_done(self, plan: StepPlan, result: StepResult, t0: float) -> None:
         """After ``plan`` ran and its ``result`` was sent (the step's time is the worker's own

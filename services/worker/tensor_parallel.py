@@ -109,6 +109,8 @@ def shard_weights(
     down) by input columns (their biases whole: they are added once, after the sum), the
     embedding and LM head cut to the rank's vocabulary rows; norms (q/k norms per head
     included) replicated."""
+    if cfg.num_experts:
+        raise ValueError(f"{cfg.family}: tensor parallelism does not shard experts yet")
     q_rows, kv_rows, inter = _features(cfg, layout)
     vocab = slice(layout.vocab.start, layout.vocab.stop)
     out: dict[str, torch.Tensor] = {}

@@ -109,6 +109,19 @@ class ModelConfig:
     num_labels: int = 0  # a sequence-classification head's classes (0: no head)
     classifier: str = ""  # "bert" (pooler + classifier) | "roberta" (classifier.dense/out_proj)
     score_activation: str = "sigmoid"  # a one-label head's score: "sigmoid" | "identity"
+    # mixtures of experts (shared/models/families/moe.py): 0 experts is a dense model
+    num_experts: int = 0  # routed experts per MoE layer
+    experts_per_token: int = 0  # top-k
+    moe_intermediate_size: int = 0  # each expert's intermediate features
+    moe_renormalize: bool = False  # the top-k probabilities rescaled to sum to 1
+    shared_expert_size: int = 0  # a sigmoid-gated expert every token takes (Qwen2-MoE); 0: none
+    moe_layers: tuple[bool, ...] = ()  # per layer: an MoE (True) or a dense MLP; (): all MoE
+
+    def is_moe(self, layer: int) -> bool:
+        """Whether layer ``layer``'s MLP is a mixture of experts."""
+        if not self.num_experts:
+            return False
+        return self.moe_layers[layer] if self.moe_layers else True
 
     def __post_init__(self) -> None:
         if self.rope is None:

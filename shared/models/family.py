@@ -44,11 +44,23 @@ class Family:
     split: Callable[[dict[str, Any], Any], dict[str, Any]] | None = None  # fused -> Llama names
     ignored: frozenset[str] = field(default_factory=frozenset)  # fields with no effect here
 
-    def layer_weight_names(self, cfg: Any) -> list[str]:
-        """The names of one layer's tensors (suffixes after ``model.layers.N.``) that ``cfg``
-        needs."""
+    def layer_weight_names(self, cfg: Any, layer: int = 0) -> list[str]:
+        """The names of layer ``layer``'s tensors (suffixes after ``model.layers.N.``) that
+        ``cfg`` needs: an MoE layer has a router (``mlp.gate``) and experts
+        (``mlp.experts.E.gate_proj`` ...; a shared expert and its gate where the family has
+        them) in place of the MLP's projections."""
         mlp = ("gate", "up", "down") if cfg.gated_mlp else ("up", "down")
         names = [f"{n}.weight" for n in LINEARS if cfg.gated_mlp or n != "mlp.gate_proj"]
+        if cfg.is_moe(layer):
+            names = [n for n in names if not n.startswith("mlp.")] + ["mlp.gate.weight"]
+            names += [
+                f"mlp.experts.{e}.{p}_proj.weight"
+                for e in range(cfg.num_experts)
+                for p in ("gate", "up", "down")
+            ]
+            if cfg.shared_expert_size:
+                names += [f"mlp.shared_expert.{p}_proj.weight" for p in ("gate", "up", "down")]
+                names.append("mlp.shared_expert_gate.weight")
         if cfg.qkv_bias:
             names += [f"self_attn.{p}_proj.bias" for p in "qkv"]
         if cfg.o_bias:

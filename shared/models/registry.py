@@ -26,7 +26,7 @@ from shared.models.family import Family
 
 log = logging.getLogger("kvflow.model")
 
-_MODULES = ("llama", "qwen", "gemma", "phi3", "granite", "olmo2", "starcoder2", "bert")
+_MODULES = ("llama", "qwen", "gemma", "phi3", "granite", "olmo2", "starcoder2", "moe", "bert")
 
 
 @cache

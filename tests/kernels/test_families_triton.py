@@ -2,7 +2,8 @@
 features too: Gemma 2 (sliding windows and attention soft-caps in both attention kernels,
 GELU-tanh, sandwich norms), Qwen3 (per-head q/k norms, a window on one layer) and Phi-3
 (longrope: each token's rows picked from its sequence's prompt length on the device, which also
-turns the decode graphs off). Greedy output through the real scheduler core equals
+turns the decode graphs off) and Qwen2-MoE (experts grouped by token on the device, a shared
+expert, a dense layer; eager steps). Greedy output through the real scheduler core equals
 transformers', batched under chunked prefill."""
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ NEW = 10  # positions past the windows (6) and phi3's original length (16)
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
-@pytest.mark.parametrize("family", ["gemma2", "qwen3", "phi3"])
+@pytest.mark.parametrize("family", ["gemma2", "qwen3", "phi3", "qwen2_moe"])
 def test_device_path_equals_transformers(family: str, tmp_path) -> None:
     hf = save_model(family, tmp_path)
     want = [hf_greedy(hf, p, NEW) for p in PROMPTS]
@@ -40,7 +41,8 @@ def test_device_path_equals_transformers(family: str, tmp_path) -> None:
         cuda_graphs=True,  # the padded static-buffer decode path (run eagerly on a CPU)
         max_num_seqs=4,
     )
-    assert (runner.graphs is None) == (family == "phi3")  # longrope: no decode graphs
+    # longrope, experts (their token counts are data): no decode graphs
+    assert (runner.graphs is None) == (family in ("phi3", "qwen2_moe"))
     greedy = SamplingParams(max_tokens=NEW, temperature=0.0, ignore_eos=True)
     got, _ = run(new_core(max_num_batched_tokens=8), runner, [(p, None) for p in PROMPTS], greedy)
     assert got == want

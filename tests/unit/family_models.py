@@ -110,6 +110,26 @@ CONFIGS: dict[str, Callable[[], tf.PretrainedConfig]] = {
         sliding_window=WINDOW,
         use_bias=True,
     ),
+    # mixtures of experts: 4 experts, top-2; the windowed/dense-layer features on where the
+    # family has them (Qwen2-MoE: its shared expert, a dense MLP on layer 1, no renormalising;
+    # Qwen3-MoE: renormalised top-k)
+    "mixtral": lambda: tf.MixtralConfig(
+        **SHAPE, num_local_experts=4, num_experts_per_tok=2, sliding_window=WINDOW
+    ),
+    "qwen2_moe": lambda: tf.Qwen2MoeConfig(
+        **SHAPE,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=48,
+        shared_expert_intermediate_size=80,
+        mlp_only_layers=[1],
+    ),
+    "qwen3_moe": lambda: tf.Qwen3MoeConfig(
+        **SHAPE, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48, norm_topk_prob=True
+    ),
+    "olmoe": lambda: tf.OlmoeConfig(
+        **{k: v for k, v in SHAPE.items() if k != "head_dim"}, num_experts=4, num_experts_per_tok=2
+    ),
 }
 
 
