@@ -18,6 +18,7 @@ and tokens per second.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import random
 import statistics
 import sys
@@ -25,7 +26,7 @@ import time
 
 import torch
 
-from benchmarks.random_model import random_llama
+from benchmarks.random_model import LlamaShape, random_llama
 from services.worker.runner import ModelRunner
 from shared.messages import NewRequest, SamplingParams, ScheduledSeq, StepPlan
 
@@ -71,6 +72,12 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--dtype", default="auto", help="auto (bf16 on CUDA, fp32 on CPU) | ...")
     ap.add_argument("--model", default="", help="GGUF file or HF directory (default SmolLM2)")
     ap.add_argument("--random-llama", action="store_true", help="a random 1B-class Llama")
+    shape = ap.add_argument_group("--random-llama's shape (default: 1B-class)")
+    shape.add_argument("--hidden", type=int, default=0, help="hidden size")
+    shape.add_argument("--layers", type=int, default=0, help="decoder layers")
+    shape.add_argument("--intermediate", type=int, default=0, help="MLP (each expert's) width")
+    shape.add_argument("--experts", type=int, default=0, help="> 0: MoE MLPs of this many")
+    shape.add_argument("--top-k", type=int, default=2, help="experts per token")
     ap.add_argument("--batch", type=int, nargs="+", default=[32])
     ap.add_argument("--context", type=int, default=300)
     ap.add_argument("--steps", type=int, default=10)
@@ -82,6 +89,32 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
         "--quantization", default="", help="'' (dense) | gguf | int8 | fp8 (CUDA) | gptq | awq"
     )
     return ap.parse_args(argv)
+
+
+def _shape(args: argparse.Namespace) -> LlamaShape:
+    """``--random-llama``'s shape: the 1B-class default with the given dimensions replaced."""
+    changes = {
+        k: v
+        for k, v in (
+            ("hidden", args.hidden),
+            ("layers", args.layers),
+            ("intermediate", args.intermediate),
+            ("experts", args.experts),
+        )
+        if v
+    }
+    if args.hidden:  # keep 64-wide heads
+        changes |= {"heads": args.hidden // 64, "kv_heads": max(1, args.hidden // 256)}
+    return dataclasses.replace(LlamaShape(), **changes, top_k=args.top_k)
+
+
+def _shape_name(s: LlamaShape) -> str:
+    params = s.num_params() / 1e9
+    what = f"{s.experts} experts of {s.intermediate}, top-{s.top_k}" if s.experts else "dense"
+    return (
+        f"random Llama-shaped model ({params:.2f}B parameters: hidden {s.hidden}, {s.layers} "
+        f"layers, {what}, {s.active_intermediate} active MLP features per token)"
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -106,18 +139,19 @@ def main(argv: list[str] | None = None) -> int:
         }
     t0 = time.perf_counter()
     if args.random_llama:
+        shape = _shape(args)
         if args.quantization in ("int8", "fp8"):  # rounded on the host, as load_weights does
             from shared.model_loader import round_weights
 
-            cfg, weights = random_llama(torch.float32, torch.device("cpu"))
+            cfg, weights = random_llama(torch.float32, torch.device("cpu"), shape=shape)
             weights = {n: w.to(dtype) for n, w in weights.items()}
             weights = round_weights(weights, args.quantization)
         elif args.quantization:
             raise SystemExit("--random-llama takes --quantization int8 or fp8 (no checkpoint)")
         else:
-            cfg, weights = random_llama(dtype, device)
+            cfg, weights = random_llama(dtype, device, shape=shape)
         runner = ModelRunner.from_weights(cfg, weights, bs, num_blocks, max_model_len=max_len, **kw)
-        name = "random 1B-class Llama" + (
+        name = _shape_name(shape) + (
             f" --quantization {args.quantization}" if args.quantization else ""
         )
     else:

@@ -1,4 +1,5 @@
-"""A random-weight Llama of a given shape, under Hugging Face weight names, for the benchmarks
+"""A random-weight Llama (or, with ``experts``, a Mixtral-like mixture of experts) of a given
+shape, under Hugging Face weight names, for the benchmarks
 that time the worker's model (benchmarks/decode.py, benchmarks/kernels.py) and for tests of
 their code paths: ``LlamaShape`` (default: a 1B-class model, Llama-3.2-1B without its 128k
 vocabulary) and ``random_llama``, whose config and weights ``DecoderModel`` and ``ModelRunner``
@@ -27,6 +28,13 @@ class LlamaShape:
     rope_theta: float = 500000.0
     eps: float = 1e-5
     max_position: int = 8192
+    experts: int = 0  # > 0: every MLP a mixture of this many experts of ``intermediate`` each
+    top_k: int = 2  # experts per token
+
+    @property
+    def active_intermediate(self) -> int:
+        """The intermediate features a token goes through (an MoE's top-k experts' total)."""
+        return self.intermediate * (self.top_k if self.experts else 1)
 
     @property
     def head_dim(self) -> int:
@@ -34,7 +42,8 @@ class LlamaShape:
 
     def num_params(self) -> int:
         d, kv = self.hidden, self.kv_heads * self.head_dim
-        per_layer = d * (d + 2 * kv) + d * d + 3 * d * self.intermediate + 2 * d
+        mlp = 3 * d * self.intermediate * max(self.experts, 1) + self.experts * d
+        per_layer = d * (d + 2 * kv) + d * d + mlp + 2 * d
         return self.layers * per_layer + 2 * self.vocab * d + d
 
 
@@ -58,6 +67,11 @@ def random_llama(
         tie_word_embeddings=False,
         bos_token_id=None,
         eos_token_ids=(s.vocab - 1,),
+        family="mixtral" if s.experts else "llama",
+        num_experts=s.experts,
+        experts_per_token=s.top_k if s.experts else 0,
+        moe_intermediate_size=s.intermediate if s.experts else 0,
+        moe_renormalize=bool(s.experts),
     )
     g = torch.Generator(device=device).manual_seed(seed)
 
@@ -80,8 +94,14 @@ def random_llama(
             p + "self_attn.k_proj.weight": w(kv, d),
             p + "self_attn.v_proj.weight": w(kv, d),
             p + "self_attn.o_proj.weight": w(d, d),
-            p + "mlp.gate_proj.weight": w(i, d),
-            p + "mlp.up_proj.weight": w(i, d),
-            p + "mlp.down_proj.weight": w(d, i),
         }
+        experts = [f"{p}mlp.experts.{e}." for e in range(s.experts)] or [p + "mlp."]
+        for e in experts:
+            weights |= {
+                e + "gate_proj.weight": w(i, d),
+                e + "up_proj.weight": w(i, d),
+                e + "down_proj.weight": w(d, i),
+            }
+        if s.experts:
+            weights[p + "mlp.gate.weight"] = w(s.experts, d, std=1.0)  # sharp, uneven routes
     return cfg, weights

@@ -459,3 +459,19 @@ def test_lora_requests_info_names_running_and_waiting_adapters(spans) -> None:
     labels = info[0].labels
     assert (labels["running_lora_adapters"], labels["waiting_lora_adapters"]) == ("sql", "chat")
     assert labels["max_lora"] == "1" and info[0].value > 0
+
+
+def test_the_worker_exports_each_experts_load_per_step() -> None:
+    """kvflow:worker_expert_tokens: one observation per expert per step (MoE models only)."""
+    tel = WorkerTelemetry("w-moe")
+    tel.expert_load(None)  # a dense model's step: nothing
+    tel.expert_load([6, 0, 2, 0])
+    fams = {
+        f.name: f for f in text_string_to_metric_families(generate_latest(tel.registry).decode())
+    }
+    samples = {
+        (s.name, s.labels.get("le")): s.value for s in fams["kvflow:worker_expert_tokens"].samples
+    }
+    assert samples[("kvflow:worker_expert_tokens_count", None)] == 4
+    assert samples[("kvflow:worker_expert_tokens_sum", None)] == 8
+    assert samples[("kvflow:worker_expert_tokens_bucket", "0.0")] == 2  # two idle experts
