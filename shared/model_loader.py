@@ -94,11 +94,10 @@ def check_model(
             f"{path}: {what} needs kvflow's own implementation of the model; this one runs "
             f"through transformers (--model-impl {model_impl}), which serves neither"
         )
-    if cfg.num_experts and (tensor_parallel_size > 1 or enable_lora):
-        what = "--tensor-parallel-size > 1" if tensor_parallel_size > 1 else "--enable-lora"
+    if cfg.num_experts and enable_lora:
         raise ModelConfigError(
-            f"{path}: {what} is not served yet for mixtures of experts ({cfg.family}): serve "
-            "it on one device per worker without adapters, and scale workers"
+            f"{path}: --enable-lora is not served yet for mixtures of experts ({cfg.family}): "
+            "serve it without adapters"
         )
     if cfg.encoder and (tensor_parallel_size > 1 or enable_lora):
         what = "--tensor-parallel-size > 1" if tensor_parallel_size > 1 else "--enable-lora"

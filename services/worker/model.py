@@ -383,6 +383,7 @@ class DecoderModel(PagedModel):
             x, residual = st.norm(h, layer["mlp_norm"], residual)
         if layer["moe"] is not None:
             h, load = moe_block(x, layer["moe"], st.linear, st.head_linear, st.act)
+            h = _reduce(tp, h)  # each rank's experts hold a slice of their features
             st.expert_load(i, load)
         else:
             gate_up = _lora(

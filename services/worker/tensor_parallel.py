@@ -42,6 +42,8 @@ class TPLayout:
     kv_heads: tuple[int, ...]
     inter: range
     vocab: range
+    moe_inter: range = range(0)  # of each routed expert's intermediate features (MoE)
+    shared_inter: range = range(0)  # of the shared expert's (Qwen2-MoE)
 
 
 def _split(n: int, world: int, rank: int) -> range:
@@ -58,8 +60,13 @@ def tp_layout(cfg: ModelConfig, rank: int, world: int) -> TPLayout:
         raise ValueError(f"rank {rank} is not in a group of {world}")
     if cfg.qk_norm == "full" and world > 1:
         raise ValueError(
-            f"{cfg.family}: its q/k norms run over all heads together (OLMo 2); tensor "
+            f"{cfg.family}: its q/k norms run over all heads together (OLMo 2, OLMoE); tensor "
             "parallelism would need one more all-reduce per layer and is not supported for it"
+        )
+    if cfg.num_experts and world > cfg.moe_intermediate_size:
+        raise ValueError(
+            f"--tensor-parallel-size {world} is more than the experts' "
+            f"{cfg.moe_intermediate_size} intermediate features"
         )
     if world > cfg.num_heads:
         raise ValueError(
@@ -79,6 +86,8 @@ def tp_layout(cfg: ModelConfig, rank: int, world: int) -> TPLayout:
         kv_heads,
         _split(cfg.intermediate_size, world, rank),
         _split(cfg.vocab_size, world, rank),
+        _split(cfg.moe_intermediate_size, world, rank),
+        _split(cfg.shared_expert_size, world, rank),
     )
 
 
@@ -90,6 +99,8 @@ def shard_config(cfg: ModelConfig, layout: TPLayout) -> ModelConfig:
         num_heads=len(layout.heads),
         num_kv_heads=len(layout.kv_heads),
         intermediate_size=len(layout.inter),
+        moe_intermediate_size=len(layout.moe_inter),
+        shared_expert_size=len(layout.shared_inter),
     )
 
 
@@ -108,10 +119,16 @@ def shard_weights(
     projections (q/k/v, gate/up) and their biases cut by output rows, row-parallel ones (o,
     down) by input columns (their biases whole: they are added once, after the sum), the
     embedding and LM head cut to the rank's vocabulary rows; norms (q/k norms per head
-    included) replicated."""
-    if cfg.num_experts:
-        raise ValueError(f"{cfg.family}: tensor parallelism does not shard experts yet")
+    included) replicated. A mixture of experts: every routed expert and the shared expert cut
+    as an MLP is, each by its own intermediate features (one all-reduce per MoE layer, as
+    vLLM's default); the router and the shared expert's gate replicated (every rank routes
+    the same)."""
     q_rows, kv_rows, inter = _features(cfg, layout)
+    mlp_rows = {  # the intermediate features of each kind of MLP a layer may have
+        "experts": torch.arange(layout.moe_inter.start, layout.moe_inter.stop),
+        "shared_expert": torch.arange(layout.shared_inter.start, layout.shared_inter.stop),
+        "mlp": inter,
+    }
     vocab = slice(layout.vocab.start, layout.vocab.stop)
     out: dict[str, torch.Tensor] = {}
     for name, w in weights.items():
@@ -119,6 +136,8 @@ def shard_weights(
             raise ValueError(f"{name}: tensor parallelism takes dense weights (no --quantization)")
         module, _, kind = name.rpartition(".")
         proj = module.rsplit(".", 1)[-1]
+        owner = next((k for k in ("experts", "shared_expert") if f".{k}." in name), "mlp")
+        inter = mlp_rows[owner]
         if proj == "q_proj":
             out[name] = w[q_rows].contiguous()
         elif proj in ("k_proj", "v_proj"):

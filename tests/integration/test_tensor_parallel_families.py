@@ -1,5 +1,7 @@
-"""Tensor parallelism beyond Llama: Qwen2 (q/k/v biases, a sliding-window layer) and Gemma 3
-(sandwich norms, per-head q/k norms, interleaved windows and two RoPEs) cut over 2 gloo ranks
+"""Tensor parallelism beyond Llama: Qwen2 (q/k/v biases, a sliding-window layer), Gemma 3
+(sandwich norms, per-head q/k norms, interleaved windows and two RoPEs), Mixtral (every expert
+cut by its intermediate features) and Qwen2-MoE (experts, a shared expert, a dense layer) cut
+over 2 gloo ranks
 in spawned processes, each rank running the real scheduler core's plans: every rank's greedy
 tokens equal transformers' (tests/unit/family_models.py), batched under chunked prefill."""
 
@@ -42,7 +44,7 @@ def _rank(rank: int, world: int, init: str, path: str, results: dict) -> None:
         torch.distributed.destroy_process_group()
 
 
-@pytest.mark.parametrize("family", ["qwen2", "gemma3"])
+@pytest.mark.parametrize("family", ["qwen2", "gemma3", "mixtral", "qwen2_moe"])
 def test_two_ranks_equal_transformers(family: str) -> None:
     with tempfile.TemporaryDirectory() as tmp, mp.Manager() as manager:
         hf = save_model(family, Path(tmp) / "model")
