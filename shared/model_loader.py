@@ -17,6 +17,7 @@ import functools
 import json
 import logging
 import math
+import re
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -176,7 +177,7 @@ def _gguf_config(path: Path, strict: bool = False) -> ModelConfig:
     header = read_header(path, keep_strings=frozenset({"tokenizer.ggml.tokens"}))
     f = header.fields
     arch = f.get("general.architecture", "llama")
-    fam = family_for_gguf(arch, path.name)
+    fam = family_for_gguf(arch, path.name, int(f.get(f"{arch}.expert_count", 0) or 0))
     names = set(header.tensors)
     emb = header.tensors["token_embd.weight"]
     hidden = int(f[f"{arch}.embedding_length"])
@@ -219,6 +220,8 @@ def _gguf_config(path: Path, strict: bool = False) -> ModelConfig:
         raw.pop("attention_bias", None)
     if fam.name.startswith("gemma"):
         raw |= _gguf_gemma(fam.name, raw, f, arch)
+    if fam.name in _GGUF_MOE_RENORMALIZE:
+        raw |= _gguf_moe(fam.name, f, arch)
     if fam.name == "qwen2" and raw["sliding_window"]:
         raw["use_sliding_window"] = False  # llama.cpp runs Qwen2 without its window too
     scaling = f.get(f"{arch}.rope.scaling.type", "none")
@@ -262,6 +265,34 @@ def _gguf_extras(header: Any, f: dict[str, Any], arch: str, names: set[str]) -> 
     if f"{arch}.attention.scale" in f:
         raw["attention_multiplier"] = float(f[f"{arch}.attention.scale"])
     return raw
+
+
+_GGUF_MOE_RENORMALIZE = {"mixtral": True, "qwen2_moe": False, "qwen3_moe": True, "olmoe": False}
+"""Whether llama.cpp renormalises a family's top-k router weights (``build_moe_ffn``'s
+``norm_w`` in src/models/llama.cpp, qwen2moe.cpp, qwen3moe.cpp, olmoe.cpp: hardcoded per
+architecture, not in the GGUF)."""
+
+
+def _gguf_moe(name: str, f: dict[str, Any], arch: str) -> dict[str, Any]:
+    """A mixture of experts' fields from llama.cpp's keys: the expert count and top-k, each
+    expert's width (``expert_feed_forward_length``, else ``feed_forward_length``), the shared
+    expert's (Qwen2-MoE), whether the top-k is renormalised. Every layer is MoE (llama.cpp's
+    tensor tables have no dense MLP for these architectures)."""
+    out: dict[str, Any] = {
+        "num_experts": int(f[f"{arch}.expert_count"]),
+        "num_experts_per_tok": int(f[f"{arch}.expert_used_count"]),
+    }
+    width = f.get(f"{arch}.expert_feed_forward_length")
+    if name in ("qwen2_moe", "qwen3_moe"):
+        out["moe_intermediate_size"] = int(width or _first(f[f"{arch}.feed_forward_length"]))
+        out["norm_topk_prob"] = _GGUF_MOE_RENORMALIZE[name]
+    elif name == "olmoe":
+        out["norm_topk_prob"] = False
+    if name == "qwen2_moe":
+        out["shared_expert_intermediate_size"] = int(
+            f.get(f"{arch}.expert_shared_feed_forward_length", 0) or 0
+        )
+    return out
 
 
 _GGUF_EOT_TEXT = {"gemma2": "<end_of_turn>", "gemma3": "<end_of_turn>"}
@@ -458,6 +489,56 @@ def _gguf_names(arch: str, num_layers: int) -> dict[str, str]:
     return out
 
 
+_GGUF_MOE = re.compile(
+    r"blk\.(\d+)\.ffn_(gate_inp|gate_exps|up_exps|down_exps|gate_shexp|up_shexp|down_shexp"
+    r"|gate_inp_shexp)\.weight"
+)
+"""llama.cpp's mixture-of-experts tensors: the router (``ffn_gate_inp``), every expert's
+projection stacked in one 3-D tensor (``ffn_*_exps``), a shared expert and its gate."""
+
+
+def _gguf_moe_tensor(
+    t: Any, shape: tuple[int, ...], m: re.Match[str], quantized: bool, dtype: torch.dtype
+) -> dict[str, torch.Tensor | QuantWeight]:
+    """One MoE tensor of a GGUF under HF names: a stacked [E, N, K] tensor cut into each
+    expert's [N, K] (each keeping its rows of blocks when ``quantized`` and a kernel reads
+    them), the router and the shared expert's gate dense."""
+    from gguf.quants import dequantize
+
+    p, kind = f"model.layers.{m.group(1)}.mlp.", m.group(2)
+    keep = (
+        quantized
+        and int(t.tensor_type) in BLOCK_BYTES
+        and kind not in ("gate_inp", "gate_inp_shexp")
+    )
+
+    def dense() -> torch.Tensor:
+        arr = (
+            np.array(t.data, dtype=np.float32)
+            if t.tensor_type.name in ("F32", "F16")
+            else (dequantize(t.data, t.tensor_type))
+        )
+        return torch.from_numpy(np.ascontiguousarray(arr).reshape(shape)).to(dtype)
+
+    if kind == "gate_inp":
+        return {p + "gate.weight": dense()}
+    if kind == "gate_inp_shexp":
+        return {p + "shared_expert_gate.weight": dense().reshape(1, -1)}
+    proj = kind.split("_")[0] + "_proj.weight"
+    if kind.endswith("_shexp"):
+        name = p + "shared_expert." + proj
+        return {name: QuantWeight.from_gguf(t.data, int(t.tensor_type), shape) if keep else dense()}
+    experts, n, k = shape
+    if keep:
+        rows = np.ascontiguousarray(t.data, dtype=np.uint8).reshape(experts, n, -1)
+        return {
+            f"{p}experts.{e}.{proj}": QuantWeight.from_gguf(rows[e], int(t.tensor_type), (n, k))
+            for e in range(experts)
+        }
+    w = dense()
+    return {f"{p}experts.{e}.{proj}": w[e].clone() for e in range(experts)}
+
+
 def _gguf_weights(
     path: Path, cfg: ModelConfig, fam: Family, dtype: torch.dtype, quantized: bool = False
 ) -> dict[str, torch.Tensor | QuantWeight]:
@@ -468,7 +549,7 @@ def _gguf_weights(
     reader = _reader(path)
     arch = _gguf_fields(reader).get("general.architecture", "llama")
     names = _gguf_names(arch, cfg.num_layers)
-    tensors = [t for t in reader.tensors if t.name in names]
+    tensors = [t for t in reader.tensors if t.name in names or _GGUF_MOE.match(t.name)]
     if quantized:
         _log_kept(path, tensors)
     else:
@@ -477,6 +558,10 @@ def _gguf_weights(
     out: dict[str, torch.Tensor | QuantWeight] = {}
     for i, t in enumerate(tensors):
         shape = tuple(int(d) for d in reversed(t.shape))  # GGUF lists dims fastest-first
+        moe = _GGUF_MOE.match(t.name)
+        if moe:
+            out |= _gguf_moe_tensor(t, shape, moe, quantized, dtype)
+            continue
         name = names[t.name]
         if name.endswith("mlp.up_proj.weight") and shape[0] == 2 * cfg.intermediate_size:
             name = name.replace("up_proj", "gate_up_proj")  # Phi-3: gate and up in one ffn_up
@@ -509,15 +594,14 @@ def _log_kept(path: Path, tensors: list[Any]) -> None:
     from collections import Counter
 
     dense = {"F32", "F16", "BF16"}
-    kept = Counter(
-        t.tensor_type.name
-        for t in tensors
-        if int(t.tensor_type) in BLOCK_BYTES and len(t.shape) == 2 and t.name != "token_embd.weight"
-    )
+
+    def keeps(t: Any) -> bool:  # a projection (an expert's among a stacked 3-D tensor's)
+        router = "ffn_gate_inp" in t.name
+        return int(t.tensor_type) in BLOCK_BYTES and len(t.shape) in (2, 3) and not router
+
+    kept = Counter(t.tensor_type.name for t in tensors if keeps(t))
     other = Counter(
-        t.tensor_type.name
-        for t in tensors
-        if int(t.tensor_type) not in BLOCK_BYTES and t.tensor_type.name not in dense
+        t.tensor_type.name for t in tensors if not keeps(t) and t.tensor_type.name not in dense
     )
     if not kept:
         raise ValueError(
@@ -527,8 +611,8 @@ def _log_kept(path: Path, tensors: list[Any]) -> None:
             "it without --quantization"
         )
     log.info(
-        "kept in their blocks: %s; the token embedding is dense for lookups (a tied head "
-        "reads its blocks); norms and biases in fp32",
+        "kept in their blocks: %s (the token embedding looked up from its blocks, a tied "
+        "head reading the same); norms, biases and routers in fp32",
         ", ".join(f"{k} x{n}" for k, n in sorted(kept.items())),
     )
     if other:

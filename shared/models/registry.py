@@ -74,7 +74,11 @@ def family_for_config(raw: dict[str, Any], where: str = "config.json") -> Family
     raise unsupported(what, where)
 
 
-def family_for_gguf(arch: str, where: str) -> Family:
+def family_for_gguf(arch: str, where: str, experts: int = 0) -> Family:
+    """The family of a GGUF's ``general.architecture``; ``experts``: its expert count (llama.cpp
+    writes Mixtral as a ``llama`` with experts)."""
+    if arch == "llama" and experts:
+        return family("mixtral")
     for f in families().values():
         if arch in f.gguf_archs:
             return f

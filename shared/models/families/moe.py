@@ -108,22 +108,38 @@ def _mixtral_names(weights: dict[str, Any], cfg: Any) -> dict[str, Any]:
 
 
 FAMILIES = (
-    Family(
+    Family(  # a GGUF of it says "llama" with an expert count (registry.family_for_gguf)
         "mixtral",
         ("MixtralForCausalLM",),
         ("mixtral",),
         read_mixtral,
         LLAMA_NORMS,
+        gguf_permute_qk=True,
         split=_mixtral_names,
         ignored=frozenset({"layer_types"}),
     ),
-    Family("qwen2_moe", ("Qwen2MoeForCausalLM",), ("qwen2_moe",), read_qwen2_moe, LLAMA_NORMS),
+    Family(
+        "qwen2_moe",
+        ("Qwen2MoeForCausalLM",),
+        ("qwen2_moe",),
+        read_qwen2_moe,
+        LLAMA_NORMS,
+        gguf_archs=("qwen2moe",),
+    ),
     Family(
         "qwen3_moe",
         ("Qwen3MoeForCausalLM",),
         ("qwen3_moe",),
         read_qwen3_moe,
         LLAMA_NORMS | QK_NORMS,
+        gguf_archs=("qwen3moe",),
     ),
-    Family("olmoe", ("OlmoeForCausalLM",), ("olmoe",), read_olmoe, LLAMA_NORMS | QK_NORMS),
+    Family(
+        "olmoe",
+        ("OlmoeForCausalLM",),
+        ("olmoe",),
+        read_olmoe,
+        LLAMA_NORMS | QK_NORMS,
+        gguf_archs=("olmoe",),
+    ),
 )
