@@ -148,6 +148,20 @@ def launch_all(dtype: torch.dtype) -> None:
     ops.silu_and_mul(torch.empty(8, 2 * 8192, dtype=dtype))
     ops.gelu_tanh_and_mul(torch.empty(8, 2 * 8192, dtype=dtype))
     _launch_quant_matmuls(dtype)
+    _launch_moe(dtype)
+
+
+def _launch_moe(dtype: torch.dtype) -> None:
+    """kernels/triton_moe.py's grouped expert GEMMs (8 experts of 1408, top-2, hidden 2048) at
+    a decode and a prefill row count."""
+    from kernels.triton_moe import moe_experts
+
+    e, h, i = 8, 2048, 1408
+    up, down = torch.empty(e, 2 * i, h, dtype=dtype), torch.empty(e, h, i, dtype=dtype)
+    for t in (8, 512):
+        ids = torch.randint(0, e, (t, 2))
+        x = torch.empty(t, h, dtype=dtype)
+        moe_experts(x, torch.rand(t, 2), ids, up, down, lambda g: g[:, :i].contiguous())
 
 
 def _launch_quant_matmuls(dtype: torch.dtype) -> None:

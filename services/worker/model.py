@@ -268,6 +268,12 @@ class DecoderModel(PagedModel):
             self.lm_head = pack(self.lm_head)
         return "panels" if pack is PanelWeight else "oneDNN"
 
+    def stack_experts(self) -> int:
+        """Stack each MoE layer's dense experts for the device path's grouped kernel
+        (kernels/triton_moe.py); returns how many layers were (quantized experts stay one
+        GEMM per expert)."""
+        return sum(layer["moe"].stack() for layer in self.layers if layer["moe"] is not None)
+
     def use_native_layer_ops(self) -> bool:
         """Run RMSNorm, RoPE with the KV write and the activation of ``forward`` as one C call
         each (kernels/cpu_layer_ops.py) when they can be built; returns whether they are."""

@@ -258,7 +258,10 @@ def _build(
         if isinstance(embed, QuantWeight) and "lm_head.weight" not in weights:
             weights = {**weights, "lm_head.weight": embed}  # tied: the head keeps the blocks
         weights = {n: to_device_weight(w, device, n) for n, w in weights.items()}
-    return DecoderModel(config, weights)
+    model = DecoderModel(config, weights)
+    if ops is not None:
+        model.stack_experts()  # the grouped Triton kernel reads each layer's experts stacked
+    return model
 
 
 def calibrate_gemm_rows(model: AnyModel) -> GemmRows:
