@@ -1,9 +1,10 @@
-"""Mixtures of experts from GGUF files laid out as llama.cpp's converter writes them (Mixtral
-as a ``llama`` with experts and its q/k rows permuted; ``qwen2moe`` with a shared expert;
-``qwen3moe``; ``olmoe``): every expert's projection stacked in one 3-D tensor
-(``ffn_*_exps``), the router ``ffn_gate_inp``. kvflow's greedy output equals transformers' on
-the same weights, batched under chunked prefill; with ``--quantization gguf`` each expert keeps
-its rows of Q8_0 blocks (transformers then runs the blocks' values)."""
+"""Mixtures of experts from GGUF files and quantized. GGUFs are laid out as llama.cpp's
+converter writes them (Mixtral as a ``llama`` with experts and its q/k rows permuted;
+``qwen2moe`` with a shared expert; ``qwen3moe``; ``olmoe``): every expert's projection stacked
+in one 3-D tensor (``ffn_*_exps``), the router ``ffn_gate_inp``. kvflow's greedy output equals
+transformers' on the same weights, batched under chunked prefill; with ``--quantization gguf``
+each expert keeps its rows of Q8_0 blocks, and ``--quantization int8`` rounds the experts
+(transformers then runs the blocks' or the rounded values)."""
 
 from __future__ import annotations
 
@@ -155,5 +156,32 @@ def test_experts_keep_their_blocks(tmp_path: Path) -> None:
     )
     moe = runner.model.layers[0]["moe"]
     assert all(isinstance(w, cpu_quant.QuantWeight) for w in (*moe.gate_up, *moe.down))
+    got, _ = run(new_core(max_num_batched_tokens=8), runner, [(p, None) for p in PROMPTS], GREEDY)
+    assert got == want
+
+
+@pytest.mark.skipif(not cpu_quant.available(), reason="no C compiler: int8 runs in C kernels")
+def test_int8_experts_equal_transformers_on_the_rounded_weights(tmp_path: Path) -> None:
+    """``--quantization int8`` rounds every expert's projections like any other (those whose K
+    is a multiple of 32); transformers then runs the rounded values."""
+    from transformers import AutoModelForCausalLM
+
+    from shared.model_loader import load_config, load_weights
+
+    _save("qwen2_moe", tmp_path, moe_intermediate_size=64)
+    src = ModelSource("hf", tmp_path, "m")
+    rounded = load_weights(src, load_config(src), quantization="int8")
+    experts = [w for n, w in rounded.items() if ".experts." in n]
+    assert experts and all(isinstance(w, cpu_quant.QuantWeight) for w in experts)
+    values = load_file(tmp_path / "model.safetensors")
+    for name, w in rounded.items():
+        if isinstance(w, cpu_quant.QuantWeight) and name in values:
+            values[name] = w.dequantize()
+    save_file(values, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    want = [hf_greedy(hf, p, NEW) for p in PROMPTS]
+    runner = ModelRunner.create(
+        src, block_size=4, num_blocks=64, worker_id="w", quantization="int8"
+    )
     got, _ = run(new_core(max_num_batched_tokens=8), runner, [(p, None) for p in PROMPTS], GREEDY)
     assert got == want
