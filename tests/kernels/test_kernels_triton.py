@@ -496,9 +496,11 @@ def test_kernels_compile_for_h100_without_spills():
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     # 26 attention/layer configurations (8 with a sliding window and soft-capping on) + the
-    # quantized matmul (3 weight kinds x 2 row tiles)
-    assert "32 kernels compiled, 0 with spills" in proc.stdout, proc.stdout
+    # quantized matmul (3 weight kinds x 2 row tiles) + the MoE grouped GEMM (kernels/
+    # triton_moe.py: gate_up and down x a decode and a prefill row tile)
+    assert "36 kernels compiled, 0 with spills" in proc.stdout, proc.stdout
     assert proc.stdout.count("| _quant_matmul_kernel |") == 6, proc.stdout
+    assert proc.stdout.count("| _grouped_gemm_kernel |") == 4, proc.stdout
 
 
 @pytest.mark.skipif(HAS_CUDA, reason="with a GPU the bench runs instead of refusing")
