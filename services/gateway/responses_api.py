@@ -339,13 +339,14 @@ class ResponsesFormat(Format):
         if self._msg_index is not None:
             where = {"item_id": self._item_id, "output_index": self._msg_index, "content_index": 0}
             full = "".join(self._text)
+            msg_status = status if not self._calls.calls else "completed"  # calls came after
             events += [
                 self._event("response.output_text.done", **where, text=full, logprobs=[]),
                 self._event("response.content_part.done", **where, part=self._part(full)),
                 self._event(
                     "response.output_item.done",
                     output_index=self._msg_index,
-                    item=self._item(full, status),
+                    item=self._item(full, msg_status),
                 ),
             ]
         for i, item in enumerate(self._calls.finished(status)):
@@ -386,15 +387,18 @@ class ResponsesFormat(Format):
             events += self._finish_events(finish_reason)
         return events
 
-    def _output(self, text: str, status: str, calls: list[dict[str, Any]]) -> list[dict[str, Any]]:
-        """The message item (when there is text, or nothing else), then the calls."""
-        items = [self._item(text, status)] if text or not calls else []
-        return items + [dict(c, status=status) for c in calls]
+    def _output(self, text: str, status: str, calls: FunctionCalls) -> list[dict[str, Any]]:
+        """The message item (when there is text, or nothing else), then the calls, each item
+        with its own status: the message is complete once a call followed it, and only a call
+        cut at the token limit is incomplete (``FunctionCalls.finished``)."""
+        items = [dict(c) for c in calls.finished(status)]
+        msg_status = status if not items else "completed"
+        return ([self._item(text, msg_status)] if text or not items else []) + items
 
     def usage_chunk(self, prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
         assert self._calls is not None, "take_request() first"
         status = self._status(self._finish)
-        output = self._output("".join(self._text), status, self._calls.calls)
+        output = self._output("".join(self._text), status, self._calls)
         body = self._response(status, output, _usage(prompt_tokens, completion_tokens))
         return self._event(f"response.{status}", response=body)
 
@@ -406,5 +410,5 @@ class ResponsesFormat(Format):
         for piece in out.tool_calls:
             calls.add(piece)
         status = self._status(out.finish_reason)
-        output = self._output(out.text, status, calls.calls)
+        output = self._output(out.text, status, calls)
         return self._response(status, output, _usage(prompt_tokens, out.completion_tokens))

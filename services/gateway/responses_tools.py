@@ -5,6 +5,7 @@ and the detokenizer's parsers as on /v1/chat/completions."""
 
 from __future__ import annotations
 
+import json
 import uuid
 from typing import Any, Literal
 
@@ -119,6 +120,21 @@ class FunctionCalls:
         return added
 
     def finished(self, status: str) -> list[dict[str, Any]]:
-        for item in self.calls:
-            item["status"] = status
+        """The items with their own statuses once the response ends with ``status``: in an
+        incomplete response (cut at the token limit) only the last call can have been cut, and
+        only when its arguments are not yet a whole JSON value; every earlier call ended when
+        the next began."""
+        for i, item in enumerate(self.calls):
+            cut = status == "incomplete" and i == len(self.calls) - 1
+            item["status"] = (
+                "incomplete" if cut and not _whole_json(item["arguments"]) else "completed"
+            )
         return self.calls
+
+
+def _whole_json(text: str) -> bool:
+    try:
+        json.loads(text)
+    except ValueError:
+        return False
+    return True

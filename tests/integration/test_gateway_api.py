@@ -218,6 +218,18 @@ def test_models(base) -> None:
     assert [(m["id"], m["object"], m["owned_by"]) for m in data] == [(MODEL, "model", "kvflow")]
 
 
+def test_models_retrieve_gives_one_card_or_a_404_naming_the_models(client, base) -> None:
+    """The openai SDK's ``models.retrieve`` (GET /v1/models/{id}; ids may hold slashes)."""
+    card = client.models.retrieve(MODEL)
+    assert (card.id, card.object, card.owned_by) == (MODEL, "model", "kvflow")
+    with pytest.raises(openai.NotFoundError) as e:
+        client.models.retrieve("org/no-such-model")
+    err = e.value.body
+    assert err["type"] == "NotFoundError" and err["param"] == "model"
+    assert f"`{MODEL}`" in err["message"] and "`org/no-such-model`" in err["message"]
+    assert httpx.get(f"{base}/v1/models/org/no-such-model").status_code == 404
+
+
 def test_streamed_chat_with_usage(client, stand_in) -> None:
     stream = client.chat.completions.create(
         model=MODEL,

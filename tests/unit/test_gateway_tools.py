@@ -343,6 +343,35 @@ def test_responses_stream_and_object_have_function_call_items() -> None:
     assert full["output"][1]["id"] != full["output"][2]["id"]
 
 
+def test_a_response_cut_at_the_token_limit_marks_only_the_cut_call_incomplete() -> None:
+    """Before: every item of an incomplete response was marked incomplete, whole calls too."""
+    req, _ = rjob(tools=RTOOLS)
+    fmt = ResponsesFormat("resp-1", "m")
+    fmt.take_request(req)
+    cut = piece(1, '{"tz": "Eur', "call-b", "now")  # the second call, cut mid-arguments
+    events = fmt.text_chunk("Let me check.", None, tool_calls=PIECES[:3])
+    events += fmt.text_chunk("", "length", tool_calls=[cut])
+    done = [e["item"] for e in events if e["type"] == "response.output_item.done"]
+    assert [(i["type"], i["status"]) for i in done] == [
+        ("message", "completed"),  # the text ended when the calls began
+        ("function_call", "completed"),
+        ("function_call", "incomplete"),
+    ]
+    final = fmt.usage_chunk(5, 9)
+    assert final["type"] == "response.incomplete"
+    assert [o["status"] for o in final["response"]["output"]] == [
+        "completed",
+        "completed",
+        "incomplete",
+    ]
+    whole = outcome_of([Delta("r", "", 9, "length", tool_calls=PIECES)])  # both calls whole
+    full = fmt.response([whole], 5)
+    assert full["status"] == "incomplete"
+    assert [o["status"] for o in full["output"]] == ["completed", "completed"]
+    text_only = fmt.response([outcome_of([Delta("r", "cut", 9, "length")])], 5)
+    assert [o["status"] for o in text_only["output"]] == ["incomplete"]  # the text was cut
+
+
 def test_the_documented_schemas_take_the_call_shapes() -> None:
     from services.gateway.schemas import ChatCompletionResponse, ResponsesResponse
 

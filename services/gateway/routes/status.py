@@ -1,5 +1,5 @@
-"""What operators and clients ask about the gateway rather than of the model: /v1/models,
-/version, /health (200 only when a request could be served now), /stats and /metrics."""
+"""What operators and clients ask about the gateway rather than of the model: /v1/models (and
+/v1/models/{id}), /version, /health (200 only when a request could be served now), /stats and /metrics."""
 
 from __future__ import annotations
 
@@ -14,7 +14,13 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from services.gateway.errors import APIError, error_response
 from services.gateway.routes.common import Gateway, json_response, version
-from services.gateway.schemas import HealthResponse, ModelList, VersionResponse, error_responses
+from services.gateway.schemas import (
+    HealthResponse,
+    ModelCard,
+    ModelList,
+    VersionResponse,
+    error_responses,
+)
 from shared.messages import SchedulerStats
 
 router = APIRouter()
@@ -30,6 +36,29 @@ def stats_dict(stats: SchedulerStats) -> dict[str, Any]:
 @router.get("/v1/models", response_model=ModelList, responses=error_responses(401, 429))
 async def models(request: Request, state: Gateway) -> Response:
     await state.auth.check(request)
+    return json_response({"object": "list", "data": await _cards(state)})
+
+
+@router.get(
+    "/v1/models/{model_id:path}", response_model=ModelCard, responses=error_responses(401, 404, 429)
+)
+async def model(model_id: str, request: Request, state: Gateway) -> Response:
+    """One model's card (the openai SDK's ``models.retrieve``): the base model or a LoRA
+    adapter; 404 naming what is served."""
+    await state.auth.check(request)
+    cards = await _cards(state)
+    for card in cards:
+        if card["id"] == model_id:
+            return json_response(card)
+    names = ", ".join(f"`{c['id']}`" for c in cards)
+    raise APIError(
+        404, f"The model `{model_id}` does not exist. This server serves {names}.",
+        "NotFoundError", "model",
+    )  # fmt: skip
+
+
+async def _cards(state: Any) -> list[dict[str, Any]]:
+    """The base model's card, then each LoRA adapter's (vLLM's fields)."""
     if not state.max_model_len:
         try:
             await state.scheduler_stats(timeout=0.5)
@@ -48,7 +77,7 @@ async def models(request: Request, state: Gateway) -> Response:
     cards = [card]
     for ref in await state.loras.listed(state.bus):  # vLLM's: root is the adapter's path
         cards.append({**card, "id": ref.name, "root": ref.path, "parent": state.model_name})
-    return json_response({"object": "list", "data": cards})
+    return cards
 
 
 @router.get("/version", response_model=VersionResponse)
