@@ -114,8 +114,13 @@ def _per_expert(
         start += n
         xe = x.index_select(0, slots // k)
         out.index_copy_(0, slots, rows_linear(act(rows_linear(xe, m.gate_up[e])), m.down[e]))
-    out = out.view(t, k, -1) * weights.to(out.dtype).unsqueeze(-1)
+    return sum_slots(out.view(t, k, -1) * weights.to(out.dtype).unsqueeze(-1))
+
+
+def sum_slots(out: torch.Tensor) -> torch.Tensor:
+    """[T, k, H] weighted expert outputs -> [T, H]: each token's k summed in its top-k order
+    (the same order on both paths, whatever the batch)."""
     y = out[:, 0].contiguous()
-    for j in range(1, k):  # each token's experts in its top-k order
+    for j in range(1, out.shape[1]):
         y = y + out[:, j]
     return y

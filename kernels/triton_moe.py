@@ -16,6 +16,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.moe import sum_slots
+
 
 @triton.jit
 def _grouped_gemm_kernel(
@@ -165,8 +167,4 @@ def moe_experts(
     h = act(h)
     w = weights.reshape(-1).to(torch.float32).contiguous()
     out = grouped_gemm(h, down, sorted_slots, block_expert, slots, top_k, bm, True, w)
-    out = out.view(t, top_k, -1)
-    y = out[:, 0].contiguous()
-    for j in range(1, top_k):
-        y = y + out[:, j]
-    return y
+    return sum_slots(out.view(t, top_k, -1))

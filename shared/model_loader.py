@@ -497,14 +497,24 @@ _GGUF_MOE = re.compile(
 projection stacked in one 3-D tensor (``ffn_*_exps``), a shared expert and its gate."""
 
 
+def _gguf_dense(t: Any, shape: tuple[int, ...]) -> torch.Tensor:
+    """A GGUF tensor as fp32 of ``shape``: F32/F16 copied (the file is mapped read-only), any
+    block type dequantized by gguf-py."""
+    from gguf.quants import dequantize
+
+    if t.tensor_type.name in ("F32", "F16"):
+        arr = np.array(t.data, dtype=np.float32)
+    else:
+        arr = dequantize(t.data, t.tensor_type)
+    return torch.from_numpy(np.ascontiguousarray(arr).reshape(shape))
+
+
 def _gguf_moe_tensor(
     t: Any, shape: tuple[int, ...], m: re.Match[str], quantized: bool, dtype: torch.dtype
 ) -> dict[str, torch.Tensor | QuantWeight]:
     """One MoE tensor of a GGUF under HF names: a stacked [E, N, K] tensor cut into each
     expert's [N, K] (each keeping its rows of blocks when ``quantized`` and a kernel reads
     them), the router and the shared expert's gate dense."""
-    from gguf.quants import dequantize
-
     p, kind = f"model.layers.{m.group(1)}.mlp.", m.group(2)
     keep = (
         quantized
@@ -513,12 +523,7 @@ def _gguf_moe_tensor(
     )
 
     def dense() -> torch.Tensor:
-        arr = (
-            np.array(t.data, dtype=np.float32)
-            if t.tensor_type.name in ("F32", "F16")
-            else (dequantize(t.data, t.tensor_type))
-        )
-        return torch.from_numpy(np.ascontiguousarray(arr).reshape(shape)).to(dtype)
+        return _gguf_dense(t, shape).to(dtype)
 
     if kind == "gate_inp":
         return {p + "gate.weight": dense()}
@@ -542,8 +547,6 @@ def _gguf_moe_tensor(
 def _gguf_weights(
     path: Path, cfg: ModelConfig, fam: Family, dtype: torch.dtype, quantized: bool = False
 ) -> dict[str, torch.Tensor | QuantWeight]:
-    from gguf import GGMLQuantizationType
-    from gguf.quants import dequantize
 
     log.info("reading %s", path.name)
     reader = _reader(path)
@@ -569,11 +572,7 @@ def _gguf_weights(
         if keep:  # the embedding too: looked up row by row; a tied head reads the same blocks
             w: torch.Tensor | QuantWeight = QuantWeight.from_gguf(t.data, int(t.tensor_type), shape)
         else:
-            if t.tensor_type in (GGMLQuantizationType.F32, GGMLQuantizationType.F16):
-                arr = np.array(t.data, dtype=np.float32)  # a copy: the file is mapped read-only
-            else:
-                arr = dequantize(t.data, t.tensor_type)
-            w = torch.from_numpy(arr.reshape(shape)).to(torch.float32)
+            w = _gguf_dense(t, shape)
             if fam.gguf_norm_offset and name.endswith("norm.weight"):
                 w = w - fam.gguf_norm_offset  # stored as offset + w; the model adds it back
             w = w.to(dtype).contiguous()

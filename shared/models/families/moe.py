@@ -18,7 +18,7 @@ import re
 from typing import Any
 
 from shared.models.config import ConfigReader
-from shared.models.families.llama import read_mistral
+from shared.models.families.llama import read_llama, read_mistral
 from shared.models.families.qwen import read_qwen2, read_qwen3
 from shared.models.family import LLAMA_NORMS, QK_NORMS, Family
 
@@ -33,10 +33,8 @@ def _experts(r: ConfigReader, size_key: str, renormalize: bool | None) -> dict:
     top_k = int(r.require("num_experts_per_tok"))
     if not 0 < top_k <= experts:
         raise r.refuse("num_experts_per_tok", f"want 1..{experts} (the experts there are)")
-    r.get("router_aux_loss_coef")  # training only
-    r.get("output_router_logits")
-    jitter = float(r.get("router_jitter_noise", 0.0) or 0.0)  # training only (Mixtral)
-    del jitter
+    for training_only in ("router_aux_loss_coef", "output_router_logits", "router_jitter_noise"):
+        r.get(training_only)
     return {
         "num_experts": experts,
         "experts_per_token": top_k,
@@ -78,8 +76,6 @@ def read_qwen3_moe(r: ConfigReader) -> dict[str, Any]:
 
 
 def read_olmoe(r: ConfigReader) -> dict[str, Any]:
-    from shared.models.families.llama import read_llama
-
     if r.get("clip_qkv") is not None:
         raise r.refuse("clip_qkv", "clamping q/k/v is not supported natively")
     out = read_llama(r)
