@@ -19,10 +19,12 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import random
 import statistics
 import sys
 import time
+from pathlib import Path
 
 import torch
 
@@ -85,6 +87,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--enforce-eager", action="store_true", help="CUDA: no CUDA graphs")
+    ap.add_argument("--json", default="", help="also write the figures to this JSON file")
     ap.add_argument(
         "--quantization", default="", help="'' (dense) | gguf | int8 | fp8 (CUDA) | gptq | awq"
     )
@@ -175,15 +178,24 @@ def main(argv: list[str] | None = None) -> int:
     print("| batch | context | step ms (min) | step ms (median) | CPU ms (min step) | tokens/s |")
     print("|---:|---:|---:|---:|---:|---:|")
     first = 0
+    rows = []
     for b in args.batch:
         wall, cpu = decode_steps(runner, b, args.context, args.steps, args.warmup, first)
         first += b * per_seq
         med = statistics.median(wall)
         print(
-            f"| {b} | {args.context} | {min(wall) * 1e3:.1f} | {med * 1e3:.1f} | "
-            f"{min(cpu) * 1e3:.1f} | {b / med:.0f} |",
+            f"| {b} | {args.context} | {min(wall) * 1e3:.2f} | {med * 1e3:.2f} | "
+            f"{min(cpu) * 1e3:.2f} | {b / med:.0f} |",
             flush=True,
         )
+        rows.append(
+            {"batch": b, "context": args.context, "min_ms": min(wall) * 1e3}
+            | {"median_ms": med * 1e3, "cpu_ms": min(cpu) * 1e3, "tokens_per_s": b / med}
+        )
+    if args.json:
+        out = {"model": name, "dtype": str(dtype).removeprefix("torch."), "device": what}
+        out |= {"path": path, "load_s": load_s, "rows": rows}
+        Path(args.json).write_text(json.dumps(out, indent=1))
     return 0
 
 

@@ -24,9 +24,12 @@ from __future__ import annotations
 
 import argparse
 import gc
+import json
 import os
 import sys
 import time
+from dataclasses import asdict
+from pathlib import Path
 
 import torch
 
@@ -45,8 +48,14 @@ from kernels.ops import KernelBackend
 
 
 def kernel_table(
-    ops: KernelBackend, copy_bw: float, dtype: torch.dtype, dev: torch.device
+    ops: KernelBackend,
+    copy_bw: float,
+    dtype: torch.dtype,
+    dev: torch.device,
+    records: list[dict] | None = None,
 ) -> list[str]:
+    """The per-kernel table's markdown lines; each row also appended to ``records`` (a dict
+    with ``gbps`` and ``copy_bw_frac`` beside the row's fields), when given."""
     from benchmarks.random_model import LlamaShape
 
     s = LlamaShape()
@@ -75,6 +84,8 @@ def kernel_table(
     ]
     for r in rows:
         bw = r.min_bytes / (r.triton_us * 1e-6)
+        if records is not None:
+            records.append(asdict(r) | {"gbps": bw / 1e9, "copy_bw_frac": bw / copy_bw})
         torch_us = "n/a" if r.torch_us is None else f"{r.torch_us:.1f}"
         speedup = "n/a" if r.torch_us is None else f"{r.torch_us / r.triton_us:.2f}x"
         diff = "n/a" if r.max_diff is None else f"{r.max_diff:.3g}"
@@ -167,7 +178,10 @@ def e2e_table(
     copy_bw: float,
     dtype: torch.dtype,
     dev: torch.device,
+    records: list[dict] | None = None,
 ) -> list[str]:
+    """The device-only decode loop's markdown lines, a row per batch size (each also appended to
+    ``records``, when given)."""
     from benchmarks.random_model import LlamaShape
 
     s = LlamaShape()
@@ -188,6 +202,11 @@ def e2e_table(
         gc.collect()  # the runs' weights, caches and graph pool, before the next batch size
         torch.cuda.empty_cache()
         bw = nbytes / (graph_ms * 1e-3)
+        if records is not None:
+            records.append(
+                {"batch": b, "context": context, "eager_ms": eager_ms, "graph_ms": graph_ms}
+                | {"tokens_per_s": b / graph_ms * 1e3, "copy_bw_frac": bw / copy_bw}
+            )
         lines.append(
             f"| {b} | {context} | {eager_ms:.2f} | {graph_ms:.2f} | {b / graph_ms * 1e3:.0f} "
             f"| {nbytes / 1e9:.2f} GB | {100 * bw / copy_bw:.0f}% |"
@@ -203,6 +222,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=64)
     parser.add_argument("--skip-kernels", action="store_true")
     parser.add_argument("--skip-e2e", action="store_true")
+    parser.add_argument("--json", default="", help="also write the figures to this JSON file")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print(
@@ -233,13 +253,16 @@ def main(argv: list[str] | None = None) -> int:
         f"device-to-device copy bandwidth {copy_bw / 1e9:.0f} GB/s (read + write)"
     )
     print()
+    out: dict = {"device": torch.cuda.get_device_name(dev), "dtype": args.dtype}
+    out |= {"copy_bw_gbps": copy_bw / 1e9, "kernels": [], "e2e": []}
     if not args.skip_kernels:
-        print("\n".join(kernel_table(ops, copy_bw, dtype, dev)), flush=True)
+        print("\n".join(kernel_table(ops, copy_bw, dtype, dev, out["kernels"])), flush=True)
         print()
     if not args.skip_e2e:
-        print(
-            "\n".join(e2e_table(ops, args.batches, args.context, args.steps, copy_bw, dtype, dev))
-        )
+        e2e = e2e_table(ops, args.batches, args.context, args.steps, copy_bw, dtype, dev, out["e2e"])
+        print("\n".join(e2e))
+    if args.json:
+        Path(args.json).write_text(json.dumps(out, indent=1))
     return 0
 
 
