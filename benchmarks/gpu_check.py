@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import json
 import os
 import platform
@@ -327,6 +328,8 @@ def _kvflow_runs(base: str, model: str, vocab: int, args: argparse.Namespace) ->
     rows = []
     for c in args.streams:
         prompts = random_prompts(_requests_for(c, args), args.input_len, c, (100, vocab - 100))
+        # a short round of this concurrency first: its prefill shapes compiled before timing
+        asyncio.run(run_streams(base, model, prompts[:c], 4, c))
         stats, dur = asyncio.run(run_streams(base, model, prompts, args.output_len, c))
         tokens = sum(s.output_tokens for s in stats)
         row = {
@@ -437,6 +440,75 @@ def step_stack(args: argparse.Namespace) -> int:
             _write(args.out, "stack", result)
             result["runs"].append(_hf_continuous(model, len(tok), args))
     _write(args.out, "stack", result)
+    return 0
+
+
+# -- splits and profile (tuning data) ----------------------------------------------------------
+
+
+def step_splits(args: argparse.Namespace) -> int:
+    """Paged decode attention (the kernel table's four shapes) at each split count against
+    ``default_num_splits``' choice: the data its heuristic is tuned on."""
+    import triton.testing
+
+    from benchmarks.kernel_cases import BLOCK_SIZE, _paged
+    from benchmarks.random_model import LlamaShape
+    from kernels.ops import get_backend
+    from kernels.triton_decode_attention import default_num_splits
+
+    dev = _device()
+    if dev.type != "cuda":
+        print("splits: needs a CUDA GPU (do_bench times CUDA events)")
+        _write(args.out, "splits", {"error": "no CUDA GPU"})
+        return 0
+    ops, s = get_backend("triton"), LlamaShape()
+    h, hkv, d, dtype = s.heads, s.kv_heads, s.head_dim, torch.bfloat16
+    rows = []
+    for batch, ctx in ((64, 512), (32, 2048), (4, 8192), (1, 32768), (256, 512), (8, 2048)):
+        k_cache, v_cache, tables = _paged(batch, ctx, hkv, d, dtype, dev)
+        q = torch.randn(batch, h, d, dtype=dtype, device=dev)
+        lens = torch.full((batch,), ctx, dtype=torch.int32, device=dev)
+        nbytes = 2 * batch * ctx * hkv * d * 2
+        chosen = default_num_splits(batch, hkv, h // hkv, tables.shape[1] * BLOCK_SIZE, dev)
+        for n in (1, 2, 4, 8, 16, 32, 64, 128):
+            if n > 1 and ctx // n < 64:
+                continue
+            run = functools.partial(
+                ops.decode_attention, q, k_cache, v_cache, tables, lens, d**-0.5, n
+            )
+            us = triton.testing.do_bench(run) * 1e3
+            row = {"batch": batch, "context": ctx, "splits": n, "us": us}
+            row |= {"gbps": nbytes / us / 1e3, "default": n == chosen}
+            print(json.dumps(row), flush=True)
+            rows.append(row)
+    _write(args.out, "splits", {"rows": rows})
+    return 0
+
+
+def step_profile(args: argparse.Namespace) -> int:
+    """cProfile of the worker's decode steps (benchmarks.decode at batch 64, CUDA graphs): where
+    the host's time per step goes, top functions by own time, into profile.txt."""
+    import cProfile
+    import io
+    import pstats
+
+    from benchmarks import decode
+
+    dev = _device()
+    argv = ["--device", dev.type, "--random-llama", "--batch", "64", "--context", "512"]
+    argv += ["--steps", "50", "--warmup", "5"]
+    if args.tiny:
+        argv += ["--hidden", "128", "--layers", "2", "--intermediate", "256", "--batch", "8"]
+        argv += ["--context", "32", "--steps", "5", "--warmup", "1"]
+    prof = cProfile.Profile()
+    prof.runcall(decode.main, argv)
+    text = io.StringIO()
+    stats = pstats.Stats(prof, stream=text).sort_stats("tottime")
+    stats.print_stats(40)
+    stats.sort_stats("cumulative").print_stats("runner|step_inputs|cuda_graphs|sampl", 40)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "profile.txt").write_text(text.getvalue())
+    print(text.getvalue()[:6000])
     return 0
 
 
@@ -560,6 +632,18 @@ def step_summary(args: argparse.Namespace) -> int:
         md += [f"- {f}" for f in tests["failed"][:40]]
     md += ["", "| target | measured | met |", "|---|---|---|"]
     md += [f"| {t} | {m} | {'n/a' if ok is None else ('yes' if ok else 'NO')} |" for t, m, ok in targets]  # fmt: skip
+    splits = _load(out, "splits")
+    if splits and splits.get("rows"):
+        md += ["", "Paged decode attention by split count (us; * marks default_num_splits):", ""]
+        shapes = sorted({(r["batch"], r["context"]) for r in splits["rows"]})
+        for b, c in shapes:
+            cells = [
+                f"{r['splits']}: {r['us']:.1f}{'*' if r['default'] else ''}"
+                for r in splits["rows"]
+                if (r["batch"], r["context"]) == (b, c)
+            ]
+            md.append(f"- B={b} ctx={c}: " + ", ".join(cells))
+        data["splits"] = splits
     stack = data.get("stack")
     if stack:
         md += [
@@ -591,7 +675,7 @@ def step_summary(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("step", choices=["env", "greedy", "stack", "summary"])
+    ap.add_argument("step", choices=["env", "greedy", "stack", "splits", "profile", "summary"])
     ap.add_argument("--out", type=Path, required=True, help="folder for STEP.json")
     ap.add_argument("--tiny", action="store_true", help="tiny models and workloads (CPU dry run)")
     ap.add_argument("--streams", type=int, nargs="+", default=[1, 32, 256])
@@ -608,6 +692,7 @@ def main(argv: list[str] | None = None) -> int:
 
     signal.signal(signal.SIGTERM, _term)
     step = {"env": step_env, "greedy": step_greedy, "stack": step_stack, "summary": step_summary}
+    step |= {"splits": step_splits, "profile": step_profile}
     return step[args.step](args)
 
 

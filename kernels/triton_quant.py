@@ -191,7 +191,9 @@ class DeviceQuantWeight:
         if mrows == 0:
             return y
         block_m = 16 if mrows <= 16 else 64
-        block_n, block_k = 64, 64
+        # 4-bit tiles decode nibbles, zero points and scales per element: at 64 x 64 Triton
+        # 3.6 spills them on sm_90 (tests/kernels' compile check); 32 deep keeps them in registers
+        block_n, block_k = 64, (64 if self.bits == 8 else 32)
         grid = (triton.cdiv(mrows, block_m), triton.cdiv(n, block_n))
         dummy = self.d  # a tensor for the planes a type does not have (never read)
         _quant_matmul_kernel[grid](

@@ -1,12 +1,15 @@
 #!/usr/bin/env bash
 # The GPU path checked in one prepared run (an H100 lent for minutes, no network):
-#   scripts/gpu-check.sh [--cpu] [OUT_DIR]          (make gpu-check; OUT_DIR default: $OUT or gpu-check)
-# Steps, each capped in time (one hang cannot eat the budget) and logged to steps.tsv:
+#   scripts/gpu-check.sh [--cpu] [--only STEP,...] [OUT_DIR]   (make gpu-check; OUT_DIR: $OUT or gpu-check)
+# Steps, each capped in time and all within GPU_CHECK_BUDGET seconds (470: one hang cannot eat the
+# device time), logged to steps.tsv (GPU_CHECK_TESTS="ids ..." reruns only those tests):
 #   env      versions, nvidia-smi, device-to-device copy bandwidth
 #   tests    tests/kernels, the CUDA-graph and fp8 unit tests, natively (pytest-timeout per test)
 #   greedy   ModelRunner (Triton, CUDA graphs, fp32) == transformers' greedy, token for token
 #   kernels  python -m benchmarks.kernels (per-kernel table, device-only decode loop)
+#   splits   paged decode attention at each split count (the data default_num_splits is tuned on)
 #   decode   python -m benchmarks.decode --device cuda --random-llama, graphs then eager
+#   profile  cProfile of the worker's decode steps at batch 64 (where the host's time goes)
 #   stack    kvflow serve --device cuda at 1/32/256 streams, then transformers on the same weights
 #   summary  summary.md + summary.json (the issue's targets checked), results.tar.gz of the rest
 # On the GPU machine the Python packages its image lacks come from .gpu/wheels (made here by
@@ -15,7 +18,15 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 CPU=0
-if [[ "${1:-}" == "--cpu" ]]; then CPU=1; shift; fi
+ONLY=""  # --only env,tests,...: a rerun of some steps (after a fix, in what device time is left)
+while [[ $# -gt 0 ]]; do
+  case $1 in
+    --cpu) CPU=1; shift ;;
+    --only) ONLY=",$2,"; shift 2 ;;
+    *) break ;;
+  esac
+done
+BUDGET=${GPU_CHECK_BUDGET:-470}  # seconds for all steps: the run ends inside 8 minutes
 DEST=${1:-${OUT:-gpu-check}}
 mkdir -p "$DEST"
 DEST=$(cd "$DEST" && pwd)
@@ -46,7 +57,14 @@ export PYTHONPATH="${PYTHONPATH:-$PWD}" PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKE
 # step NAME CAP_SECONDS COMMAND...: run it in its own process group, killed (all of it) at the cap
 step() {
   local name=$1 cap=$2; shift 2
-  local t0=$(date +%s) rc note=""
+  local t0=$(date +%s) rc note="" left
+  if [[ -n $ONLY && $ONLY != *",$name,"* ]]; then return 0; fi
+  left=$((START + BUDGET - t0))
+  if ((left < 5)); then
+    printf '%s\t%s\t%s\t%s\n' "$name" 124 0 "not run: the ${BUDGET}s budget was spent" >>"$OUTDIR/steps.tsv"
+    return 0
+  fi
+  ((cap > left)) && cap=$left
   echo "== $name (cap ${cap}s): $*"
   timeout -k 10 "$cap" "$@" >"$LOGS/$name.log" 2>&1
   rc=$?
@@ -65,22 +83,28 @@ if [[ $CPU == 1 ]]; then
   XDIST=()
   STREAMS=(--streams 1 4 --waves 1 --input-len 16 --output-len 8)
   DECODE=(--device cpu --random-llama --hidden 128 --layers 2 --intermediate 256 --batch 1 8 --context 32 --steps 3 --warmup 1)
+elif [[ -n ${GPU_CHECK_TESTS:-} ]]; then
+  read -r -a TESTS <<<"$GPU_CHECK_TESTS"  # a rerun of some tests: their ids, space-separated
 else
   TESTS=(tests/kernels tests/unit/test_cuda_graphs.py tests/unit/test_fp8_linear.py)
+fi
+if [[ $CPU == 0 ]]; then
   XDIST=()
   "$PY" -c "import xdist" 2>/dev/null && XDIST=(-n 8)
   STREAMS=(--streams 1 32 256)
   DECODE=(--device cuda --random-llama --batch 1 8 32 64 256 --context 512 --steps 20)
 fi
 
-step env 60 "$PY" -m benchmarks.gpu_check env --out "$OUTDIR"
-step tests "$([[ $CPU == 1 ]] && echo 120 || echo 150)" "$PY" -m pytest -q -p no:cacheprovider \
+step env 30 "$PY" -m benchmarks.gpu_check env --out "$OUTDIR"
+step tests 120 "$PY" -m pytest -q -p no:cacheprovider \
   --timeout 90 "${XDIST[@]}" --junitxml "$OUTDIR/junit.xml" "${TESTS[@]}"
-step greedy 60 "$PY" -m benchmarks.gpu_check greedy $TINY --out "$OUTDIR"
-step kernels 75 "$PY" -m benchmarks.kernels --json "$OUTDIR/kernels.json"
-step decode 60 "$PY" -m benchmarks.decode "${DECODE[@]}" --json "$OUTDIR/decode.json"
-step decode-eager 45 "$PY" -m benchmarks.decode "${DECODE[@]}" --enforce-eager --json "$OUTDIR/decode-eager.json"
-step stack 150 "$PY" -m benchmarks.gpu_check stack $TINY "${STREAMS[@]}" --out "$OUTDIR"
+step greedy 45 "$PY" -m benchmarks.gpu_check greedy $TINY --out "$OUTDIR"
+step kernels 60 "$PY" -m benchmarks.kernels --json "$OUTDIR/kernels.json"
+step splits 40 "$PY" -m benchmarks.gpu_check splits --out "$OUTDIR"
+step decode 45 "$PY" -m benchmarks.decode "${DECODE[@]}" --json "$OUTDIR/decode.json"
+step decode-eager 30 "$PY" -m benchmarks.decode "${DECODE[@]}" --enforce-eager --json "$OUTDIR/decode-eager.json"
+step profile 30 "$PY" -m benchmarks.gpu_check profile $TINY --out "$OUTDIR"
+step stack 150 "$PY" -m benchmarks.gpu_check stack $TINY "${STREAMS[@]}" ${GPU_CHECK_STACK_ARGS:-} --out "$OUTDIR"
 "$PY" -m benchmarks.gpu_check summary --out "$OUTDIR" >"$LOGS/summary.log" 2>&1
 echo "total: $(($(date +%s) - START))s" >>"$OUTDIR/summary.md"
 cp "$OUTDIR/summary.md" "$OUTDIR/summary.json" "$DEST"/
