@@ -49,6 +49,16 @@ test: lint
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis
 
+# The GPU path in one prepared run (docs/benchmarks.md, GPU section): `make gpu-wheels` here makes
+# .gpu/ (the wheels and tokenizer a CUDA image without network lacks), then on the GPU machine
+# `make gpu-check` (OUT=DIR for its summary); `make gpu-check GPU_CHECK_ARGS=--cpu` dry-runs it here.
+GPU_CHECK_ARGS ?=
+.PHONY: gpu-wheels gpu-check
+gpu-wheels: install
+	scripts/gpu-wheels.sh
+gpu-check:
+	scripts/gpu-check.sh $(GPU_CHECK_ARGS)
+
 # Locust against a running server: make loadtest URL=http://127.0.0.1:8000 USERS=8 DURATION=60s
 URL ?= http://127.0.0.1:8000
 USERS ?= 8
