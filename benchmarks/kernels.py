@@ -259,7 +259,9 @@ def main(argv: list[str] | None = None) -> int:
         print("\n".join(kernel_table(ops, copy_bw, dtype, dev, out["kernels"])), flush=True)
         print()
     if not args.skip_e2e:
-        e2e = e2e_table(ops, args.batches, args.context, args.steps, copy_bw, dtype, dev, out["e2e"])
+        e2e = e2e_table(
+            ops, args.batches, args.context, args.steps, copy_bw, dtype, dev, out["e2e"]
+        )
         print("\n".join(e2e))
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=1))

@@ -5,7 +5,10 @@ is counted with its bytes per subject (``traffic``, shown as metrics by shared/m
 
 A service logs in as its role (shared/access/): credentials the server refuses, or a
 subscription its role is not granted, end the service with an AccessError naming what was
-refused; a publish the server refuses is logged and counted (``permission_denied``)."""
+refused; a publish the server refuses is logged and counted (``permission_denied``).
+
+A message larger than the server's ``max_payload`` travels as an envelope whose bytes the
+receiver fetches (shared/large_messages.py); handlers and ``request`` callers see it whole."""
 
 from __future__ import annotations
 
@@ -23,6 +26,7 @@ from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
 from shared.access.connect import AccessError, NatsAuth
+from shared.large_messages import BLOB_HEADER, BlobError, LargeMessages, max_message_bytes
 from shared.messages import Message, decode, encode
 from shared.subjects import subject_label
 
@@ -62,6 +66,7 @@ class Bus:
         self._labels: dict[str, str] = {}
         self._tasks: set[asyncio.Task] = set()
         self._closing = False
+        self.large = LargeMessages()
 
     async def connect(
         self, url: str, connect_timeout: float = 30.0, auth: NatsAuth | None = None
@@ -125,6 +130,7 @@ class Bus:
         finally:
             connecting = False
         self.nc = nc
+        await self.large.start(nc, self.auth.role)
 
     def _refused(self, error: str) -> None:
         """A permissions violation the server reported (it dropped the publish, or did not
@@ -155,18 +161,44 @@ class Bus:
         entry[0] += 1
         entry[1] += num_bytes
 
+    def _outgoing(
+        self, subject: str, msg: Any, headers: dict[str, str] | None
+    ) -> tuple[bytes, dict[str, str] | None]:
+        """``msg`` encoded and counted; over the server's limit, an envelope in its place."""
+        data = encode(msg)
+        self.count(subject, "out", len(data))
+        if len(data) > max_message_bytes(self.client):
+            return b"", (headers or {}) | self.large.envelope(data, self.client)
+        return data, headers or None
+
+    async def _whole(self, raw: Msg) -> Msg:
+        """``raw``, or the large message its envelope stands for (BlobError if it is lost)."""
+        header = raw.headers.get(BLOB_HEADER) if raw.headers else None
+        if header is None:
+            return raw
+        data = await self.large.fetch(self.client, header)
+        # without the envelope's header: a handler passing its headers on (trace context) must
+        # not make its own message an envelope of this one's bytes
+        rest = {k: v for k, v in raw.headers.items() if k != BLOB_HEADER}
+        return Msg(self.client, raw.subject, raw.reply, data, rest or None)
+
     async def publish(
         self, subject: str, msg: Any, headers: dict[str, str] | None = None, reply: str = ""
     ) -> None:
-        data = encode(msg)
-        self.count(subject, "out", len(data))
-        await self.client.publish(subject, data, reply=reply, headers=headers or None)
+        data, headers = self._outgoing(subject, msg, headers)
+        await self.client.publish(subject, data, reply=reply, headers=headers)
 
     async def subscribe(self, subject: str, handler: Handler, queue: str = "") -> Subscription:
         """Call ``handler(decoded, raw)`` for each message, in arrival order. Failures are
         logged and counted; the subscription goes on."""
 
         async def cb(raw: Msg) -> None:
+            try:  # a large message is fetched here, before the next one: order is kept
+                raw = await self._whole(raw)
+            except BlobError as e:
+                self.dropped_messages += 1
+                log.warning("%s: dropped a large message on %s: %s", self.name, raw.subject, e)
+                return
             self.count(raw.subject, "in", len(raw.data))
             try:
                 msg = decode(raw.data)
@@ -229,17 +261,17 @@ class Bus:
         timeout: float = 2.0,
         headers: dict[str, str] | None = None,
     ) -> Message:
-        data = encode(msg)
-        self.count(subject, "out", len(data))
-        reply = await self.client.request(subject, data, timeout=timeout, headers=headers or None)
+        data, headers = self._outgoing(subject, msg, headers)
+        reply = await self._whole(
+            await self.client.request(subject, data, timeout=timeout, headers=headers)
+        )
         self.count("_INBOX.", "in", len(reply.data))
         return decode(reply.data)
 
     async def reply(self, raw: Msg, msg: Any) -> None:
         if raw.reply:
-            data = encode(msg)
-            self.count(raw.reply, "out", len(data))
-            await self.client.publish(raw.reply, data)
+            data, headers = self._outgoing(raw.reply, msg, None)
+            await self.client.publish(raw.reply, data, headers=headers)
 
     def spawn(self, coro: Awaitable[Any]) -> asyncio.Task:
         """Run a background task whose failure is logged, not lost."""

@@ -41,13 +41,27 @@ def gateway_inbox(gateway_id: str) -> str:
     return f"{PREFIX}.gateway.{gateway_id}"
 
 
+def blob(role: str, conn_id: str) -> str:
+    """Where one connection serves the bytes of the large messages it sent (shared/
+    large_messages.py): request ``"<id> <chunk>"``, answer the chunk."""
+    return f"{PREFIX}.blob.{role or 'any'}.{conn_id}"
+
+
+def blobs(role: str) -> str:
+    """Every blob subject of ``role``'s connections (``*``: of any role)."""
+    return f"{PREFIX}.blob.{role}.>"
+
+
 def subject_label(subject: str) -> str:
     """A subject with its per-instance parts replaced by ``*``, for metric labels (bounded
     cardinality): ``kvflow.gateway.<id>`` -> ``kvflow.gateway.*``, ``kvflow.worker.<id>.step``
-    -> ``kvflow.worker.*.step``, reply inboxes -> ``_INBOX``."""
+    -> ``kvflow.worker.*.step``, ``kvflow.blob.<role>.<id>`` -> ``kvflow.blob.<role>.*``, reply
+    inboxes -> ``_INBOX``."""
     if subject.startswith("_INBOX."):
         return "_INBOX"
     parts = subject.split(".")
     if len(parts) >= 3 and parts[0] == PREFIX and parts[1] in ("gateway", "worker"):
         parts[2] = "*"
+    if len(parts) >= 4 and parts[0] == PREFIX and parts[1] == "blob":
+        parts[3] = "*"
     return ".".join(parts)

@@ -40,15 +40,16 @@ def inbox_prefix(role: str) -> str:
 
 
 def _own(role: str, *subscribe: str) -> tuple[str, ...]:
-    """What every service subscribes to besides its work: its inboxes, the metrics scatter and
-    its own ping subject."""
-    return (*subscribe, f"{inbox_prefix(role)}.>", S.METRICS, S.ping(role))
+    """What every service subscribes to besides its work: its inboxes, the metrics scatter, its
+    own ping subject and its own blob subjects (where it serves its large messages' bytes)."""
+    return (*subscribe, f"{inbox_prefix(role)}.>", S.METRICS, S.ping(role), S.blobs(role))
 
 
 def _out(role: str, *publish: str) -> tuple[str, ...]:
     """What every service publishes to besides its work: its own inboxes (shared/bus.py's
-    subscription check is a message to itself)."""
-    return (*publish, f"{inbox_prefix(role)}.>")
+    subscription check is a message to itself) and any role's blob subjects (fetching a large
+    message's bytes: a request, answered through allow_responses)."""
+    return (*publish, f"{inbox_prefix(role)}.>", S.blobs("*"))
 
 
 NATS_GRANTS: dict[str, NatsGrant] = {

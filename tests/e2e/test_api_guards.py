@@ -55,6 +55,22 @@ def test_tokenize_detokenize_models_version(stack, tokenizer) -> None:
     assert httpx.get(f"{stack}/version", timeout=10).json()["version"]
 
 
+def test_a_prompt_over_the_bus_limit_is_refused_by_kvflow_not_by_nats(stack, client) -> None:
+    """A 2 MB prompt (NATS's max_payload is 1 MiB) travels the bus as a large message and is
+    refused for what it is: longer than the model's context (400), not a bus error (503); the
+    same prompt as token ids too. Before shared/large_messages.py: 503 'maximum payload
+    exceeded', which the openai SDK retries."""
+    prompt = "hello " * 350_000  # 2.1 MB
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=MODEL, prompt=prompt, max_tokens=4)
+    assert "2048" in e.value.body["message"] and "context" in e.value.body["message"], e.value.body
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=MODEL, prompt=[1000] * 300_000, max_tokens=4)
+    assert "2048" in e.value.body["message"], e.value.body
+    r = client.completions.create(model=MODEL, prompt="Hello", max_tokens=2)  # the stack goes on
+    assert r.usage.completion_tokens == 2
+
+
 def test_disconnect_mid_stream_frees_the_blocks(stack) -> None:
     before = stats(stack)
     body = {

@@ -10,7 +10,6 @@ import torch
 
 from kernels.fp8_linear import FP8, FP8_MAX, Fp8Weight, quantize_fp8, quantize_rows
 
-
 # the device users run fp8 on where there is one (the CPU path refuses fp8; its runs are tests')
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 # cuBLASLt's row-wise fp8 GEMM writes bf16 (8 significant bits); the CPU fallback writes fp32

@@ -377,6 +377,7 @@ def test_subject_labels_have_bounded_cardinality() -> None:
     assert subject_label("kvflow.worker.prefill-0.step") == "kvflow.worker.*.step"
     assert subject_label("kvflow.worker.decode-3.kv") == "kvflow.worker.*.kv"
     assert subject_label("_INBOX.x.y") == "_INBOX"
+    assert subject_label("kvflow.blob.gateway.9f3c") == "kvflow.blob.gateway.*"  # one per connection
     assert subject_label("kvflow.results") == "kvflow.results"
 
 
