@@ -74,6 +74,16 @@ class _OpsCollector(Collector):
         )
         denied.add_metric([self.ops.service], float(getattr(bus, "permission_denied", 0)))
         yield denied
+        large = CounterMetricFamily(
+            "kvflow_bus_large_messages",
+            "Messages over NATS's max_payload (shared/large_messages.py): sent as envelopes, "
+            "fetched whole, or lost (their fetch failed)",
+            labels=[*labels, "outcome"],
+        )
+        big = bus.large if bus is not None else None
+        for outcome in ("sent", "fetched", "failed"):
+            large.add_metric([self.ops.service, outcome], float(getattr(big, outcome, 0)))
+        yield large
 
 
 class OpsServer:

@@ -83,6 +83,7 @@ async def test_health_follows_the_nats_connection_and_metrics_count_drops() -> N
         assert _sample(text, "kvflow_bus_dropped_messages_total", "tokenizer") == 1.0
         assert _sample(text, "kvflow_service_ready", "tokenizer") == 1.0
         assert _sample(text, "kvflow_bus_permission_denied_total", "tokenizer") == 0.0
+        assert 'kvflow_bus_large_messages_total{outcome="failed",service="tokenizer"} 0.0' in text
         assert "process_resident_memory_bytes" in text  # the default registry's process metrics
 
         nats.stop()  # NATS gone: not ready, but still alive (liveness must not restart it)

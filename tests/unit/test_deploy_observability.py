@@ -81,6 +81,7 @@ def test_dashboard_covers_each_concern_with_exported_series(dashboard) -> None:
             "vllm:request_success_total",
             "kvflow_bus_dropped_messages_total",
             "kvflow_bus_permission_denied_total",
+            "kvflow_bus_large_messages_total",
         },
         "request phases": {
             "vllm:request_queue_time_seconds_bucket",
