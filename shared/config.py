@@ -78,7 +78,11 @@ class SchedulerSettings:
     )
     step_timeout: float = field(
         default=30.0,
-        metadata={"help": "seconds without a step's result before its sequences are recomputed"},
+        metadata={
+            "help": "seconds without a step's result before its sequences are recomputed, "
+            "unless the worker's heartbeats say it is still computing that step (then it is "
+            "waited for: slow is not lost)"
+        },
     )
     scheduler_ha: bool = field(
         default=False,

@@ -44,9 +44,11 @@ from shared.messages import (
     PromptLogprobs,
     SampleLogprobs,
     StepResult,
+    StepVoid,
     TokenizedRequest,
 )
 from shared.telemetry import extract, tracer
+from shared.voided_steps import VoidedSteps
 
 log = logging.getLogger("kvflow.detokenizer")
 _tracer = tracer("detokenizer")
@@ -66,6 +68,7 @@ class DetokenizerService:
         self.metrics.registry.register(ToolParserErrors())
         self.done: OrderedDict[str, None] = OrderedDict()  # recently ended, to ignore late results
         self.duplicates_dropped = 0
+        self.voided = VoidedSteps()  # steps the scheduler gave up (shared/voided_steps.py)
         self.early: dict[str, tuple[float, list[tuple[int, int, SampleLogprobs | None]]]] = {}
         self.early_prompt: dict[str, tuple[float, list[PromptLogprobs]]] = {}
         self.embeds: dict[str, tuple[str, int]] = {}  # embedding: id -> (reply_to, prompt len)
@@ -92,9 +95,18 @@ class DetokenizerService:
                 with request_scope(msg.request_id):
                     await self._register(msg, raw.headers)
             case StepResult():
+                if self.voided.drops(msg):  # its sequences were recomputed: not streamed
+                    log.warning(
+                        "detokenizer: a result of voided step %d of %s dropped",
+                        msg.step_id,
+                        msg.worker_id,
+                    )
+                    return
                 t0 = time.perf_counter()
                 await self._on_result(msg)
                 self.metrics.steps.observe(time.perf_counter() - t0)
+            case StepVoid():
+                self.voided.add(msg)
             case Abort():
                 if self.embeds.pop(msg.request_id, None) is not None:
                     self._mark_done(msg.request_id)

@@ -70,6 +70,10 @@ class SchedulerCore:
         self.router = Router(self.workers, kv_connector)
         self.num_finished = 0
         self.num_computed_tokens = 0  # as reported by the workers' StepResults
+        # the last step id of each worker given up: a worker that comes back numbers its steps
+        # on from there, so a late result of a step planned before it was given up can never
+        # be taken for one planned after (results are matched by worker, term and step id)
+        self._last_step_ids: dict[str, int] = {}
 
     # -- workers --------------------------------------------------------------------------------
 
@@ -97,6 +101,7 @@ class SchedulerCore:
             redis_tier=redis_tier,
             speculator=self.speculator,
         )
+        ws.step_id = self._last_step_ids.get(worker_id, 0)
         self.workers[worker_id] = ws
         self.router.add_worker(worker_id, kv_address, kv_layout)
         return ws
@@ -121,6 +126,7 @@ class SchedulerCore:
         self.router.remove_worker(worker_id)
         if ws is None:
             return []
+        self._last_step_ids[worker_id] = ws.step_id
         moved = ws.on_failed_step(removing=True)
         for other in self.workers.values():
             for seq in list(other.running):

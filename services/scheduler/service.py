@@ -54,12 +54,15 @@ from shared.messages import (
     Message,
     RequestError,
     StatsRequest,
+    StepPlan,
     StepResult,
+    StepVoid,
     TokenizedRequest,
     WorkerHeartbeat,
     WorkerRelease,
 )
 from shared.speculative import parse_speculative_config
+from shared.voided_steps import VoidedSteps
 
 log = logging.getLogger("kvflow.scheduler")
 
@@ -100,6 +103,8 @@ class SchedulerService:
         self.pending: dict[tuple[str, int, int], asyncio.Future[StepResult]] = {}
         self.step_subject: dict[str, str] = {}
         self.last_seen: dict[str, float] = {}
+        self.slow_steps = 0  # step timeouts waited through: the worker said it was computing
+        self.voided = VoidedSteps()  # steps given up: their late results are not applied
         self.heartbeats: dict[str, WorkerHeartbeat] = {}
         self.heartbeats_known: dict[str, str] = {}  # worker id -> instance the core knows
         self.took_over_at: float | None = None
@@ -202,10 +207,17 @@ class SchedulerService:
                 if self.leading and self.core.abort(msg.request_id):
                     self._wake_all()
             case StepResult():
+                if self.voided.drops(msg):
+                    log.warning(
+                        "a result of voided step %d of %s dropped", msg.step_id, msg.worker_id
+                    )
+                    return
                 self.shadow.apply(msg)
                 fut = self.pending.pop((msg.worker_id, msg.epoch, msg.step_id), None)
                 if fut is not None and not fut.done():
                     fut.set_result(msg)
+            case StepVoid():
+                self.voided.add(msg)
             case WorkerHeartbeat():
                 await self._on_heartbeat(msg)
             case KvTransferDone():
@@ -313,10 +325,19 @@ class SchedulerService:
         log.error("worker %s: %s; re-queueing its sequences", wid, why)
         self.core.remove_worker(wid)
         self.wake.pop(wid, None)
+        lost = []
         for key, fut in list(self.pending.items()):
             if key[0] == wid and not fut.done():
                 fut.cancel()
+                lost.append(key[2])
+        if lost:
+            self._void(wid, lost)
         self._wake_all()
+
+    def _void(self, wid: str, step_ids: list[int]) -> None:
+        """Tell the detokenizers and the standbys that these steps' results, should they still
+        come, are not to be applied: their sequences are recomputed."""
+        self.bus.spawn(self.bus.publish(subjects.RESULTS, StepVoid(wid, self.epoch, step_ids)))
 
     # -- planning -------------------------------------------------------------------------------
 
@@ -349,7 +370,7 @@ class SchedulerService:
             self.pending[key] = fut
             try:
                 await self.bus.publish(self.step_subject[wid], plan)
-                result = await asyncio.wait_for(fut, self.settings.scheduler.step_timeout)
+                result = await self._step_result(wid, plan, fut)
             except asyncio.CancelledError:
                 if self.stopped.is_set():
                     raise
@@ -359,7 +380,12 @@ class SchedulerService:
                 if wid not in core.workers:
                     return
                 what = (wid, plan.step_id, self.settings.scheduler.step_timeout, type(e).__name__)
-                log.error("worker %s: step %d got no result in %.0fs (%s); recomputing", *what)
+                log.error(
+                    "worker %s: step %d got no result in %.0fs and the worker is not computing "
+                    "it (%s); recomputing",
+                    *what,
+                )
+                self._void(wid, [plan.step_id])
                 ws.on_failed_step()
                 self._wake_all()
                 continue
@@ -385,6 +411,29 @@ class SchedulerService:
                     await self._release_drained()
             if not ws.running and not len(core.waiting) and not ws.to_forget:
                 ev.clear()
+
+    async def _step_result(
+        self, wid: str, plan: StepPlan, fut: asyncio.Future[StepResult]
+    ) -> StepResult:
+        """The plan's result. A step is lost (TimeoutError: its sequences are recomputed) only
+        when ``--step-timeout`` passed and the worker's heartbeats do not say it is computing
+        this step: a slow step on a live worker is waited for, however long (a recompute would
+        be as slow, and lose the work done). A worker that falls silent is given up by
+        ``_watch_workers``, which cancels the wait."""
+        timeout = self.settings.scheduler.step_timeout
+        waited = 0.0
+        while True:
+            try:
+                return await asyncio.wait_for(asyncio.shield(fut), timeout)
+            except TimeoutError:
+                waited += timeout
+                hb = self.heartbeats.get(wid)
+                if hb is None or (hb.step_id, hb.step_epoch) != (plan.step_id, plan.epoch):
+                    fut.cancel()
+                    raise
+                what = (wid, plan.step_id, hb.step_seconds, waited)
+                log.warning("worker %s: step %d is slow (computing for %.0fs, waited %.0fs)", *what)
+                self.slow_steps += 1
 
     async def _watch_workers(self) -> None:
         while not self.stopped.is_set():

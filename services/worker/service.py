@@ -108,6 +108,8 @@ class WorkerService:
         self.draining = False
         self.last_heard = time.monotonic()  # the last message from a scheduler (or step end)
         self.stepping = False
+        self.step: StepPlan | None = None  # the plan being computed (heartbeats name it)
+        self.step_started = 0.0
         self.epoch = 0  # the newest scheduler term seen in a plan
         self.instance = uuid.uuid4().hex
         self.stopped = asyncio.Event()  # set when released (or the drain timed out)
@@ -225,6 +227,7 @@ class WorkerService:
             stored: list[tuple[bytes, bytes]] = []
             t0 = self.telemetry.step_started(plan)
             self.stepping = True
+            self.step, self.step_started = plan, time.monotonic()  # heartbeats report it
             try:
                 result, stored = await self.model_thread.run(self._step, plan)
             except Exception as e:  # noqa: BLE001 - execute reports its own errors; belt and braces
@@ -234,6 +237,7 @@ class WorkerService:
                 )
             finally:
                 self.stepping = False
+                self.step = None
             result.worker_id = self.worker_id
             result.host_tier_evicted = self.tiers.take_evicted()
             await self.bus.publish(subjects.RESULTS, result)
@@ -269,6 +273,7 @@ class WorkerService:
         await self.bus.publish(subjects.KV_DONE, done)
 
     def heartbeat(self) -> WorkerHeartbeat:
+        step = self.step
         return WorkerHeartbeat(
             worker_id=self.worker_id,
             role=self.settings.worker.role,
@@ -283,6 +288,9 @@ class WorkerService:
             instance=self.instance,
             tensor_parallel_size=self.settings.worker.tensor_parallel_size,
             **self.tiers.heartbeat_fields(),
+            step_id=step.step_id if step is not None else 0,
+            step_epoch=step.epoch if step is not None else 0,
+            step_seconds=time.monotonic() - self.step_started if step is not None else 0.0,
         )
 
     async def _keep_group_alive(self) -> None:

@@ -79,7 +79,7 @@ NATS_GRANTS: dict[str, NatsGrant] = {
     ),
     # plans steps for workers; accepts or refuses requests to their gateway
     "scheduler": NatsGrant(
-        publish=_out("scheduler", ANY_WORKER_STEP, ANY_GATEWAY),
+        publish=_out("scheduler", ANY_WORKER_STEP, ANY_GATEWAY, S.RESULTS),  # RESULTS: StepVoid
         subscribe=_own(
             "scheduler",
             S.REQUESTS,

@@ -69,6 +69,7 @@ from shared.messages.steps import (
     StatsRequest,
     StepPlan,
     StepResult,
+    StepVoid,
     WorkerHeartbeat,
     WorkerRelease,
     WorkerStats,
@@ -119,6 +120,7 @@ __all__ = [
     "StatsRequest",
     "StepPlan",
     "StepResult",
+    "StepVoid",
     "StructuredOutput",
     "TokenLogprob",
     "ToolCall",
@@ -168,6 +170,7 @@ Message = (
     | LoraUnload
     | LoraList
     | LoraAdapters
+    | StepVoid
 )
 
 _encoder = msgspec.msgpack.Encoder()

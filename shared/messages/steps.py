@@ -107,6 +107,17 @@ class StepResult(_Msg, tag=5):
     embeddings: list[PooledOutput] = []
 
 
+class StepVoid(_Msg, tag=44):
+    """scheduler -> detokenizers and standby schedulers (on ``kvflow.results``): steps of a
+    worker given up (silent past ``--worker-timeout``, or a step lost), whose sequences are
+    recomputed elsewhere. A result of one of them that arrives later (the worker was frozen,
+    not dead) is dropped: nothing it computed for sequences that moved is streamed."""
+
+    worker_id: str
+    epoch: int
+    step_ids: list[int]
+
+
 # StepResult.error of a plan from an older scheduler term (the deposed leader stops on it)
 STALE_EPOCH_ERROR = "stale scheduler term"
 
@@ -153,6 +164,11 @@ class WorkerHeartbeat(_Msg, tag=6):
     host_tier_blocks: int = 0  # blocks the host tier holds now
     host_tier_bytes: int = 0  # the host tier's capacity (0: none)
     tensor_parallel_size: int = 1  # ranks the worker's model is split over
+    # progress, so a slow step is not taken for a lost one: the step being computed now (0:
+    # none) and its scheduler term, and since when (seconds, the worker's own clock)
+    step_id: int = 0
+    step_epoch: int = 0
+    step_seconds: float = 0.0
 
 
 class WorkerRelease(_Msg, tag=15):

@@ -168,6 +168,42 @@ def test_killed_decode_worker_mid_stream_loses_nothing(faults_stack) -> None:
     wait_all_blocks_free(base, timeout=30)
 
 
+def test_throttled_workers_that_come_back_corrupt_no_stream(faults_stack) -> None:
+    """Both decode workers frozen (SIGSTOP) past the heartbeat timeout mid-stream, thawed for
+    half a second, four times over (an overloaded machine): each time they are given up, their
+    sequences re-queued, and they rejoin and take them up again; a thawed worker first finishes
+    the plan it was frozen in and publishes that step's result. No such result may be taken for
+    a later step's: every text equals an undisturbed run's, and all blocks end free."""
+    base, _, _ = faults_stack
+    nats_url, _ = stack_urls(NAME)
+    ps = prompts(16)
+    reference = [s.join() for s in run_streams(base, ps, 48)]
+    wait_all_blocks_free(base)
+    streams = run_streams(base, ps, 48)
+    deadline = time.monotonic() + 120
+    while min(len(s.pieces) for s in streams) < 4:  # every stream is under way
+        assert time.monotonic() < deadline, "streams did not start"
+        time.sleep(0.05)
+    pids = [pid for name, pid in service_pids(nats_url).items() if name.startswith("worker:decode")]
+    assert len(pids) == 2
+    try:
+        for _ in range(4):
+            for pid in pids:
+                os.kill(pid, signal.SIGSTOP)
+            time.sleep(4.0)  # past the heartbeat timeout (3 s): given up
+            for pid in pids:
+                os.kill(pid, signal.SIGCONT)
+            time.sleep(0.5)
+    finally:
+        for pid in pids:
+            os.kill(pid, signal.SIGCONT)
+    for s in streams:
+        s.join()
+    assert [s.error for s in streams] == [None] * 16
+    assert [s.text for s in streams] == [r.text for r in reference]
+    wait_all_blocks_free(base, timeout=30)
+
+
 def test_killed_leader_scheduler_another_takes_over(faults_stack) -> None:
     base, _, _ = faults_stack
     nats_url, _ = stack_urls(NAME)

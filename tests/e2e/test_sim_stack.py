@@ -9,7 +9,7 @@ import httpx
 import pytest
 from openai import OpenAI
 
-from tests.e2e.conftest import running_stack
+from tests.e2e.conftest import ROOT, running_stack
 
 MODEL = "SmolLM2-135M-Instruct"
 PROMPTS = [
@@ -53,3 +53,20 @@ def test_sim_stack_aggregated_and_disaggregated_agree() -> None:
     assert dis["full"] == agg["full"]
     assert dis["streamed"] == agg["streamed"]
     assert dis["stats"]["kv_transfers"] > 0 and dis["stats"]["kv_transfer_failures"] == 0
+
+
+@pytest.mark.timeout(300)
+def test_a_step_slower_than_the_step_timeout_is_waited_for_not_recomputed() -> None:
+    """Steps of 2.5 s under `--step-timeout 1`: the worker's heartbeats say it is computing the
+    step, so the scheduler waits (slow is not lost) and the request completes with the text of
+    a fast stack. Before: each step 'got no result in 1s; recomputing', the same oversized step
+    resent for ever, and the request never finished."""
+    prompt = {"model": MODEL, "prompt": PROMPTS[1], "max_tokens": 3, "temperature": 0}
+    with running_stack("sim-fast", "--worker-backend", "sim", "--sim-step-ms", "2") as base:
+        want = httpx.post(f"{base}/v1/completions", json=prompt, timeout=60).json()
+    slow = ["--worker-backend", "sim", "--sim-step-ms", "2500", "--step-timeout", "1"]
+    with running_stack("sim-slow-steps", *slow) as base:
+        got = httpx.post(f"{base}/v1/completions", json=prompt, timeout=120).json()
+    assert got["choices"][0]["text"] == want["choices"][0]["text"]
+    log = (ROOT / ".pytest_cache" / "kvflow-serve-sim-slow-steps.log").read_text()
+    assert "recomputing" not in log and "is slow (computing for" in log
