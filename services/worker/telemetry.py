@@ -17,6 +17,7 @@ docs/benchmarks.md)."""
 from __future__ import annotations
 
 import time
+from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -24,7 +25,7 @@ from typing import Any
 from opentelemetry.context import Context
 from opentelemetry.trace import Link, Span, SpanKind, Status, StatusCode
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from shared.messages import KvPull, StepPlan, StepResult
@@ -64,6 +65,57 @@ class _Queued(Collector):
         )
         g.add_metric([self.worker_id], float(self.queued()))
         yield g
+
+
+BUSY_WINDOW_S = 10.0
+
+
+class BusyClock(Collector):
+    """The worker's busy fraction: the time it spends in steps over wall time, the figure a GPU
+    operator watches (idle time between steps is the pipeline's, not the device's). Exposed as
+    ``kvflow:worker_busy_fraction`` (the last ``BUSY_WINDOW_S`` seconds, a running step counted
+    up to now) and ``kvflow:worker_busy_seconds_total`` (for ``rate()`` over any window)."""
+
+    def __init__(self, worker_id: str, window_s: float = BUSY_WINDOW_S) -> None:
+        self.worker_id, self.window_s = worker_id, window_s
+        self.total_s = 0.0
+        self._since: float | None = None  # the running step's start
+        self._done: deque[tuple[float, float]] = deque()  # (start, end) of finished steps
+
+    def start(self, now: float) -> None:
+        self._since = now
+
+    def stop(self, now: float) -> None:
+        if self._since is None:
+            return
+        self.total_s += now - self._since
+        self._done.append((self._since, now))
+        self._since = None
+
+    def fraction(self, now: float) -> float:
+        lo = now - self.window_s
+        while self._done and self._done[0][1] <= lo:
+            self._done.popleft()
+        busy = sum(end - max(start, lo) for start, end in self._done)
+        if self._since is not None:
+            busy += now - max(self._since, lo)
+        return min(1.0, busy / self.window_s)
+
+    def collect(self) -> Iterator[Metric]:
+        now = time.monotonic()
+        g = GaugeMetricFamily(
+            "kvflow:worker_busy_fraction",
+            f"Time in steps over the last {self.window_s:.0f} s of wall time (1: never idle)",
+            labels=["worker"],
+        )
+        g.add_metric([self.worker_id], self.fraction(now))
+        yield g
+        running = now - self._since if self._since is not None else 0.0
+        c = CounterMetricFamily(
+            "kvflow:worker_busy_seconds", "Seconds spent in steps", labels=["worker"]
+        )
+        c.add_metric([self.worker_id], self.total_s + running)
+        yield c
 
 
 class WorkerTelemetry:
@@ -110,6 +162,8 @@ class WorkerTelemetry:
             registry=r,
         )
         r.register(_Queued(worker_id, queued))
+        self.busy = BusyClock(worker_id)
+        r.register(self.busy)
         self.reqs: dict[str, _Req] = {}
         self.epoch = 0
         self._step: Span | None = None
@@ -120,6 +174,7 @@ class WorkerTelemetry:
     def step_started(self, plan: StepPlan) -> float:
         """Before ``plan`` runs; returns the start time to give :meth:`step_done`."""
         t0 = time.monotonic()
+        self.busy.start(t0)
         if plan.epoch != self.epoch:  # a new scheduler term: the worker dropped every request
             self.epoch = plan.epoch
             for rid in list(self.reqs):
@@ -205,6 +260,7 @@ class WorkerTelemetry:
         """After ``plan`` ran and its ``result`` was sent (the step's time is the worker's own
         measure in ``result.step_time_s``, else the time since ``t0``)."""
         w = self.worker_id
+        self.busy.stop(time.monotonic())
         self.step_seconds.labels(w).observe(result.step_time_s or time.monotonic() - t0)
         self.batch_seqs.labels(w).observe(len(plan.seqs))
         self.step_tokens.labels(w).observe(result.num_computed_tokens)

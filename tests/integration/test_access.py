@@ -53,9 +53,14 @@ EVERY_SUBJECT = [
     KV,
     "_INBOX.gateway.x1",
     "_INBOX.worker.x1",
+    S.blob("gateway", "x1"),  # where a connection serves its large messages' bytes
+    S.blob("worker", "x1"),
     "kvflow.other",
     "$SYS.REQ.SERVER.PING",
 ]
+# every role fetches large messages' bytes from any role's blob subjects (requests), and
+# serves only its own (shared/large_messages.py)
+BLOBS = {S.blob("gateway", "x1"), S.blob("worker", "x1")}
 # what each role does on the bus (services/*/service.py, services/gateway/state.py)
 PUBLISHES = {
     "gateway": {
@@ -70,11 +75,12 @@ PUBLISHES = {
     },
     "tokenizer": {S.REQUESTS, GW},  # errors go to the asking gateway
     "detokenizer": {GW, S.ABORT},  # deltas; a stop string ends a request
-    "scheduler": {STEP, GW},  # plans; Accepted / RequestError
+    "scheduler": {STEP, GW, S.RESULTS},  # plans; Accepted / RequestError; StepVoid
     "worker": {S.RESULTS, S.KV_DONE, S.HEARTBEAT, KV, "_INBOX.worker.x1"},  # KV pulls
 }
+PUBLISHES = {role: subjects | BLOBS for role, subjects in PUBLISHES.items()}
 SUBSCRIBES = {
-    "gateway": {GW, S.METRICS, "_INBOX.gateway.x1"},
+    "gateway": {GW, S.METRICS, "_INBOX.gateway.x1", S.blob("gateway", "x1")},
     "tokenizer": {S.TOKENIZE, S.TOKENIZER_RPC, S.METRICS, S.ping("tokenizer")},
     "detokenizer": {S.REQUESTS, S.RESULTS, S.ABORT, S.METRICS},
     "scheduler": {
@@ -86,7 +92,7 @@ SUBSCRIBES = {
         S.SCHEDULER_STATS,
         S.METRICS,
     },
-    "worker": {STEP, KV, S.METRICS, S.ping("worker"), "_INBOX.worker.x1"},
+    "worker": {STEP, KV, S.METRICS, S.ping("worker"), "_INBOX.worker.x1", S.blob("worker", "x1")},
 }
 
 

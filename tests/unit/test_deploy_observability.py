@@ -75,6 +75,7 @@ def test_dashboard_covers_each_concern_with_exported_series(dashboard) -> None:
             "kvflow:gateway_open_requests",
             "vllm:num_requests_waiting",
             "kvflow:worker_plans_queued",
+            "kvflow:worker_busy_fraction",
             "kvflow:bus_pending_messages",
         },
         "errors": {

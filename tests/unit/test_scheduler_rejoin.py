@@ -33,4 +33,3 @@ def test_a_rejoined_worker_numbers_its_steps_on() -> None:
     # the recompute carries the token the scheduler accepted, not the lost step's
     [seq] = again.seqs
     assert seq.token_ids[-1] == 9 and seq.start_pos == 0
-

@@ -377,7 +377,9 @@ def test_subject_labels_have_bounded_cardinality() -> None:
     assert subject_label("kvflow.worker.prefill-0.step") == "kvflow.worker.*.step"
     assert subject_label("kvflow.worker.decode-3.kv") == "kvflow.worker.*.kv"
     assert subject_label("_INBOX.x.y") == "_INBOX"
-    assert subject_label("kvflow.blob.gateway.9f3c") == "kvflow.blob.gateway.*"  # one per connection
+    assert (
+        subject_label("kvflow.blob.gateway.9f3c") == "kvflow.blob.gateway.*"
+    )  # one per connection
     assert subject_label("kvflow.results") == "kvflow.results"
 
 
@@ -476,3 +478,28 @@ def test_the_worker_exports_each_experts_load_per_step() -> None:
     assert samples[("kvflow:worker_expert_tokens_count", None)] == 4
     assert samples[("kvflow:worker_expert_tokens_sum", None)] == 8
     assert samples[("kvflow:worker_expert_tokens_bucket", "0.0")] == 2  # two idle experts
+
+
+def test_the_worker_busy_fraction_is_step_time_over_wall_time() -> None:
+    """kvflow:worker_busy_fraction (the last 10 s, a running step counted up to now) and
+    kvflow:worker_busy_seconds_total: what a GPU operator watches for a device left waiting."""
+    from services.worker.telemetry import BusyClock
+
+    clock = BusyClock("w", window_s=10.0)
+    assert clock.fraction(100.0) == 0.0
+    clock.start(100.0)
+    clock.stop(103.0)  # 3 s in a step
+    clock.start(105.0)
+    clock.stop(106.0)  # 1 s
+    assert clock.fraction(106.0) == pytest.approx(0.4)  # 4 of the last 10 s
+    assert clock.fraction(112.0) == pytest.approx(0.2)  # 1 s of the first is still inside
+    assert clock.fraction(114.0) == pytest.approx(0.1)  # the first has left the window
+    clock.start(112.0)  # a step running for 5 s so far counts
+    assert clock.fraction(117.0) == pytest.approx(0.5)
+    assert clock.total_s == 4.0
+    tel = WorkerTelemetry("w0")
+    tel.busy.start(0.0)  # a step running since the clock's epoch: busy the whole window
+    text = generate_latest(tel.registry).decode()
+    fams = {f.name: f for f in text_string_to_metric_families(text)}
+    assert fams["kvflow:worker_busy_fraction"].samples[0].value == 1.0
+    assert fams["kvflow:worker_busy_seconds"].samples[0].value > 0
