@@ -67,6 +67,13 @@ def test_a_prompt_over_the_bus_limit_is_refused_by_kvflow_not_by_nats(stack, cli
     with pytest.raises(openai.BadRequestError) as e:
         client.completions.create(model=MODEL, prompt=[1000] * 300_000, max_tokens=4)
     assert "2048" in e.value.body["message"], e.value.body
+    # 10 MB, under the 16 MiB --max-body-bytes: refused for its length too, never a bus error
+    big = httpx.post(
+        f"{stack}/v1/completions",
+        json={"model": MODEL, "prompt": "hello " * 1_700_000, "max_tokens": 4},
+        timeout=300,
+    )
+    assert big.status_code in (400, 413) and "2048" in big.json()["error"]["message"], big.text
     r = client.completions.create(model=MODEL, prompt="Hello", max_tokens=2)  # the stack goes on
     assert r.usage.completion_tokens == 2
 
