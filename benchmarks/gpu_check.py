@@ -300,6 +300,11 @@ def _start_stack(model_dir: Path, dev: torch.device, args: argparse.Namespace, l
     base = f"http://127.0.0.1:{port}"
     t0 = time.perf_counter()
     wait_for_http(f"{base}/health", proc, "kvflow serve", timeout=args.ready_timeout)
+    # every service up (the gateway answers /health before the worker has joined)
+    while "kvflow: ready" not in log.read_text(errors="replace"):
+        if proc.poll() is not None or time.perf_counter() - t0 > args.ready_timeout:
+            raise RuntimeError(f"kvflow serve not ready:\n{log.read_text()[-3000:]}")
+        time.sleep(0.2)
     return proc, base, time.perf_counter() - t0
 
 
