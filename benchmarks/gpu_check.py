@@ -403,6 +403,18 @@ def _hf_continuous(model, vocab: int, args: argparse.Namespace) -> dict:
     gen.update(max_new_tokens=args.output_len, do_sample=False, eos_token_id=[], pad_token_id=0)
     takes = inspect.signature(model.generate_batch).parameters
     kw = {"progress_bar": False} if "progress_bar" in takes else {}
+    # its KV cache sized for the workload: left to itself it takes a share of the free memory,
+    # which on a CPU is the machine's RAM (the dry run was OOM-killed inside the test suite)
+    page = 256
+    blocks = len(prompts) * -(-(args.input_len + args.output_len) // page) + 8
+    if "continuous_batching_config" in takes:
+        from transformers.generation.configuration_utils import ContinuousBatchingConfig
+
+        kw["continuous_batching_config"] = ContinuousBatchingConfig(
+            page_size=page, num_blocks=blocks
+        )
+    else:  # older transformers read it from the generation config
+        gen.update(block_size=page, num_blocks=blocks)
     try:
         with torch.no_grad():
             model.generate_batch(prompts[:2], generation_config=gen, **kw)  # warm-up

@@ -68,7 +68,11 @@ step() {
   echo "== $name (cap ${cap}s): $*"
   timeout -k 10 "$cap" "$@" >"$LOGS/$name.log" 2>&1
   rc=$?
-  [[ $rc == 124 || $rc == 137 ]] && note="stopped at its ${cap}s cap"
+  if [[ $rc == 124 ]] || [[ $rc == 137 && $(($(date +%s) - t0)) -ge $cap ]]; then
+    note="stopped at its ${cap}s cap"
+  elif ((rc > 128)); then
+    note="killed by signal $((rc - 128))"  # 9 before the cap: the kernel's OOM killer, say
+  fi
   printf '%s\t%s\t%s\t%s\n' "$name" "$rc" "$(($(date +%s) - t0))" "$note" >>"$OUTDIR/steps.tsv"
   tail -n 25 "$LOGS/$name.log"
   echo "== $name: exit $rc after $(($(date +%s) - t0))s $note"
