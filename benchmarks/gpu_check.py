@@ -57,19 +57,11 @@ def _sync(dev: torch.device) -> None:
 # -- env ------------------------------------------------------------------------------------------
 
 
-def _cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "CPU"
-
-
 def step_env(args: argparse.Namespace) -> int:
     import transformers
     import triton
+
+    from benchmarks.model_impl import cpu_name
 
     dev = _device()
     info: dict = {
@@ -78,7 +70,7 @@ def step_env(args: argparse.Namespace) -> int:
         "torch_cuda": torch.version.cuda,
         "triton": triton.__version__,
         "transformers": transformers.__version__,
-        "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else _cpu_name(),
+        "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else cpu_name(),
         "cpu_count": os.cpu_count(),
     }
     if dev.type == "cuda":
