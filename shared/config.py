@@ -84,6 +84,15 @@ class SchedulerSettings:
             "waited for: slow is not lost)"
         },
     )
+    async_scheduling: bool = field(
+        default=True,
+        metadata={
+            "help": "plan each worker's next step while it computes the current one (two plans "
+            "in flight; a token not sampled yet is filled in by the worker), so the worker does "
+            "not wait for the scheduler between steps (vLLM's --async-scheduling); false: one "
+            "plan at a time"
+        },
+    )
     scheduler_ha: bool = field(
         default=False,
         metadata={"help": "compete for the leader lease in Redis (run two or more schedulers)"},

@@ -8,6 +8,11 @@ When blocks run out, the policy's victim is preempted by recompute (WorkerState.
 step that had to preempt admits nothing new. With speculative decoding a decoding sequence also
 computes draft tokens (speculation.py): they take budget and blocks like known tokens, but are
 dropped before anything is preempted for them.
+
+With async scheduling a plan is built while earlier ones are in flight (worker_state.py): a
+sequence's tokens start after what those plans compute, a token they sample goes in as a
+``PLACEHOLDER``, and a sequence short of blocks is left for the next plan instead of preempting
+(``must_sync``: that plan is built once the results are in).
 """
 
 from __future__ import annotations
@@ -18,7 +23,7 @@ from typing import TYPE_CHECKING
 from services.scheduler.block_manager import BlockHash
 from services.scheduler.sequence import RequeueReason, SeqStatus, Sequence
 from services.scheduler.speculation import Drafts
-from shared.messages import BlockRef, NewRequest, ScheduledSeq, StepPlan
+from shared.messages import PLACEHOLDER, BlockRef, NewRequest, ScheduledSeq, StepPlan
 
 if TYPE_CHECKING:
     from services.scheduler.worker_state import WorkerState
@@ -40,22 +45,37 @@ class Admission:
 
 
 @dataclass
-class _Chosen:
-    """Tokens a sequence computes in the plan being built (known ones, then ``drafts``), and
-    the blocks registered for it."""
+class InFlightStep:
+    """A plan sent to the worker whose result has not come back."""
 
+    step_id: int
+    scheduled: dict[str, int]  # request_id -> tokens it computes (known ones and placeholders)
+    samples: set[str]  # requests it samples a token for: tokens not known until its result
+    drafts: dict[str, Drafts]  # request_id -> the drafts it verifies
+    cached: list[int]  # blocks whose hashes it registered
+
+
+@dataclass
+class _Chosen:
+    """Tokens a sequence computes in the plan being built, from position ``start`` (known
+    ones, then placeholders, then ``drafts``), whether it samples after them, and the blocks
+    registered for it."""
+
+    start: int
     num_new: int
+    sample: bool
     registered: list[int] = field(default_factory=list)
     drafts: Drafts | None = None
 
 
 def plan_step(ws: WorkerState) -> StepPlan | None:
     """Build ``ws``'s next plan, or None when there is nothing to run."""
-    assert ws.in_flight is None, "one plan at a time per worker"
-    ws.in_flight_cached = []
+    assert ws.can_plan(), "plans in flight are at their limit"
+    ws.plan_cached = []
+    ws.must_sync = False
     chosen: dict[Sequence, _Chosen] = {}
     budget, preempted = _schedule_running(ws, chosen, ws.limits.max_num_batched_tokens)
-    if not preempted:  # memory is short when this step had to preempt: admit nothing new
+    if not preempted and not ws.must_sync:  # memory is short: admit nothing new
         _admit_waiting(ws, chosen, budget)
     if not chosen and not ws.to_forget:
         return None
@@ -66,22 +86,31 @@ def _schedule_running(
     ws: WorkerState, chosen: dict[Sequence, _Chosen], budget: int
 ) -> tuple[int, bool]:
     """Give running sequences their next tokens, preempting the policy's victims while blocks
-    are short. Returns the budget left and whether anything was preempted."""
+    are short (with plans in flight: leaving the sequence for a plan built after their
+    results). Returns the budget left and whether anything was preempted."""
     preempted = False
     for seq in list(ws.running):
         if budget <= 0:
             break
         if seq.status is not SeqStatus.RUNNING:  # preempted in this loop, or K/V in flight
             continue
-        num_new = min(seq.num_tokens - seq.num_computed, budget)
+        ahead, pending = ws.ahead(seq)
+        if not ws.may_run_ahead(seq, pending):
+            continue
+        start = seq.num_computed + ahead
+        end_known = seq.num_tokens + pending
+        num_new = min(end_known - start, budget)
         if num_new <= 0:
             continue
-        drafts = ws.propose(seq, budget - 1) if num_new == 1 else None
+        drafts = ws.propose(seq, budget - 1) if num_new == 1 and not ahead else None
         extra = drafts.count if drafts else 0
-        need = ws.bm.blocks_needed(seq.num_computed + num_new + extra) - len(seq.blocks)
+        need = ws.bm.blocks_needed(start + num_new + extra) - len(seq.blocks)
         if drafts and need > ws.bm.num_free_blocks:  # drafts never cost a preemption
             drafts, extra = None, 0
-            need = ws.bm.blocks_needed(seq.num_computed + num_new) - len(seq.blocks)
+            need = ws.bm.blocks_needed(start + num_new) - len(seq.blocks)
+        if need > ws.bm.num_free_blocks and ws.in_flight:
+            ws.must_sync = True  # preempt only once the plans in flight are done
+            continue
         while need > ws.bm.num_free_blocks:
             victim = ws.policy.choose_victim(ws.running)
             if victim is None:
@@ -94,7 +123,8 @@ def _schedule_running(
         if seq.status is not SeqStatus.RUNNING or need > ws.bm.num_free_blocks:
             continue
         seq.blocks += ws.bm.allocate(max(need, 0))
-        chosen[seq] = _Chosen(num_new, ws.register(seq, num_new), drafts)
+        end = start + num_new
+        chosen[seq] = _Chosen(start, num_new, end == end_known, ws.register(seq, end), drafts)
         budget -= num_new + extra
     return budget, preempted
 
@@ -144,7 +174,10 @@ def _admit_in_order(
         ws.admit(seq, adm, route)
         if adm.tier:  # it waits for its tier load: nothing to compute in this step
             continue
-        chosen[seq] = _Chosen(adm.num_new, ws.register(seq, adm.num_new))
+        end = seq.num_computed + adm.num_new
+        chosen[seq] = _Chosen(
+            seq.num_computed, adm.num_new, end == seq.num_tokens, ws.register(seq, end)
+        )
         budget -= adm.num_new
 
 
@@ -183,7 +216,7 @@ def _build_plan(ws: WorkerState, chosen: dict[Sequence, _Chosen]) -> StepPlan:
         BlockRef(b, h) for b, h in ws.bm.take_evicted() if ws.offload_enabled and b in written
     ]
     store = (
-        [BlockRef(b, h) for b in ws.in_flight_cached if (h := ws.bm.block_hash[b])]
+        [BlockRef(b, h) for b in ws.plan_cached if (h := ws.bm.block_hash[b])]
         if ws.store_enabled
         else []
     )
@@ -199,21 +232,30 @@ def _build_plan(ws: WorkerState, chosen: dict[Sequence, _Chosen]) -> StepPlan:
         s.announced = True
     ws.used_loras([s.lora.name for s in chosen if s.lora is not None])
     ws.to_forget = []
-    ws.in_flight = {s.request_id: c.num_new for s, c in chosen.items()}
-    ws.in_flight_drafts = {s.request_id: c.drafts for s, c in chosen.items() if c.drafts}
+    ws.sent(
+        InFlightStep(
+            step_id=ws.step_id,
+            scheduled={s.request_id: c.num_new for s, c in chosen.items()},
+            samples={s.request_id for s, c in chosen.items() if c.sample},
+            drafts={s.request_id: c.drafts for s, c in chosen.items() if c.drafts},
+            cached=ws.plan_cached,
+        )
+    )
     return plan
 
 
 def _scheduled(s: Sequence, c: _Chosen) -> ScheduledSeq:
-    """A sequence's share of the plan: its next known tokens, then its drafts."""
-    end = s.num_computed + c.num_new
+    """A sequence's share of the plan: its next known tokens, a placeholder for each token
+    a plan in flight samples, then its drafts."""
+    end = c.start + c.num_new
+    known = s.token_ids[c.start : end]
     tokens, num_worker = c.drafts if c.drafts else ([], 0)
     return ScheduledSeq(
         request_id=s.request_id,
-        token_ids=s.token_ids[s.num_computed : end] + tokens,
-        start_pos=s.num_computed,
+        token_ids=known + [PLACEHOLDER] * (c.num_new - len(known)) + tokens,
+        start_pos=c.start,
         block_table=list(s.blocks),
-        sample=end == s.num_tokens,
+        sample=c.sample,
         num_draft=len(tokens),
         num_propose=num_worker,
     )

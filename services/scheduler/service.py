@@ -1,8 +1,10 @@
 """The scheduler service: a thin NATS shell around SchedulerCore.
 
 It receives tokenized requests, aborts, worker heartbeats, step results and KV-transfer reports;
-for each worker it runs a loop that plans a step, sends it, and waits for that step's result
-before planning the next. Prefill hand-offs become KvPull orders to the decode worker; a
+for each worker it runs a loop that plans a step, sends it, and applies the results in order.
+With async scheduling (the default) the loop plans step N+1 as soon as N is sent, so two plans
+are in flight and the worker finds its next plan waiting when a step ends; with
+``--async-scheduling false`` it waits for each result before planning again. Prefill hand-offs become KvPull orders to the decode worker; a
 draining worker is released (and forgotten) once nothing of it is needed. Each accepted request
 is acknowledged to its gateway (Accepted); the gateway resubmits until then, and an id runs once.
 
@@ -24,6 +26,7 @@ import logging
 import signal
 import time
 import uuid
+from collections import deque
 
 from nats.aio.msg import Msg
 
@@ -83,7 +86,11 @@ class SchedulerService:
         ms = settings.model
         loras = ms.max_loras if ms.enable_lora else 0
         self.limits = SchedulerLimits(
-            sc.max_num_seqs, sc.max_num_batched_tokens, max_model_len, loras
+            sc.max_num_seqs,
+            sc.max_num_batched_tokens,
+            max_model_len,
+            loras,
+            max_plans_in_flight=2 if sc.async_scheduling else 1,
         )
         self.loras = LoraRegistry(parse_lora_modules(ms.lora_modules), ms.enable_lora)
         self.settings = settings
@@ -342,75 +349,120 @@ class SchedulerService:
     # -- planning -------------------------------------------------------------------------------
 
     async def _worker_loop(self, ws: WorkerState) -> None:
+        """Plan ``ws``'s steps and apply their results, in order, while it is a worker of this
+        core: a new plan whenever the worker state allows one (up to two in flight with async
+        scheduling), else the oldest plan's result."""
         wid = ws.worker_id
-        loop = asyncio.get_running_loop()
         core = self.core
+        flight: deque[tuple[StepPlan, asyncio.Future[StepResult]]] = deque()
         while self.core is core and wid in core.workers and not self.stopped.is_set():
             ev = self.wake.get(wid)
             if ev is None:
                 return
-            await ev.wait()
-            if self.core is not core or wid not in core.workers:
-                return
-            if not self._may_plan():
-                await asyncio.sleep(0.05)  # lease unconfirmed: no plan until it is
-                continue
-            plan, loads = core.schedule(ws)
-            for load in loads:
-                load.epoch = self.epoch
-                await self.bus.publish(self.step_subject[wid], load)
-            if plan is None:
-                if not loads:
-                    ev.clear()
-                continue
-            plan.epoch = self.epoch
-            self.telemetry.on_plan(wid, plan)
-            fut: asyncio.Future[StepResult] = loop.create_future()
-            key = (wid, self.epoch, plan.step_id)
-            self.pending[key] = fut
-            try:
-                await self.bus.publish(self.step_subject[wid], plan)
-                result = await self._step_result(wid, plan, fut)
-            except asyncio.CancelledError:
-                if self.stopped.is_set():
-                    raise
-                return  # the worker was removed meanwhile
-            except Exception as e:  # noqa: BLE001 - a lost step is recovered below
-                self.pending.pop(key, None)
-                if wid not in core.workers:
+            if not flight:
+                await ev.wait()
+                if self.core is not core or wid not in core.workers:
                     return
-                what = (wid, plan.step_id, self.settings.scheduler.step_timeout, type(e).__name__)
-                log.error(
-                    "worker %s: step %d got no result in %.0fs and the worker is not computing "
-                    "it (%s); recomputing",
-                    *what,
-                )
-                self._void(wid, [plan.step_id])
-                ws.on_failed_step()
-                self._wake_all()
-                continue
-            if result.error and result.error.startswith(STALE_EPOCH_ERROR):
-                log.error("%s: deposed (%s); stopping", self.scheduler_id, result.error)
-                self.leading = False
-                self.stopped.set()
+                if not self._may_plan():
+                    await asyncio.sleep(0.05)  # lease unconfirmed: no plan until it is
+                    continue
+            if ws.can_plan() and self._may_plan():
+                plan = await self._plan(ws, flight)
+                if plan is not None:
+                    continue  # another plan may follow it at once
+                if not flight:
+                    continue
+            if not await self._apply_oldest(ws, flight):
                 return
-            if result.error:
-                log.error("worker %s: step %d failed: %s", wid, plan.step_id, result.error)
-            outcome = core.on_result(result)
-            self.telemetry.on_result(plan, result, outcome.finished)
-            for rid_seq, _reason in outcome.finished:
-                self.shadow.end(rid_seq.request_id)
-            for dst, pull in outcome.pulls:
-                if dst in self.step_subject:
-                    pull.epoch = self.epoch
-                    headers = self.telemetry.headers(pull.request_id)
-                    await self.bus.publish(self.step_subject[dst], pull, headers)
-            if outcome.finished or outcome.prefilled or result.error:
-                self._wake_all()  # freed blocks or slots: waiting requests may fit somewhere
-                if ws.draining:
-                    await self._release_drained()
-            if not ws.running and not len(core.waiting) and not ws.to_forget:
+
+    async def _plan(
+        self, ws: WorkerState, flight: deque[tuple[StepPlan, asyncio.Future[StepResult]]]
+    ) -> StepPlan | None:
+        """Plan ``ws``'s next step and send it (with the tier loads it ordered); None when
+        there is nothing to run (the wake event cleared when nothing is in flight either)."""
+        wid = ws.worker_id
+        plan, loads = self.core.schedule(ws)
+        for load in loads:
+            load.epoch = self.epoch
+            await self.bus.publish(self.step_subject[wid], load)
+        if plan is None:
+            if not flight and not loads:
+                self.wake[wid].clear()
+            return None
+        plan.epoch = self.epoch
+        self.telemetry.on_plan(wid, plan)
+        fut: asyncio.Future[StepResult] = asyncio.get_running_loop().create_future()
+        self.pending[(wid, self.epoch, plan.step_id)] = fut
+        flight.append((plan, fut))
+        await self.bus.publish(self.step_subject[wid], plan)
+        return plan
+
+    async def _apply_oldest(
+        self, ws: WorkerState, flight: deque[tuple[StepPlan, asyncio.Future[StepResult]]]
+    ) -> bool:
+        """Wait for the oldest plan's result and apply it. A step lost or failed voids every
+        plan in flight (their sequences are recomputed). False when the loop should end."""
+        wid, core = ws.worker_id, self.core
+        plan, fut = flight[0]
+        try:
+            result = await self._step_result(wid, plan, fut)
+        except asyncio.CancelledError:
+            if self.stopped.is_set():
+                raise
+            return False  # the worker was removed meanwhile
+        except Exception as e:  # noqa: BLE001 - a lost step is recovered below
+            if wid not in core.workers:
+                return False
+            what = (wid, plan.step_id, self.settings.scheduler.step_timeout, type(e).__name__)
+            log.error(
+                "worker %s: step %d got no result in %.0fs and the worker is not computing "
+                "it (%s); recomputing",
+                *what,
+            )
+            self._void_flight(wid, flight)
+            ws.on_failed_step()
+            self._wake_all()
+            return True
+        flight.popleft()
+        if result.error and result.error.startswith(STALE_EPOCH_ERROR):
+            log.error("%s: deposed (%s); stopping", self.scheduler_id, result.error)
+            self.leading = False
+            self.stopped.set()
+            return False
+        if result.error:
+            log.error("worker %s: step %d failed: %s", wid, plan.step_id, result.error)
+            self._void_flight(wid, flight)  # planned on top of this step: void with it
+        outcome = core.on_result(result)
+        self.telemetry.on_result(plan, result, outcome.finished)
+        for rid_seq, _reason in outcome.finished:
+            self.shadow.end(rid_seq.request_id)
+        for dst, pull in outcome.pulls:
+            if dst in self.step_subject:
+                pull.epoch = self.epoch
+                headers = self.telemetry.headers(pull.request_id)
+                await self.bus.publish(self.step_subject[dst], pull, headers)
+        if outcome.finished or outcome.prefilled or result.error:
+            self._wake_all()  # freed blocks or slots: waiting requests may fit somewhere
+            if ws.draining:
+                await self._release_drained()
+        if not flight and not ws.running and not len(core.waiting) and not ws.to_forget:
+            ev = self.wake.get(wid)
+            if ev is not None:
                 ev.clear()
+        return True
+
+    def _void_flight(
+        self, wid: str, flight: deque[tuple[StepPlan, asyncio.Future[StepResult]]]
+    ) -> None:
+        """Give up every plan in flight: their futures are dropped and their results, should
+        they still come, are voided (the core recomputes their sequences)."""
+        if not flight:
+            return
+        for plan, fut in flight:
+            self.pending.pop((wid, plan.epoch, plan.step_id), None)
+            fut.cancel()
+        self._void(wid, [plan.step_id for plan, _ in flight])
+        flight.clear()
 
     async def _step_result(
         self, wid: str, plan: StepPlan, fut: asyncio.Future[StepResult]

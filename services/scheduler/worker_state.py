@@ -1,8 +1,18 @@
 """Per-worker bookkeeping: which sequences run on a worker, the blocks they hold there, the
-sequences reserved to decode there, the one plan in flight and the worker's counters. Every
+sequences reserved to decode there, the plans in flight and the worker's counters. Every
 change of a sequence's place goes through one method here (admit, requeue, finish, hand_off,
 receive), so the blocks and counters stay consistent. Planning a step is planner.py's; where a
 sequence goes among workers is router.py's.
+
+Async scheduling (``SchedulerLimits.max_plans_in_flight`` 2, vLLM's async scheduling): the
+next plan is built while the worker computes the one before, so the worker never waits for the
+scheduler. A sequence that plan samples a token for is scheduled on top of it (a
+``PLACEHOLDER`` the worker fills in) when nothing but that token is missing: not with
+speculative decoding (drafts follow the last token), not before a hand-off or pooling, not past
+its max_tokens. A sequence leaving while a plan in flight still computes it keeps its blocks
+until that plan's result (they are written until then); nothing is preempted ahead of results:
+a sequence short of blocks waits for them (``must_sync``) and the next plan is built with
+nothing in flight.
 
 Roles: a ``both`` worker prefills and decodes its own sequences. A ``prefill`` worker admits
 sequences whose decode worker is elsewhere (a ``Route`` with blocks reserved there) and hands
@@ -13,12 +23,12 @@ once the K/V has arrived.
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from typing import Protocol
 
 from services.scheduler.block_manager import BlockHash, BlockManager
-from services.scheduler.planner import Admission, plan_step
+from services.scheduler.planner import Admission, InFlightStep, plan_step
 from services.scheduler.policy import SchedulingPolicy
 from services.scheduler.sequence import RequeueReason, Reservation, SeqStatus, Sequence, TierLoad
 from services.scheduler.speculation import Drafts, Speculator
@@ -34,6 +44,7 @@ class SchedulerLimits:
     max_num_batched_tokens: int = 2048
     max_model_len: int = 8192
     max_loras: int = 0  # distinct LoRA adapters running on a worker at most (0: LoRA off)
+    max_plans_in_flight: int = 1  # 2: async scheduling (the service's default)
 
 
 @dataclass
@@ -95,10 +106,13 @@ class WorkerState:
         self.loads: list[TierLoad] = []  # tier loads ordered by the last schedule()
         self.running: list[Sequence] = []  # admission order: the last is the newest
         self.to_forget: list[str] = []  # request ids the worker should drop at the next step
-        self.in_flight: dict[str, int] | None = None  # request_id -> known tokens scheduled
-        self.in_flight_drafts: dict[str, Drafts] = {}  # request_id -> its drafts
+        self.in_flight: deque[InFlightStep] = deque()  # plans sent, oldest first
+        self.plan_cached: list[int] = []  # blocks whose hashes the plan being built registered
+        # blocks of sequences that left while a plan in flight computes them: freed with the
+        # result of that plan (step id), not before (the worker writes them until then)
+        self.deferred_free: list[tuple[int, list[int]]] = []
+        self.must_sync = False  # a sequence waits for blocks: no plan ahead of results
         self.speculator = speculator  # speculative decoding (None: off)
-        self.in_flight_cached: list[int] = []  # blocks whose hashes the plan in flight registered
         self.num_reserved = 0  # sequences prefilled elsewhere that will decode here
         self.step_id = 0
         self.num_preemptions = 0
@@ -152,6 +166,43 @@ class WorkerState:
         """This worker's next plan (planner.py), or None when there is nothing to run."""
         return plan_step(self)
 
+    def can_plan(self) -> bool:
+        """Whether another plan may go to the worker now: fewer than ``max_plans_in_flight``
+        are in flight, and the last one left no sequence waiting for blocks."""
+        if not self.in_flight:
+            return True
+        return len(self.in_flight) < self.limits.max_plans_in_flight and not self.must_sync
+
+    def ahead(self, seq: Sequence) -> tuple[int, int]:
+        """What the plans in flight do for ``seq``: the tokens they compute, and the tokens
+        they sample (known only with their results)."""
+        computed = pending = 0
+        rid = seq.request_id
+        for step in self.in_flight:
+            n = step.scheduled.get(rid)
+            if n is not None:
+                computed += n
+                pending += rid in step.samples
+        return computed, pending
+
+    def may_run_ahead(self, seq: Sequence, pending: int) -> bool:
+        """Whether ``seq`` may be scheduled on top of ``pending`` tokens not known yet."""
+        if not pending:
+            return True
+        if pending > 1 or self.speculator is not None or seq.reservation is not None:
+            return False
+        if seq.pooling is not None:
+            return False
+        return (
+            seq.num_output_tokens + pending < seq.params.max_tokens
+            and seq.num_tokens + pending < self.limits.max_model_len
+        )
+
+    def sent(self, step: InFlightStep) -> None:
+        """The plan built last is on its way to the worker."""
+        self.in_flight.append(step)
+        self.plan_cached = []
+
     # -- admission and requeue ------------------------------------------------------------------
 
     def admit(self, seq: Sequence, adm: Admission, route: Route) -> None:
@@ -183,7 +234,7 @@ class WorkerState:
         """``seq`` stops running here and waits again with every token it has, to be recomputed
         (so its output does not change); its blocks here and elsewhere are freed."""
         self.running.remove(seq)
-        self.bm.free_blocks(seq.blocks)
+        self._free(seq, seq.blocks)
         self.router.release_elsewhere(seq)
         seq.blocks, seq.hashes, seq.num_computed = [], [], 0
         seq.load = None
@@ -196,23 +247,25 @@ class WorkerState:
         self.to_forget.append(seq.request_id)
         self.waiting.push(seq)
 
-    def register(self, seq: Sequence, num_new: int) -> list[int]:
-        """Register the full blocks this step fills as cached now, not when the result comes
-        back: the worker writes every K/V of a step before any attention reads it, so a sequence
-        admitted later in this same step (n > 1 siblings, identical prompts arriving together)
-        already shares them. If the step fails they are forgotten again (on_failed_step).
-        Returns the blocks registered."""
+    def register(self, seq: Sequence, end: int) -> list[int]:
+        """Register the full blocks this step fills (up to position ``end``) as cached now, not
+        when the result comes back: the worker writes every K/V of a step before any attention
+        reads it, so a sequence admitted later in this same step (n > 1 siblings, identical
+        prompts arriving together) already shares them. If the step fails they are forgotten
+        again (on_failed_step). A block holding a token not known yet (a placeholder) is
+        registered by a later plan. Returns the blocks registered."""
         start = len(seq.hashes)  # blocks before this are registered already (or duplicates)
-        self.bm.extend_hashes(seq.hashes, seq.token_ids, seq.num_computed + num_new, seq.cache_salt)
+        upto = min(end, seq.num_tokens)
+        self.bm.extend_hashes(seq.hashes, seq.token_ids, upto, seq.cache_salt)
         added = self.bm.cache_blocks(seq.blocks[start:], seq.hashes[start:])
-        self.in_flight_cached += added
+        self.plan_cached += added
         return added
 
     def unregister(self, blocks: list[int]) -> None:
         """Forget blocks registered for a sequence taken out of the plan being built."""
         self.bm.uncache(blocks)
         gone = set(blocks)
-        self.in_flight_cached = [b for b in self.in_flight_cached if b not in gone]
+        self.plan_cached = [b for b in self.plan_cached if b not in gone]
 
     def loaded(self, seq: Sequence, num_loaded: int) -> None:
         """The tier load of ``seq`` ended with its first ``num_loaded`` blocks filled: register
@@ -232,6 +285,7 @@ class WorkerState:
         drops its state, and its blocks stay held (returned) until the K/V has been copied."""
         self.running.remove(seq)
         self.to_forget.append(seq.request_id)
+        self._leave_flight(seq)
         held, seq.blocks = seq.blocks, []
         return held
 
@@ -256,10 +310,12 @@ class WorkerState:
     # -- results -------------------------------------------------------------------------------
 
     def on_result(self, result: StepResult) -> StepOutcome:
-        """Apply a worker's StepResult to the plan in flight."""
-        scheduled = self.in_flight or {}
-        drafts, self.in_flight_drafts = self.in_flight_drafts, {}
-        self.in_flight = None
+        """Apply a worker's StepResult to its plan (the oldest in flight)."""
+        step = self._landed(result.step_id)
+        if step is None:
+            return StepOutcome()
+        scheduled, drafts = step.scheduled, step.drafts
+        self._free_deferred(step.step_id)
         by_id = {s.request_id: s for s in self.running}
         for rid, n in scheduled.items():
             seq = by_id.get(rid)
@@ -307,14 +363,55 @@ class WorkerState:
             self.bm.free_blocks(seq.blocks[keep:])
             del seq.blocks[keep:]
 
+    def _landed(self, step_id: int) -> InFlightStep | None:
+        """Take the plan ``step_id`` out of flight. Results are applied in plan order (the
+        service awaits them so), so it is the oldest; None if it is not in flight."""
+        if not self.in_flight or self.in_flight[0].step_id != step_id:
+            return None
+        return self.in_flight.popleft()
+
+    def _leave_flight(self, seq: Sequence) -> int | None:
+        """``seq`` leaves this worker: the plans in flight no longer count for it (their
+        results are not applied to it). Returns the newest such plan's step id, if any."""
+        last = None
+        rid = seq.request_id
+        for step in self.in_flight:
+            if step.scheduled.pop(rid, None) is not None:
+                step.samples.discard(rid)
+                step.drafts.pop(rid, None)
+                last = step.step_id
+        return last
+
+    def _free(self, seq: Sequence, blocks: list[int]) -> None:
+        """Free a leaving sequence's blocks, or, while a plan in flight still writes them, once
+        that plan's result is in (a block given to another sequence's KV-tier load or
+        transfer could be written before that step runs)."""
+        last = self._leave_flight(seq)
+        if last is None:
+            self.bm.free_blocks(blocks)
+        elif blocks:
+            self.deferred_free.append((last, list(blocks)))
+
+    def _free_deferred(self, upto: int | None = None) -> None:
+        """Free the blocks held for plans up to step ``upto`` (None: all)."""
+        keep: list[tuple[int, list[int]]] = []
+        for step_id, blocks in self.deferred_free:
+            if upto is None or step_id <= upto:
+                self.bm.free_blocks(blocks)
+            else:
+                keep.append((step_id, blocks))
+        self.deferred_free = keep
+
     def on_failed_step(self, removing: bool = False) -> list[Sequence]:
-        """The step failed (worker error or lost): every sequence of it is re-queued from its
-        tokens so far (recompute), nothing is lost. When the worker is being removed, the ones
-        waiting for their K/V go too. Returns the re-queued sequences."""
-        self.in_flight = None
-        self.in_flight_drafts = {}
-        self.bm.uncache(self.in_flight_cached)
-        self.in_flight_cached = []
+        """A step failed (worker error or lost): the plans in flight are void and every
+        sequence of them is re-queued from its tokens so far (recompute), nothing is lost. When
+        the worker is being removed, the ones waiting for their K/V go too. Returns the
+        re-queued sequences."""
+        for step in self.in_flight:
+            self.bm.uncache(step.cached)
+        self.in_flight.clear()
+        self._free_deferred()
+        self.must_sync = False
         reason = RequeueReason.WORKER_LEFT if removing else RequeueReason.STEP_FAILED
         moved = [s for s in self.running if removing or s.status is SeqStatus.RUNNING]
         for seq in reversed(moved):
@@ -325,7 +422,7 @@ class WorkerState:
         """Release a finished or aborted sequence's blocks (their hashes stay cached)."""
         if seq in self.running:
             self.running.remove(seq)
-        self.bm.free_blocks(seq.blocks)
+        self._free(seq, seq.blocks)
         self.router.release_elsewhere(seq)
         seq.blocks = []
         seq.status = SeqStatus.FINISHED

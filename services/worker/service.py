@@ -24,6 +24,7 @@ from services.worker.kv_blocks import KvBlockIO
 from services.worker.kv_connectors.base import connector_spec, create_worker_connector
 from services.worker.kv_connectors.tiers import KvTiers
 from services.worker.model_setup import weight_bytes
+from services.worker.placeholders import PlaceholderError, StepTokens
 from services.worker.runner import ModelRunner
 from services.worker.runner_loading import load_runner
 from services.worker.sim_runner import SimRunner
@@ -88,6 +89,8 @@ class WorkerService:
         self.step_subject = subjects.worker_step(self.worker_id)
         self.bus = Bus(self.worker_id)
         self.plans: asyncio.Queue[StepPlan] = asyncio.Queue()
+        # async scheduling: the tokens of the last step, for the next plan's placeholders
+        self.step_tokens = StepTokens()
         self.telemetry = WorkerTelemetry(self.worker_id, self.plans.qsize)  # metrics and spans
         model = getattr(runner, "model", None)  # the simulated worker has none
         if model is not None:
@@ -223,6 +226,7 @@ class WorkerService:
                 if self.epoch:
                     log.info("worker: scheduler term %d starts; dropping old state", plan.epoch)
                     await self.model_thread.run((self.group or self.runner).reset)
+                self.step_tokens.clear()
                 self.epoch = plan.epoch
             stored: list[tuple[bytes, bytes]] = []
             t0 = self.telemetry.step_started(plan)
@@ -238,6 +242,7 @@ class WorkerService:
             finally:
                 self.stepping = False
                 self.step = None
+            self.step_tokens.record(result)
             result.worker_id = self.worker_id
             result.host_tier_evicted = self.tiers.take_evicted()
             await self.bus.publish(subjects.RESULTS, result)
@@ -249,10 +254,22 @@ class WorkerService:
                 self.bus.spawn(self.tiers.store(stored))
 
     def _step(self, plan: StepPlan) -> tuple[StepResult, list[tuple[bytes, bytes]]]:
-        """On the model thread: copy the blocks this step will overwrite to the host tier, run
-        the step, and copy the full blocks it completed (for Redis, written off this thread)."""
+        """On the model thread: fill in the plan's placeholders, copy the blocks this step will
+        overwrite to the host tier, run the step, and copy the full blocks it completed (for
+        Redis, written off this thread). A placeholder with nothing to fill it fails the step
+        (its requests are still learnt and forgotten, nothing is computed)."""
+        runner = self.group or self.runner
+        try:
+            self.step_tokens.fill(plan)
+        except PlaceholderError as e:
+            log.error("worker: %s; the step fails and its sequences are recomputed", e)
+            plan.seqs = []
+            runner.execute(plan)
+            return StepResult(
+                self.worker_id, plan.step_id, [], [], [], error=str(e), epoch=plan.epoch
+            ), []
         self.tiers.before_step(plan)
-        result = (self.group or self.runner).execute(plan)
+        result = runner.execute(plan)
         return result, [] if result.error else self.tiers.after_step(plan)
 
     async def _load(self, order: KvLoad) -> None:

@@ -58,6 +58,7 @@ from shared.messages.requests import (
     TokenizeResult,
 )
 from shared.messages.steps import (
+    PLACEHOLDER,
     STALE_EPOCH_ERROR,
     BlockRef,
     NewRequest,
@@ -76,6 +77,7 @@ from shared.messages.steps import (
 )
 
 __all__ = [
+    "PLACEHOLDER",
     "Abort",
     "Accepted",
     "BlockRef",

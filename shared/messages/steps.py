@@ -9,6 +9,11 @@ from shared.messages.params import LoRARef, PoolingParams, SamplingParams
 
 # scheduler <-> worker
 
+# Async scheduling: a plan is built while the step before it still runs, so the token that step
+# samples is not known yet. In ``ScheduledSeq.token_ids`` it is this value, and the worker fills
+# in the token it sampled for the request in the step before (services/worker/placeholders.py).
+PLACEHOLDER = -1
+
 
 class NewRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     """Sent once, in the first plan that schedules a request on a worker (or again after a
@@ -36,7 +41,8 @@ class NewRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
 class ScheduledSeq(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     """One sequence's share of a step: compute ``token_ids`` at positions
     ``start_pos..start_pos+len-1``, writing their K/V into the slots given by ``block_table``.
-    ``sample`` is true when this chunk reaches the end of the sequence's known tokens."""
+    ``sample`` is true when this chunk reaches the end of the sequence's known tokens.
+    Trailing ``PLACEHOLDER`` entries are tokens the worker sampled in the step before."""
 
     request_id: str
     token_ids: list[int]

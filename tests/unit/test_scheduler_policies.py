@@ -94,7 +94,7 @@ def test_a_victim_already_planned_in_the_step_is_taken_out_of_it() -> None:
     plan = ws.schedule()  # c is planned first (no new block); then d needs a third block
     assert [s.request_id for s in plan.seqs] == ["d"]
     assert c.status.value == "waiting" and c.num_preemptions == 1
-    assert second not in ws.bm.cached and not ws.in_flight_cached
+    assert second not in ws.bm.cached and not ws.in_flight[-1].cached
     assert plan.finished_request_ids == ["c"]
 
 

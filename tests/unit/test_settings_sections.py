@@ -52,6 +52,7 @@ OLD_FLAT = {
     "kv_connector": ("cache.kv_connector", "nats", "nats", "nats"),
     "worker_timeout": ("scheduler.worker_timeout", "4.5", 4.5, 3.0),
     "step_timeout": ("scheduler.step_timeout", "12", 12.0, 30.0),
+    "async_scheduling": ("scheduler.async_scheduling", "false", False, True),
     "scheduler_ha": ("scheduler.scheduler_ha", "1", True, False),
     "scheduler_id": ("scheduler.scheduler_id", "s1", "s1", ""),
     "speculative_config": (
