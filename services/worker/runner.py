@@ -41,10 +41,11 @@ from services.worker.model_setup import (
     make_decode_graphs,
     max_model_len,
     specs_from_keywords,
+    weight_bytes,
 )
 from services.worker.pooling import PoolState, pooled_output
 from services.worker.step_inputs import HostStep, pack
-from services.worker.step_output import Emitted, StepOut
+from services.worker.step_output import StepOut, step_result
 from services.worker.step_rows import StepRows, host_batch, lay_out
 from services.worker.tensor_parallel import TPGroup
 from shared.messages import (
@@ -157,7 +158,6 @@ class ModelRunner:
             else None
         )
         self.requests: dict[str, RequestState] = {}
-        self._pooled: list[PooledOutput] = []  # the step's finished embeddings (pooling.py)
         self.total_computed_tokens = 0
         self.graphs: DecodeGraphs | None = None
         graphs = device.cuda_graphs
@@ -240,35 +240,42 @@ class ModelRunner:
     def execute(self, plan: StepPlan) -> StepResult:
         """Run one step; never raises (errors come back in ``StepResult.error``)."""
         t0 = time.perf_counter()
-        self._pooled = []
         try:
             with torch.inference_mode():
-                ids, tokens, reasons, n, lps, plps, counts = self._execute(plan)
-            err = None
+                out = self._execute(plan)
         except Exception as e:  # noqa: BLE001 - the worker loop must survive a bad step
             log.exception("step %d failed", plan.step_id)
-            ids, tokens, reasons, n, lps, plps, counts = [], [], [], 0, [], [], []
-            self._pooled, err = [], f"{type(e).__name__}: {e}"
-        return StepResult(
-            worker_id=self.worker_id,
-            step_id=plan.step_id,
-            request_ids=ids,
-            token_ids=tokens,
-            finish_reasons=reasons,
-            num_computed_tokens=n,
-            step_time_s=time.perf_counter() - t0,
-            error=err,
-            logprobs=lps,
-            prompt_logprobs=plps,
-            num_output_tokens=counts,
-            epoch=plan.epoch,
-            embeddings=self._pooled,
-        )
+            err = f"{type(e).__name__}: {e}"
+            return step_result(self.worker_id, plan, None, time.perf_counter() - t0, err)
+        return step_result(self.worker_id, plan, out, time.perf_counter() - t0)
 
     def reset(self) -> None:
         """Forget every request (a new scheduler leader starts over; the KV cache's contents
         are just stale data to it)."""
         self.requests.clear()
+
+    def forget_lora(self, name: str) -> None:
+        """An unloaded adapter leaves the cache (it loads again if a plan names it)."""
+        if self.loras is not None:
+            self.loras.forget(name)
+
+    def kv_shards(self) -> list[Any] | None:
+        return None  # one process holds every KV head
+
+    def weight_bytes(self) -> int:
+        """Bytes the weights hold as loaded."""
+        return weight_bytes(self.model)
+
+    def take_expert_load(self) -> list[int] | None:
+        """The last step's tokens per expert (None: no mixture of experts ran)."""
+        take = getattr(self.model, "take_expert_load", None)
+        return take() if take is not None else None
+
+    def keepalive(self) -> None:
+        pass  # no other ranks to keep
+
+    def close(self) -> None:
+        pass
 
     def _add_request(self, r: NewRequest) -> None:
         p = r.params
@@ -308,16 +315,17 @@ class ModelRunner:
                 self.draft.forget(rid)
         for r in plan.new_requests:
             self._add_request(r)
+        out = StepOut()
         if not plan.seqs:
-            return [], [], [], 0, [], [], []
+            return out
         if self.config.encoder:  # whole inputs, pooled: nothing is sampled or kept
             pools = [self.requests[s.request_id].pool for s in plan.seqs]
             if any(p is None for p in pools):
                 raise ValueError("an encoder serves pooling requests only (embed, classify, score)")
-            self._pooled = encoder_step(self.model, plan.seqs, pools, self.gemm_rows is not None)
-            n = sum(len(s.token_ids) for s in plan.seqs)
-            self.total_computed_tokens += n
-            return [], [], [], n, [], [], []
+            out.embeddings = encoder_step(self.model, plan.seqs, pools, self.gemm_rows is not None)
+            out.num_computed = sum(len(s.token_ids) for s in plan.seqs)
+            self.total_computed_tokens += out.num_computed
+            return out
         # a draft model runs the step's tokens and appends its drafts (services/worker/draft.py)
         plan_seqs = self.draft.step(plan.seqs) if self.draft is not None else plan.seqs
         step = lay_out(
@@ -345,9 +353,11 @@ class ModelRunner:
             else:
                 logits, hidden = self.model(ids, pos, batch, self.kv_caches), None
         self.total_computed_tokens += n_tokens
+        out.num_computed = n_tokens
         if step.pool_pieces:
-            self._pool(plan.seqs, step, hidden)
-        prompt_lps = prompt_rows.collect(logits[len(sample_rows) :]) if prompt_rows.rows else []
+            out.embeddings = self._pool(plan.seqs, step, hidden)
+        if prompt_rows.rows:
+            out.prompt_logprobs = prompt_rows.collect(logits[len(sample_rows) :])
         logits = logits[: len(sample_rows)]
         sampled = [s for s in seqs if s.sample and self.requests[s.request_id].pool is None]
         want_lp = [self.requests[s.request_id].params.logprobs is not None for s in sampled]
@@ -363,7 +373,6 @@ class ModelRunner:
         rows: dict[str, list[tuple[int, SampleLogprobs | None]]] = {}
         for s, tok, lp in zip(sampled, tokens, row_lps, strict=True):
             rows.setdefault(s.request_id, []).append((tok, lp))
-        out = Emitted()
         for s in plan_seqs:  # results in the plan's order
             got = rows.get(s.request_id)
             if got is None or not s.sample:
@@ -377,8 +386,7 @@ class ModelRunner:
                 out.add(s.request_id, tok, int(reason), st.num_output_tokens, lp)
                 if reason != FinishReason.NONE:
                     break
-        lps = out.logprobs if raw is not None else []
-        return out.ids, out.tokens, out.reasons, n_tokens, lps, prompt_lps, out.counts
+        return out
 
     def _forward_device(
         self, step: StepRows, lora: LoRAStep | None = None
@@ -413,9 +421,9 @@ class ModelRunner:
 
     def _pool(
         self, plan_seqs: list[ScheduledSeq], step: StepRows, hidden: torch.Tensor | None
-    ) -> None:
-        """Give each embedding request its rows of ``hidden`` (``step.pool_rows``' order) and
-        finish the vectors of those whose prompt this step completed (into ``_pooled``)."""
+    ) -> list[PooledOutput]:
+        """Give each embedding request its rows of ``hidden`` (``step.pool_rows``' order);
+        returns the vectors of those whose prompt this step completed."""
         at = 0
         for rid, n in step.pool_pieces:
             st = self.requests[rid].pool
@@ -424,10 +432,12 @@ class ModelRunner:
                 assert hidden is not None
                 st.add(hidden[at : at + n])
             at += n
+        done = []
         for s in plan_seqs:  # the plan's order
             st = self.requests[s.request_id].pool
             if s.sample and st is not None:
-                self._pooled.append(pooled_output(s.request_id, st.finish()))
+                done.append(pooled_output(s.request_id, st.finish()))
+        return done
 
     def _sample(self, logits: torch.Tensor, sampled: list[ScheduledSeq]) -> torch.Tensor:
         """Every feature's logits processor over the rows, then one batched draw."""

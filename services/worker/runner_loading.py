@@ -1,6 +1,6 @@
-"""The worker's runner from its settings (on the model thread): the model (``_load_model``), a
-tensor-parallel group whose rank 0 this process is (``_load_group``: services/worker/tp_group.py)
-or the simulated worker (``_load_sim``). A setting that cannot be served stops the worker with a
+"""The worker's StepRunner from its settings (on the model thread): the model
+(``_load_model``), a tensor-parallel group whose rank 0 this process is (``_load_group``:
+services/worker/tp_group.py) or the simulated worker (``_load_sim``). A setting that cannot be served stops the worker with a
 message (SystemExit)."""
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ from services.worker.lora import LoRASpec
 from services.worker.model_setup import check_quantization, runner_specs
 from services.worker.runner import ModelRunner
 from services.worker.sim_runner import SimRunner, step_time_fn, vocab_for
+from services.worker.step_runner import StepRunner
 from services.worker.tp_group import TPLeader, start_group
 from shared.config import Settings
 from shared.lora import parse_lora_modules
@@ -20,17 +21,14 @@ from shared.speculative import parse_speculative_config
 SIM_DEFAULT_BLOCKS = 65536  # the simulated worker's KV blocks without --num-kv-blocks (8 MiB)
 
 
-def load_runner(
-    settings: Settings, src: ModelSource
-) -> tuple[ModelRunner | SimRunner, TPLeader | None]:
-    """The runner, and the group it leads when ``--tensor-parallel-size`` > 1."""
+def load_runner(settings: Settings, src: ModelSource) -> StepRunner:
+    """What runs the worker's steps: the group this process leads when
+    ``--tensor-parallel-size`` > 1, else the simulated or the model runner."""
     if settings.worker.tensor_parallel_size > 1:
-        group = _load_group(settings, src)
-        assert group.runner is not None
-        return group.runner, group
+        return _load_group(settings, src)
     if settings.worker.worker_backend == "sim":
-        return _load_sim(settings, src), None
-    return _load_model(settings, src), None
+        return _load_sim(settings, src)
+    return _load_model(settings, src)
 
 
 def _load_model(settings: Settings, src: ModelSource) -> ModelRunner:

@@ -23,13 +23,12 @@ from nats.aio.msg import Msg
 from services.worker.kv_blocks import KvBlockIO
 from services.worker.kv_connectors.base import connector_spec, create_worker_connector
 from services.worker.kv_connectors.tiers import KvTiers
-from services.worker.model_setup import weight_bytes
 from services.worker.placeholders import PlaceholderError, StepTokens
-from services.worker.runner import ModelRunner
 from services.worker.runner_loading import load_runner
-from services.worker.sim_runner import SimRunner
+from services.worker.step_output import step_result
+from services.worker.step_runner import StepRunner
 from services.worker.telemetry import WorkerTelemetry
-from services.worker.tp_group import KEEPALIVE_S, TPLeader
+from services.worker.tp_group import KEEPALIVE_S
 from shared import subjects
 from shared.access.connect import nats_auth, redis_options, verify_redis
 from shared.bus import Bus
@@ -73,16 +72,14 @@ class WorkerService:
     def __init__(
         self,
         settings: Settings,
-        runner: ModelRunner | SimRunner,
+        runner: StepRunner,
         model_name: str,
         model_thread: ModelThread | None = None,
-        group: TPLeader | None = None,
     ) -> None:
         self.settings = settings
+        # the model, the simulated model or a tensor-parallel group's rank 0: called only on
+        # the model thread (services/worker/step_runner.py)
         self.runner = runner
-        # a tensor-parallel group's rank 0 (services/worker/tp_group.py): steps and resets go
-        # through it, so the other ranks run them too
-        self.group = group
         self.model_thread = model_thread or ModelThread()
         self.model_name = model_name
         self.worker_id = settings.worker.worker_id or f"worker-{uuid.uuid4().hex[:8]}"
@@ -92,11 +89,8 @@ class WorkerService:
         # async scheduling: the tokens of the last step, for the next plan's placeholders
         self.step_tokens = StepTokens()
         self.telemetry = WorkerTelemetry(self.worker_id, self.plans.qsize)  # metrics and spans
-        model = getattr(runner, "model", None)  # the simulated worker has none
-        if model is not None:
-            self.telemetry.weight_bytes.labels(self.worker_id).set(weight_bytes(model))
-        shards = group.rank_caches if group is not None else None
-        self.kv_io = KvBlockIO(runner.kv_caches, shards)  # a group's: every rank's blocks
+        self.telemetry.weight_bytes.labels(self.worker_id).set(runner.weight_bytes())
+        self.kv_io = KvBlockIO(runner.kv_caches, runner.kv_shards())  # every rank's blocks
         # the transport between workers, by name (services/worker/kv_connectors)
         self.kv = create_worker_connector(
             settings.cache.kv_connector, self.bus, self.kv_io, self.worker_id
@@ -128,7 +122,7 @@ class WorkerService:
         await self.kv.start()
         self.bus.spawn(self._run_steps())
         self.bus.spawn(self._heartbeat())
-        if self.group is not None:
+        if self.settings.worker.tensor_parallel_size > 1:
             self.bus.spawn(self._keep_group_alive())
         log.info(
             "worker %s ready (role %s): %d KV blocks of %d tokens, layout %s",
@@ -154,10 +148,7 @@ class WorkerService:
             case LoraLoad():
                 await self.bus.reply(raw, await self._check_lora(msg))
             case LoraUnload():
-                if self.group is not None and self.runner.loras is not None:
-                    await self.model_thread.run(self.group.forget_lora, msg.name)
-                elif self.runner.loras is not None:
-                    await self.model_thread.run(self.runner.loras.forget, msg.name)
+                await self.model_thread.run(self.runner.forget_lora, msg.name)
             case WorkerRelease() if msg.worker_id == self.worker_id:
                 log.info("worker %s released by the scheduler", self.worker_id)
                 self.stopped.set()
@@ -211,21 +202,15 @@ class WorkerService:
             if plan.epoch < self.epoch:
                 # a deposed scheduler leader: tell it, so it stops; do not run its plan
                 log.warning("worker: plan of old scheduler term %d ignored", plan.epoch)
-                stale = StepResult(
-                    self.worker_id,
-                    plan.step_id,
-                    [],
-                    [],
-                    [],
-                    error=f"{STALE_EPOCH_ERROR} {plan.epoch} (now {self.epoch})",
-                    epoch=plan.epoch,
+                why = f"{STALE_EPOCH_ERROR} {plan.epoch} (now {self.epoch})"
+                await self.bus.publish(
+                    subjects.RESULTS, step_result(self.worker_id, plan, error=why)
                 )
-                await self.bus.publish(subjects.RESULTS, stale)
                 continue
             if plan.epoch > self.epoch:
                 if self.epoch:
                     log.info("worker: scheduler term %d starts; dropping old state", plan.epoch)
-                    await self.model_thread.run((self.group or self.runner).reset)
+                    await self.model_thread.run(self.runner.reset)
                 self.step_tokens.clear()
                 self.epoch = plan.epoch
             stored: list[tuple[bytes, bytes]] = []
@@ -236,9 +221,7 @@ class WorkerService:
                 result, stored = await self.model_thread.run(self._step, plan)
             except Exception as e:  # noqa: BLE001 - execute reports its own errors; belt and braces
                 log.exception("worker: step %d crashed", plan.step_id)
-                result = StepResult(
-                    self.worker_id, plan.step_id, [], [], [], error=str(e), epoch=plan.epoch
-                )
+                result = step_result(self.worker_id, plan, error=str(e))
             finally:
                 self.stepping = False
                 self.step = None
@@ -248,8 +231,7 @@ class WorkerService:
             await self.bus.publish(subjects.RESULTS, result)
             self.last_heard = time.monotonic()  # a step's time is not the scheduler's silence
             self.telemetry.step_done(plan, result, t0)
-            take = getattr(getattr(self.runner, "model", None), "take_expert_load", None)
-            self.telemetry.expert_load(take() if take is not None else None)
+            self.telemetry.expert_load(self.runner.take_expert_load())
             if stored:
                 self.bus.spawn(self.tiers.store(stored))
 
@@ -258,18 +240,15 @@ class WorkerService:
         overwrite to the host tier, run the step, and copy the full blocks it completed (for
         Redis, written off this thread). A placeholder with nothing to fill it fails the step
         (its requests are still learnt and forgotten, nothing is computed)."""
-        runner = self.group or self.runner
         try:
             self.step_tokens.fill(plan)
         except PlaceholderError as e:
             log.error("worker: %s; the step fails and its sequences are recomputed", e)
             plan.seqs = []
-            runner.execute(plan)
-            return StepResult(
-                self.worker_id, plan.step_id, [], [], [], error=str(e), epoch=plan.epoch
-            ), []
+            self.runner.execute(plan)
+            return step_result(self.worker_id, plan, error=str(e)), []
         self.tiers.before_step(plan)
-        result = runner.execute(plan)
+        result = self.runner.execute(plan)
         return result, [] if result.error else self.tiers.after_step(plan)
 
     async def _load(self, order: KvLoad) -> None:
@@ -313,11 +292,10 @@ class WorkerService:
     async def _keep_group_alive(self) -> None:
         """An idle group's followers hear from rank 0 now and then (on the model thread, so
         never inside a step)."""
-        assert self.group is not None
         while True:
             await asyncio.sleep(KEEPALIVE_S / 4)
             if self.plans.empty() and not self.stepping:
-                await self.model_thread.run(self.group.keepalive)
+                await self.model_thread.run(self.runner.keepalive)
 
     async def _heartbeat(self) -> None:
         while True:
@@ -350,8 +328,8 @@ async def run(settings: Settings) -> None:
     except ValueError as e:
         raise SystemExit(f"worker: {e}") from None
     model_thread = ModelThread()
-    runner, group = await model_thread.run(lambda: load_runner(settings, src))
-    service = WorkerService(settings, runner, src.name, model_thread, group)
+    runner = await model_thread.run(lambda: load_runner(settings, src))
+    service = WorkerService(settings, runner, src.name, model_thread)
     await service.start()
     ops.registry.register(service.telemetry.registry)
     ops.set_ready(lambda: service.bus.client.is_connected and not service.draining, service.bus)
@@ -359,8 +337,7 @@ async def run(settings: Settings) -> None:
     loop.add_signal_handler(signal.SIGTERM, service.begin_drain)
     await _until_released(service, settings)
     await service.bus.close()
-    if group is not None:
-        await model_thread.run(group.close)
+    await model_thread.run(runner.close)
 
 
 # A draining worker that hears nothing from any scheduler for this long exits: no scheduler is

@@ -38,6 +38,7 @@ import time
 import zlib
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -45,10 +46,10 @@ import torch
 from services.worker import speculation
 from services.worker.pooling import pooled_output
 from services.worker.runner import finish_rule
+from services.worker.step_output import StepOut, step_result
 from shared.messages import (
     FinishReason,
     NewRequest,
-    PooledOutput,
     SampleLogprobs,
     SamplingParams,
     ScheduledSeq,
@@ -119,7 +120,6 @@ class SimRunner:
         self.requests: dict[str, SimRequest] = {}
         self.loras = None  # no weights: requests with an adapter run as without one
         self.total_computed_tokens = 0
-        self._pooled: list[PooledOutput] = []  # the step's embedding vectors
         log.info(
             "simulated worker: %d KV blocks x %d tokens, max_model_len %d, %d token ids",
             num_blocks,
@@ -152,52 +152,41 @@ class SimRunner:
     def execute(self, plan: StepPlan) -> StepResult:
         """Run one step; never raises (errors come back in ``StepResult.error``)."""
         t0 = time.perf_counter()
-        ids: list[str] = []
-        tokens: list[int] = []
-        reasons: list[int] = []
-        counts: list[int] = []
-        lps: list[SampleLogprobs | None] = []
-        self._pooled = []
-        n_tokens = 0
-        err = None
+        out, err = None, None
         try:
-            n_tokens = self._execute(plan, ids, tokens, reasons, counts, lps)
+            out = self._execute(plan)
         except Exception as e:  # noqa: BLE001 - the worker loop must survive a bad step
             log.exception("step %d failed", plan.step_id)
-            ids, tokens, reasons, counts, lps, n_tokens = [], [], [], [], [], 0
-            self._pooled = []
             err = f"{type(e).__name__}: {e}"
         model_s = self.step_time(plan) if plan.seqs and err is None else 0.0
         if model_s > 0:
             time.sleep(model_s)
-        return StepResult(
-            worker_id=self.worker_id,
-            step_id=plan.step_id,
-            request_ids=ids,
-            token_ids=tokens,
-            finish_reasons=reasons,
-            num_computed_tokens=n_tokens,
-            step_time_s=time.perf_counter() - t0,
-            error=err,
-            logprobs=lps if any(lp is not None for lp in lps) else [],
-            num_output_tokens=counts,
-            epoch=plan.epoch,
-            embeddings=self._pooled,
-        )
+        return step_result(self.worker_id, plan, out, time.perf_counter() - t0, err)
 
-    def _execute(
-        self,
-        plan: StepPlan,
-        ids: list[str],
-        tokens: list[int],
-        reasons: list[int],
-        counts: list[int],
-        lps: list[SampleLogprobs | None],
-    ) -> int:
+    def forget_lora(self, name: str) -> None:
+        pass  # no weights, no adapters held
+
+    def kv_shards(self) -> list[Any] | None:
+        return None
+
+    def weight_bytes(self) -> int:
+        return 0
+
+    def take_expert_load(self) -> list[int] | None:
+        return None
+
+    def keepalive(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+    def _execute(self, plan: StepPlan) -> StepOut:
         for rid in plan.finished_request_ids:
             self.requests.pop(rid, None)
         for r in plan.new_requests:
             self._add_request(r)
+        out = StepOut()
         sampled, written = self._write_chunks(speculation.expand(plan.seqs))
         rows: dict[str, list[int]] = {}  # each request's sampled rows' tokens, in order
         for s in sampled:
@@ -212,23 +201,20 @@ class SimRunner:
             if st.embedding:  # a vector from the same context hash: no token
                 rng = np.random.default_rng(got[0])
                 v = torch.from_numpy(rng.standard_normal(SIM_EMBEDDING_DIM))
-                self._pooled.append(pooled_output(s.request_id, v / v.norm()))
+                out.embeddings.append(pooled_output(s.request_id, v / v.norm()))
                 continue
             for tok in speculation.kept(s, got):
                 reason = self._finish(st, tok)
-                ids.append(s.request_id)
-                tokens.append(tok)
-                reasons.append(int(reason))
-                counts.append(st.num_output_tokens)
+                lp = None
                 if st.params.logprobs is not None:
                     k_top = min(int(st.params.logprobs), 1)
-                    lps.append(SampleLogprobs(0.0, [tok] * k_top, [0.0] * k_top))
-                else:
-                    lps.append(None)
+                    lp = SampleLogprobs(0.0, [tok] * k_top, [0.0] * k_top)
+                out.add(s.request_id, tok, int(reason), st.num_output_tokens, lp)
                 if reason != FinishReason.NONE:
                     break
         self.total_computed_tokens += written
-        return written
+        out.num_computed = written
+        return out
 
     def _finish(self, st: SimRequest, tok: int) -> FinishReason:
         """Count the token and say whether the request ends with it (as the model runner)."""

@@ -35,7 +35,7 @@ import torch.multiprocessing  # noqa: F401 - its reductions send tensors through
 
 from services.worker import tp_shm
 from services.worker.draft import load_draft
-from services.worker.lora import LoRASpec
+from services.worker.lora import LoRACache, LoRASpec
 from services.worker.model_setup import DeviceSpec, KvSpec, kv_block_bytes
 from services.worker.runner import ModelRunner
 from services.worker.tensor_parallel import (
@@ -47,6 +47,7 @@ from services.worker.tensor_parallel import (
 )
 from services.worker.tp_shm import ShmComm
 from shared.config import Settings
+from shared.messages import StepPlan, StepResult
 from shared.model_loader import ModelConfig, load_config, load_weights, round_weights
 from shared.model_source import ModelSource
 from shared.speculative import SpeculativeConfig
@@ -190,9 +191,10 @@ def _shm_for(
 
 
 class TPLeader:
-    """Rank 0's side of the group: broadcasts what changes the ranks' state before doing it
-    (on the model thread, always: the broadcasts are ordered with the steps), watches the
-    follower processes, and keeps idle followers from timing out."""
+    """Rank 0's side of the group, the worker service's StepRunner
+    (services/worker/step_runner.py): broadcasts what changes the ranks' state before doing
+    it on its own model runner (on the model thread, always: the broadcasts are ordered with
+    the steps), watches the follower processes, and keeps idle followers from timing out."""
 
     def __init__(self, procs: list[Any], shm_path: str = "") -> None:
         self.procs = procs  # the followers' processes, rank 1 first
@@ -212,26 +214,59 @@ class TPLeader:
         torch.distributed.broadcast(buf, 0)
         self.last_sent = time.monotonic()
 
-    def execute(self, plan: Any) -> Any:
+    @property
+    def rank0(self) -> ModelRunner:
+        assert self.runner is not None, "the group's rank 0 is not loaded yet"
+        return self.runner
+
+    @property
+    def num_blocks(self) -> int:
+        return self.rank0.num_blocks
+
+    @property
+    def block_size(self) -> int:
+        return self.rank0.block_size
+
+    @property
+    def max_model_len(self) -> int:
+        return self.rank0.max_model_len
+
+    @property
+    def kv_caches(self) -> list[Any]:
+        return self.rank0.kv_caches
+
+    @property
+    def loras(self) -> LoRACache | None:
+        return self.rank0.loras
+
+    def kv_shards(self) -> list[Any] | None:
+        return self.rank_caches
+
+    def weight_bytes(self) -> int:
+        return self.rank0.weight_bytes()  # rank 0's shard
+
+    def take_expert_load(self) -> list[int] | None:
+        return self.rank0.take_expert_load()
+
+    def execute(self, plan: StepPlan) -> StepResult:
         from shared.messages import encode
 
-        assert self.runner is not None
         self._send(_PLAN, encode(plan))
-        result = self.runner.execute(plan)
-        if result.error and _broken(self.runner):
+        result = self.rank0.execute(plan)
+        if result.error and _broken(self.rank0):
             self.fail()  # the step failed because the group broke: no answer, exit now
         return result
 
     def reset(self) -> None:
-        assert self.runner is not None
         self._send(_RESET)
-        self.runner.reset()
+        self.rank0.reset()
 
     def forget_lora(self, name: str) -> None:
         """An unloaded adapter leaves every rank's cache."""
-        assert self.runner is not None and self.runner.loras is not None
+        if self.rank0.loras is None:
+            return
         self._send(_FORGET, name.encode())
-        self.runner.loras.forget(name)
+        self.rank0.forget_lora(name)
 
     def keepalive(self) -> None:
         """From the model thread when idle: followers waiting for a plan see rank 0 alive."""
