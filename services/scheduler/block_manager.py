@@ -90,9 +90,14 @@ class BlockManager:
         most ``(len-1)//block_size`` blocks so that at least one token is still computed (its
         logits are needed to sample). Counts the lookup in the hit-rate counters."""
         found = self.lookup_prefix(token_ids, cache_salt=cache_salt)
-        self.prefix_queries += (len(token_ids) - 1) // self.block_size
-        self.prefix_hits += len(found)
+        self.count_prefix((len(token_ids) - 1) // self.block_size, len(found))
         return found
+
+    def count_prefix(self, queries: int, hits: int) -> None:
+        """Count a prefix-cache lookup of ``queries`` blocks that found ``hits`` (the only
+        place the hit-rate counters change)."""
+        self.prefix_queries += queries
+        self.prefix_hits += hits
 
     def lookup_prefix(
         self, token_ids: Sequence[int], limit: int | None = None, cache_salt: str | None = None

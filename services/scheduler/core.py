@@ -20,7 +20,7 @@ from services.scheduler.worker_state import (
     StepOutcome,
     WorkerState,
 )
-from services.worker.kv_connectors.base import KvConnectorScheduler
+from shared.kv_connectors import KvConnectorScheduler
 from shared.lora import adapter_salt
 from shared.messages import (
     KvLoad,

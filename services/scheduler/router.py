@@ -16,9 +16,9 @@ import time
 from dataclasses import dataclass
 
 from services.scheduler.block_manager import BlockHash
-from services.scheduler.sequence import RequeueReason, Reservation, Sequence, Transfer
+from services.scheduler.sequence import RequeueReason, Sequence, Transfer
 from services.scheduler.worker_state import Route, WorkerState
-from services.worker.kv_connectors.base import KvConnectorScheduler
+from shared.kv_connectors import KvConnectorScheduler
 from shared.kv_tier import tier_key
 from shared.messages import BlockRef, KvLoad, KvLoadDone, KvPull, KvTransferDone, StepPlan
 
@@ -123,28 +123,19 @@ class Router:
         if not decode:
             return None
         _, dst, _ = min(decode, key=lambda c: c[0])
-        limit = seq.num_tokens // dst.bm.block_size
-        cached = dst.bm.lookup_prefix(seq.token_ids, limit, seq.cache_salt)
-        dst.bm.prefix_queries += limit  # blocks it need not receive count as hits
-        dst.bm.prefix_hits += len(cached)
-        dst.bm.take_cached(cached)
-        blocks = cached + dst.bm.allocate(dst.bm.blocks_needed(seq.num_tokens) - len(cached))
-        dst.num_reserved += 1
-        return Route(Reservation(dst.worker_id, blocks, len(cached)))
+        return Route(dst.reserve(seq))
 
     def release_elsewhere(self, seq: Sequence) -> None:
         """Free what ``seq`` holds on other workers: its decode reservation, or the source
         blocks of its transfer."""
         res, seq.reservation = seq.reservation, None
         if res is not None and res.worker_id in self.workers:
-            dst = self.workers[res.worker_id]
-            dst.bm.free_blocks(res.blocks)
-            dst.num_reserved -= 1
+            self.workers[res.worker_id].unreserve(res)
         t, seq.transfer = seq.transfer, None
         if t is not None:
             self.transfers.pop(t.transfer_id, None)
             if t.src_worker in self.workers:
-                self.workers[t.src_worker].bm.free_blocks(t.held_blocks)
+                self.workers[t.src_worker].release_held(t.held_blocks)
 
     # -- disaggregation: prefill -> decode -------------------------------------------------------
 
@@ -164,7 +155,7 @@ class Router:
         dst.receive(seq)
         src_blocks, dst_blocks = held[res.num_cached : nb], res.blocks[res.num_cached : nb]
         if not src_blocks:  # every block was cached there already
-            src.bm.free_blocks(held)
+            src.release_held(held)
             dst.kv_arrived(seq)
             return None
         tid = f"{seq.request_id}#{next(self._ids)}"
@@ -197,7 +188,7 @@ class Router:
             return None  # late news of a transfer already given up
         t, seq.transfer = seq.transfer, None
         if t.src_worker in self.workers:
-            self.workers[t.src_worker].bm.free_blocks(t.held_blocks)
+            self.workers[t.src_worker].release_held(t.held_blocks)
         totals = self.transfer_totals
         dst = self.workers.get(t.dst_worker)
         if msg.ok:

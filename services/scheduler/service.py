@@ -38,11 +38,11 @@ from services.scheduler.policy import make_policy
 from services.scheduler.shadow import ShadowState
 from services.scheduler.telemetry import SchedulerTelemetry
 from services.scheduler.worker_state import ROLES, SchedulerLimits, WorkerState
-from services.worker.kv_connectors.base import create_scheduler_connector
 from shared import subjects
 from shared.access.connect import nats_auth, redis_client, verify_redis
 from shared.bus import Bus
 from shared.config import Settings
+from shared.kv_connectors import create_scheduler_connector
 from shared.kv_tier import leading_present
 from shared.lora import adapter_salt, parse_lora_modules
 from shared.messages import (

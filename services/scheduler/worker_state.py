@@ -209,8 +209,7 @@ class WorkerState:
         """Take ``seq`` (popped from the queue) with its cached prefix and fresh blocks. With
         tier blocks to load it waits (TRANSFERRING) for that load, then computes only the rest."""
         if adm.count_prefix:
-            self.bm.prefix_queries += (seq.num_tokens - 1) // self.bm.block_size
-            self.bm.prefix_hits += len(adm.cached)
+            self.bm.count_prefix((seq.num_tokens - 1) // self.bm.block_size, len(adm.cached))
         self.bm.take_cached(adm.cached)
         mark = len(self.bm.evicted)
         fresh = self.bm.allocate(adm.need)
@@ -279,6 +278,27 @@ class WorkerState:
         seq.status = SeqStatus.RUNNING
 
     # -- hand-off (disaggregated) --------------------------------------------------------------
+
+    def reserve(self, seq: Sequence) -> Reservation:
+        """Take blocks here for the K/V of ``seq``, prefilled on another worker and decoded
+        here: the prefix this worker has cached (not transferred; those blocks count as
+        prefix hits) and fresh blocks for the rest."""
+        limit = seq.num_tokens // self.bm.block_size
+        cached = self.bm.lookup_prefix(seq.token_ids, limit, seq.cache_salt)
+        self.bm.count_prefix(limit, len(cached))
+        self.bm.take_cached(cached)
+        blocks = cached + self.bm.allocate(self.bm.blocks_needed(seq.num_tokens) - len(cached))
+        self.num_reserved += 1
+        return Reservation(self.worker_id, blocks, len(cached))
+
+    def unreserve(self, res: Reservation) -> None:
+        """A reservation here is not needed any more (its sequence ended or moved)."""
+        self.bm.free_blocks(res.blocks)
+        self.num_reserved -= 1
+
+    def release_held(self, blocks: list[int]) -> None:
+        """Blocks a handed-off sequence held here while its K/V was copied are free again."""
+        self.bm.free_blocks(blocks)
 
     def hand_off(self, seq: Sequence) -> list[int]:
         """A prefilled sequence leaves for its decode worker: it stops running here, the worker

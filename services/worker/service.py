@@ -21,7 +21,7 @@ from typing import TypeVar
 from nats.aio.msg import Msg
 
 from services.worker.kv_blocks import KvBlockIO
-from services.worker.kv_connectors.base import connector_spec, create_worker_connector
+from services.worker.kv_connectors.base import create_worker_connector
 from services.worker.kv_connectors.tiers import KvTiers
 from services.worker.placeholders import PlaceholderError, StepTokens
 from services.worker.runner_loading import load_runner
@@ -33,6 +33,7 @@ from shared import subjects
 from shared.access.connect import nats_auth, redis_options, verify_redis
 from shared.bus import Bus
 from shared.config import Settings
+from shared.kv_connectors import connector_spec
 from shared.lora import LoRAError, read_adapter_config
 from shared.messages import (
     STALE_EPOCH_ERROR,

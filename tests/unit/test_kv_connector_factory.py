@@ -14,20 +14,19 @@ import torch
 from services.scheduler.core import SchedulerCore
 from services.scheduler.worker_state import SchedulerLimits
 from services.worker.kv_blocks import KvBlockIO
-from services.worker.kv_connectors import base
-from services.worker.kv_connectors.base import (
+from services.worker.kv_connectors.base import KvConnectorWorker, create_worker_connector
+from services.worker.kv_connectors.inproc import InProcHub, InProcKvConnector
+from services.worker.kv_connectors.nats import NatsKvConnector
+from shared import kv_connectors as registry
+from shared.bus import Bus
+from shared.config import Settings
+from shared.kv_connectors import (
     KvConnectorScheduler,
-    KvConnectorWorker,
     connector_spec,
     create_scheduler_connector,
-    create_worker_connector,
     known_connectors,
     register_connector,
 )
-from services.worker.kv_connectors.inproc import InProcHub, InProcKvConnector
-from services.worker.kv_connectors.nats import NatsKvConnector
-from shared.bus import Bus
-from shared.config import Settings
 from shared.messages import KvPull, WorkerHeartbeat, decode, encode
 from tests.unit.test_scheduler_policy import PROMPTS, FakeWorker, req
 
@@ -76,19 +75,19 @@ def test_the_scheduler_half_passes_each_workers_address_into_pulls() -> None:
 
 
 def test_a_new_transport_is_one_registry_line(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(base, "_REGISTRY", dict(base._REGISTRY))
+    monkeypatch.setattr(registry, "_REGISTRY", dict(registry._REGISTRY))
     register_connector("loop", "services.worker.kv_connectors.inproc:InProcKvConnector")
     assert "loop" in known_connectors()
     assert isinstance(create_worker_connector("loop", Bus("w"), io(), "w"), InProcKvConnector)
-    assert connector_spec("loop").scheduler == base.DEFAULT_SCHEDULER
+    assert connector_spec("loop").scheduler == registry.DEFAULT_SCHEDULER
     with pytest.raises(ValueError, match="already registered"):
         register_connector("loop", "x:Y")
 
 
 def test_the_scheduler_can_import_the_factory_without_torch() -> None:
     code = (
-        "import sys; import services.worker.kv_connectors.base as b; "
-        "b.create_scheduler_connector('nats'); assert 'torch' not in sys.modules"
+        "import sys; import shared.kv_connectors as k; "
+        "k.create_scheduler_connector('nats'); assert 'torch' not in sys.modules"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
 

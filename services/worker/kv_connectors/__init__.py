@@ -1,2 +1,3 @@
-"""KV connectors (how KV blocks move between workers) and the worker's KV tiers: the interfaces
-and the factory are in base.py; each transport is one module (nats.py, inproc.py)."""
+"""The worker's halves of the KV connectors (how KV blocks move between workers) and its KV
+tiers: the interfaces are in base.py; each transport is one module (nats.py, inproc.py),
+registered by name in shared/kv_connectors.py."""
