@@ -11,13 +11,12 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from shared.infra import free_port, wait_for_http
+from shared.machine_cache import cache_root
 
 
 def cached_build() -> Path:
     """Where a llama.cpp build may be kept outside the repo: ``$KVFLOW_CACHE_DIR/llama.cpp/bin``
     (default ``~/.cache/kvflow``), with its shared libraries beside it."""
-    from kernels.cpu_native import cache_root
-
     return cache_root() / "llama.cpp" / "bin" / "llama-server"
 
 

@@ -20,6 +20,7 @@ from pathlib import Path
 
 from benchmarks.client import RunSummary, run_load
 from shared.infra import free_port, wait_for_http
+from shared.machine_cache import cache_root
 from shared.model_source import load_tokenizer, resolve_model
 
 
@@ -76,8 +77,7 @@ def run_hf_serve(src, tok, workload) -> RunSummary:
     throughput counts the tokens it really generated (usage)."""
     from benchmarks.hf import export_hf_dir, start_transformers_serve
 
-    cache = Path(os.environ.get("KVFLOW_CACHE_DIR", Path.home() / ".cache" / "kvflow"))
-    model_dir = export_hf_dir(src, cache / "hf" / src.name)
+    model_dir = export_hf_dir(src, cache_root() / "hf" / src.name)
     port = free_port()
     print("starting transformers serve --continuous-batching ...", flush=True)
     proc = start_transformers_serve(model_dir, port)

@@ -32,8 +32,8 @@ from pathlib import Path
 
 import torch
 
-from kernels import cpu_native
 from kernels.reference import Weight, matmul_fn
+from shared.machine_cache import cache_root
 
 log = logging.getLogger("kvflow.kernels")
 
@@ -121,7 +121,7 @@ def cache_key(weights: Sequence[torch.Tensor | Weight], max_rows: int, seed: int
 
 
 def _cache_dir() -> Path:
-    return cpu_native.cache_root() / "gemm-rows"
+    return cache_root() / "gemm-rows"
 
 
 def calibrate_cached(

@@ -13,7 +13,6 @@ where no C compiler is found or ``KVFLOW_NATIVE_KERNELS=0``; callers then use th
 from __future__ import annotations
 
 import ctypes
-import os
 from functools import cache
 from pathlib import Path
 
@@ -36,7 +35,7 @@ _COMPILE_FLAGS = [
 @cache
 def load() -> ctypes.CDLL | None:
     """The compiled library, or None where it cannot be built or native kernels are off."""
-    if os.environ.get("KVFLOW_NATIVE_KERNELS", "1") == "0":
+    if not cpu_native.native_kernels_enabled():
         return None
     path = cpu_native.build(_SRC, _COMPILE_FLAGS)
     if path is None:

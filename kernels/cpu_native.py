@@ -27,6 +27,8 @@ from pathlib import Path
 
 import torch
 
+from shared.machine_cache import cache_root
+
 log = logging.getLogger("kvflow.kernels")
 
 _SRC = Path(__file__).parent / "csrc" / "paged_attention_cpu.c"
@@ -37,12 +39,6 @@ _SRC = Path(__file__).parent / "csrc" / "paged_attention_cpu.c"
 # (every float in a worker, and hypothesis refusing to run in a test process that loaded it).
 _COMPILE_FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-c"]
 _LINK_FLAGS = ["-shared", "-fopenmp"]
-
-
-def cache_root() -> Path:
-    """Where kvflow keeps what a machine computes once: ``$KVFLOW_CACHE_DIR`` or
-    ``~/.cache/kvflow``."""
-    return Path(os.environ.get("KVFLOW_CACHE_DIR") or Path.home() / ".cache" / "kvflow")
 
 
 def _cache_dir() -> Path:
@@ -97,11 +93,17 @@ def build(src: Path = _SRC, compile_flags: Sequence[str] = _COMPILE_FLAGS) -> Pa
     return out
 
 
+def native_kernels_enabled() -> bool:
+    """False with ``KVFLOW_NATIVE_KERNELS=0`` (the reference kernels then run everywhere: a
+    switch for comparing and for machines whose compiler builds bad code); the one reader."""
+    return os.environ.get("KVFLOW_NATIVE_KERNELS", "1") != "0"
+
+
 @cache
 def load() -> ctypes.CDLL | None:
     """The compiled kernels, or None where they cannot be built (``KVFLOW_NATIVE_KERNELS=0``
     turns them off)."""
-    if os.environ.get("KVFLOW_NATIVE_KERNELS", "1") == "0":
+    if not native_kernels_enabled():
         return None
     path = build()
     if path is None:

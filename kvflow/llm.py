@@ -52,12 +52,13 @@ from kvflow.sampling_params import (
 )
 from shared.access.connect import nats_auth
 from shared.beam_search import beam_search as run_beam_search
+from shared.beam_search import ended_by_eos, top_pairs
+from shared.beam_search import step_params as beam_step_params
 from shared.chat_template import from_openai, read_chat_template, render_chat
 from shared.config import Settings
 from shared.fan_out import best, expand, ranks, sequences_per_prompt
 from shared.lora import check_lora_settings
 from shared.messages import GenerateRequest, LoraLoad, LoRARef
-from shared.messages import SamplingParams as WireParams
 from shared.model_source import ModelNotFoundError, load_tokenizer, resolve_model
 from shared.parallel import check_parallel_settings
 from shared.speculative import parse_speculative_config
@@ -421,18 +422,14 @@ class LLM:
         async def expand(
             seqs: list[list[int]], k: int, salt: str | None = None
         ) -> list[list[tuple[int, float]]]:
-            wire = WireParams(max_tokens=1, temperature=0.0, logprobs=k, ignore_eos=True)
+            wire = beam_step_params(k)
             cid = self._client.client_id
             reqs = [
                 GenerateRequest(f"{cid}-{next(self._ids)}", "", wire, None, s, cache_salt=salt)
                 for s in seqs
             ]
             done = await asyncio.gather(*(self._client.generate(r) for r in reqs))
-            tops = []
-            for c in done:
-                lp = c.logprobs[0]
-                tops.append(list(zip(lp.top_ids, [v for _, v in lp.top], strict=True)))
-            return tops
+            return [top_pairs(c.logprobs[0].top_ids, c.logprobs[0].top) for c in done]
 
         async def one(ids: list[int], salt: str | None) -> BeamSearchOutput:
             beams = await run_beam_search(
@@ -446,9 +443,7 @@ class LLM:
             )
             seqs = []
             for b in beams:
-                ended = (
-                    bool(b.tokens) and b.tokens[-1] in self.eos_token_ids and not params.ignore_eos
-                )
+                ended = ended_by_eos(b, self.eos_token_ids, params.ignore_eos)
                 shown = (
                     b.tokens if params.include_stop_str_in_output or not ended else b.tokens[:-1]
                 )

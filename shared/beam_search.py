@@ -17,6 +17,8 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 
+from shared.messages import SamplingParams
+
 # expand(sequences, k) -> for each sequence (prompt + beam tokens), its top-k (token, logprob)
 Expand = Callable[[list[list[int]], int], Awaitable[list[list[tuple[int, float]]]]]
 
@@ -32,6 +34,24 @@ class Beam:
 
 def score(cum_logprob: float, length: int, length_penalty: float) -> float:
     return cum_logprob / (max(1, length) ** length_penalty)
+
+
+def step_params(k: int) -> SamplingParams:
+    """What ``expand`` asks the engine for, per sequence: one greedy token with its top ``k``
+    log-probabilities (EOS ignored: the search decides what ends a beam)."""
+    return SamplingParams(max_tokens=1, temperature=0.0, logprobs=k, ignore_eos=True)
+
+
+def top_pairs(top_ids: Sequence[int], top: Sequence[tuple[str, float]]) -> list[tuple[int, float]]:
+    """A step's top-k as ``expand`` returns it: (token id, logprob) pairs, from a delta's or
+    a completion's logprobs (token ids, and (token string, logprob) pairs)."""
+    return list(zip(top_ids, [v for _, v in top], strict=True))
+
+
+def ended_by_eos(beam: Beam, eos_token_ids: Sequence[int], ignore_eos: bool) -> bool:
+    """Whether ``beam`` ends with an EOS token (its text then leaves the token out, unless
+    asked to keep it)."""
+    return bool(beam.tokens) and beam.tokens[-1] in eos_token_ids and not ignore_eos
 
 
 async def beam_search(

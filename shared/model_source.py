@@ -10,6 +10,8 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from shared.machine_cache import cache_root
+
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_NAME = "SmolLM2-135M-Instruct"
 
@@ -78,8 +80,7 @@ def _tokenizer_cache_dir(src: ModelSource) -> Path:
     key = hashlib.sha1(f"{src.path.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[
         :16
     ]
-    root = Path(os.environ.get("KVFLOW_CACHE_DIR", Path.home() / ".cache" / "kvflow"))
-    return root / "tokenizers" / key
+    return cache_root() / "tokenizers" / key
 
 
 def load_tokenizer(src: ModelSource):  # -> transformers.PreTrainedTokenizerBase

@@ -13,35 +13,34 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
 import sys
 import time
 
 from services.gateway.keys import KeyStore
 from shared.access.connect import EXIT_REFUSED, AccessError, redis_client, verify_redis
-from shared.config import BusSettings
+from shared.config import BusSettings, Settings
 
 
 def add_arguments(keys: argparse.ArgumentParser) -> None:
     """``kvflow keys``'s arguments."""
     keys.add_argument(
         "--redis-url",
-        default=os.environ.get("KVFLOW_REDIS_URL", ""),
+        default=None,
         help="Redis URL (default: KVFLOW_REDIS_URL)",
     )
     keys.add_argument(
         "--redis-user",
-        default=os.environ.get("KVFLOW_REDIS_USER", ""),
+        default=None,
         help="Redis ACL user (default: admin, when a password file is given)",
     )
     keys.add_argument(
         "--redis-password-file",
-        default=os.environ.get("KVFLOW_REDIS_PASSWORD_FILE", ""),
+        default=None,
         help="file holding the admin role's Redis password",
     )
     keys.add_argument(
         "--redis-tls-ca",
-        default=os.environ.get("KVFLOW_REDIS_TLS_CA", ""),
+        default=None,
         help="CA of a rediss:// server's certificate",
     )
     ops = keys.add_subparsers(dest="keys_command", required=True)
@@ -54,16 +53,20 @@ def add_arguments(keys: argparse.ArgumentParser) -> None:
     rm.add_argument("name")
 
 
-async def _run(args: argparse.Namespace) -> int:
-    bus = BusSettings(
-        redis_url=args.redis_url,
-        redis_user=args.redis_user,
-        redis_password_file=args.redis_password_file,
-        redis_tls_ca=args.redis_tls_ca,
-    )
+REDIS_OPTIONS = ("redis_url", "redis_user", "redis_password_file", "redis_tls_ca")
+
+
+def redis_settings(args: argparse.Namespace) -> BusSettings:
+    """The Redis connection as the services read it (KVFLOW_REDIS_* through Settings), with
+    the flags given here over it."""
+    given = {n: getattr(args, n) for n in REDIS_OPTIONS if getattr(args, n, None) is not None}
+    return Settings.from_env().replace(**given).bus
+
+
+async def _run(bus: BusSettings, args: argparse.Namespace) -> int:
     try:
         client = redis_client(bus, "admin", decode_responses=True)
-        await verify_redis(client, "admin", args.redis_url)
+        await verify_redis(client, "admin", bus.redis_url)
     except AccessError as e:
         print(f"kvflow: error: {e}", file=sys.stderr)
         return EXIT_REFUSED
@@ -92,14 +95,19 @@ async def _run(args: argparse.Namespace) -> int:
 
 
 def main(args: argparse.Namespace) -> int:
-    if not args.redis_url:
+    try:
+        bus = redis_settings(args)
+    except ValueError as e:
+        print(f"kvflow: error: {e}", file=sys.stderr)
+        return 2
+    if not bus.redis_url:
         print("kvflow: error: give --redis-url or set KVFLOW_REDIS_URL", file=sys.stderr)
         return 2
     try:
-        return asyncio.run(_run(args))
+        return asyncio.run(_run(bus, args))
     except ValueError as e:
         print(f"kvflow: error: {e}", file=sys.stderr)
         return 2
     except OSError as e:
-        print(f"kvflow: error: cannot reach Redis at {args.redis_url}: {e}", file=sys.stderr)
+        print(f"kvflow: error: cannot reach Redis at {bus.redis_url}: {e}", file=sys.stderr)
         return 2

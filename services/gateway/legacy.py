@@ -39,13 +39,12 @@ from services.gateway.generation import CLIENT_CLOSED
 from services.gateway.protocol import CompletionRequest
 from services.gateway.state import GatewayState
 from services.gateway.streams import RequestHandle
-from shared.beam_search import beam_search
+from shared.beam_search import beam_search, ended_by_eos, step_params, top_pairs
 from shared.fan_out import best, cumulative_logprob, expand
 from shared.messages import (
     DetokenizeRequest,
     DetokenizeResult,
     GenerateRequest,
-    SamplingParams,
     TokenizeRequest,
     TokenizeResult,
 )
@@ -165,7 +164,7 @@ async def _beam(
     eos = _eos_token_ids(state.settings.model.path, state.settings.model.served_model_name)
 
     async def expand(seqs: list[list[int]], k: int) -> list[list[tuple[int, float]]]:
-        params = SamplingParams(max_tokens=1, temperature=0.0, logprobs=k, ignore_eos=True)
+        params = step_params(k)
         base = new_request_id("beam")
         handles = [
             await state.submit(
@@ -180,10 +179,7 @@ async def _beam(
         finally:
             for h in handles:
                 h.close()
-        return [
-            list(zip(d.logprobs[0].top_ids, [v for _, v in d.logprobs[0].top], strict=True))
-            for d in deltas
-        ]
+        return [top_pairs(d.logprobs[0].top_ids, d.logprobs[0].top) for d in deltas]
 
     async def search() -> list[str]:
         beams = await beam_search(
@@ -191,9 +187,7 @@ async def _beam(
         )
         texts = []
         for b in beams[:n]:
-            shown = (
-                b.tokens[:-1] if b.tokens and b.tokens[-1] in eos and not ignore_eos else b.tokens
-            )
+            shown = b.tokens[:-1] if ended_by_eos(b, eos, ignore_eos) else b.tokens
             out = await state.tokenizer_call(DetokenizeRequest(shown), DetokenizeResult)
             texts.append(prompt + out.prompt)
         return texts
