@@ -246,18 +246,22 @@ def _build_plan(ws: WorkerState, chosen: dict[Sequence, _Chosen]) -> StepPlan:
 
 def _scheduled(s: Sequence, c: _Chosen) -> ScheduledSeq:
     """A sequence's share of the plan: its next known tokens, a placeholder for each token
-    a plan in flight samples, then its drafts."""
+    a plan in flight samples, then its drafts; its block table whole when the worker is new
+    to it (its NewRequest goes in this plan), else only the blocks added since the last plan."""
     end = c.start + c.num_new
     known = s.token_ids[c.start : end]
     tokens, num_worker = c.drafts if c.drafts else ([], 0)
+    table_from = min(s.sent_blocks, len(s.blocks)) if s.announced else -1
+    s.sent_blocks = len(s.blocks)
     return ScheduledSeq(
         request_id=s.request_id,
         token_ids=known + [PLACEHOLDER] * (c.num_new - len(known)) + tokens,
         start_pos=c.start,
-        block_table=list(s.blocks),
+        block_table=s.blocks[max(table_from, 0) :],
         sample=c.sample,
         num_draft=len(tokens),
         num_propose=num_worker,
+        block_table_from=table_from,
     )
 
 

@@ -94,6 +94,7 @@ class Sequence:
     load: TierLoad | None = None  # while TRANSFERRING from the KV tiers
     redis_prefix_blocks: int = 0  # leading full blocks Redis held when the request arrived
     announced: bool = False  # the current worker has had this sequence's NewRequest
+    sent_blocks: int = 0  # entries of ``blocks`` the current worker has from the plans sent
     aborted: bool = False  # aborted while its K/V was in flight: freed when the transfer ends
     num_preemptions: int = 0
     spec: SpecState | None = None  # its draft proposer (speculative decoding), once it decodes

@@ -379,6 +379,7 @@ class WorkerState:
             return
         seq.num_computed = seq.num_tokens - 1
         keep = self.bm.blocks_needed(seq.num_tokens)
+        seq.sent_blocks = min(seq.sent_blocks, keep)  # the worker's table is cut there too
         if len(seq.blocks) > keep:
             self.bm.free_blocks(seq.blocks[keep:])
             del seq.blocks[keep:]

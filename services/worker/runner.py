@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 from services.worker import sampler, speculation, structured
+from services.worker.block_tables import BlockTables
 from services.worker.cuda_graphs import DecodeGraphs
 from services.worker.draft import DraftProposer
 from services.worker.encoder_model import encoder_step
@@ -158,6 +159,7 @@ class ModelRunner:
             else None
         )
         self.requests: dict[str, RequestState] = {}
+        self.tables = BlockTables()  # each request's block table (plans send differences)
         self.total_computed_tokens = 0
         self.graphs: DecodeGraphs | None = None
         graphs = device.cuda_graphs
@@ -253,6 +255,7 @@ class ModelRunner:
         """Forget every request (a new scheduler leader starts over; the KV cache's contents
         are just stale data to it)."""
         self.requests.clear()
+        self.tables.clear()
 
     def forget_lora(self, name: str) -> None:
         """An unloaded adapter leaves the cache (it loads again if a plan names it)."""
@@ -309,6 +312,7 @@ class ModelRunner:
             st.guide_failed = st.guide is None
 
     def _execute(self, plan: StepPlan) -> StepOut:
+        self.tables.apply(plan)
         for rid in plan.finished_request_ids:
             self.requests.pop(rid, None)
             if self.draft is not None:

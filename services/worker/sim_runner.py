@@ -44,6 +44,7 @@ import numpy as np
 import torch
 
 from services.worker import speculation
+from services.worker.block_tables import BlockTables
 from services.worker.pooling import pooled_output
 from services.worker.runner import finish_rule
 from services.worker.step_output import StepOut, step_result
@@ -118,6 +119,7 @@ class SimRunner:
         self._k = k.numpy().reshape(-1)
         self._v = v.numpy().reshape(-1)
         self.requests: dict[str, SimRequest] = {}
+        self.tables = BlockTables()  # each request's block table (plans send differences)
         self.loras = None  # no weights: requests with an adapter run as without one
         self.total_computed_tokens = 0
         log.info(
@@ -130,6 +132,7 @@ class SimRunner:
 
     def reset(self) -> None:
         self.requests.clear()
+        self.tables.clear()
 
     def _add_request(self, r: NewRequest) -> None:
         p = r.params
@@ -182,6 +185,7 @@ class SimRunner:
         pass
 
     def _execute(self, plan: StepPlan) -> StepOut:
+        self.tables.apply(plan)
         for rid in plan.finished_request_ids:
             self.requests.pop(rid, None)
         for r in plan.new_requests:

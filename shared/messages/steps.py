@@ -42,7 +42,11 @@ class ScheduledSeq(msgspec.Struct, array_like=True, omit_defaults=True, gc=False
     """One sequence's share of a step: compute ``token_ids`` at positions
     ``start_pos..start_pos+len-1``, writing their K/V into the slots given by ``block_table``.
     ``sample`` is true when this chunk reaches the end of the sequence's known tokens.
-    Trailing ``PLACEHOLDER`` entries are tokens the worker sampled in the step before."""
+    Trailing ``PLACEHOLDER`` entries are tokens the worker sampled in the step before.
+
+    Plans carry differences: with ``block_table_from`` >= 0, ``block_table`` holds only the
+    request's blocks from that index on, and the worker keeps the ones before from the plans it
+    ran (services/worker/block_tables.py); -1 (a request new to the worker) sends it whole."""
 
     request_id: str
     token_ids: list[int]
@@ -56,6 +60,7 @@ class ScheduledSeq(msgspec.Struct, array_like=True, omit_defaults=True, gc=False
     # speculative decoding with a draft model: the worker's draft model proposes this many
     # tokens after ``token_ids`` (the block table has room for them), then verifies them
     num_propose: int = 0
+    block_table_from: int = -1
 
 
 class SampleLogprobs(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):

@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 
 from services.scheduler.core import SchedulerCore
 from services.scheduler.worker_state import SchedulerLimits, WorkerState
+from services.worker.block_tables import BlockTables
 from services.worker.placeholders import PlaceholderError, StepTokens
 from shared.messages import (
     PLACEHOLDER,
@@ -44,6 +45,7 @@ class FakeWorker:
 
     worker_id: str = "w"
     tokens: StepTokens = field(default_factory=StepTokens)
+    tables: BlockTables = field(default_factory=BlockTables)
     outputs: dict[str, list[int]] = field(default_factory=dict)  # what a client is streamed
     ended: set[str] = field(default_factory=set)
     counts: dict[str, int] = field(default_factory=dict)
@@ -51,6 +53,9 @@ class FakeWorker:
 
     def run(self, plan: StepPlan) -> StepResult:
         self.tokens.fill(plan)
+        self.tables.apply(plan)  # a difference that does not apply raises
+        for s in plan.seqs:  # the whole table covers the chunk
+            assert len(s.block_table) * 4 >= s.start_pos + len(s.token_ids)
         for rid in plan.finished_request_ids:
             self.counts.pop(rid, None)
         for r in plan.new_requests:

@@ -21,6 +21,7 @@ import jsonschema
 import pytest
 import yaml
 
+from kvflow.cli.keys import redis_settings
 from kvflow.cli.main import SERVICES, build_parser
 from shared.access.credentials import NATS_CONF, NATS_PASSWORD, REDIS_ACL, REDIS_PASSWORD, generate
 from shared.access.grants import NATS_ROLES, REDIS_ROLES, ROLES
@@ -319,8 +320,9 @@ def test_keys_runs_kvflow_keys_as_the_redis_admin(resolved, monkeypatch) -> None
     for name, value in env.items():  # `kvflow keys` takes its login from these variables
         monkeypatch.setenv(name, value)
     args = build_parser("keys").parse_args(["keys", *keys["command"]])
-    assert args.redis_url.startswith("redis://redis:")
-    assert args.redis_password_file == str(SECRETS / REDIS_PASSWORD)
+    bus = redis_settings(args)  # the variables, read as the services read them
+    assert bus.redis_url.startswith("redis://redis:")
+    assert bus.redis_password_file == str(SECRETS / REDIS_PASSWORD)
 
     gateway = environ_of_compose(resolved["services"]["gateway"])
     assert gateway["KVFLOW_KEY_STORE"] == ""  # open API by default; 'redis' checks the keys

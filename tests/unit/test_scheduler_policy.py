@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from services.scheduler.core import SchedulerCore
 from services.scheduler.worker_state import SchedulerLimits
+from services.worker.block_tables import BlockTables
 from shared.messages import FinishReason, SamplingParams, StepPlan, StepResult, TokenizedRequest
 
 
@@ -20,11 +21,13 @@ class FakeWorker:
         self.params: dict[str, tuple[int, int]] = {}  # rid -> (max_tokens, outputs so far)
         self.computed = 0
         self.history: dict[str, list[int]] = {}  # rid -> NewRequest.token_history + sampled
+        self.tables = BlockTables()
 
     def _slot(self, table: list[int], pos: int) -> int:
         return table[pos // self.block_size] * self.block_size + pos % self.block_size
 
     def execute(self, plan: StepPlan) -> StepResult:
+        self.tables.apply(plan)  # plans carry block-table differences, as the worker's
         for rid in plan.finished_request_ids:
             self.params.pop(rid, None)
         for nr in plan.new_requests:
