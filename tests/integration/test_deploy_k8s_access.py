@@ -21,6 +21,7 @@ from pathlib import PurePosixPath
 import bcrypt
 import pytest
 
+from kvflow.cli.keys import redis_settings
 from kvflow.cli.main import build_parser
 from shared.access.credentials import NATS_PASSWORD, REDIS_PASSWORD
 from shared.access.grants import NATS_ROLES, REDIS_ROLES, ROLES
@@ -392,9 +393,10 @@ def test_keys_admin_component_runs_kvflow_keys_as_the_redis_admin(overlay, monke
         monkeypatch.setenv(k, v)
     # `kubectl exec deploy/kvflow-admin -- kvflow keys list`: the login comes from the env
     args = build_parser("keys").parse_args(["keys", "list"])
-    assert args.redis_url == "redis://redis:6379/0"
-    assert args.redis_user in ("", "admin")
-    assert _file_in_secret(pod, c, args.redis_password_file) == ("kvflow-admin", REDIS_PASSWORD)
+    bus = redis_settings(args)  # the variables, read as the services read them
+    assert bus.redis_url == "redis://redis:6379/0"
+    assert bus.redis_user in ("", "admin")
+    assert _file_in_secret(pod, c, bus.redis_password_file) == ("kvflow-admin", REDIS_PASSWORD)
     policies = list(_by_kind(docs)["NetworkPolicy"].values())
     redis = _workloads(docs)["redis"]
     assert allowed(policies, NAMESPACE, template["metadata"]["labels"], redis, "redis")
