@@ -305,3 +305,42 @@ def test_the_worker_fills_placeholders_drops_ended_requests_and_never_guesses() 
     tokens.record(StepResult("w", 4, [], [], [], error="boom"))
     with pytest.raises(PlaceholderError):
         tokens.fill(StepPlan(5, [_seq("a", [PLACEHOLDER], 7)]))
+
+
+def test_a_worker_restarted_mid_pipeline_gets_full_state_and_the_same_tokens() -> None:
+    """Two plans in flight when the worker's process is replaced (the service removes it and
+    it joins again): the new process gets every request announced with whole block tables,
+    late results of the old process's plans change nothing, and the tokens equal a run
+    without the restart."""
+    w = Workload(
+        [[1, 2, 3, 4, 5, 6, 7], [9, 8, 7], list(range(20))], [12, 9, 15], [True] * 3, 32, 16, 4
+    )
+    want, _, _ = _run(w, 1)
+    core, ws = _core(w, 2)
+    seqs = {}
+    for i, prompt in enumerate(w.prompts):
+        params = SamplingParams(max_tokens=w.max_tokens[i], temperature=0.0, ignore_eos=True)
+        seqs[f"r{i}"] = core.add_request(TokenizedRequest(f"r{i}", "", prompt, params))
+    old = FakeWorker()
+    for _ in range(4):  # a few steps, two plans in flight
+        first, second = _two(core, ws)
+        core.on_result(old.run(first))
+        if second is not None:
+            core.on_result(old.run(second))
+    in_flight = [core.schedule(ws)[0], core.schedule(ws)[0]]
+    assert all(p is not None for p in in_flight) and len(ws.in_flight) == 2
+    moved = core.remove_worker("w")  # a new process has its id
+    assert {s.request_id for s in moved} == set(seqs) - {
+        r for r, s in seqs.items() if s.status.value == "finished"
+    }
+    ws = core.add_worker("w", w.num_blocks, 4)
+    for late in in_flight:  # the old process still answers: nothing of it is applied
+        assert core.on_result(old.run(late)).finished == []
+    new = FakeWorker()
+    plan, _ = core.schedule(ws)
+    assert {r.request_id for r in plan.new_requests} == {s.request_id for s in plan.seqs}
+    assert all(s.block_table_from == -1 for s in plan.seqs)  # whole tables, nothing assumed
+    core.on_result(new.run(plan))
+    _drive(core, ws, new)
+    assert {rid: s.token_ids[s.prompt_len :] for rid, s in seqs.items()} == want
+    assert ws.bm.num_free_blocks == ws.bm.num_blocks
