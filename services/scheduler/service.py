@@ -5,9 +5,9 @@ for each worker it runs a loop that plans a step, sends it, and applies the resu
 With async scheduling (the default) the loop plans step N+1 as soon as N is sent, so two plans
 are in flight and the worker finds its next plan waiting when a step ends; with
 ``--async-scheduling false`` it waits for each result before planning again. Prefill hand-offs
-become KvPull orders to the decode worker; a
-draining worker is released (and forgotten) once nothing of it is needed. Each accepted request
-is acknowledged to its gateway (Accepted); the gateway resubmits until then, and an id runs once.
+become KvPull orders to the decode worker; a draining worker is released (and forgotten) once
+nothing of it is needed. Each accepted request is acknowledged to its gateway (Accepted); the
+gateway resubmits until then, and an id runs once.
 
 High availability (``--redis-url`` set and more than one scheduler): schedulers compete for a
 lease in Redis (lease.py). The leader plans; a standby keeps a shadow of every live request and
