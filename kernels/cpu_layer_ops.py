@@ -26,7 +26,7 @@ _COMPILE_FLAGS = [
     "-march=native",
     "-ffp-contract=off",
     "-fno-trapping-math",
-    "-fopenmp",
+    f"-I{cpu_native.CSRC}",
     "-fPIC",
     "-c",
 ]
@@ -35,12 +35,9 @@ _COMPILE_FLAGS = [
 @cache
 def load() -> ctypes.CDLL | None:
     """The compiled library, or None where it cannot be built or native kernels are off."""
-    if not cpu_native.native_kernels_enabled():
+    lib = cpu_native.load_kernels(_SRC, _COMPILE_FLAGS)
+    if lib is None:
         return None
-    path = cpu_native.build(_SRC, _COMPILE_FLAGS)
-    if path is None:
-        return None
-    lib = ctypes.CDLL(str(path))
     p, i, f, lg = ctypes.c_void_p, ctypes.c_int, ctypes.c_float, ctypes.c_long
     lib.kvf_add_rms_norm.argtypes = [p, i, p, i, p, p, i, i, f, i]
     lib.kvf_rope_write_kv.argtypes = [p, i, i, i, i, i, p, p, i, p, p, p, p, lg, i]

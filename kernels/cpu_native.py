@@ -5,11 +5,16 @@ must gather every sequence's K/V blocks into a contiguous copy before a batched 
 them, which moves the whole context through memory three times per layer. The C kernel in
 ``csrc/paged_attention_cpu.c`` reads the blocks where they lie.
 
-Building needs no torch headers (plain C on raw pointers, OpenMP), so it takes about a second.
-The library is cached under ``$KVFLOW_CACHE_DIR/kernels`` (default ``~/.cache/kvflow/kernels``)
-by a hash of the source, the flags and the compiler, so a changed kernel is rebuilt. At run time
-it binds to the ``libgomp`` that torch already loaded, so both share one OpenMP thread pool.
-Where no compiler is found, ``load()`` returns None and callers use the PyTorch reference.
+Building needs no torch headers (plain C on raw pointers), so it takes about a second. The
+library is cached under ``$KVFLOW_CACHE_DIR/kernels`` (default ``~/.cache/kvflow/kernels``) by
+a hash of the source, the headers it includes, the flags and the compiler, so a changed kernel is
+rebuilt. Where no compiler is found, ``load()`` returns None and callers use the PyTorch
+reference.
+
+Every native kernel runs its threads through one pool (``csrc/thread_pool.c``, loaded first and
+globally by ``pool()``), not OpenMP: an OpenMP region waits for every thread of its team, so one
+descheduled thread (another process on the core) stalls each of the few hundred regions of a
+step, while the pool's calls wait only for tasks some thread has claimed.
 """
 
 from __future__ import annotations
@@ -31,14 +36,27 @@ from shared.machine_cache import cache_root
 
 log = logging.getLogger("kvflow.kernels")
 
-_SRC = Path(__file__).parent / "csrc" / "paged_attention_cpu.c"
+CSRC = Path(__file__).parent / "csrc"
+_SRC = CSRC / "paged_attention_cpu.c"
+_POOL_SRC = CSRC / "thread_pool.c"
+POOL_HEADER = CSRC / "kvf_pool.h"  # what every kernel includes (part of its build's key)
 # -ffast-math lets gcc vectorise the max/sum reductions and expf (glibc's vector math); the
 # arithmetic is still fixed for a given build, so results do not vary from call to call. It is
 # a compile flag only: given at link time, gcc links crtfastmath.o into the library, whose
 # constructor turns on flush-to-zero / denormals-are-zero for the whole process that loads it
 # (every float in a worker, and hypothesis refusing to run in a test process that loaded it).
-_COMPILE_FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-c"]
-_LINK_FLAGS = ["-shared", "-fopenmp"]
+# -fopenmp-simd: the `omp simd` hints only (no OpenMP runtime; threads come from the pool).
+_COMPILE_FLAGS = [
+    "-O3",
+    "-march=native",
+    "-ffast-math",
+    "-fopenmp-simd",
+    "-fPIC",
+    f"-I{CSRC}",
+    "-c",
+]
+_POOL_FLAGS = ["-O2", "-pthread", "-fPIC", "-c"]
+_LINK_FLAGS = ["-shared", "-pthread"]
 
 
 def _cache_dir() -> Path:
@@ -52,9 +70,14 @@ def _compiler() -> str | None:
     return None
 
 
-def build(src: Path = _SRC, compile_flags: Sequence[str] = _COMPILE_FLAGS) -> Path | None:
-    """Compile ``src`` with ``compile_flags`` into a shared library (or reuse the cached one);
-    None without a working compiler, with a warning saying what to install."""
+def build(
+    src: Path = _SRC,
+    compile_flags: Sequence[str] = _COMPILE_FLAGS,
+    headers: Sequence[Path] = (POOL_HEADER,),
+) -> Path | None:
+    """Compile ``src`` (including ``headers``) with ``compile_flags`` into a shared library (or
+    reuse the cached one); None without a working compiler, with a warning saying what to
+    install."""
     cc = _compiler()
     if cc is None:
         log.warning("no C compiler found (install gcc): using the slower PyTorch attention")
@@ -63,7 +86,8 @@ def build(src: Path = _SRC, compile_flags: Sequence[str] = _COMPILE_FLAGS) -> Pa
         log.warning("%s is missing (reinstall kvflow): using the slower PyTorch attention", src)
         return None
     flags = [cc, *compile_flags, "|", *_LINK_FLAGS]  # what the cached build's name depends on
-    key = hashlib.sha256(src.read_bytes() + " ".join(flags).encode()).hexdigest()[:16]
+    sources = b"".join(p.read_bytes() for p in (src, *headers))
+    key = hashlib.sha256(sources + " ".join(flags).encode()).hexdigest()[:16]
     out = _cache_dir() / f"{src.stem}-{key}.so"
     if out.exists():
         return out
@@ -100,15 +124,42 @@ def native_kernels_enabled() -> bool:
 
 
 @cache
+def pool() -> ctypes.CDLL | None:
+    """The thread pool every native kernel calls, loaded with its symbols global (kernel
+    libraries loaded after it resolve ``kvf_parallel`` to this one pool); None where it cannot
+    be built or native kernels are off."""
+    if not native_kernels_enabled():
+        return None
+    path = build(_POOL_SRC, _POOL_FLAGS)
+    if path is None:
+        return None
+    lib = ctypes.CDLL(str(path), mode=ctypes.RTLD_GLOBAL)
+    lib.kvf_pool_set_spin_us.argtypes = [ctypes.c_long, ctypes.c_long]
+    lib.kvf_pool_set_spin_us.restype = None
+    lib.kvf_pool_threads.restype = ctypes.c_int
+    lib.kvf_pool_selftest.argtypes = [ctypes.c_long, ctypes.c_int, ctypes.c_void_p] + [
+        ctypes.c_long
+    ] * 2
+    lib.kvf_pool_selftest.restype = ctypes.c_int
+    return lib
+
+
+def load_kernels(src: Path, compile_flags: Sequence[str]) -> ctypes.CDLL | None:
+    """A kernel library built from ``src`` and loaded after the pool it calls; None where
+    either cannot be built or native kernels are off."""
+    if pool() is None:
+        return None
+    path = build(src, compile_flags)
+    return None if path is None else ctypes.CDLL(str(path))
+
+
+@cache
 def load() -> ctypes.CDLL | None:
     """The compiled kernels, or None where they cannot be built (``KVFLOW_NATIVE_KERNELS=0``
     turns them off)."""
-    if not native_kernels_enabled():
+    lib = load_kernels(_SRC, _COMPILE_FLAGS)
+    if lib is None:
         return None
-    path = build()
-    if path is None:
-        return None
-    lib = ctypes.CDLL(str(path))
     fn = lib.kvf_paged_decode_attention
     fn.restype = ctypes.c_int
     p, i, f = ctypes.c_void_p, ctypes.c_int, ctypes.c_float

@@ -36,7 +36,14 @@ log = logging.getLogger("kvflow.kernels")
 _SRC = Path(__file__).parent / "csrc" / "quant_matmul_cpu.c"
 # no -ffast-math: the sums keep their written order (see the C file)
 # no fused multiply-adds the source does not write (the decoders match gguf-py's rounding)
-_COMPILE_FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-ffp-contract=off", "-c"]
+_COMPILE_FLAGS = [
+    "-O3",
+    "-march=native",
+    "-fPIC",
+    "-ffp-contract=off",
+    f"-I{cpu_native.CSRC}",
+    "-c",
+]
 QK = 32
 Q4_Z = 1000  # kvflow's own block (no GGUF id): fp16 d, uint8 z, pad, 16 nibble bytes;
 # w = d * (q - z), what GPTQ and AWQ groups are (shared/quantized_checkpoints.py)
@@ -52,10 +59,9 @@ PANEL_ROWS = 64  # more rows than this: the panel kernel (decode tiles never hav
 @cache
 def load() -> ctypes.CDLL | None:
     """The compiled kernel, or None where it cannot be built (no compiler)."""
-    path = cpu_native.build(_SRC, _COMPILE_FLAGS)
-    if path is None:
+    lib = cpu_native.load_kernels(_SRC, _COMPILE_FLAGS)
+    if lib is None:
         return None
-    lib = ctypes.CDLL(str(path))
     p, i = ctypes.c_void_p, ctypes.c_int
     lib.kvf_quant_matmul.restype = i
     lib.kvf_quant_matmul.argtypes = [p, i, i, i, p, i, i, p, i, i]

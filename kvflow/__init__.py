@@ -9,6 +9,8 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
+import shared.openmp_env  # noqa: F401  (before anything imports torch)
+
 _WHERE = {
     "LLM": "kvflow.llm",
     "BeamSearchOutput": "kvflow.outputs",

@@ -19,9 +19,10 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "kvf_pool.h"
+
 #define LANES 8
 
-// Threads only where the work pays for waking them (a decode row is a few thousand floats).
 #define PAR_MIN_FLOATS (1 << 16)
 
 static inline float kvf_expf(float x) {
@@ -46,32 +47,51 @@ static inline float kvf_expf(float x) {
     return y * scale;
 }
 
+typedef struct {
+    const float *x;
+    int x_stride;
+    float *res;
+    int has_res;
+    const float *w;
+    float *out;
+    int N;
+    float eps;
+} rms_ctx;
+
+static void rms_row(void *vc, long t) {
+    const rms_ctx *c = vc;
+    const int N = c->N;
+    const float* xr = c->x + (size_t)t * c->x_stride;
+    float* rr = c->res + (size_t)t * N;
+    float* o = c->out + (size_t)t * N;
+    const float* w = c->w;
+    if (c->has_res) {
+        for (int i = 0; i < N; i++) rr[i] = xr[i] + rr[i];
+    } else if (rr != xr) {
+        memcpy(rr, xr, (size_t)N * sizeof(float));
+    }
+    float acc[LANES] = {0};
+    int i = 0;
+    for (; i + LANES <= N; i += LANES)
+        for (int l = 0; l < LANES; l++) acc[l] = acc[l] + rr[i + l] * rr[i + l];
+    for (int l = 0; i < N; i++, l++) acc[l] = acc[l] + rr[i] * rr[i];
+    const float ss = ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
+    const float inv = 1.0f / sqrtf(ss / (float)N + c->eps);
+    for (int j = 0; j < N; j++) o[j] = w[j] * (rr[j] * inv);
+}
+
+// Threads where the work pays for them (a decode row is a few thousand floats).
+static inline int row_threads(long T, long floats_per_row, int threads) {
+    return T * floats_per_row >= PAR_MIN_FLOATS ? threads : 1;
+}
+
 // x [T, N] (rows x_stride apart); res [T, N] contiguous, updated to x + res (has_res) or set to
 // x; out [T, N] contiguous. Returns 0, or -1 on bad arguments.
 int kvf_add_rms_norm(const float* x, int x_stride, float* res, int has_res, const float* w,
                      float* out, int T, int N, float eps, int threads) {
     if (T < 0 || N <= 0 || x_stride < N) return -1;
-#pragma omp parallel for schedule(static) num_threads(threads > 0 ? threads : 1) \
-    if ((long)T * N >= PAR_MIN_FLOATS)
-    for (int t = 0; t < T; t++) {
-        const float* xr = x + (size_t)t * x_stride;
-        float* rr = res + (size_t)t * N;
-        float* o = out + (size_t)t * N;
-        if (has_res) {
-            for (int i = 0; i < N; i++) rr[i] = xr[i] + rr[i];
-        } else if (rr != xr) {
-            memcpy(rr, xr, (size_t)N * sizeof(float));
-        }
-        float acc[LANES] = {0};
-        int i = 0;
-        for (; i + LANES <= N; i += LANES)
-            for (int l = 0; l < LANES; l++) acc[l] = acc[l] + rr[i + l] * rr[i + l];
-        for (int l = 0; i < N; i++, l++) acc[l] = acc[l] + rr[i] * rr[i];
-        const float ss = ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
-        const float inv = 1.0f / sqrtf(ss / (float)N + eps);
-        for (int j = 0; j < N; j++) o[j] = w[j] * (rr[j] * inv);
-    }
-    return 0;
+    rms_ctx c = {x, x_stride, res, has_res, w, out, N, eps};
+    return kvf_parallel_for(T, row_threads(T, N, threads), rms_row, &c);
 }
 
 // One token's rotation of `nh` heads of D at src (heads D apart) into dst (heads dst_hs apart):
@@ -95,47 +115,87 @@ static inline void rotate(const float* src, float* dst, size_t dst_hs, int nh, i
 // q_out [T, H, D]; caches [num_slots, Hkv, D] (flat slots of the paged cache); slots [T] int64,
 // -1: the token's K/V are not stored. Returns 0, -1 on bad arguments, -2 when a position or a
 // slot is out of range (that token is skipped).
+typedef struct {
+    const float *qkv;
+    int row_stride, H, Hkv, D;
+    const int64_t *positions;
+    const float *cos_sin;
+    int max_pos;
+    float *q_out, *k_cache, *v_cache;
+    const int64_t *slots;
+    long num_slots;
+    int bad;
+} rope_ctx;
+
+static void rope_row(void *vc, long t) {
+    rope_ctx *c = vc;
+    const int H = c->H, Hkv = c->Hkv, D = c->D;
+    const size_t kv_row = (size_t)Hkv * D;
+    const int64_t p = c->positions[t], s = c->slots[t];
+    if (p < 0 || p >= c->max_pos || s < -1 || s >= c->num_slots) {
+        __atomic_store_n(&c->bad, 1, __ATOMIC_RELAXED);
+        return;
+    }
+    const float* row = c->qkv + (size_t)t * c->row_stride;
+    const float* cos = c->cos_sin + (size_t)p * D;
+    const float* sin = cos + D / 2;
+    rotate(row, c->q_out + (size_t)t * H * D, D, H, D, cos, sin);
+    if (s >= 0) {
+        rotate(row + (size_t)H * D, c->k_cache + (size_t)s * kv_row, D, Hkv, D, cos, sin);
+        memcpy(c->v_cache + (size_t)s * kv_row, row + (size_t)(H + Hkv) * D, kv_row * sizeof(float));
+    }
+}
+
 int kvf_rope_write_kv(const float* qkv, int T, int row_stride, int H, int Hkv, int D,
                       const int64_t* positions, const float* cos_sin, int max_pos, float* q_out,
                       float* k_cache, float* v_cache, const int64_t* slots, long num_slots,
                       int threads) {
     if (T < 0 || H <= 0 || Hkv <= 0 || D <= 0 || D % 2 || row_stride < (H + 2 * Hkv) * D)
         return -1;
-    int bad = 0;
-    const size_t kv_row = (size_t)Hkv * D;
-#pragma omp parallel for schedule(static) num_threads(threads > 0 ? threads : 1) \
-    if ((long)T * row_stride >= PAR_MIN_FLOATS) reduction(| : bad)
-    for (int t = 0; t < T; t++) {
-        const int64_t p = positions[t], s = slots[t];
-        if (p < 0 || p >= max_pos || s < -1 || s >= num_slots) {
-            bad = 1;
-            continue;
-        }
-        const float* row = qkv + (size_t)t * row_stride;
-        const float* cos = cos_sin + (size_t)p * D;
-        const float* sin = cos + D / 2;
-        rotate(row, q_out + (size_t)t * H * D, D, H, D, cos, sin);
-        if (s >= 0) {
-            rotate(row + (size_t)H * D, k_cache + (size_t)s * kv_row, D, Hkv, D, cos, sin);
-            memcpy(v_cache + (size_t)s * kv_row, row + (size_t)(H + Hkv) * D, kv_row * sizeof(float));
-        }
-    }
-    return bad ? -2 : 0;
+    rope_ctx c = {qkv, row_stride, H, Hkv, D, positions, cos_sin, max_pos,
+                  q_out, k_cache, v_cache, slots, num_slots, 0};
+    kvf_parallel_for(T, row_threads(T, row_stride, threads), rope_row, &c);
+    return c.bad ? -2 : 0;
+}
+
+typedef struct {
+    const float *x;
+    int N, x_stride;
+    float *out;
+} gate_ctx;
+
+static void silu_row(void *vc, long t) {
+    const gate_ctx *c = vc;
+    const int N = c->N;
+    const float* g = c->x + (size_t)t * c->x_stride;
+    const float* u = g + N;
+    float* o = c->out + (size_t)t * N;
+    for (int i = 0; i < N; i++) o[i] = g[i] / (1.0f + kvf_expf(-g[i])) * u[i];
 }
 
 // x [T, 2N] rows x_stride apart (gate | up), out [T, N] contiguous:
 // out = gate / (1 + exp(-gate)) * up. Returns 0, or -1 on bad arguments.
 int kvf_silu_mul(const float* x, int T, int N, int x_stride, float* out, int threads) {
     if (T < 0 || N <= 0 || x_stride < 2 * N) return -1;
-#pragma omp parallel for schedule(static) num_threads(threads > 0 ? threads : 1) \
-    if ((long)T * N >= PAR_MIN_FLOATS)
-    for (int t = 0; t < T; t++) {
-        const float* g = x + (size_t)t * x_stride;
-        const float* u = g + N;
-        float* o = out + (size_t)t * N;
-        for (int i = 0; i < N; i++) o[i] = g[i] / (1.0f + kvf_expf(-g[i])) * u[i];
+    gate_ctx c = {x, N, x_stride, out};
+    return kvf_parallel_for(T, row_threads(T, N, threads), silu_row, &c);
+}
+
+static void gelu_tanh_row(void *vc, long t) {
+    const gate_ctx *c = vc;
+    const int N = c->N;
+    const float c2 = 1.5957691216057308f;  // 2 sqrt(2 / pi)
+    const float* g = c->x + (size_t)t * c->x_stride;
+    const float* u = g + N;
+    float* o = c->out + (size_t)t * N;
+    for (int i = 0; i < N; i++) {
+        const float gi = g[i];
+        const float y2 = c2 * (gi + 0.044715f * (gi * gi * gi));
+        // past exp's clamp the result is below 1e-37 |g|: 0 (with g's sign), as exp
+        // overflowing to inf gives in the reference, even where g^3 is inf
+        const float a = y2 < -88.0f ? gi * 0.0f : gi / (1.0f + kvf_expf(-y2));
+        o[i] = a * u[i];
     }
-    return 0;
 }
 
 // x [T, 2N] rows x_stride apart (gate | up), out [T, N] contiguous: out = gelu_tanh(gate) * up,
@@ -144,21 +204,6 @@ int kvf_silu_mul(const float* x, int T, int N, int x_stride, float* out, int thr
 // reference.gelu_tanh_and_mul's op order. Returns 0, or -1 on bad arguments.
 int kvf_gelu_tanh_mul(const float* x, int T, int N, int x_stride, float* out, int threads) {
     if (T < 0 || N <= 0 || x_stride < 2 * N) return -1;
-    const float c2 = 1.5957691216057308f;  // 2 sqrt(2 / pi)
-#pragma omp parallel for schedule(static) num_threads(threads > 0 ? threads : 1) \
-    if ((long)T * N >= PAR_MIN_FLOATS)
-    for (int t = 0; t < T; t++) {
-        const float* g = x + (size_t)t * x_stride;
-        const float* u = g + N;
-        float* o = out + (size_t)t * N;
-        for (int i = 0; i < N; i++) {
-            const float gi = g[i];
-            const float y2 = c2 * (gi + 0.044715f * (gi * gi * gi));
-            // past exp's clamp the result is below 1e-37 |g|: 0 (with g's sign), as exp
-            // overflowing to inf gives in the reference, even where g^3 is inf
-            const float a = y2 < -88.0f ? gi * 0.0f : gi / (1.0f + kvf_expf(-y2));
-            o[i] = a * u[i];
-        }
-    }
-    return 0;
+    gate_ctx c = {x, N, x_stride, out};
+    return kvf_parallel_for(T, row_threads(T, N, threads), gelu_tanh_row, &c);
 }

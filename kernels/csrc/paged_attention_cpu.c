@@ -25,6 +25,8 @@
 #include <stdint.h>
 #include <stdlib.h>
 
+#include "kvf_pool.h"
+
 static inline float dot(const float *restrict a, const float *restrict b, int d) {
     float s = 0.0f;
 #pragma omp simd reduction(+ : s)
@@ -87,6 +89,43 @@ static void attend(const float *restrict q, const float *restrict k_cache,
     }
 }
 
+typedef struct {
+    const float *q, *k_cache, *v_cache;
+    const int32_t *tables, *lens;
+    float *out;
+    int H, Hkv, D, block_size, max_blocks, num_blocks, per_head;
+    float scale, softcap;
+    int window;
+    int bad_block, no_memory;
+} attn_ctx;
+
+static void attend_item(void *vc, long w) {
+    attn_ctx *c = vc;
+    const int Hkv = c->Hkv, D = c->D, block_size = c->block_size, window = c->window;
+    const int b = c->per_head ? (int)(w / Hkv) : (int)w;
+    const int h0 = c->per_head ? (int)(w % Hkv) : 0, h1 = c->per_head ? h0 + 1 : Hkv;
+    const int len = c->lens[b];
+    const int t0 = window > 0 && len > window ? len - window : 0; /* first key attended */
+    const int L = len - t0;
+    const int32_t *table = c->tables + (int64_t)b * c->max_blocks;
+    int bad = 0;
+    for (int i = t0 / block_size; i < (len + block_size - 1) / block_size; i++)
+        bad |= table[i] < 0 || table[i] >= c->num_blocks;
+    if (bad) {
+        __atomic_store_n(&c->bad_block, 1, __ATOMIC_RELAXED);
+        return;
+    }
+    const size_t nq = (size_t)(h1 - h0) * (c->H / Hkv);
+    float *s = malloc(sizeof(float) * (nq * L + nq * D + nq));
+    if (s == NULL) {
+        __atomic_store_n(&c->no_memory, 1, __ATOMIC_RELAXED);
+        return;
+    }
+    attend(c->q, c->k_cache, c->v_cache, table, c->out, s, b, h0, h1, t0, L, c->H, Hkv, D,
+           block_size, c->scale, c->softcap);
+    free(s);
+}
+
 int kvf_paged_decode_attention(const float *restrict q, const float *restrict k_cache,
                                const float *restrict v_cache, const int32_t *restrict tables,
                                const int32_t *restrict lens, float *restrict out, int B, int H,
@@ -98,32 +137,8 @@ int kvf_paged_decode_attention(const float *restrict q, const float *restrict k_
      * order, so the split never changes a bit. */
     const int per_head = B < 2 * num_threads;
     const int items = per_head ? B * Hkv : B;
-    const int G = H / Hkv;
-    int failed = 0;
-#pragma omp parallel for num_threads(num_threads) schedule(dynamic, 1) reduction(min : failed)
-    for (int w = 0; w < items; w++) {
-        const int b = per_head ? w / Hkv : w;
-        const int h0 = per_head ? w % Hkv : 0, h1 = per_head ? h0 + 1 : Hkv;
-        const int len = lens[b];
-        const int t0 = window > 0 && len > window ? len - window : 0; /* first key attended */
-        const int L = len - t0;
-        const int32_t *table = tables + (int64_t)b * max_blocks;
-        int bad = 0;
-        for (int i = t0 / block_size; i < (len + block_size - 1) / block_size; i++)
-            bad |= table[i] < 0 || table[i] >= num_blocks;
-        if (bad) {
-            failed = failed < -2 ? failed : -2;
-            continue;
-        }
-        const size_t nq = (size_t)(h1 - h0) * G;
-        float *s = malloc(sizeof(float) * (nq * L + nq * D + nq));
-        if (s == NULL) {
-            failed = failed < -1 ? failed : -1;
-            continue;
-        }
-        attend(q, k_cache, v_cache, table, out, s, b, h0, h1, t0, L, H, Hkv, D, block_size, scale,
-               softcap);
-        free(s);
-    }
-    return failed;
+    attn_ctx c = {q, k_cache, v_cache, tables, lens, out, H, Hkv, D, block_size, max_blocks,
+                  num_blocks, per_head, scale, softcap, window, 0, 0};
+    kvf_parallel_for(items, num_threads, attend_item, &c);
+    return c.bad_block ? -2 : c.no_memory ? -1 : 0;
 }

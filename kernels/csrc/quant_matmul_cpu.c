@@ -37,6 +37,8 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+
+#include "kvf_pool.h"
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include <immintrin.h>
 #define KVF_AVX2 1
@@ -635,6 +637,67 @@ static void micro_1x64(const float* x, const float* P, int K, float* out) {
 }
 #endif
 
+// The arguments of one product, shared by the tasks of a call (each task: a range of outputs).
+typedef struct {
+    const float *x;
+    int M, K, x_stride;
+    const uint8_t *w;
+    int N, type;
+    float *y;
+    int y_stride;
+    int nb, bb, bw;
+    size_t row_bytes;
+    const float *xs;  // Q4_1: each row's block sums
+    const float *P;   // kvf_panel_matmul_f32: the weight's panels
+    int failed;       // a task could not get its scratch memory
+} product_ctx;
+
+static void set_failed(product_ctx *c) {
+    __atomic_store_n(&c->failed, 1, __ATOMIC_RELAXED);
+}
+
+#ifdef KVF_AVX2
+static void unit_chunks(void *vc, kvf_task *task, long c0, int worker) {
+    (void)worker;
+    product_ctx *c = vc;
+    float* dec = aligned_alloc(64, (size_t)UNIT_CHUNK * c->K * sizeof(float));
+    for (long t = c0; t >= 0; t = kvf_next(task)) {
+        if (!dec) {
+            set_failed(c);
+            continue;
+        }
+        const int n0 = (int)t * UNIT_CHUNK, n1 = n0 + UNIT_CHUNK < c->N ? n0 + UNIT_CHUNK : c->N;
+        unit_rows_for_outputs(c->x, c->x_stride, c->M, c->nb, c->bw, c->w, c->row_bytes, c->type,
+                              dec, c->y, c->y_stride, n0, n1);
+    }
+    free(dec);
+}
+
+static void rows_chunk(void *vc, long t) {
+    const product_ctx *c = vc;
+    const int n0 = (int)t * ROWS_CHUNK, n1 = n0 + ROWS_CHUNK < c->N ? n0 + ROWS_CHUNK : c->N;
+    rows_for_outputs(c->x, c->x_stride, c->xs, c->nb, c->w, c->row_bytes, c->bb, c->type, c->M,
+                     c->y, c->y_stride, n0, n1);
+}
+#else
+static void decoded_outputs(void *vc, kvf_task *task, long n0, int worker) {
+    (void)worker;
+    product_ctx *c = vc;
+    const int K = c->K;
+    float* wrow = aligned_alloc(64, ((size_t)K * sizeof(float) + 63) / 64 * 64);
+    for (long n = n0; n >= 0; n = kvf_next(task)) {
+        if (!wrow) {
+            set_failed(c);
+            continue;
+        }
+        decode_row(c->w + (size_t)n * c->row_bytes, c->nb, c->type, wrow);
+        for (int m = 0; m < c->M; m++)
+            c->y[(size_t)m * c->y_stride + n] = dot(c->x + (size_t)m * c->x_stride, wrow, K);
+    }
+    free(wrow);
+}
+#endif
+
 // x [M, K] fp32 (rows x_stride apart), w [N, K/32 blocks], y [M, N] (rows y_stride apart).
 // Returns 0, -1 on bad arguments, -2 when scratch memory cannot be had.
 int kvf_quant_matmul(const float* x, int M, int K, int x_stride, const uint8_t* w, int N,
@@ -642,28 +705,12 @@ int kvf_quant_matmul(const float* x, int M, int K, int x_stride, const uint8_t* 
     const int bb = block_bytes(type), bw = block_weights(type);
     if (bb == 0 || K % bw || M < 0 || N < 0 || x_stride < K || y_stride < N) return -1;
     const int nb = K / bw;
-    const size_t row_bytes = (size_t)nb * bb;
+    product_ctx c = {x, M, K, x_stride, w, N, type, y, y_stride, nb, bb, bw,
+                     (size_t)nb * bb, NULL, NULL, 0};
 #ifdef KVF_AVX2
     if (is_unit_type(type)) {
-        int failed = 0;
-        const int chunks = (N + UNIT_CHUNK - 1) / UNIT_CHUNK;
-#pragma omp parallel num_threads(threads > 0 ? threads : 1)
-        {
-            float* dec = aligned_alloc(64, (size_t)UNIT_CHUNK * K * sizeof(float));
-            if (!dec) {
-#pragma omp atomic write
-                failed = 1;
-            }
-#pragma omp for schedule(static)
-            for (int c = 0; c < chunks; c++) {
-                if (!dec) continue;
-                const int n0 = c * UNIT_CHUNK, n1 = n0 + UNIT_CHUNK < N ? n0 + UNIT_CHUNK : N;
-                unit_rows_for_outputs(x, x_stride, M, nb, bw, w, row_bytes, type, dec, y,
-                                      y_stride, n0, n1);
-            }
-            free(dec);
-        }
-        return failed ? -2 : 0;
+        kvf_parallel((N + UNIT_CHUNK - 1) / UNIT_CHUNK, threads, unit_chunks, &c);
+        return c.failed ? -2 : 0;
     }
     float* xs = NULL;
     if (type == KVF_Q4_1) {  // each row's block sums, in a fixed order
@@ -677,34 +724,59 @@ int kvf_quant_matmul(const float* x, int M, int K, int x_stride, const uint8_t* 
                 xs[(size_t)m * nb + b] = s;
             }
     }
-    const int chunks = (N + ROWS_CHUNK - 1) / ROWS_CHUNK;
-#pragma omp parallel for schedule(static) num_threads(threads > 0 ? threads : 1)
-    for (int c = 0; c < chunks; c++)
-        rows_for_outputs(x, x_stride, xs, nb, w, row_bytes, bb, type, M, y, y_stride,
-                         c * ROWS_CHUNK, c * ROWS_CHUNK + ROWS_CHUNK < N ? c * ROWS_CHUNK + ROWS_CHUNK : N);
+    c.xs = xs;
+    kvf_parallel_for((N + ROWS_CHUNK - 1) / ROWS_CHUNK, threads, rows_chunk, &c);
     free(xs);
 #else
-    int failed = 0;
-#pragma omp parallel num_threads(threads > 0 ? threads : 1)
-    {
-        float* wrow = aligned_alloc(64, ((size_t)K * sizeof(float) + 63) / 64 * 64);
-        if (!wrow) {
-#pragma omp atomic write
-            failed = 1;
-        }
-#pragma omp for schedule(static)
-        for (int n = 0; n < N; n++) {
-            if (!wrow) continue;
-            decode_row(w + (size_t)n * row_bytes, nb, type, wrow);
-            for (int m = 0; m < M; m++)
-                y[(size_t)m * y_stride + n] = dot(x + (size_t)m * x_stride, wrow, K);
-        }
-        free(wrow);
-    }
-    if (failed) return -2;
+    kvf_parallel(N, threads, decoded_outputs, &c);
+    if (c.failed) return -2;
 #endif
     return 0;
 }
+
+#ifdef KVF_AVX2
+// kvf_quant_matmul_panel's tasks: tiles of nrp outputs (a multiple of 8): M == 1 takes 64
+// outputs (8 chains keep the FMA units busy), more rows 24 (4 rows x 3 vectors in registers).
+static void panel_tiles(void *vc, kvf_task *task, long t0, int worker) {
+    (void)worker;
+    product_ctx *c = vc;
+    const int M = c->M, K = c->K, N = c->N, units = is_unit_type(c->type);
+    const int nrp = M == 1 ? 64 : 24;
+    float* P = aligned_alloc(64, ((size_t)K * nrp * sizeof(float) + 63) / 64 * 64);
+    float* tmp = aligned_alloc(64, 4 * (size_t)nrp * sizeof(float));
+    float* rowbuf = units ? aligned_alloc(64, ((size_t)K * sizeof(float) + 63) / 64 * 64) : tmp;
+    for (long t = t0; t >= 0; t = kvf_next(task)) {
+        if (!P || !tmp || !rowbuf) {
+            set_failed(c);
+            continue;
+        }
+        const float* x = c->x;
+        float* y = c->y;
+        const int x_stride = c->x_stride, y_stride = c->y_stride;
+        const int n0 = (int)t * nrp, nr = N - n0 < nrp ? N - n0 : nrp;
+        if (units) pack_panel_units(c->w, c->row_bytes, c->type, n0, nr, nrp, c->nb, K, P, rowbuf);
+        else pack_panel(c->w, c->row_bytes, c->bb, c->type, n0, nr, nrp, c->nb, P);
+        const int direct = nr == nrp;  // a ragged last tile goes through tmp
+        for (int m0 = 0; m0 < M;) {
+            const int R = M == 1 ? 1 : (M - m0 < 4 ? M - m0 : 4);
+            float* o = direct && R == (M == 1 ? 1 : 4) ? y + (size_t)m0 * y_stride + n0 : tmp;
+            const int os = o == tmp ? nrp : y_stride;
+            const float* xr[4];
+            for (int r = 0; r < 4; r++) xr[r] = x + (size_t)(m0 + (r < R ? r : 0)) * x_stride;
+            if (M == 1) micro_1x64(xr[0], P, K, o);
+            else micro_4x24(xr[0], xr[1], xr[2], xr[3], P, K, o, os);
+            if (o == tmp)
+                for (int r = 0; r < R; r++)
+                    memcpy(y + (size_t)(m0 + r) * y_stride + n0, tmp + (size_t)r * nrp,
+                           (size_t)nr * sizeof(float));
+            m0 += R;
+        }
+    }
+    free(P);
+    if (units) free(rowbuf);
+    free(tmp);
+}
+#endif
 
 // The same product for long chunks (prefill): each tile of output rows is decoded once into an
 // fp32 panel held in cache and multiplied by every row of x in a register-blocked kernel, at
@@ -717,56 +789,41 @@ int kvf_quant_matmul_panel(const float* x, int M, int K, int x_stride, const uin
     const int bb = block_bytes(type), bw = block_weights(type);
     if (bb == 0 || K % bw || M < 0 || N < 0 || x_stride < K || y_stride < N) return -1;
 #ifdef KVF_AVX2
-    const int nb = K / bw, units = is_unit_type(type);
-    const size_t row_bytes = (size_t)nb * bb;
-    // one output tile of nrp (a multiple of 8) per task: M == 1 takes 64 outputs (8 chains
-    // keep the FMA units busy), more rows 24 (4 rows x 3 vectors in registers)
-    const int nrp = M == 1 ? 64 : 24;
-    const int tiles = (N + nrp - 1) / nrp;
-    int failed = 0;
-#pragma omp parallel num_threads(threads > 0 ? threads : 1)
-    {
-        float* P = aligned_alloc(64, ((size_t)K * nrp * sizeof(float) + 63) / 64 * 64);
-        float* tmp = aligned_alloc(64, 4 * (size_t)nrp * sizeof(float));
-        float* rowbuf = units ? aligned_alloc(64, ((size_t)K * sizeof(float) + 63) / 64 * 64)
-                              : tmp;
-        if (!P || !tmp || !rowbuf) {
-#pragma omp atomic write
-            failed = 1;
-        }
-#pragma omp for schedule(static)
-        for (int t = 0; t < tiles; t++) {
-            if (!P || !tmp || !rowbuf) continue;
-            const int n0 = t * nrp, nr = N - n0 < nrp ? N - n0 : nrp;
-            if (units) pack_panel_units(w, row_bytes, type, n0, nr, nrp, nb, K, P, rowbuf);
-            else pack_panel(w, row_bytes, bb, type, n0, nr, nrp, nb, P);
-            const int direct = nr == nrp;  // a ragged last tile goes through tmp
-            for (int m0 = 0; m0 < M;) {
-                const int R = M == 1 ? 1 : (M - m0 < 4 ? M - m0 : 4);
-                float* o = direct && R == (M == 1 ? 1 : 4) ? y + (size_t)m0 * y_stride + n0 : tmp;
-                const int os = o == tmp ? nrp : y_stride;
-                const float* xr[4];
-                for (int r = 0; r < 4; r++) xr[r] = x + (size_t)(m0 + (r < R ? r : 0)) * x_stride;
-                if (M == 1) micro_1x64(xr[0], P, K, o);
-                else micro_4x24(xr[0], xr[1], xr[2], xr[3], P, K, o, os);
-                if (o == tmp)
-                    for (int r = 0; r < R; r++)
-                        memcpy(y + (size_t)(m0 + r) * y_stride + n0, tmp + (size_t)r * nrp,
-                               (size_t)nr * sizeof(float));
-                m0 += R;
-            }
-        }
-        free(P);
-        if (units) free(rowbuf);
-        free(tmp);
-    }
-    if (failed) return -2;
-    return 0;
+    const int nb = K / bw, nrp = M == 1 ? 64 : 24;
+    product_ctx c = {x, M, K, x_stride, w, N, type, y, y_stride, nb, bb, bw,
+                     (size_t)nb * bb, NULL, NULL, 0};
+    kvf_parallel((N + nrp - 1) / nrp, threads, panel_tiles, &c);
+    return c.failed ? -2 : 0;
 #else
     (void)x; (void)w; (void)y; (void)y_stride; (void)threads;
     return -3;
 #endif
 }
+
+#ifdef KVF_AVX2
+static void f32_panel_tile(void *vc, long t) {
+    const product_ctx *c = vc;
+    const int nrp = 24, M = c->M, K = c->K, x_stride = c->x_stride, y_stride = c->y_stride;
+    const float* x = c->x;
+    float* y = c->y;
+    const int n0 = (int)t * nrp, nr = c->N - n0 < nrp ? c->N - n0 : nrp;
+    const float* panel = c->P + (size_t)t * K * nrp;
+    float tmp[4 * 24];
+    for (int m0 = 0; m0 < M; m0 += 4) {
+        const int R = M - m0 < 4 ? M - m0 : 4;
+        const float* xr[4];
+        for (int r = 0; r < 4; r++) xr[r] = x + (size_t)(m0 + (r < R ? r : 0)) * x_stride;
+        const int direct = nr == nrp && (R == 4 || R == 1);
+        float* o = direct ? y + (size_t)m0 * y_stride + n0 : tmp;
+        if (R == 1) micro_1x24(xr[0], panel, K, o);
+        else micro_4x24(xr[0], xr[1], xr[2], xr[3], panel, K, o, direct ? y_stride : nrp);
+        if (!direct)
+            for (int r = 0; r < R; r++)
+                memcpy(y + (size_t)(m0 + r) * y_stride + n0, tmp + r * nrp,
+                       (size_t)nr * sizeof(float));
+    }
+}
+#endif
 
 // y = x @ W.T for an fp32 weight prepacked in panels (kernels/cpu_gemm.py PanelWeight):
 // P[t][k][j] = W[24 t + j][k], zero past N. The same 4 x 24 kernel as the quantized panels, so
@@ -777,32 +834,20 @@ int kvf_panel_matmul_f32(const float* x, int M, int K, int x_stride, const float
                          float* y, int y_stride, int threads) {
     if (M < 0 || N < 0 || K <= 0 || x_stride < K || y_stride < N) return -1;
 #ifdef KVF_AVX2
-    const int nrp = 24, tiles = (N + nrp - 1) / nrp;
-#pragma omp parallel for schedule(static) num_threads(threads > 0 ? threads : 1) \
-    if ((long)tiles * K * (M < 4 ? 4 : M) >= (1 << 16))
-    for (int t = 0; t < tiles; t++) {
-        const int n0 = t * nrp, nr = N - n0 < nrp ? N - n0 : nrp;
-        const float* panel = P + (size_t)t * K * nrp;
-        float tmp[4 * 24];
-        for (int m0 = 0; m0 < M; m0 += 4) {
-            const int R = M - m0 < 4 ? M - m0 : 4;
-            const float* xr[4];
-            for (int r = 0; r < 4; r++) xr[r] = x + (size_t)(m0 + (r < R ? r : 0)) * x_stride;
-            const int direct = nr == nrp && (R == 4 || R == 1);
-            float* o = direct ? y + (size_t)m0 * y_stride + n0 : tmp;
-            if (R == 1) micro_1x24(xr[0], panel, K, o);
-            else micro_4x24(xr[0], xr[1], xr[2], xr[3], panel, K, o, direct ? y_stride : nrp);
-            if (!direct)
-                for (int r = 0; r < R; r++)
-                    memcpy(y + (size_t)(m0 + r) * y_stride + n0, tmp + r * nrp,
-                           (size_t)nr * sizeof(float));
-        }
-    }
-    return 0;
+    const int tiles = (N + 23) / 24;
+    product_ctx c = {x, M, K, x_stride, NULL, N, 0, y, y_stride, 0, 0, 0, 0, NULL, P, 0};
+    // threads only where the work pays for waking them
+    const int big = (long)tiles * K * (M < 4 ? 4 : M) >= (1 << 16);
+    return kvf_parallel_for(tiles, big ? threads : 1, f32_panel_tile, &c);
 #else
     (void)x; (void)P; (void)y; (void)threads;
     return -3;
 #endif
+}
+
+static void dequantize_row(void *vc, long n) {
+    const product_ctx *c = vc;
+    decode_row(c->w + (size_t)n * c->row_bytes, c->nb, c->type, c->y + (size_t)n * c->K);
 }
 
 // The whole [N, K] weight as fp32 (for long prefill chunks, which run as one dense GEMM).
@@ -810,8 +855,6 @@ int kvf_dequantize(const uint8_t* w, int N, int K, int type, float* out, int thr
     const int bb = block_bytes(type), bw = block_weights(type);
     if (bb == 0 || K % bw || N < 0) return -1;
     const int nb = K / bw;
-    const size_t row_bytes = (size_t)nb * bb;
-#pragma omp parallel for schedule(static) num_threads(threads > 0 ? threads : 1)
-    for (int n = 0; n < N; n++) decode_row(w + (size_t)n * row_bytes, nb, type, out + (size_t)n * K);
-    return 0;
+    product_ctx c = {NULL, 0, K, K, w, N, type, out, K, nb, bb, bw, (size_t)nb * bb, NULL, NULL, 0};
+    return kvf_parallel_for(N, threads, dequantize_row, &c);
 }

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import shutil
 import signal
 import subprocess
@@ -31,6 +30,7 @@ from typing import IO, TextIO
 from shared.access.connect import EXIT_REFUSED
 from shared.access.credentials import Credentials, generate
 from shared.config import Settings
+from shared.cpu_budget import usable_cpus
 from shared.infra import Server, port_is_free, start_nats, start_redis
 from shared.lora import check_lora_settings
 from shared.model_loader import check_settings_model
@@ -123,7 +123,7 @@ def share_cores(settings: Settings, num_workers: int) -> Settings:
     ranks = num_workers * settings.worker.tensor_parallel_size
     if settings.worker.threads != 0 or ranks <= 1:
         return settings
-    return settings.replace(threads=max(1, (os.cpu_count() or 1) // ranks))
+    return settings.replace(threads=max(1, usable_cpus() // ranks))
 
 
 class Stack:

@@ -5,6 +5,9 @@ message (SystemExit)."""
 
 from __future__ import annotations
 
+import logging
+import os
+
 from services.worker.draft import load_draft
 from services.worker.lora import LoRASpec
 from services.worker.model_setup import check_quantization, runner_specs
@@ -13,10 +16,13 @@ from services.worker.sim_runner import SimRunner, step_time_fn, vocab_for
 from services.worker.step_runner import StepRunner
 from services.worker.tp_group import TPLeader, start_group
 from shared.config import Settings
+from shared.cpu_budget import cpu_budget
 from shared.lora import parse_lora_modules
 from shared.model_loader import load_config
 from shared.model_source import ModelNotFoundError, ModelSource
 from shared.speculative import parse_speculative_config
+
+log = logging.getLogger("kvflow.worker")
 
 SIM_DEFAULT_BLOCKS = 65536  # the simulated worker's KV blocks without --num-kv-blocks (8 MiB)
 
@@ -35,8 +41,7 @@ def _load_model(settings: Settings, src: ModelSource) -> ModelRunner:
     """The model runner, on the model thread: the model, cache and worker sections."""
     import torch
 
-    if settings.worker.threads > 0:
-        torch.set_num_threads(settings.worker.threads)
+    _set_threads(settings.worker.threads)
     kv, device = runner_specs(
         settings.model, settings.cache, settings.worker, settings.scheduler.max_num_seqs
     )
@@ -56,6 +61,22 @@ def _load_model(settings: Settings, src: ModelSource) -> ModelRunner:
     )
     _check_lora_modules(runner, settings)
     return runner
+
+
+def _set_threads(threads: int) -> None:
+    """The worker's CPU threads (its native kernels' pool and torch's own): ``--threads``, or
+    with 0 every CPU this process may use (its affinity capped by its cgroup quota); logged."""
+    import torch
+
+    budget = cpu_budget()
+    torch.set_num_threads(threads if threads > 0 else budget.usable)
+    log.info(
+        "CPU threads: %d (%s; %s); native kernels on kvflow's thread pool, OMP_WAIT_POLICY=%s",
+        torch.get_num_threads(),
+        "--threads" if threads > 0 else "all usable",
+        budget.describe(),
+        os.environ.get("OMP_WAIT_POLICY", "unset"),
+    )
 
 
 def _lora_spec(settings: Settings) -> LoRASpec | None:

@@ -47,6 +47,7 @@ from services.worker.tensor_parallel import (
 )
 from services.worker.tp_shm import ShmComm
 from shared.config import Settings
+from shared.cpu_budget import usable_cpus
 from shared.messages import StepPlan, StepResult
 from shared.model_loader import ModelConfig, load_config, load_weights, round_weights
 from shared.model_source import ModelSource
@@ -359,7 +360,7 @@ def start_group(
     share_kv = settings.worker.role != "both" or cache.kv_host_memory > 0 or cache.kv_redis_tier
     if share_kv and dev.type == "cpu":
         _check_shm_room(cfg, kv, device.dtype, world)
-    threads = settings.worker.threads or max(1, (os.cpu_count() or 1) // world)
+    threads = settings.worker.threads or max(1, usable_cpus() // world)
     spec = RankSpec(
         world,
         f"tcp://127.0.0.1:{free_port()}",

@@ -3,13 +3,12 @@ settings of their own, and how the cores are shared among workers."""
 
 from __future__ import annotations
 
-import os
-
 import pytest
 
 from kvflow.cli.launcher import Process, Topology, _supervise, plan, share_cores
 from shared.access.connect import EXIT_REFUSED
 from shared.config import Settings
+from shared.cpu_budget import usable_cpus
 
 
 def test_serve_plans_every_service_with_the_gateway_last() -> None:
@@ -64,7 +63,7 @@ def test_bad_counts_are_refused(topology: Topology) -> None:
 
 
 def test_cores_are_divided_once_among_workers() -> None:
-    cores = os.cpu_count() or 1
+    cores = usable_cpus()  # affinity capped by the cgroup quota, not os.cpu_count()
     assert share_cores(Settings(), 1).worker.threads == 0  # one worker takes all cores
     assert share_cores(Settings(), 2).worker.threads == max(1, cores // 2)
     assert share_cores(Settings.of(threads=3), 4).worker.threads == 3  # asked for: kept
