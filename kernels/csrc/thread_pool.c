@@ -6,7 +6,8 @@
 // its threads is descheduled, every region waits a time slice for it (issue 38 measured 2-9x
 // slower steps with one busy process beside the worker, slower than the same step on one
 // thread). Here the caller and the pool's threads claim tasks from one counter, and the call
-// waits only for tasks that were claimed: a thread that is not running claims nothing.
+// waits only for tasks that were claimed: a thread that is not running claims nothing. Each
+// thread counts the tasks it finished into the job once, when it runs out.
 //
 // One job at a time: `next` holds the job's generation (high 32 bits) and the next unclaimed
 // task (low 32). A claim is a compare-and-swap on the whole word, so a thread that wakes late
@@ -38,18 +39,22 @@
 #define MAX_THREADS 256
 
 typedef struct {
-    _Atomic uint64_t next;  // generation << 32 | next unclaimed task
-    _Atomic long done;      // tasks finished in this generation
-    _Atomic int waiting;    // the caller sleeps until done == n
-    long n;
+    // claims and completions on cache lines of their own (two threads hit them per task)
+    _Alignas(64) _Atomic uint64_t next;  // generation << 32 | next unclaimed task
+    _Alignas(64) _Atomic long done;      // tasks finished in this generation
+    _Atomic int waiting;                 // the caller sleeps until done == n
+    _Alignas(64) long n;
     kvf_body body;
     void *ctx;
     _Atomic int threads;  // pool threads 0 .. threads - 2 take part
 } job_t;
 
-struct kvf_task {
+struct kvf_task {  // one thread's part in one job
     job_t *job;
     uint32_t gen;
+    int worker;
+    long next, end;  // its claimed tasks not yet started
+    long finished;   // tasks it has finished, counted into job->done when it runs out
 };
 
 static struct {
@@ -81,40 +86,59 @@ static long now_ns(void) {
     return (long)ts.tv_sec * 1000000000L + ts.tv_nsec;
 }
 
-// Claims the next task of generation `gen`: its index, or -1. With body/ctx given, also reads
-// the job's function and context (valid only when a task was claimed).
-static long claim(job_t *job, uint32_t gen, kvf_body *body, void **ctx) {
+// Claims the next tasks of generation `gen`: the first one's index (and *end, one past the
+// last), or -1. A claim takes 1/(4 x threads) of what is left (at least one task): few claims
+// per job (two threads hitting one cache line per task cost ~2 ms per decode step), and what a
+// descheduled thread can hold up stays small. With body/ctx given, also reads the job's function
+// and context (valid only when a task was claimed).
+static long claim(job_t *job, uint32_t gen, long *end, kvf_body *body, void **ctx) {
     uint64_t v = atomic_load_explicit(&job->next, memory_order_acquire);
     for (;;) {
         if ((uint32_t)(v >> 32) != gen) return -1;
-        const long i = (long)(uint32_t)v;
-        if (i >= job->n) return -1;
+        const long i = (long)(uint32_t)v, n = job->n;
+        if (i >= n) return -1;
+        const int threads = atomic_load_explicit(&job->threads, memory_order_relaxed);
+        long k = (n - i) / (4L * (threads > 1 ? threads : 1));
+        k = k < 1 ? 1 : k;
         if (body) {
             *body = job->body;
             *ctx = job->ctx;
         }
-        if (atomic_compare_exchange_weak_explicit(&job->next, &v, v + 1, memory_order_acq_rel,
-                                                  memory_order_acquire))
+        if (atomic_compare_exchange_weak_explicit(&job->next, &v, v + (uint64_t)k,
+                                                  memory_order_acq_rel, memory_order_acquire)) {
+            *end = i + k;
             return i;
+        }
     }
 }
 
 long kvf_next(kvf_task *task) {
+    task->finished++;
+    if (task->next < task->end) return task->next++;
     job_t *job = task->job;
-    if (atomic_fetch_add(&job->done, 1) + 1 == job->n && atomic_load(&job->waiting)) {
-        pthread_mutex_lock(&pool.lock);  // the last task of a job whose caller sleeps
+    const long i = claim(job, task->gen, &task->end, NULL, NULL);
+    if (i >= 0) {
+        task->next = i + 1;
+        return i;
+    }
+    // out of tasks: count this thread's as done, in one add (the caller waits for n)
+    if (atomic_fetch_add(&job->done, task->finished) + task->finished == job->n &&
+        atomic_load(&job->waiting)) {
+        pthread_mutex_lock(&pool.lock);  // the last tasks of a job whose caller sleeps
         pthread_cond_broadcast(&pool.finished);
         pthread_mutex_unlock(&pool.lock);
     }
-    return claim(job, task->gen, NULL, NULL);
+    task->finished = 0;
+    return -1;
 }
 
 static void run_from(job_t *job, uint32_t gen, int worker) {
     kvf_body body;
     void *ctx;
-    const long first = claim(job, gen, &body, &ctx);
+    long end;
+    const long first = claim(job, gen, &end, &body, &ctx);
     if (first < 0) return;
-    kvf_task task = {job, gen};
+    kvf_task task = {job, gen, worker, first + 1, end, 0};
     body(ctx, &task, first, worker);
 }
 
@@ -190,9 +214,9 @@ static void grow(int want) {
 
 static int run_alone(long n, kvf_body body, void *ctx) {
     job_t job = {.n = n, .body = body, .ctx = ctx};
-    atomic_store(&job.next, ((uint64_t)1 << 32) | 1);
+    atomic_store(&job.next, ((uint64_t)1 << 32) | (uint64_t)n);  // all claimed by the caller
     atomic_store(&job.done, 0);
-    kvf_task task = {&job, 1};
+    kvf_task task = {&job, 1, 0, 1, n, 0};
     body(ctx, &task, 0, 0);
     return 0;
 }
@@ -248,7 +272,7 @@ int kvf_pool_threads(void) {
     return atomic_load(&pool.started);
 }
 
-// Self-test (tests/kernels/test_kernels_thread_pool.py): runs n tasks that each record the
+// Self-test (tests/unit/test_kernels_thread_pool.py): runs n tasks that each record the
 // worker that ran them (workers[i]: 0 for the caller, 1000 + w for a task run twice), each
 // taking task_us microseconds. With stall_us > 0 the pool threads pause that long before they
 // claim, and the caller starts only once one of them is in that pause (up to stall_us): the
