@@ -7,6 +7,10 @@ wall time (min and median over ``--steps`` steps after warm-up), the process CPU
 cheapest step (with ``--threads 1`` the most robust figure on a machine shared with other work),
 and tokens per second.
 
+``--busy N`` runs N busy processes (a Python spin loop each) beside the timed steps, as a serving
+machine's other processes are (the gateway, clients, other pods): the figure issue 38 compares
+with the quiet step, and with the same step on ``--threads 1``.
+
 - CPU (``--device cpu``): the worker's CPU path (native decode attention, oneDNN-packed GEMMs,
   calibrated batch invariance) on ``--model`` (default: SmolLM2-135M-Instruct).
 - GPU (``--device cuda``): the Triton kernels with decode steps replayed as CUDA graphs
@@ -22,6 +26,7 @@ import dataclasses
 import json
 import random
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -88,6 +93,9 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--enforce-eager", action="store_true", help="CUDA: no CUDA graphs")
     ap.add_argument("--json", default="", help="also write the figures to this JSON file")
+    ap.add_argument(
+        "--busy", type=int, default=0, help="busy processes beside the timed steps (default 0)"
+    )
     ap.add_argument(
         "--quantization", default="", help="'' (dense) | gguf | int8 | fp8 (CUDA) | gptq | awq"
     )
@@ -169,14 +177,31 @@ def main(argv: list[str] | None = None) -> int:
     if path == "triton":
         path += f", CUDA graphs {graphs.sizes}" if graphs is not None else ", eager"
     what = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
+    beside = f"; beside {args.busy} busy processes" if args.busy else ""
     print(
         f"## ModelRunner decode steps: {name}, {str(dtype).removeprefix('torch.')} on {what} "
         f"({path}); torch {torch.__version__}, {torch.get_num_threads()} threads; "
-        f"loaded in {load_s:.1f}s; {args.steps} timed steps after {args.warmup} warm-up"
+        f"loaded in {load_s:.1f}s; {args.steps} timed steps after {args.warmup} warm-up{beside}"
     )
     print()
     print("| batch | context | step ms (min) | step ms (median) | CPU ms (min step) | tokens/s |")
     print("|---:|---:|---:|---:|---:|---:|")
+    busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(args.busy)]
+    try:
+        rows = _time_batches(runner, args, per_seq)
+    finally:
+        for p in busy:
+            p.kill()
+            p.wait()
+    if args.json:
+        out = {"model": name, "dtype": str(dtype).removeprefix("torch."), "device": what}
+        out |= {"path": path, "load_s": load_s, "busy": args.busy, "rows": rows}
+        Path(args.json).write_text(json.dumps(out, indent=1))
+    return 0
+
+
+def _time_batches(runner: ModelRunner, args: argparse.Namespace, per_seq: int) -> list[dict]:
+    """One table row per ``--batch`` size (printed as it comes); their figures."""
     first = 0
     rows = []
     for b in args.batch:
@@ -192,11 +217,7 @@ def main(argv: list[str] | None = None) -> int:
             {"batch": b, "context": args.context, "min_ms": min(wall) * 1e3}
             | {"median_ms": med * 1e3, "cpu_ms": min(cpu) * 1e3, "tokens_per_s": b / med}
         )
-    if args.json:
-        out = {"model": name, "dtype": str(dtype).removeprefix("torch."), "device": what}
-        out |= {"path": path, "load_s": load_s, "rows": rows}
-        Path(args.json).write_text(json.dumps(out, indent=1))
-    return 0
+    return rows
 
 
 if __name__ == "__main__":
