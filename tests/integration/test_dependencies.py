@@ -104,5 +104,6 @@ def test_the_wheel_ships_the_native_kernel_source(tmp_path: Path) -> None:
     assert out.returncode == 0, out.stderr[-2000:]
     (wheel,) = tmp_path.glob("kvflow-*.whl")
     names = zipfile.ZipFile(wheel).namelist()
-    assert "kernels/csrc/paged_attention_cpu.c" in names
+    for source in ("paged_attention_cpu.c", "thread_pool.c", "kvf_pool.h"):  # what cc needs
+        assert f"kernels/csrc/{source}" in names, source
     assert "kvflow/cli/main.py" in names and "kvflow/__init__.py" in names
