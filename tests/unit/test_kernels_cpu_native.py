@@ -60,12 +60,14 @@ def test_window_and_softcap_match_dense_attention(
     torch.testing.assert_close(out, torch.cat(refs), rtol=1e-5, atol=1e-5)
 
 
-def make_cache(lens: list[int], h: int, hkv: int, bs: int, seed: int) -> tuple[torch.Tensor, ...]:
+def make_cache(
+    lens: list[int], h: int, hkv: int, bs: int, seed: int, d: int = D
+) -> tuple[torch.Tensor, ...]:
     g = torch.Generator().manual_seed(seed)
     need = [-(-n // bs) for n in lens]
     nb = sum(need) + 4
-    kc = torch.randn(nb, bs, hkv, D, generator=g)
-    vc = torch.randn(nb, bs, hkv, D, generator=g)
+    kc = torch.randn(nb, bs, hkv, d, generator=g)
+    vc = torch.randn(nb, bs, hkv, d, generator=g)
     order = torch.randperm(nb, generator=g)
     width = max(need) + 2  # wider than needed: the tail must not be read
     tables = torch.full((len(lens), width), 10**6, dtype=torch.int32)
@@ -73,7 +75,7 @@ def make_cache(lens: list[int], h: int, hkv: int, bs: int, seed: int) -> tuple[t
     for b, n in enumerate(need):
         tables[b, :n] = order[i : i + n].to(torch.int32)
         i += n
-    q = torch.randn(len(lens), h, D, generator=g)
+    q = torch.randn(len(lens), h, d, generator=g)
     return q, kc, vc, tables, torch.tensor(lens, dtype=torch.int32)
 
 
@@ -84,6 +86,18 @@ def test_matches_the_torch_decode_path() -> None:
     )
     ref = K.paged_attention(q, kc, vc, None, None, None, D**-0.5, plan=plan)
     out = cpu_native.paged_decode_attention(q, kc, vc, tables, lens, D**-0.5)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("d", [40, 64, 128])  # 64 and 128 have their own value loop
+@pytest.mark.parametrize("window", [0, 21])  # a window that starts inside a block
+def test_every_head_size_matches_the_torch_decode_path(d: int, window: int) -> None:
+    q, kc, vc, tables, lens = make_cache([1, 16, 17, 90, 3], h=4, hkv=2, bs=8, seed=7, d=d)
+    plan = K.plan_attention(
+        tables.clamp(max=kc.shape[0] - 1).long(), lens.long(), torch.ones(5, dtype=torch.long), 8
+    )
+    ref = K.paged_attention(q, kc, vc, None, None, None, d**-0.5, plan=plan, window=window)
+    out = cpu_native.paged_decode_attention(q, kc, vc, tables, lens, d**-0.5, window)
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
 
 
