@@ -176,3 +176,27 @@ def test_int8_works_from_any_checkpoint_on_the_cpu_and_on_cuda(tmp_path) -> None
     assert check_quantization("int8", hf, torch.device("cuda"), torch.bfloat16) == "int8"
     with pytest.raises(ValueError, match="int8 runs on the CPU in float32 or on CUDA"):
         check_quantization("int8", hf, torch.device("cpu"), torch.bfloat16)
+
+
+def test_the_fp32_panels_give_the_same_bits_on_avx2_as_on_this_cpu() -> None:
+    """Each output is one FMA chain over k, so the AVX-512 micro-kernel (16 + 8 outputs per k)
+    and AVX2's (3 x 8) must agree bit for bit: built for Haswell, the library gives this CPU's
+    own build's products."""
+    import ctypes
+
+    from kernels.cpu_gemm import PanelWeight
+
+    if not cpu_quant.panel_available():
+        pytest.skip("no AVX2 here: the panels do not run")
+    flags = [f for f in cpu_quant._COMPILE_FLAGS if f != "-march=native"] + ["-march=haswell"]
+    avx2 = ctypes.CDLL(str(cpu_native.build(cpu_quant._SRC, flags)))
+    g = torch.Generator().manual_seed(9)
+    pw = PanelWeight(torch.randn(100, 72, generator=g))
+    for m in (1, 3, 4, 9):
+        x = torch.randn(m, 72, generator=g)
+        y = torch.empty(m, 100)
+        rc = avx2.kvf_panel_matmul_f32(
+            ctypes.c_void_p(x.data_ptr()), m, 72, 72, ctypes.c_void_p(pw.panels.data_ptr()),
+            100, ctypes.c_void_p(y.data_ptr()), 100, 2,
+        )  # fmt: skip
+        assert rc == 0 and torch.equal(y, pw(x)), m
