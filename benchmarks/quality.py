@@ -22,6 +22,8 @@ import argparse
 import math
 import time
 
+import torch
+
 from shared.messages import NewRequest, SamplingParams, ScheduledSeq, StepPlan
 
 SCHEMES = ("", "gguf", "int8", "fp8")
@@ -98,7 +100,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--schemes",
         default=",".join(SCHEMES),
-        help="comma-separated --quantization values; the first is the baseline ('' = fp32)",
+        help="comma-separated --quantization values, or bf16 (--dtype bfloat16: the CPU path's "
+        "bf16 GEMMs); the first is the baseline ('' = fp32)",
     )
     p.add_argument(
         "--second-half",
@@ -132,9 +135,11 @@ def main(args: argparse.Namespace) -> int:
     rows = []
     for scheme in args.schemes.split(","):
         t0 = time.perf_counter()
-        weights = load_weights(src, cfg, quantization=scheme)
+        bf16 = scheme == "bf16"
+        weights = load_weights(src, cfg, quantization="" if bf16 else scheme)
         num_blocks = -(-args.window // BLOCK) + 1
-        runner = ModelRunner.from_weights(cfg, weights, BLOCK, num_blocks)
+        kw = {"dtype": torch.bfloat16} if bf16 else {}
+        runner = ModelRunner.from_weights(cfg, weights, BLOCK, num_blocks, **kw)
         lps, top1 = prompt_predictions(runner, windows, first)
         ppl = math.exp(-sum(lps) / len(lps))
         if base is None:

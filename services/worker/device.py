@@ -4,7 +4,9 @@
 - ``--device auto`` (the default) is ``cuda`` when torch sees a GPU, else ``cpu``; ``cuda`` or
   ``cuda:N`` without a GPU is an error rather than a silent fall back to the CPU.
 - ``--dtype auto`` (the default) is bfloat16 on CUDA and float32 on the CPU (the CPU path's
-  exactness, batch invariance and fast kernels are fp32).
+  exactness, batch invariance and fast kernels are fp32). ``--dtype bfloat16`` on the CPU runs
+  the dense linear layers through oneDNN's bf16 GEMM (kernels/cpu_gemm.py ``Bf16Weight``) and
+  keeps the rest, the lm_head included, in fp32; float16 is refused there.
 - The kernel backend follows the device: the Triton kernels (kernels/ops.py ``"triton"``) on
   CUDA, in any dtype (bf16/fp16 for serving; fp32 works, with full-precision dots), and the CPU
   path (kernels/reference.py with the native C decode attention, oneDNN-packed GEMMs and

@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels import reference as K
-from kernels.cpu_gemm import PackedWeight, PanelWeight, panel_available
+from kernels.cpu_gemm import PanelWeight, linear_packing
 from services.worker.pooling import PoolState, pooled_output
 from shared.messages import PooledOutput, ScheduledSeq
 from shared.models.config import ModelConfig
@@ -118,16 +118,16 @@ class EncoderModel(torch.nn.Module):
         the tokens in flight)."""
         return []
 
-    def pack_weights(self) -> str:
+    def pack_weights(self, dtype: torch.dtype = torch.float32) -> str:
         """Pre-pack the layers' linear weights as the decoder does (``DecoderModel.
-        pack_weights``); returns "panels" or "oneDNN"."""
-        pack = PanelWeight if panel_available() else PackedWeight
+        pack_weights``); returns the packing's name."""
+        pack, packing = linear_packing(dtype)
         for layer in self.layers:
             for name in _LINEARS:
                 if isinstance(layer[name], torch.Tensor):
                     layer[name] = pack(layer[name])
         self.invariant_gemm = pack is PanelWeight
-        return "panels" if pack is PanelWeight else "oneDNN"
+        return packing
 
     def linear_weights(self) -> list[Any]:
         """One linear weight of each distinct shape (batch-invariance calibration)."""

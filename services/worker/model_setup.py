@@ -208,13 +208,22 @@ def load_model(
     ops = get_backend(backend) if backend != "reference" else None
     if device.type == "cuda" and device.index is not None:
         torch.cuda.set_device(device)  # this (model) thread's current device
-    if model is None:
-        model = _build(src, spec, device, quantization, ops, config, weights)
+    cpu_bf16 = ops is None and spec.dtype == torch.bfloat16
+    if ops is None and spec.dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"the CPU path computes in float32 or bfloat16, not {spec.dtype}")
+    if cpu_bf16 and not cpu_gemm.bf16_instructions():
+        log.warning(
+            "--dtype bfloat16: this CPU has no bf16 dot products (AVX512_BF16, AMX), so oneDNN "
+            "converts to fp32 and bf16 runs slower than float32 (the default) here"
+        )
+    if model is None:  # the CPU path builds in fp32; bf16 is its GEMMs' dtype (pack_weights)
+        built = torch.float32 if ops is None else spec.dtype
+        model = _build(src, spec, built, device, quantization, ops, config, weights)
     fp32 = model.dtype == torch.float32 and ops is None
     packed = cpu.packed_gemm
-    if packed is None:
-        packed = fp32 and (cpu_gemm.panel_available() or cpu_gemm.onednn_available())
-    gemm = model.pack_weights() if packed else "torch"
+    if packed is None or cpu_bf16:
+        packed = cpu_bf16 or (fp32 and (cpu_gemm.panel_available() or cpu_gemm.onednn_available()))
+    gemm = model.pack_weights(spec.dtype if cpu_bf16 else torch.float32) if packed else "torch"
     batch_invariant = cpu.batch_invariant and ops is None  # a CPU-path property
     gemm_rows = cpu.gemm_rows
     if batch_invariant and gemm_rows is None:
@@ -231,13 +240,15 @@ def load_model(
 def _build(
     src: ModelSource | None,
     spec: DeviceSpec,
+    dtype: torch.dtype,
     device: torch.device,
     quantization: str,
     ops: KernelBackend | None,
     config: ModelConfig | None,
     weights: dict[str, Any] | None,
 ) -> AnyModel:
-    """The model of ``src`` (or of in-memory ``config`` + ``weights``) on ``device``."""
+    """The model of ``src`` (or of in-memory ``config`` + ``weights``) on ``device``, its
+    weights in ``dtype``."""
     if config is None or weights is None:
         if src is None:
             raise ValueError("ModelRunner needs a ModelSource, config + weights, or a model")
@@ -247,8 +258,8 @@ def _build(
             from services.worker.transformers_model import TransformersModel
 
             log.info("%s runs through transformers' modules (--model-impl)", src.name)
-            return TransformersModel.from_pretrained(src.path, spec.dtype, device, quantization)
-        weights = load_weights(src, config, spec.dtype, quantization)
+            return TransformersModel.from_pretrained(src.path, dtype, device, quantization)
+        weights = load_weights(src, config, dtype, quantization)
     if config.encoder:
         from services.worker.encoder_model import EncoderModel
 
@@ -258,6 +269,11 @@ def _build(
         if isinstance(embed, QuantWeight) and "lm_head.weight" not in weights:
             weights = {**weights, "lm_head.weight": embed}  # tied: the head keeps the blocks
         weights = {n: to_device_weight(w, device, n) for n, w in weights.items()}
+    if ops is None:  # in-memory weights in another dtype: the CPU path's own
+        weights = {
+            n: w.to(dtype) if isinstance(w, torch.Tensor) and w.is_floating_point() else w
+            for n, w in weights.items()
+        }
     model = DecoderModel(config, weights)
     if ops is not None:
         model.stack_experts()  # the grouped Triton kernel reads each layer's experts stacked

@@ -47,7 +47,7 @@ import transformers
 from transformers.pytorch_utils import Conv1D
 
 from kernels import reference as K
-from kernels.cpu_gemm import PackedWeight, PanelWeight, panel_available
+from kernels.cpu_gemm import linear_packing
 from kernels.ops import KernelBackend
 from services.worker.model import ForwardBatch, PagedModel
 from services.worker.step_inputs import DeviceBatch
@@ -213,7 +213,7 @@ class StepLinear(torch.nn.Module):
         return cls(w, mod.bias, head)
 
     def pack(self, kind: type) -> None:
-        """Hold the weight pre-packed (``PanelWeight`` or ``PackedWeight``)."""
+        """Hold the weight pre-packed (a ``kernels.cpu_gemm.linear_packing`` kind)."""
         if isinstance(self.w, torch.Tensor):
             self.w = kind(self.w)
 
@@ -339,14 +339,14 @@ class TransformersModel(PagedModel):
     def device(self) -> torch.device:
         return self.hf.get_input_embeddings().weight.device
 
-    def pack_weights(self) -> str:
-        """Every linear weight pre-packed for the CPU, as ``DecoderModel.pack_weights``:
-        kvflow's panels where they run (batch invariant by construction), else oneDNN's
-        layout. Returns which ("panels" or "oneDNN")."""
-        kind = PanelWeight if panel_available() else PackedWeight
+    def pack_weights(self, dtype: torch.dtype = torch.float32) -> str:
+        """Every linear weight pre-packed for the CPU, as ``DecoderModel.pack_weights``;
+        returns the packing's name."""
+        kind, name = linear_packing(dtype)
+        head_kind = linear_packing(torch.float32)[0]  # fp32 logits (DecoderModel.pack_weights)
         for lin in self.linears:
-            lin.pack(kind)
-        return "panels" if kind is PanelWeight else "oneDNN"
+            lin.pack(head_kind if lin.head else kind)
+        return name
 
     def use_native_layer_ops(self) -> bool:
         """False: the HF modules compute norms, RoPE and activations themselves."""
