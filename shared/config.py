@@ -115,7 +115,11 @@ class WorkerSettings:
         metadata={"help": "on CUDA, run decode steps eagerly instead of as CUDA graphs"},
     )
     threads: int = field(
-        default=0, metadata={"help": "torch threads per worker rank (0: its share of the cores)"}
+        default=0,
+        metadata={
+            "help": "CPU threads per worker rank, for its kernels' pool and torch (0: its share "
+            "of the CPUs this process may use: affinity capped by the cgroup quota)"
+        },
     )
     tensor_parallel_size: int = field(
         default=1,

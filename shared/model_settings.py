@@ -38,7 +38,7 @@ class ModelSettings:
         default="auto",
         metadata={
             "help": "model dtype: auto (bfloat16 on CUDA, float32 on CPU) | float32 | bfloat16 "
-            "| float16"
+            "(on the CPU: bf16 GEMMs, the rest fp32) | float16 (CUDA)"
         },
     )
     quantization: str = field(

@@ -1,7 +1,10 @@
 """OpenMP settings for torch's own thread team, set on import, before torch is first imported
 (libgomp reads them once, when torch loads it). ``import shared.openmp_env`` comes first in
-every entry point: the ``kvflow`` package (its CLI runs every service), ``benchmarks`` and the
-test suite.
+the entry points that run the worker: the ``kvflow`` package (its CLI runs every service, and
+the ``LLM`` API) and ``benchmarks``. The test process itself keeps libgomp's default: its
+tests mostly run torch reference code, back-to-back small parallel ops that a passive team
+makes ~25 % slower (tests/unit: 38 s against 48 s); the services the e2e tests start get
+PASSIVE through the ``kvflow`` CLI.
 
 ``OMP_WAIT_POLICY=PASSIVE``: a thread of torch's team sleeps as soon as a torch op ends instead of
 spinning for the next one (libgomp's default spins ~300,000 times, milliseconds). The worker's

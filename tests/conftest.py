@@ -4,9 +4,6 @@ machines without a GPU (see below)."""
 
 from __future__ import annotations
 
-import shared.openmp_env  # noqa: F401  (before torch: its OpenMP team must not spin)
-
-# isort: split
 import importlib.util
 import os
 from pathlib import Path
