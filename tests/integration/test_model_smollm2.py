@@ -159,10 +159,15 @@ def test_int8_weights_stay_close_to_fp32_and_batch_invariant(smollm2) -> None:
 
     weights = quantize_int8(load_weights(smollm2["src"], smollm2["cfg"]))
     runner = ModelRunner.from_weights(smollm2["cfg"], weights, BLOCK, num_blocks=64)
-    want = smollm2["want"]
+    assert_close_to_fp32_and_batch_invariant(runner, smollm2, first=16)
+
+
+def assert_close_to_fp32_and_batch_invariant(runner: ModelRunner, smollm2, first: int) -> None:  # noqa: ANN001
+    """Each prompt's first ``first`` greedy tokens equal transformers' fp32 ones, and the same
+    prompts batched give every logit the bits it gets alone."""
     alone = [generate(runner, [p]) for p in smollm2["prompts"]]
-    for (tokens, _), w in zip(alone, want, strict=True):
-        n = min(16, len(w))
+    for (tokens, _), w in zip(alone, smollm2["want"], strict=True):
+        n = min(first, len(w))
         assert tokens[0][:n] == w[:n]
     tokens, batched_logits = generate(runner, smollm2["prompts"])
     assert tokens == [a[0][0] for a in alone]
@@ -184,12 +189,4 @@ def test_bf16_gemms_stay_close_to_fp32_and_batch_invariant(smollm2) -> None:
         smollm2["cfg"], weights, BLOCK, num_blocks=64, dtype=torch.bfloat16
     )
     assert isinstance(runner.model.layers[0]["gate_up"], Bf16Weight)
-    want = smollm2["want"]
-    alone = [generate(runner, [p]) for p in smollm2["prompts"]]
-    for (tokens, _), w in zip(alone, want, strict=True):
-        n = min(8, len(w))
-        assert tokens[0][:n] == w[:n]
-    tokens, batched_logits = generate(runner, smollm2["prompts"])
-    assert tokens == [a[0][0] for a in alone]
-    for (_, (alone_logits,)), batched in zip(alone, batched_logits, strict=True):
-        assert all(torch.equal(a, b) for a, b in zip(alone_logits, batched, strict=True))
+    assert_close_to_fp32_and_batch_invariant(runner, smollm2, first=8)
