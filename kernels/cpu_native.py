@@ -134,8 +134,6 @@ def pool() -> ctypes.CDLL | None:
     if path is None:
         return None
     lib = ctypes.CDLL(str(path), mode=ctypes.RTLD_GLOBAL)
-    lib.kvf_pool_set_spin_us.argtypes = [ctypes.c_long, ctypes.c_long]
-    lib.kvf_pool_set_spin_us.restype = None
     lib.kvf_pool_threads.restype = ctypes.c_int
     lib.kvf_pool_selftest.argtypes = [ctypes.c_long, ctypes.c_int, ctypes.c_void_p] + [
         ctypes.c_long

@@ -70,9 +70,8 @@ def cpu_budget(cgroup_root: Path = _CGROUP_ROOT) -> CpuBudget:
     except (AttributeError, OSError):  # not Linux
         affinity = os.cpu_count() or 1
     try:
-        quota = _quota_v2(cgroup_root) if (cgroup_root / "cgroup.controllers").exists() else None
-        if quota is None and not (cgroup_root / "cgroup.controllers").exists():
-            quota = _quota_v1(cgroup_root)
+        v2 = (cgroup_root / "cgroup.controllers").exists()
+        quota = _quota_v2(cgroup_root) if v2 else _quota_v1(cgroup_root)
     except (OSError, ValueError):  # an unreadable or odd cgroup file: no limit known
         quota = None
     return CpuBudget(affinity, quota)
