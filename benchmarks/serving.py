@@ -144,6 +144,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
             "pipeline",
             "quality",
             "llamacpp",
+            "peers",
             "embeddings",
             "speculative",
             "lora",
@@ -154,6 +155,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "worker at several concurrencies, with CPU per token of each service; quality: "
         "perplexity and top-1 agreement of each --quantization against fp32; llamacpp: "
         "kvflow and llama.cpp's llama-server on the same GGUF at 1, 16 and 64 in flight; "
+        "peers: the same beside vLLM's CPU build and OpenVINO GenAI too; "
         "embeddings: /v1/embeddings per second, one input per request and batched; "
         "speculative: n-gram speculative decoding against plain decoding (TPOT, tok/s, "
         "acceptance) on quoting and free-form prose workloads; lora: a batch with 0, 1 and "
@@ -180,9 +182,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     from benchmarks import quality as bench_quality
 
     bench_quality.add_arguments(p.add_argument_group("quality"))
-    from benchmarks import llamacpp as bench_llamacpp
+    from benchmarks import peers as bench_peers
 
-    bench_llamacpp.add_arguments(p.add_argument_group("llamacpp"))
+    bench_peers.add_arguments(p.add_argument_group("peers, llamacpp"))
     from benchmarks import embeddings as bench_embeddings
 
     bench_embeddings.add_arguments(p.add_argument_group("embeddings"))
@@ -206,10 +208,10 @@ def main(args: argparse.Namespace) -> int:
         from benchmarks import quality as bench_quality
 
         return bench_quality.main(args)
-    if args.what == "llamacpp":
-        from benchmarks import llamacpp as bench_llamacpp
+    if args.what in ("peers", "llamacpp"):
+        from benchmarks import peers as bench_peers
 
-        return bench_llamacpp.main(args)
+        return bench_peers.main(args)
     if args.what == "embeddings":
         from benchmarks import embeddings as bench_embeddings
 

