@@ -97,7 +97,9 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
         "--busy", type=int, default=0, help="busy processes beside the timed steps (default 0)"
     )
     ap.add_argument(
-        "--quantization", default="", help="'' (dense) | gguf | int8 | fp8 (CUDA) | gptq | awq"
+        "--quantization",
+        default="",
+        help="'' (dense) | gguf | int8 | w8a8 | fp8 (CUDA) | gptq | awq",
     )
     return ap.parse_args(argv)
 
@@ -151,7 +153,11 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     if args.random_llama:
         shape = _shape(args)
-        if args.quantization in ("int8", "fp8"):  # rounded on the host, as load_weights does
+        if args.quantization in (
+            "int8",
+            "w8a8",
+            "fp8",
+        ):  # rounded on the host, as load_weights does
             from shared.model_loader import round_weights
 
             cfg, weights = random_llama(torch.float32, torch.device("cpu"), shape=shape)

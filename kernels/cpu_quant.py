@@ -16,11 +16,19 @@ exactly (``d * q (+ m)`` needs at most 19 bits); they differ from dequantize-the
 the order of the sums. The choice is by the length of the call's own chunk: decode rows come in
 tiles of at most ``PANEL_ROWS`` (kernels/batch_invariance.py), so a row's result never depends
 on the batch.
+
+``int8_activations`` (``--quantization w8a8``, as vLLM's CPU int8 W8A8 and llama.cpp compute):
+each row of x is rounded to int8 per block of 32 (scale max|x| / 127) and multiplied with the
+Q8_0/Q4_0 blocks' int8 values in integers (AVX-512 VNNI or AVX-VNNI ``vpdpbusd`` where the CPU
+has it, AVX2's maddubs elsewhere, the same bits either way), for every chunk length. A decode
+step's products then take ~4x fewer instructions than the fp32 FMAs; x loses ~0.4 % of each
+block's largest value, which ``kvflow bench quality`` measures.
 """
 
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import logging
 from dataclasses import dataclass
 from functools import cache
@@ -53,6 +61,7 @@ BLOCK_BYTES = {8: 34, 2: 18, 3: 20, Q4_Z: 20, 6: 22, 7: 24, 12: 144, 13: 176, 14
 TYPE_NAMES = {8: "Q8_0", 2: "Q4_0", 3: "Q4_1", Q4_Z: "Q4_Z", 6: "Q5_0", 7: "Q5_1", 12: "Q4_K",
               13: "Q5_K", 14: "Q6_K"}  # fmt: skip
 BLOCK_WEIGHTS = {t: QK_K if t in (12, 13, 14) else QK for t in BLOCK_BYTES}
+INT8_ACTIVATION_TYPES = (8, 2)  # Q8_0, Q4_0: blocks of int8 values (kvf_quant_matmul_int8)
 PANEL_ROWS = 64  # more rows than this: the panel kernel (decode tiles never have more)
 
 
@@ -70,12 +79,29 @@ def load() -> ctypes.CDLL | None:
     lib.kvf_panel_matmul_f32.restype = i
     lib.kvf_panel_matmul_f32.argtypes = [p, i, i, i, p, i, p, i, i]
     lib.kvf_dequantize.restype = i
+    lib.kvf_quant_matmul_int8.restype = i
+    lib.kvf_quant_matmul_int8.argtypes = [p, i, i, i, p, i, i, p, i, i]
+    lib.kvf_quantize_rows_int8.restype = i
+    lib.kvf_quantize_rows_int8.argtypes = [p, i, i, i, p, p]
     lib.kvf_dequantize.argtypes = [p, i, i, i, p, i]
     return lib
 
 
 def available() -> bool:
     return load() is not None
+
+
+def quantize_rows_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] fp32 as ``kvf_quant_matmul_int8`` rounds it: int8 [M, K] and one fp32 scale per
+    32 values [M, K / 32] (for tests and inspection)."""
+    m, k = x.shape
+    x = x.contiguous()
+    xq = torch.empty(m, k, dtype=torch.int8)
+    xd = torch.empty(m, k // QK, 8, dtype=torch.float32)  # each scale 8 times
+    rc = _lib().kvf_quantize_rows_int8(x.data_ptr(), m, k, k, xq.data_ptr(), xd.data_ptr())
+    if rc != 0:
+        raise ValueError(f"kvf_quantize_rows_int8 returned {rc} (K % 32, or no AVX2)")
+    return xq, xd[:, :, 0].contiguous()
 
 
 @dataclass(eq=False)
@@ -87,6 +113,9 @@ class QuantWeight:
     blocks: torch.Tensor
     qtype: int
     shape: tuple[int, int]
+    # x rounded to int8 blocks and multiplied in integers (``--quantization w8a8``; Q8_0
+    # and Q4_0 only, on AVX2 CPUs: elsewhere the exact fp32 kernels run)
+    int8_activations: bool = False
     batch_invariant = True  # calibration has nothing to find (kernels/batch_invariance.py)
     max_invariant_rows = PANEL_ROWS  # ... in decode tiles of up to this many rows
 
@@ -122,7 +151,9 @@ class QuantWeight:
 
     def rows(self, index: torch.Tensor) -> QuantWeight:
         """The weight of the output rows ``index`` (a row permutation or selection)."""
-        return QuantWeight(self.blocks[index], self.qtype, (len(index), self.shape[1]))
+        return QuantWeight(
+            self.blocks[index], self.qtype, (len(index), self.shape[1]), self.int8_activations
+        )
 
     @staticmethod
     def cat(parts: list[QuantWeight]) -> QuantWeight:
@@ -130,8 +161,12 @@ class QuantWeight:
         first = parts[0]
         if any(p.qtype != first.qtype or p.shape[1] != first.shape[1] for p in parts):
             raise ValueError("only weights of one quantization type and K can be fused")
+        if any(p.int8_activations != first.int8_activations for p in parts):
+            raise ValueError("weights with and without int8 activations cannot be fused")
         blocks = torch.cat([p.blocks for p in parts])
-        return QuantWeight(blocks, first.qtype, (blocks.shape[0], first.shape[1]))
+        return QuantWeight(
+            blocks, first.qtype, (blocks.shape[0], first.shape[1]), first.int8_activations
+        )
 
     def __getitem__(self, ids: torch.Tensor) -> torch.Tensor:
         """An embedding lookup: the rows ``ids`` (any shape) decoded to fp32, exactly the dense
@@ -161,8 +196,13 @@ class QuantWeight:
         if m == 0:
             return y
         lib = _lib()
-        panel = m > PANEL_ROWS and panel_available()
-        rc = (lib.kvf_quant_matmul_panel if panel else lib.kvf_quant_matmul)(
+        if self.int8_activations and self.qtype in INT8_ACTIVATION_TYPES:
+            fn = lib.kvf_quant_matmul_int8  # every chunk length: a token's bits never depend on it
+        elif m > PANEL_ROWS and panel_available():
+            fn = lib.kvf_quant_matmul_panel
+        else:
+            fn = lib.kvf_quant_matmul
+        rc = fn(
             x.data_ptr(),
             m,
             k,
@@ -174,6 +214,8 @@ class QuantWeight:
             n,
             torch.get_num_threads(),
         )
+        if rc == -3 and fn is lib.kvf_quant_matmul_int8:  # no AVX2: the exact kernels
+            return dataclasses.replace(self, int8_activations=False)(x)
         if rc == -2:
             raise MemoryError("the quantized matmul could not allocate its scratch memory")
         if rc != 0:

@@ -433,20 +433,22 @@ def is_linear_weight(name: str) -> bool:
 def round_weights(weights: dict[str, Any], quantization: str) -> dict[str, Any]:
     """The schemes that round loaded weights (``int8``: ``quantize_int8``; ``fp8``: the layers'
     linear weights as kernels/fp8_linear.py ``Fp8Weight``); any other leaves them as they are."""
-    if quantization == "int8":
-        return quantize_int8(weights)
+    if quantization in ("int8", "w8a8"):
+        return quantize_int8(weights, int8_activations=quantization == "w8a8")
     if quantization == "fp8":
         return quantize_fp8(weights, frozenset(_LINEAR_NAMES))
     return weights
 
 
 def quantize_int8(
-    weights: dict[str, torch.Tensor | QuantWeight],
+    weights: dict[str, torch.Tensor | QuantWeight], int8_activations: bool = False
 ) -> dict[str, torch.Tensor | QuantWeight]:
     """``--quantization int8``: every linear weight (and the lm_head, tied or not) as int8 with
     one fp16 scale per 32 weights of a row, rounded to nearest (GGUF's Q8_0 layout, so the same
-    CPU kernel reads it; finer than one scale per output channel). Norms, biases and the
-    embedding lookup stay dense; a weight whose K is not a multiple of 32 stays dense too."""
+    CPU kernel reads it; finer than one scale per output channel). ``int8_activations``
+    (``--quantization w8a8``): multiplied on the CPU with activations rounded to int8 per 32 as
+    well (``QuantWeight.int8_activations``). Norms, biases and the embedding lookup stay dense;
+    a weight whose K is not a multiple of 32 stays dense too."""
     from gguf import GGMLQuantizationType
     from gguf.quants import quantize
 
@@ -455,7 +457,8 @@ def quantize_int8(
             log.warning("a weight of shape %s stays dense: K is not a multiple of 32", w.shape)
             return w
         raw = quantize(w.float().numpy(), GGMLQuantizationType.Q8_0)
-        return QuantWeight.from_gguf(raw, int(GGMLQuantizationType.Q8_0), tuple(w.shape))
+        qw = QuantWeight.from_gguf(raw, int(GGMLQuantizationType.Q8_0), tuple(w.shape))
+        return dataclasses.replace(qw, int8_activations=int8_activations)
 
     out = dict(weights)
     for name, w in weights.items():

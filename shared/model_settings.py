@@ -49,7 +49,8 @@ class ModelSettings:
             "Q6_K tensors kept quantized and read "
             "in place by CPU or Triton kernels: ~5x fewer bytes per decode step) | int8 (any "
             "checkpoint's linear weights rounded to int8 with a scale per 32 weights, same "
-            "kernels) | gptq | awq (a 4-bit GPTQ/AWQ HF checkpoint's groups read in place; found "
+            "kernels) | w8a8 (int8 as above, and on the CPU each row of activations rounded to "
+            "int8 per 32 too, multiplied in integers with VNNI/AVX2: faster, less exact) | gptq | awq (a 4-bit GPTQ/AWQ HF checkpoint's groups read in place; found "
             "from its config.json without the flag) | fp8 (CUDA, compute capability 8.9+: e4m3 "
             "weights per channel and activations per token through torch._scaled_mm)"
         },

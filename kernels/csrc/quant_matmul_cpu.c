@@ -896,3 +896,210 @@ int kvf_dequantize(const uint8_t* w, int N, int K, int type, float* out, int thr
     product_ctx c = {NULL, 0, K, K, w, N, type, out, K, nb, bb, bw, (size_t)nb * bb, NULL, NULL, 0};
     return kvf_parallel_for(N, threads, dequantize_row, &c);
 }
+
+// ---- int8 activations (W8A8: --quantization int8) ----
+//
+// y = x @ W.T with x's rows rounded to int8 per block of 32 (scale dx = max|x| / 127, values
+// round(x / dx) to nearest even) and W's Q8_0 or Q4_0 blocks taken as the int8 values they
+// hold: each block's dot product is an exact int32 (VNNI's vpdpbusd where the CPU has it, else
+// maddubs + madd: the same 8 lanes of 4-byte groups, so the same bits on every x86 CPU), and
+// the row's 8 float lanes take acc = fma(float(lanes), dx * dw, acc) block after block in
+// order (even and odd blocks in two sums, added lane-wise and then by hsum8 at the end). A row's result depends on nothing else in the call (batch
+// invariant). Not exact like kvf_quant_matmul: x loses bits (~0.4 % of max|x| per block).
+#ifdef KVF_AVX2
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#define KVF_DPBUSD(acc, u, s) _mm256_dpbusd_epi32((acc), (u), (s))
+#elif defined(__AVXVNNI__)
+#define KVF_DPBUSD(acc, u, s) _mm256_dpbusd_avx_epi32((acc), (u), (s))
+#else
+#define KVF_DPBUSD(acc, u, s) \
+    _mm256_add_epi32((acc), _mm256_madd_epi16(_mm256_maddubs_epi16((u), (s)), _mm256_set1_epi16(1)))
+#endif
+
+// The block's 32 weights as int8 (Q8_0: as stored; Q4_0: nibble - 8, byte i holding elements
+// i and i + 16).
+static inline __m256i block_int8(const uint8_t* blk, int type) {
+    if (type == KVF_Q8_0) return _mm256_loadu_si256((const __m256i*)(blk + 2));
+    const __m128i raw = _mm_loadu_si128((const __m128i*)(blk + 2));
+    const __m128i m = _mm_set1_epi8(0x0f);
+    const __m128i lo = _mm_and_si128(raw, m), hi = _mm_and_si128(_mm_srli_epi16(raw, 4), m);
+    return _mm256_sub_epi8(_mm256_set_m128i(hi, lo), _mm256_set1_epi8(8));
+}
+
+// Row m of x as int8 blocks (xq, K bytes) and their scales (xd, K / 32 x 8 floats: each scale
+// written 8 times, so the kernel loads a block's, or a pair's, as one vector).
+static void quantize_row_int8(const float* x, int K, int8_t* xq, float* xd) {
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    for (int b = 0; b < K / QK; b++) {
+        const float* xb = x + (size_t)b * QK;
+        __m256 v[4], amax = _mm256_setzero_ps();
+        for (int j = 0; j < 4; j++) {
+            v[j] = _mm256_loadu_ps(xb + 8 * j);
+            amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, v[j]));
+        }
+        float t[8];
+        _mm256_storeu_ps(t, amax);
+        float a = t[0];
+        for (int l = 1; l < 8; l++) a = t[l] > a ? t[l] : a;
+        _mm256_storeu_ps(xd + (size_t)b * 8, _mm256_set1_ps(a / 127.0f));  // 8 lanes' copies
+        const __m256 id = _mm256_set1_ps(a > 0.0f ? 127.0f / a : 0.0f);
+        __m256i q[4];
+        for (int j = 0; j < 4; j++)
+            q[j] = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(v[j], id),
+                                                      _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+        // pack 32 x int32 -> 32 x int8 in order (packs work within 128-bit lanes: permute back)
+        const __m256i p16a = _mm256_packs_epi32(q[0], q[1]), p16b = _mm256_packs_epi32(q[2], q[3]);
+        __m256i p8 = _mm256_packs_epi16(p16a, p16b);
+        p8 = _mm256_permutevar8x32_epi32(p8, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+        _mm256_storeu_si256((__m256i*)(xq + (size_t)b * QK), p8);
+    }
+}
+
+// One block's 8 lanes of int32 sums (4-byte groups of x . w).
+static inline __m256i block_dot(__m256i xv, __m256i w) {
+    return KVF_DPBUSD(_mm256_setzero_si256(), _mm256_abs_epi8(w), _mm256_sign_epi8(xv, w));
+}
+
+// Rows [m0, m0 + R) of y for output n (R 1, 2 or 4, a constant once inlined). Even blocks
+// accumulate into one 8-lane sum and odd blocks into another (AVX-512 takes a pair of blocks
+// per instruction, its halves being those two sums), added lane-wise at the end.
+static inline __attribute__((always_inline)) void int8_rows_for_output(
+    const int8_t* xq, const float* xd, int K, int m0, const int R, const uint8_t* row, int bb,
+    int type, float* y, int y_stride, int n) {
+    const int nb = K / QK;
+    int b = 0;
+#if defined(__AVX512BW__) && defined(__AVX512VNNI__)
+    __m512 acc[4];
+#pragma GCC unroll 4
+    for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
+    for (; b + 2 <= nb; b += 2) {
+        const uint8_t* b0 = row + (size_t)b * bb;
+        const __m512i w = _mm512_inserti64x4(_mm512_castsi256_si512(block_int8(b0, type)),
+                                             block_int8(b0 + bb, type), 1);
+        const __m512i aw = _mm512_abs_epi8(w);
+        const __mmask64 neg = _mm512_movepi8_mask(w);
+        const __m512 dw = _mm512_insertf32x8(_mm512_set1_ps(_cvtsh_ss(rd16(b0))),
+                                             _mm256_set1_ps(_cvtsh_ss(rd16(b0 + bb))), 1);
+#pragma GCC unroll 4
+        for (int r = 0; r < R; r++) {
+            const size_t m = (size_t)(m0 + r);
+            const __m512i xv = _mm512_loadu_si512((const void*)(xq + m * K + (size_t)b * QK));
+            const __m512i sx = _mm512_mask_sub_epi8(xv, neg, _mm512_setzero_si512(), xv);
+            const __m512i lanes = _mm512_dpbusd_epi32(_mm512_setzero_si512(), aw, sx);
+            const __m512 s = _mm512_mul_ps(_mm512_loadu_ps(xd + (m * nb + b) * 8), dw);
+            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(lanes), s, acc[r]);
+        }
+    }
+    __m256 even[4], odd[4];
+#pragma GCC unroll 4
+    for (int r = 0; r < R; r++) {
+        even[r] = _mm512_castps512_ps256(acc[r]);
+        odd[r] = _mm512_extractf32x8_ps(acc[r], 1);
+    }
+#else
+    __m256 even[4], odd[4];
+#pragma GCC unroll 4
+    for (int r = 0; r < R; r++) even[r] = odd[r] = _mm256_setzero_ps();
+    for (; b + 2 <= nb; b += 2) {
+        const uint8_t* b0 = row + (size_t)b * bb;
+        const __m256i w0 = block_int8(b0, type), w1 = block_int8(b0 + bb, type);
+        const __m256 dw0 = _mm256_set1_ps(_cvtsh_ss(rd16(b0)));
+        const __m256 dw1 = _mm256_set1_ps(_cvtsh_ss(rd16(b0 + bb)));
+#pragma GCC unroll 4
+        for (int r = 0; r < R; r++) {
+            const size_t m = (size_t)(m0 + r);
+            const int8_t* xb = xq + m * K + (size_t)b * QK;
+            const float* sb = xd + (m * nb + b) * 8;
+            const __m256i l0 = block_dot(_mm256_loadu_si256((const __m256i*)xb), w0);
+            const __m256i l1 = block_dot(_mm256_loadu_si256((const __m256i*)(xb + QK)), w1);
+            even[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(l0),
+                                      _mm256_mul_ps(_mm256_loadu_ps(sb), dw0), even[r]);
+            odd[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(l1),
+                                     _mm256_mul_ps(_mm256_loadu_ps(sb + 8), dw1), odd[r]);
+        }
+    }
+#endif
+    if (b < nb) {  // an odd number of blocks: the last one is even
+        const uint8_t* blk = row + (size_t)b * bb;
+        const __m256i w = block_int8(blk, type);
+        const __m256 dw = _mm256_set1_ps(_cvtsh_ss(rd16(blk)));
+#pragma GCC unroll 4
+        for (int r = 0; r < R; r++) {
+            const size_t m = (size_t)(m0 + r);
+            const __m256i xv = _mm256_loadu_si256((const __m256i*)(xq + m * K + (size_t)b * QK));
+            const __m256 sc = _mm256_mul_ps(_mm256_loadu_ps(xd + (m * nb + b) * 8), dw);
+            even[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(block_dot(xv, w)), sc, even[r]);
+        }
+    }
+    for (int r = 0; r < R; r++)
+        y[(size_t)(m0 + r) * y_stride + n] = hsum8(_mm256_add_ps(even[r], odd[r]));
+}
+
+static void int8_chunk(void* vc, long t) {
+    const product_ctx* c = vc;
+    const int8_t* xq = (const int8_t*)c->x;  // the quantized rows (see kvf_quant_matmul_int8)
+    const float* xd = c->xs;
+    const int n0 = (int)t * ROWS_CHUNK, n1 = n0 + ROWS_CHUNK < c->N ? n0 + ROWS_CHUNK : c->N;
+    int m0 = 0;
+    for (; m0 + 4 <= c->M; m0 += 4)
+        for (int n = n0; n < n1; n++)
+            int8_rows_for_output(xq, xd, c->K, m0, 4, c->w + n * c->row_bytes, c->bb, c->type, c->y,
+                                 c->y_stride, n);
+    if (c->M - m0 >= 2) {
+        for (int n = n0; n < n1; n++)
+            int8_rows_for_output(xq, xd, c->K, m0, 2, c->w + n * c->row_bytes, c->bb, c->type, c->y,
+                                 c->y_stride, n);
+        m0 += 2;
+    }
+    if (c->M - m0 >= 1)
+        for (int n = n0; n < n1; n++)
+            int8_rows_for_output(xq, xd, c->K, m0, 1, c->w + n * c->row_bytes, c->bb, c->type, c->y,
+                                 c->y_stride, n);
+}
+#endif
+
+// Q8_0 or Q4_0 weights [N, K] times x [M, K] with x rounded to int8 blocks (above). Returns 0,
+// -1 on bad arguments or another block type, -2 without memory, -3 without AVX2 (callers then
+// use kvf_quant_matmul).
+int kvf_quant_matmul_int8(const float* x, int M, int K, int x_stride, const uint8_t* w, int N,
+                          int type, float* y, int y_stride, int threads) {
+    const int bb = block_bytes(type);
+    if ((type != KVF_Q8_0 && type != KVF_Q4_0) || K % QK || M < 0 || N < 0 || x_stride < K ||
+        y_stride < N)
+        return -1;
+#ifdef KVF_AVX2
+    const int nb = K / QK;
+    int8_t* xq = malloc((size_t)M * K + 1);
+    float* xd = malloc((size_t)M * nb * 8 * sizeof(float) + 1);
+    if (!xq || !xd) {
+        free(xq);
+        free(xd);
+        return -2;
+    }
+    for (int m = 0; m < M; m++)
+        quantize_row_int8(x + (size_t)m * x_stride, K, xq + (size_t)m * K, xd + (size_t)m * nb * 8);
+    product_ctx c = {(const float*)xq, M, K, K, w, N, type, y, y_stride, nb, bb, QK,
+                     (size_t)nb * bb, xd, NULL, 0};
+    kvf_parallel_for((N + ROWS_CHUNK - 1) / ROWS_CHUNK, threads, int8_chunk, &c);
+    free(xq);
+    free(xd);
+    return 0;
+#else
+    (void)x; (void)w; (void)y; (void)threads; (void)bb;
+    return -3;
+#endif
+}
+
+// The same rounding of x's rows, for tests: xq [M, K] int8, xd [M, K / 32, 8] (each scale 8
+// times). -3 without AVX2.
+int kvf_quantize_rows_int8(const float* x, int M, int K, int x_stride, int8_t* xq, float* xd) {
+    if (K % QK || M < 0 || x_stride < K) return -1;
+#ifdef KVF_AVX2
+    for (int m = 0; m < M; m++)
+        quantize_row_int8(x + (size_t)m * x_stride, K, xq + (size_t)m * K, xd + (size_t)m * (K / QK) * 8);
+    return 0;
+#else
+    (void)x; (void)xq; (void)xd;
+    return -3;
+#endif
+}

@@ -36,7 +36,7 @@ if TYPE_CHECKING:
 else:
     AnyModel = DecoderModel
 
-QUANTIZATIONS = ("", "gguf", "int8", "gptq", "awq", "fp8")
+QUANTIZATIONS = ("", "gguf", "int8", "w8a8", "gptq", "awq", "fp8")
 
 
 @dataclass(frozen=True)
@@ -110,6 +110,7 @@ def check_quantization(
     ``gguf`` keeps a GGUF's Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K and Q6_K linear weights
     quantized; ``int8`` quantizes any
     checkpoint's linear weights to int8 blocks at load (shared/model_loader.quantize_int8);
+    ``w8a8`` is int8 with the activations rounded to int8 too (the CPU path only);
     ``gptq`` / ``awq`` serve such a 4-bit checkpoint's groups in place
     (shared/quantized_checkpoints.py). On the CPU path (fp32 activations) they run
     kernels/cpu_quant.py, on the device path (``backend`` "triton": CUDA, or Triton's
@@ -151,6 +152,11 @@ def check_quantization(
             )
         return quantization
     if device_path:
+        if quantization == "w8a8":
+            raise ValueError(
+                "--quantization w8a8 rounds activations for the CPU's integer dot products; "
+                "on a GPU use int8 (weights only) or fp8"
+            )
         return quantization
     if not cpu_fp32:
         raise ValueError(
