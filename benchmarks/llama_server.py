@@ -75,6 +75,15 @@ def start_llama_server(
     return proc, base, cmd
 
 
+def llama_server_version(binary: Path) -> str:
+    """What ``binary --version`` says of its build (llama.cpp prints it on stderr)."""
+    try:
+        out = subprocess.run([str(binary), "--version"], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return f"? ({e})"
+    return " ".join(line.strip() for line in (out.stdout + out.stderr).splitlines()[-2:])
+
+
 def stop(proc: subprocess.Popen) -> None:
     """SIGTERM to the server's process group, SIGKILL after 30 s."""
     try:

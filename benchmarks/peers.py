@@ -47,7 +47,13 @@ from pathlib import Path
 
 from benchmarks.client import RunSummary, run_load
 from benchmarks.hf import export_hf_dir
-from benchmarks.llama_server import HOW_TO_GET, find_llama_server, start_llama_server, stop
+from benchmarks.llama_server import (
+    HOW_TO_GET,
+    find_llama_server,
+    llama_server_version,
+    start_llama_server,
+    stop,
+)
 from benchmarks.peer_servers import (
     HOW_TO_INSTALL,
     export_openvino,
@@ -324,7 +330,7 @@ def _start_peer(
         threads = args.llama_threads or os.cpu_count() or 1
         print(f"starting {binary} -np {slots} -c {ctx} -t {threads} (log: {log}) ...", flush=True)
         proc, base, cmd = start_llama_server(binary, src.path, slots, ctx, threads, log)
-        return proc, base, {"cmd": cmd}
+        return proc, base, {"cmd": cmd, "version": llama_server_version(binary)}
     given = args.vllm_python if peer.kind == "vllm" else args.openvino_python
     python = peer_python(peer.kind, given)
     if python is None:

@@ -4,6 +4,7 @@ transformers' GGUF loader tensor for tensor, and ModelRunner's greedy output equ
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import pytest
@@ -151,25 +152,32 @@ def test_gguf_blocks_read_in_place_give_hf_greedy_output_alone_and_batched(smoll
         assert all(torch.equal(a, b) for a, b in zip(alone_logits, batched, strict=True))
 
 
-def test_int8_weights_stay_close_to_fp32_and_batch_invariant(smollm2) -> None:
+@pytest.fixture(scope="module")
+def int8_weights(smollm2):  # noqa: ANN001, ANN201
+    """SmolLM2's weights rounded as --quantization int8 rounds them (once for both schemes)."""
+    from shared.model_loader import quantize_int8
+
+    return quantize_int8(load_weights(smollm2["src"], smollm2["cfg"]))
+
+
+def test_int8_weights_stay_close_to_fp32_and_batch_invariant(smollm2, int8_weights) -> None:  # noqa: ANN001
     """--quantization int8 changes the weights (int8, a scale per 32), so tokens may part from
     fp32's late in a generation; measured here: 28, 32, 32 and 8 (all) tokens agree. Each prompt's
     first 16 must agree, and batching changes no logit bit. (Perplexity: kvflow bench quality.)"""
-    from shared.model_loader import quantize_int8
-
-    weights = quantize_int8(load_weights(smollm2["src"], smollm2["cfg"]))
-    runner = ModelRunner.from_weights(smollm2["cfg"], weights, BLOCK, num_blocks=64)
+    runner = ModelRunner.from_weights(smollm2["cfg"], int8_weights, BLOCK, num_blocks=64)
+    assert not runner.model.layers[0]["gate_up"].int8_activations
     assert_close_to_fp32_and_batch_invariant(runner, smollm2, first=16)
 
 
-def test_w8a8_stays_close_to_fp32_and_batch_invariant(smollm2) -> None:
-    """--quantization w8a8: int8 weights as int8's, and each row of activations rounded to int8
-    per 32 before the integer products; tokens part from fp32's earlier than int8's (measured
-    here: 17, 8, 32 and 8 (all) agree). Each prompt's first 8 must, and batching changes no logit
-    bit: the integer kernel runs for every chunk length. (Perplexity: kvflow bench quality.)"""
-    from shared.model_loader import quantize_int8
-
-    weights = quantize_int8(load_weights(smollm2["src"], smollm2["cfg"]), int8_activations=True)
+def test_w8a8_stays_close_to_fp32_and_batch_invariant(smollm2, int8_weights) -> None:  # noqa: ANN001
+    """--quantization w8a8: int8's weights, and each row of activations rounded to int8 per 32
+    before the integer products; tokens part from fp32's earlier than int8's (measured here: 17,
+    8, 32 and 8 (all) agree). Each prompt's first 8 must, and batching changes no logit bit: the
+    integer kernel runs for every chunk length. (Perplexity: kvflow bench quality.)"""
+    weights = {
+        name: dataclasses.replace(w, int8_activations=True) if isinstance(w, QuantWeight) else w
+        for name, w in int8_weights.items()
+    }
     runner = ModelRunner.from_weights(smollm2["cfg"], weights, BLOCK, num_blocks=64)
     assert runner.model.layers[0]["gate_up"].int8_activations
     assert_close_to_fp32_and_batch_invariant(runner, smollm2, first=8)
