@@ -257,7 +257,11 @@ def main(args: argparse.Namespace) -> int:
     meta |= {"concurrency": concurrencies, "warmup": args.warmup, "peers": {}}
     slots, max_len = max(concurrencies), input_len + output_len + 16
     for peer in peers:
-        started = _start_peer(peer, args, src, slots, max_len, out, stamp)
+        try:
+            started = _start_peer(peer, args, src, slots, max_len, out, stamp)
+        except RuntimeError as e:  # it would not start (its log says why): the others still run
+            print(f"{peer.name}: left out, {e}")
+            continue
         if started is None:
             continue
         proc, base, meta["peers"][peer.name] = started
