@@ -24,9 +24,15 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 import numpy as np
-import openvino as ov
-import openvino_genai as ov_genai
 import uvicorn
+
+try:  # OpenVINO's own venv has these, kvflow's has not
+    import openvino as ov
+    import openvino_genai as ov_genai
+except ImportError as e:
+    raise SystemExit(
+        f"{e}: run this with OpenVINO's Python (scripts/peers-install.sh openvino makes it)"
+    ) from e
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
