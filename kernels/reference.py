@@ -203,6 +203,9 @@ class AttentionPlan:
     decode_lens: torch.Tensor  # [Bd] int32 their context lengths
     prefills: list[tuple[int, int, torch.Tensor]]  # (row_start, row_end, slots of the context)
     decode_fn: DecodeFn | None = None  # a native decode kernel; None: the chunked torch path
+    # the decode rows as a slice of q when they are consecutive (the scheduler puts decodes
+    # first): read and written in place instead of gathered and scattered in every layer
+    decode_span: tuple[int, int] | None = None
     # the chunked torch decode path (unset when decode_fn is given)
     decode_blocks: torch.Tensor | None = None  # [Bd, Lp // block_size] (pads: own first block)
     decode_valid: torch.Tensor | None = None  # [Bd, Lp] bool: position < seq_len
@@ -244,12 +247,15 @@ def plan_attention(
         if n > 1
     ]
     lens = seq_lens[dec]
+    rows = [starts[i] for i in dec]
+    consecutive = bool(rows) and rows == list(range(rows[0], rows[0] + len(rows)))
     plan = AttentionPlan(
-        decode_rows=torch.tensor([starts[i] for i in dec], dtype=torch.long),
+        decode_rows=torch.tensor(rows, dtype=torch.long),
         decode_tables=block_tables[dec].to(torch.int32),
         decode_lens=lens.to(torch.int32),
         prefills=prefills,
         decode_fn=decode_fn,
+        decode_span=(rows[0], rows[0] + len(rows)) if consecutive else None,
     )
     if decode_fn is not None or not dec:
         return plan
@@ -400,14 +406,20 @@ def paged_attention(
     kf, vf = k_cache.view(-1, hkv, d), v_cache.view(-1, hkv, d)
     out = torch.empty_like(q)
     if plan.decode_rows.numel():
-        qd = q[plan.decode_rows]
+        span = plan.decode_span
+        qd = q[span[0] : span[1]] if span else q[plan.decode_rows]
         if plan.decode_fn is not None:
             od = plan.decode_fn(
                 qd, k_cache, v_cache, plan.decode_tables, plan.decode_lens, scale, window, softcap
             )
         else:
             od = _decode_attention(qd, k_cache, v_cache, plan, scale, window, softcap)
-        out[plan.decode_rows] = od
+        if span is None:
+            out[plan.decode_rows] = od
+        elif span == (0, q.shape[0]):  # a pure decode step: its result is the output
+            return od
+        else:
+            out[span[0] : span[1]] = od
     for a, b, slots in plan.prefills:
         qs = q[a:b].transpose(0, 1)[None]
         k = kf[slots].transpose(0, 1)[None]

@@ -3,6 +3,7 @@ causal attention; plus the bitwise batch invariance the worker relies on."""
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
@@ -15,6 +16,7 @@ from transformers.models.llama.modeling_llama import (
     apply_rotary_pos_emb,
 )
 
+from kernels import cpu_native
 from kernels import reference as K
 
 D = 16
@@ -89,6 +91,7 @@ CASES = {
     "chunked_prefill_on_cached_prefix": [(23, 9), (11, 4)],
     "decode_mixed_lengths": [(1, 1), (4, 1), (5, 1), (17, 1), (301, 1), (42, 1)],
     "mixed_batch": [(30, 1), (12, 12), (9, 1), (40, 15), (2, 1)],
+    "decodes_then_prefills": [(30, 1), (9, 1), (2, 1), (12, 12), (40, 15)],  # the scheduler's order
 }
 
 
@@ -129,6 +132,37 @@ def test_a_window_longer_than_every_context_changes_no_bit() -> None:
     plain, _ = run_paged(seqs, 6, 2, seed=5, kv_chunk=32)
     wide, _ = run_paged(seqs, 6, 2, seed=5, kv_chunk=32, window=301)
     assert torch.equal(wide, plain)
+
+
+@pytest.mark.parametrize(
+    "case,span", [("decode_mixed_lengths", (0, 6)), ("decodes_then_prefills", (0, 3))]
+)
+def test_consecutive_decode_rows_are_read_in_place_with_the_same_bits(case, span) -> None:  # noqa: ANN001
+    """Decode rows that are consecutive in q (all of a decode step, or the decodes the scheduler
+    puts before the prefills) are sliced, not gathered and scattered: the same bits."""
+    seqs = CASES[case]
+    g = torch.Generator().manual_seed(3)
+    width = max(-(-n // BS) for n, _ in seqs + CASES["mixed_batch"])
+    nb = len(seqs) * width
+    kc, vc = torch.randn(nb, BS, 2, D, generator=g), torch.randn(nb, BS, 2, D, generator=g)
+    tables = torch.randperm(nb, generator=g).view(len(seqs), width)
+    seq_lens = torch.tensor([n for n, _ in seqs])
+    query_lens = torch.tensor([nq for _, nq in seqs])
+    q = torch.randn(int(query_lens.sum()), 6, D, generator=g)
+    for decode_fn in (None, *([cpu_native.paged_decode_attention] if cpu_native.load() else [])):
+        plan = K.plan_attention(tables, seq_lens, query_lens, BS, decode_fn=decode_fn)
+        assert plan.decode_span == span
+        gathered = dataclasses.replace(plan, decode_span=None, scratch={}, window_valid={})
+        args = (q, kc, vc, None, None, None, D**-0.5)
+        assert torch.equal(
+            K.paged_attention(*args, plan=plan), K.paged_attention(*args, plan=gathered)
+        )
+    mixed = CASES["mixed_batch"]  # decode rows 0, 13 and 29: gathered
+    plan = K.plan_attention(
+        tables[: len(mixed)], torch.tensor([n for n, _ in mixed]),
+        torch.tensor([nq for _, nq in mixed]), BS,
+    )  # fmt: skip
+    assert plan.decode_span is None
 
 
 def test_paged_attention_without_plan() -> None:
