@@ -10,7 +10,7 @@ import subprocess
 from collections.abc import Sequence
 from pathlib import Path
 
-from shared.infra import free_port, wait_for_http
+from benchmarks.peer_servers import start_server
 from shared.machine_cache import cache_root
 
 
@@ -57,22 +57,11 @@ def start_llama_server(
 ) -> tuple[subprocess.Popen, str, list[str]]:
     """Start ``binary`` on a free local port and wait until it has loaded the model: the process
     (its own process group, for stop()), its base URL and its command line."""
-    port = free_port()
     cmd = [str(binary), "-m", str(gguf), "-np", str(slots), "-c", str(ctx), "-t", str(threads)]
-    cmd += ["--port", str(port), "--host", "127.0.0.1"]
     # a build tree's binary finds its libggml*.so next to it
     lib = f"{binary.parent}:{os.environ.get('LD_LIBRARY_PATH', '')}".rstrip(":")
-    with log.open("wb") as f:
-        proc = subprocess.Popen(
-            cmd,
-            stdout=f,
-            stderr=subprocess.STDOUT,
-            env={**os.environ, "LD_LIBRARY_PATH": lib},
-            start_new_session=True,
-        )
-    base = f"http://127.0.0.1:{port}"
-    wait_for_http(f"{base}/health", proc, f"llama-server (log: {log})")  # 503 while loading
-    return proc, base, cmd
+    # /health answers 503 while the model loads
+    return start_server(cmd, {"LD_LIBRARY_PATH": lib}, log, "llama-server", timeout=300)
 
 
 def llama_server_version(binary: Path) -> str:

@@ -38,9 +38,12 @@ def package_version(python: Path, module: str) -> str:
     return out.stdout.strip() or "?"
 
 
-def _start(
-    cmd: list[str], env: dict[str, str], log: Path, what: str
-) -> tuple[subprocess.Popen, str]:
+def start_server(
+    cmd: list[str], env: dict[str, str], log: Path, what: str, timeout: float = STARTUP_TIMEOUT_S
+) -> tuple[subprocess.Popen, str, list[str]]:
+    """Start an OpenAI-compatible server (``cmd`` plus ``--host 127.0.0.1 --port`` a free port,
+    ``env`` over this one, output to ``log``, its own process group for llama_server.stop()) and
+    wait until its /health answers: the process, its base URL and the whole command line."""
     port = free_port()
     cmd = [*cmd, "--host", "127.0.0.1", "--port", str(port)]
     with log.open("wb") as f:
@@ -52,8 +55,8 @@ def _start(
             start_new_session=True,
         )
     base = f"http://127.0.0.1:{port}"
-    wait_for_http(f"{base}/health", proc, f"{what} (log: {log})", timeout=STARTUP_TIMEOUT_S)
-    return proc, base
+    wait_for_http(f"{base}/health", proc, f"{what} (log: {log})", timeout=timeout)
+    return proc, base, cmd
 
 
 def vllm_command(
@@ -93,7 +96,7 @@ def start_vllm(
     cmd = vllm_command(python, model_dir, name, dtype, max_seqs, max_len)
     env = {"VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gib), "VLLM_NO_USAGE_STATS": "1"}
     env |= {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
-    proc, base = _start(cmd, env, log, "vLLM")
+    proc, base, cmd = start_server(cmd, env, log, "vLLM")
     meta = {"cmd": cmd, "env": env, "version": package_version(python, "vllm")}
     return proc, base, meta
 
@@ -129,6 +132,6 @@ def start_openvino(
     cmd = [str(python), str(SHIM), "--model", str(ir_dir), "--precision", precision]
     cmd += ["--max-num-seqs", str(max_seqs), "--max-num-batched-tokens", str(max_batched_tokens)]
     cmd += ["--cache-size", str(kv_cache_gib)]
-    proc, base = _start(cmd, {}, log, "OpenVINO GenAI")
+    proc, base, cmd = start_server(cmd, {}, log, "OpenVINO GenAI")
     meta = {"cmd": cmd, "version": package_version(python, "openvino_genai")}
     return proc, base, meta

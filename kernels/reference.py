@@ -374,6 +374,26 @@ def _prefill_attention(
     return torch.bmm(p, v[0]).view(1, h, nq, v.shape[3])
 
 
+def _decode_rows(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    plan: AttentionPlan,
+    scale: float,
+    window: int,
+    softcap: float,
+) -> torch.Tensor:
+    """Attention of the plan's single-token rows of ``q`` (a slice when they are consecutive,
+    else gathered) through its native ``decode_fn`` or the chunked torch path."""
+    span = plan.decode_span
+    qd = q[span[0] : span[1]] if span else q[plan.decode_rows]
+    if plan.decode_fn is not None:
+        return plan.decode_fn(
+            qd, k_cache, v_cache, plan.decode_tables, plan.decode_lens, scale, window, softcap
+        )
+    return _decode_attention(qd, k_cache, v_cache, plan, scale, window, softcap)
+
+
 def paged_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -404,20 +424,14 @@ def paged_attention(
         assert block_tables is not None and seq_lens is not None and query_lens is not None
         plan = plan_attention(block_tables, seq_lens, query_lens, k_cache.shape[1])
     kf, vf = k_cache.view(-1, hkv, d), v_cache.view(-1, hkv, d)
+    span = plan.decode_span
+    if span == (0, q.shape[0]):  # a pure decode step: the kernel's result is the output
+        return _decode_rows(q, k_cache, v_cache, plan, scale, window, softcap)
     out = torch.empty_like(q)
     if plan.decode_rows.numel():
-        span = plan.decode_span
-        qd = q[span[0] : span[1]] if span else q[plan.decode_rows]
-        if plan.decode_fn is not None:
-            od = plan.decode_fn(
-                qd, k_cache, v_cache, plan.decode_tables, plan.decode_lens, scale, window, softcap
-            )
-        else:
-            od = _decode_attention(qd, k_cache, v_cache, plan, scale, window, softcap)
+        od = _decode_rows(q, k_cache, v_cache, plan, scale, window, softcap)
         if span is None:
             out[plan.decode_rows] = od
-        elif span == (0, q.shape[0]):  # a pure decode step: its result is the output
-            return od
         else:
             out[span[0] : span[1]] = od
     for a, b, slots in plan.prefills:
