@@ -2,7 +2,8 @@
 CPU build (its own OpenAI server) and OpenVINO GenAI's continuous batching (through
 benchmarks/openvino_shim.py). Neither is a dependency of kvflow: each lives in its own virtual
 environment, made by ``scripts/peers-install.sh`` under ``$KVFLOW_CACHE_DIR/peers/NAME``
-(llama.cpp's llama-server is found by benchmarks/llama_server.py)."""
+(llama.cpp's llama-server is found by benchmarks/llama_server.py). ``start_server`` starts any
+of them, llama-server included."""
 
 from __future__ import annotations
 
