@@ -1,5 +1,7 @@
 """Linear-layer weights pre-packed for the CPU GEMM path of the worker: in kvflow's own panels
-(``PanelWeight``, where the CPU has AVX2 and FMA) or for oneDNN (``PackedWeight``, elsewhere).
+(``PanelWeight``, where the CPU has AVX2 and FMA) or for oneDNN (``PackedWeight``, elsewhere);
+for ``--dtype bfloat16``, in kvflow's bf16 panels (``Bf16PanelWeight``, where the CPU has
+AVX512_BF16) or for oneDNN's bf16 GEMM (``Bf16Weight``, elsewhere).
 
 ``PanelWeight`` keeps the weight as k-major panels of 24 outputs, multiplied by the 4 x 24
 register-blocked FMA kernel of csrc/quant_matmul_cpu.c (the one that also serves quantized
@@ -20,12 +22,20 @@ GEMM actually used (kernels/batch_invariance.py).
 
 from __future__ import annotations
 
+import ctypes
+from functools import cache
+from pathlib import Path
+
 import torch
 import torch.nn.functional as F
 
-from kernels import cpu_quant
+from kernels import cpu_native, cpu_quant
 
 PANEL = 24  # outputs per panel (the kernel's register block)
+BF16_PANEL = 32  # outputs per bf16 panel (csrc/bf16_matmul_cpu.c)
+_BF16_SRC = Path(__file__).parent / "csrc" / "bf16_matmul_cpu.c"
+# the sums keep their written order: no -ffast-math, no contraction the source does not write
+_BF16_FLAGS = ["-O3", "-march=native", "-fPIC", "-ffp-contract=off", f"-I{cpu_native.CSRC}", "-c"]
 
 
 def onednn_available() -> bool:
@@ -62,13 +72,98 @@ class PackedWeight:
         return f"PackedWeight{self.shape}"
 
 
+def head_packing(dtype: torch.dtype) -> type:
+    """How the CPU path holds the lm_head for a model served in ``dtype``: in bf16 panels where
+    the linear layers use them (their outputs are fp32 sums, so near ties between the top
+    logits stay apart, as vLLM also computes the head in the model's dtype), else for fp32: a
+    bf16 GEMM through oneDNN rounds its outputs to 8 significant bits, which turns a near tie
+    between the top logits into an exact one."""
+    kind = linear_packing(dtype)[0]
+    return kind if kind is Bf16PanelWeight else linear_packing(torch.float32)[0]
+
+
 def panel_available() -> bool:
     """Whether the panel kernel runs here (AVX2, FMA and F16C, and a C compiler)."""
     return cpu_quant.panel_available()
 
 
+@cache
+def _bf16_kernel() -> ctypes.CDLL | None:
+    """csrc/bf16_matmul_cpu.c built for this CPU, or None where it cannot be built or the CPU
+    has no AVX512_BF16 (the build then has no kernel)."""
+    lib = cpu_native.load_kernels(_BF16_SRC, _BF16_FLAGS)
+    if lib is None:
+        return None
+    p, i = ctypes.c_void_p, ctypes.c_int
+    lib.kvf_bf16_available.restype = i
+    lib.kvf_bf16_panel_matmul.restype = i
+    lib.kvf_bf16_panel_matmul.argtypes = [p, i, i, i, p, i, p, i, i]
+    return lib if lib.kvf_bf16_available() else None
+
+
+def bf16_panel_available() -> bool:
+    """Whether kvflow's bf16 panel kernel runs here (AVX512_BF16 and a C compiler)."""
+    return _bf16_kernel() is not None
+
+
+class Bf16PanelWeight:
+    """A linear weight ``[N, K]`` in bfloat16 panels ``[ceil(N / 32), ceil(K / 2), 32, 2]`` (zero
+    past N and K) for ``--dtype bfloat16`` on the CPU: ``w(x)`` rounds fp32 ``x`` ``[M, K]`` to
+    bf16 and returns ``x @ weight.T`` with fp32 sums as fp32 ``[M, N]`` (not rounded to bf16).
+    AVX512_BF16's ``vdpbf16ps`` takes a pair of k for 16 outputs per instruction, so every output
+    is one chain over k pairs in order: batch invariant for any M, nothing to calibrate."""
+
+    batch_invariant = True  # kernels/batch_invariance.py: nothing to calibrate
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        if weight.dim() != 2 or not weight.is_floating_point():
+            raise ValueError("Bf16PanelWeight takes a 2-D floating-point weight")
+        n, k = weight.shape
+        tiles, pairs = -(-n // BF16_PANEL), -(-k // 2)
+        padded = torch.zeros(tiles * BF16_PANEL, pairs * 2, dtype=torch.bfloat16)
+        padded[:n, :k] = weight
+        self.panels = padded.view(tiles, BF16_PANEL, pairs, 2).transpose(1, 2).contiguous()
+        self.shape = (n, k)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held (the panels, zero-padded to 32 outputs and an even K)."""
+        return self.panels.numel() * 2
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        n, k = self.shape
+        if x.dtype != torch.float32 or x.dim() != 2 or x.shape[1] != k:
+            raise ValueError(f"x must be fp32 [M, {k}], got {x.dtype} {tuple(x.shape)}")
+        x = x if x.stride(1) == 1 else x.contiguous()
+        m = x.shape[0]
+        y = torch.empty(m, n, dtype=torch.float32)
+        if m == 0:
+            return y
+        lib = _bf16_kernel()
+        if lib is None:
+            raise RuntimeError("the bf16 panel kernel is not available on this CPU")
+        rc = lib.kvf_bf16_panel_matmul(
+            x.data_ptr(),
+            m,
+            k,
+            x.stride(0),
+            self.panels.data_ptr(),
+            n,
+            y.data_ptr(),
+            n,
+            torch.get_num_threads(),
+        )
+        if rc != 0:
+            raise ValueError(f"kvf_bf16_panel_matmul refused its arguments ({rc})")
+        return y
+
+    def __repr__(self) -> str:
+        return f"Bf16PanelWeight{self.shape}"
+
+
 class Bf16Weight:
-    """A linear weight ``[N, K]`` held in bfloat16 for ``--dtype bfloat16`` on the CPU: ``w(x)``
+    """A linear weight ``[N, K]`` held in bfloat16 for ``--dtype bfloat16`` on a CPU without
+    AVX512_BF16 (``Bf16PanelWeight`` elsewhere): ``w(x)``
     rounds ``x`` to bf16 and runs oneDNN's bf16 GEMM (AVX512_BF16 or AMX dot products where the
     CPU has them, fp32 sums), returning fp32 ``[M, N]``. Half the bytes of fp32 and, on this
     project's AMD EPYC (avx512_bf16), 2-3x the fp32 panels' rate from 16 rows on. Not batch
@@ -106,9 +201,12 @@ def bf16_instructions() -> bool:
 
 def linear_packing(dtype: torch.dtype) -> tuple[type, str]:
     """How the CPU path holds dense linear weights for a model served in ``dtype``, and its
-    name for the log: bf16 -> ``Bf16Weight``; fp32 -> kvflow's panels where the panel kernel
-    runs (batch invariant by construction), else oneDNN's fp32 layout."""
+    name for the log: bf16 -> kvflow's bf16 panels where the CPU has AVX512_BF16, else
+    ``Bf16Weight`` (oneDNN); fp32 -> kvflow's panels where the panel kernel runs (batch
+    invariant by construction), else oneDNN's fp32 layout."""
     if dtype == torch.bfloat16:
+        if bf16_panel_available():
+            return Bf16PanelWeight, "bf16 panels"
         return Bf16Weight, "oneDNN bf16"
     if dtype != torch.float32:
         raise ValueError(f"the CPU path computes in float32 or bfloat16, not {dtype}")

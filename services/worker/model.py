@@ -26,7 +26,7 @@ import torch.nn.functional as F
 
 from kernels import cpu_layer_ops
 from kernels import reference as K
-from kernels.cpu_gemm import linear_packing
+from kernels.cpu_gemm import head_packing, linear_packing
 from kernels.moe import MoEWeights, moe_block
 from kernels.ops import KernelBackend
 from kernels.stacked_weight import StackedWeight
@@ -248,9 +248,9 @@ class DecoderModel(PagedModel):
     def pack_weights(self, dtype: torch.dtype = torch.float32) -> str:
         """Hold every dense linear weight pre-packed for the CPU as ``dtype`` GEMMs run
         (kernels/cpu_gemm.py ``linear_packing``: fp32 in kvflow's panels, batch invariant by
-        construction, or oneDNN's layout; bf16 for oneDNN's bf16 GEMM). The lm_head is packed
-        for fp32 in any case: a bf16 GEMM's output has 8 significant bits, which turns a near tie
-        between the top logits into an exact one. The embedding stays dense for lookups, so a
+        construction, or oneDNN's layout; bf16 in kvflow's bf16 panels or for oneDNN's bf16
+        GEMM). The lm_head follows ``cpu_gemm.head_packing``: bf16 panels (fp32 sums) or fp32,
+        never a GEMM that rounds the logits to bf16. The embedding stays dense for lookups, so a
         tied lm_head gets a packed copy of its own. Returns the packing's name."""
         pack, packing = linear_packing(dtype)
         for layer in self.layers:
@@ -266,8 +266,8 @@ class DecoderModel(PagedModel):
                     w = getattr(m, name)
                     if isinstance(w, torch.Tensor):
                         setattr(m, name, pack(w))
-        if isinstance(self.lm_head, torch.Tensor):  # the logits in fp32 whatever the GEMMs
-            self.lm_head = linear_packing(torch.float32)[0](self.lm_head)
+        if isinstance(self.lm_head, torch.Tensor):
+            self.lm_head = head_packing(dtype)(self.lm_head)
         return packing
 
     def stack_experts(self) -> int:

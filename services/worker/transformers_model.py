@@ -47,7 +47,7 @@ import transformers
 from transformers.pytorch_utils import Conv1D
 
 from kernels import reference as K
-from kernels.cpu_gemm import linear_packing
+from kernels.cpu_gemm import head_packing, linear_packing
 from kernels.ops import KernelBackend
 from services.worker.model import ForwardBatch, PagedModel
 from services.worker.step_inputs import DeviceBatch
@@ -343,7 +343,7 @@ class TransformersModel(PagedModel):
         """Every linear weight pre-packed for the CPU, as ``DecoderModel.pack_weights``;
         returns the packing's name."""
         kind, name = linear_packing(dtype)
-        head_kind = linear_packing(torch.float32)[0]  # fp32 logits (DecoderModel.pack_weights)
+        head_kind = head_packing(dtype)  # never logits rounded to bf16 (DecoderModel's)
         for lin in self.linears:
             lin.pack(head_kind if lin.head else kind)
         return name

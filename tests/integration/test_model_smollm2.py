@@ -197,17 +197,19 @@ def assert_close_to_fp32_and_batch_invariant(runner: ModelRunner, smollm2, first
 
 
 def test_bf16_gemms_stay_close_to_fp32_and_batch_invariant(smollm2) -> None:
-    """--dtype bfloat16 on the CPU: the dense linear layers run oneDNN's bf16 GEMM (x and W
-    rounded to bf16, fp32 sums, outputs rounded to bf16), the lm_head and everything else stays
-    fp32. Tokens may part from fp32's in a generation; measured here: 32, 31, 32 and 8 (all)
-    agree with transformers' fp32 output. Each prompt's first 8 must, and batching changes no
-    logit bit (the row layout is calibrated). (Perplexity: kvflow bench quality --schemes
-    ,bf16.)"""
-    from kernels.cpu_gemm import Bf16Weight
+    """--dtype bfloat16 on the CPU: the dense linear layers and the lm_head run kvflow's bf16
+    panels where the CPU has AVX512_BF16 (x and W rounded to bf16, fp32 sums, fp32 outputs);
+    elsewhere the layers run oneDNN's bf16 GEMM (outputs rounded to bf16) and the head fp32.
+    Everything else stays fp32. Tokens may part from fp32's in a generation; measured here,
+    with the panels (head included) as with oneDNN: 32, 31, 32 and 8 (all) agree with
+    transformers' fp32 output. Each prompt's first 8 must, and batching changes no logit bit. (Perplexity:
+    kvflow bench quality --schemes ,bf16.)"""
+    from kernels.cpu_gemm import head_packing, linear_packing
 
     weights = load_weights(smollm2["src"], smollm2["cfg"])
     runner = ModelRunner.from_weights(
         smollm2["cfg"], weights, BLOCK, num_blocks=64, dtype=torch.bfloat16
     )
-    assert isinstance(runner.model.layers[0]["gate_up"], Bf16Weight)
+    assert isinstance(runner.model.layers[0]["gate_up"], linear_packing(torch.bfloat16)[0])
+    assert isinstance(runner.model.lm_head, head_packing(torch.bfloat16))
     assert_close_to_fp32_and_batch_invariant(runner, smollm2, first=8)
