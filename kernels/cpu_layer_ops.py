@@ -40,7 +40,7 @@ def load() -> ctypes.CDLL | None:
         return None
     p, i, f, lg = ctypes.c_void_p, ctypes.c_int, ctypes.c_float, ctypes.c_long
     lib.kvf_add_rms_norm.argtypes = [p, i, p, i, p, p, i, i, f, i]
-    lib.kvf_rope_write_kv.argtypes = [p, i, i, i, i, i, p, p, i, p, p, p, p, lg, i]
+    lib.kvf_rope_write_kv.argtypes = [p, i, i, i, i, i, p, p, i, p, p, p, p, lg, i, i]
     lib.kvf_silu_mul.argtypes = [p, i, i, i, p, i]
     lib.kvf_gelu_tanh_mul.argtypes = [p, i, i, i, p, i]
     for fn in (
@@ -116,16 +116,24 @@ def rope_write_kv(
 ) -> torch.Tensor:
     """From a fused QKV projection ``qkv`` [T, (H + 2 Hkv) D]: returns the rotated queries
     [T, H, D] and stores the rotated keys and the values into the caches [num_blocks,
-    block_size, Hkv, D] at ``slot_mapping`` [T] (int64 flat slots, -1: not stored), as
-    ``reference.rotary_embedding`` then ``reference.write_kv_cache`` do."""
+    block_size, Hkv, D] (fp32, or bf16: rounded to nearest even) at ``slot_mapping`` [T] (int64
+    flat slots, -1: not stored), as ``reference.rotary_embedding`` then
+    ``reference.write_kv_cache`` do."""
     _check_rows(qkv, "qkv")
     t = qkv.shape[0]
     d = cos_sin.shape[1]
     if qkv.shape[1] != (num_heads + 2 * num_kv_heads) * d:
         raise ValueError(f"qkv {tuple(qkv.shape)} does not hold {num_heads}+2x{num_kv_heads} heads")
     for c in (k_cache, v_cache):
-        if c.dtype != torch.float32 or not c.is_contiguous() or c.shape[2:] != (num_kv_heads, d):
-            raise ValueError("the KV caches must be contiguous fp32 [blocks, block_size, Hkv, D]")
+        if (
+            c.dtype not in (torch.float32, torch.bfloat16)
+            or c.dtype != k_cache.dtype
+            or not c.is_contiguous()
+            or c.shape[2:] != (num_kv_heads, d)
+        ):
+            raise ValueError(
+                "the KV caches must be contiguous fp32 or bf16 [blocks, block_size, Hkv, D]"
+            )
     if positions.dtype != torch.int64 or slot_mapping.dtype != torch.int64:
         raise ValueError("positions and slot_mapping must be int64")
     if positions.shape != (t,) or slot_mapping.shape != (t,) or not cos_sin.is_contiguous():
@@ -147,6 +155,7 @@ def rope_write_kv(
         v_cache.data_ptr(),
         slots.data_ptr(),
         k_cache.shape[0] * k_cache.shape[1],
+        int(k_cache.dtype == torch.bfloat16),
         torch.get_num_threads(),
     )
     if rc == -2:

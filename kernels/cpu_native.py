@@ -161,7 +161,7 @@ def load() -> ctypes.CDLL | None:
     fn = lib.kvf_paged_decode_attention
     fn.restype = ctypes.c_int
     p, i, f = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
-    fn.argtypes = [p, p, p, p, p, p, i, i, i, i, i, i, i, f, i, f, i]
+    fn.argtypes = [p, p, p, p, p, p, i, i, i, i, i, i, i, f, i, f, i, i]
     return lib
 
 
@@ -183,7 +183,8 @@ def paged_decode_attention(
 ) -> torch.Tensor:
     """Attention of one new token per sequence over its paged context.
 
-    ``q`` [B, H, D] fp32; ``k_cache``/``v_cache`` [num_blocks, block_size, Hkv, D] fp32;
+    ``q`` [B, H, D] fp32; ``k_cache``/``v_cache`` [num_blocks, block_size, Hkv, D] fp32 or
+    bf16 (widened to fp32 as they are read);
     ``block_tables`` [B, max_blocks] int32 (entries past a sequence's last block are not read);
     ``seq_lens`` [B] int32, each >= 1, counting the new token whose K/V is already written.
     Returns [B, H, D]. Any H / Hkv ratio; a sequence's result never depends on the batch.
@@ -197,8 +198,12 @@ def paged_decode_attention(
         raise RuntimeError("native CPU kernels are not available (see the log for why)")
     b, h, d = q.shape
     nb, bs, hkv, dk = k_cache.shape
-    if q.dtype != torch.float32 or k_cache.dtype != torch.float32 or v_cache.dtype != k_cache.dtype:
-        raise TypeError("the native CPU kernel takes fp32 tensors")
+    if (
+        q.dtype != torch.float32
+        or k_cache.dtype not in (torch.float32, torch.bfloat16)
+        or v_cache.dtype != k_cache.dtype
+    ):
+        raise TypeError("the native CPU kernel takes an fp32 q and an fp32 or bf16 KV cache")
     if dk != d or h % hkv or v_cache.shape != k_cache.shape:
         raise ValueError(f"shapes do not fit: q {tuple(q.shape)}, cache {tuple(k_cache.shape)}")
     if block_tables.dtype != torch.int32 or seq_lens.dtype != torch.int32:
@@ -236,6 +241,7 @@ def paged_decode_attention(
         float(scale),
         int(window),
         float(softcap),
+        int(k_cache.dtype == torch.bfloat16),
         torch.get_num_threads(),
     )
     if rc == -2:

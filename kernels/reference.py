@@ -318,6 +318,7 @@ def _decode_attention(
     v = torch.index_select(v_cache, 0, blocks, out=plan.buffer("v", shape, v_cache.dtype))
     k, v = k.view(bd * nch, c, hkv, d), v.view(bd * nch, c, hkv, d)  # whole-block gathers
     v.view(-1, hkv * d).index_fill_(0, plan.decode_pad_rows, 0.0)  # stale slots: 0 * v must be 0
+    k, v = k.to(q.dtype), v.to(q.dtype)  # a bf16 cache under fp32 compute (CPU bf16): widened
     qs = (q * scale).view(bd, 1, hkv, g, d).expand(bd, nch, hkv, g, d).reshape(bd * nch, hkv, g, d)
     # per KV head, K/V are strided views [bd*nch, c, D]: no copy into a head-major layout
     s = torch.stack([torch.bmm(qs[:, j], k[:, :, j].transpose(1, 2)) for j in range(hkv)], 1)
@@ -436,8 +437,8 @@ def paged_attention(
             out[span[0] : span[1]] = od
     for a, b, slots in plan.prefills:
         qs = q[a:b].transpose(0, 1)[None]
-        k = kf[slots].transpose(0, 1)[None]
-        v = vf[slots].transpose(0, 1)[None]
+        k = kf[slots].to(q.dtype).transpose(0, 1)[None]  # (a bf16 cache widened for fp32 q)
+        v = vf[slots].to(q.dtype).transpose(0, 1)[None]
         o = _prefill_attention(qs, k, v, scale, window, softcap)
         out[a:b] = o[0].transpose(0, 1)
     return out

@@ -112,20 +112,34 @@ static inline void rotate(const float* src, float* dst, size_t dst_hs, int nh, i
 
 // qkv [T, (H + 2 Hkv) D] rows row_stride apart (q heads, then k heads, then v heads);
 // positions [T] int64 < max_pos; cos_sin [max_pos, D] (cos of the D/2 frequencies, then sin);
-// q_out [T, H, D]; caches [num_slots, Hkv, D] (flat slots of the paged cache); slots [T] int64,
-// -1: the token's K/V are not stored. Returns 0, -1 on bad arguments, -2 when a position or a
-// slot is out of range (that token is skipped).
+// q_out [T, H, D]; caches [num_slots, Hkv, D] (flat slots of the paged cache), fp32 or, with
+// kv_bf16, bf16 (each value rounded to nearest even, as torch's .to(torch.bfloat16) rounds);
+// slots [T] int64, -1: the token's K/V are not stored. Returns 0, -1 on bad arguments, -2 when
+// a position or a slot is out of range (that token is skipped).
 typedef struct {
     const float *qkv;
     int row_stride, H, Hkv, D;
     const int64_t *positions;
     const float *cos_sin;
     int max_pos;
-    float *q_out, *k_cache, *v_cache;
+    float *q_out;
+    void *k_cache, *v_cache;
     const int64_t *slots;
     long num_slots;
-    int bad;
+    int kv_bf16, bad;
 } rope_ctx;
+
+// fp32 -> bf16, round to nearest even (NaN stays NaN), bit for bit torch's conversion.
+static inline uint16_t to_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);
+    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
+static void store_bf16(uint16_t* dst, const float* src, size_t n) {
+    for (size_t i = 0; i < n; i++) dst[i] = to_bf16(src[i]);
+}
 
 static void rope_row(void *vc, long t) {
     rope_ctx *c = vc;
@@ -140,20 +154,26 @@ static void rope_row(void *vc, long t) {
     const float* cos = c->cos_sin + (size_t)p * D;
     const float* sin = cos + D / 2;
     rotate(row, c->q_out + (size_t)t * H * D, D, H, D, cos, sin);
-    if (s >= 0) {
-        rotate(row + (size_t)H * D, c->k_cache + (size_t)s * kv_row, D, Hkv, D, cos, sin);
-        memcpy(c->v_cache + (size_t)s * kv_row, row + (size_t)(H + Hkv) * D, kv_row * sizeof(float));
+    if (s >= 0 && !c->kv_bf16) {
+        rotate(row + (size_t)H * D, (float*)c->k_cache + (size_t)s * kv_row, D, Hkv, D, cos, sin);
+        memcpy((float*)c->v_cache + (size_t)s * kv_row, row + (size_t)(H + Hkv) * D,
+               kv_row * sizeof(float));
+    } else if (s >= 0) {  // rotated in fp32, then rounded
+        float k[kv_row];
+        rotate(row + (size_t)H * D, k, D, Hkv, D, cos, sin);
+        store_bf16((uint16_t*)c->k_cache + (size_t)s * kv_row, k, kv_row);
+        store_bf16((uint16_t*)c->v_cache + (size_t)s * kv_row, row + (size_t)(H + Hkv) * D, kv_row);
     }
 }
 
 int kvf_rope_write_kv(const float* qkv, int T, int row_stride, int H, int Hkv, int D,
                       const int64_t* positions, const float* cos_sin, int max_pos, float* q_out,
-                      float* k_cache, float* v_cache, const int64_t* slots, long num_slots,
-                      int threads) {
+                      void* k_cache, void* v_cache, const int64_t* slots, long num_slots,
+                      int kv_bf16, int threads) {
     if (T < 0 || H <= 0 || Hkv <= 0 || D <= 0 || D % 2 || row_stride < (H + 2 * Hkv) * D)
         return -1;
     rope_ctx c = {qkv, row_stride, H, Hkv, D, positions, cos_sin, max_pos,
-                  q_out, k_cache, v_cache, slots, num_slots, 0};
+                  q_out, k_cache, v_cache, slots, num_slots, kv_bf16 != 0, 0};
     kvf_parallel_for(T, row_threads(T, row_stride, threads), rope_row, &c);
     return c.bad ? -2 : 0;
 }

@@ -8,7 +8,9 @@
  *
  * Layouts (all contiguous, row-major):
  *   q        [B, H, D]
- *   k_cache  [num_blocks, block_size, Hkv, D]   (v_cache the same)
+ *   k_cache  [num_blocks, block_size, Hkv, D]   (v_cache the same): fp32, or bf16 with kv_bf16
+ *            (--dtype bfloat16 on the CPU: half the bytes read; each value widened to fp32
+ *            exactly as it is loaded, all arithmetic in fp32)
  *   tables   [B, max_blocks] int32 block ids; only the first ceil(len / block_size) are read
  *   lens     [B] int32 context length of each sequence, including the new token (>= 1)
  *   out      [B, H, D]
@@ -29,32 +31,53 @@
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
 
 #include "kvf_pool.h"
 
-static inline float dot(const float *restrict a, const float *restrict b, int d) {
+/* Cache element i of a row at p: fp32, or bf16 (bf) widened to fp32 (exact: the bf16 bits are
+ * the fp32's top half). bf is a constant wherever this is inlined (attend_f32 / attend_bf16). */
+static inline __attribute__((always_inline)) float ld(const void *restrict p, int64_t i,
+                                                      const int bf) {
+    if (!bf) return ((const float *)p)[i];
+    const uint32_t u = (uint32_t)((const uint16_t *)p)[i] << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+/* Element i of the cache (fp32 or bf16) as an address. */
+static inline const void *at(const void *p, int64_t i, const int bf) {
+    return (const char *)p + i * (bf ? 2 : 4);
+}
+
+static inline __attribute__((always_inline)) float dot(const float *restrict a,
+                                                       const void *restrict b, int d,
+                                                       const int bf) {
     float s = 0.0f;
 #pragma omp simd reduction(+ : s)
-    for (int i = 0; i < d; i++) s += a[i] * b[i];
+    for (int i = 0; i < d; i++) s += a[i] * ld(b, i, bf);
     return s;
 }
 
-/* Asks for the cache lines of n floats at p (a slot row's heads) ahead of their use. */
-static inline void prefetch_row(const float *p, int n) {
-    for (int i = 0; i < n; i += 16) __builtin_prefetch(p + i, 0, 3);
+/* Asks for the cache lines of n elements at p (a slot row's heads) ahead of their use. */
+static inline void prefetch_row(const void *p, int n, const int bf) {
+    const int step = bf ? 32 : 16; /* elements per 64-byte line */
+    for (int i = 0; i < n; i += step) __builtin_prefetch(at(p, i, bf), 0, 3);
 }
 
 /* a[d] += p[i] * v[i * stride + d] for i in 0..n-1 in order, with a held in registers across
  * the rows (the common head sizes; the same chains, so the same bits, as the generic loop). */
 #define KVF_WEIGHTED_ROWS(DIM)                                                                   \
-    static inline void weighted_rows_##DIM(float *restrict a, const float *restrict p,           \
-                                           const float *restrict v, int64_t stride, int n) {     \
+    static inline __attribute__((always_inline)) void weighted_rows_##DIM(                       \
+        float *restrict a, const float *restrict p, const void *restrict v, int64_t stride,      \
+        int n, const int bf) {                                                                   \
         float r[DIM];                                                                            \
         for (int d = 0; d < DIM; d++) r[d] = a[d];                                               \
         for (int i = 0; i < n; i++) {                                                            \
             const float pi = p[i];                                                               \
-            const float *vr = v + (int64_t)i * stride;                                           \
-            _Pragma("omp simd") for (int d = 0; d < DIM; d++) r[d] += pi * vr[d];                \
+            const void *vr = at(v, (int64_t)i * stride, bf);                                     \
+            _Pragma("omp simd") for (int d = 0; d < DIM; d++) r[d] += pi * ld(vr, d, bf);        \
         }                                                                                        \
         for (int d = 0; d < DIM; d++) a[d] = r[d];                                               \
     }
@@ -64,12 +87,13 @@ KVF_WEIGHTED_ROWS(128)
 /* Attention of sequence b's query heads of KV heads [h0, h1) over its keys [t0, t0 + L).
  * Scratch ``s`` holds (h1 - h0) * G * L scores, then G * D accumulators and G sums per KV
  * head. */
-static void attend(const float *restrict q, const float *restrict k_cache,
-                   const float *restrict v_cache, const int32_t *restrict table, float *restrict out,
-                   float *restrict s, int b, int h0, int h1, int t0, int L, int H, int Hkv, int D,
-                   int block_size, float scale, float softcap) {
+static inline __attribute__((always_inline)) void attend(
+    const float *restrict q, const void *restrict k_cache, const void *restrict v_cache,
+    const int32_t *restrict table, float *restrict out, float *restrict s, int b, int h0, int h1,
+    int t0, int L, int H, int Hkv, int D, int block_size, float scale, float softcap,
+    const int bf) {
     const int G = H / Hkv, nh = h1 - h0, NQ = nh * G; /* query heads handled here */
-    const int64_t row = (int64_t)Hkv * D;             /* floats per cache slot */
+    const int64_t row = (int64_t)Hkv * D;             /* elements per cache slot */
     const float *qb = q + ((int64_t)b * H + (int64_t)h0 * G) * D;
     float *acc = s + (size_t)NQ * L;
     float *inv_sum = acc + (size_t)NQ * D;
@@ -78,15 +102,17 @@ static void attend(const float *restrict q, const float *restrict k_cache,
     for (int t = 0, pos = t0; t < L;) {
         const int32_t *blk = table + pos / block_size;
         int off = pos % block_size;
-        const float *k = k_cache + ((int64_t)*blk * block_size + off) * row + (int64_t)h0 * D;
+        const void *k = at(k_cache, ((int64_t)*blk * block_size + off) * row + (int64_t)h0 * D, bf);
         /* the next block's rows are fetched while this one's are used (blocks lie anywhere) */
-        const float *next = t + block_size - off < L
-                                ? k_cache + (int64_t)blk[1] * block_size * row + (int64_t)h0 * D
-                                : NULL;
-        for (; off < block_size && t < L; off++, t++, pos++, k += row) {
-            if (next) prefetch_row(next + (int64_t)off * row, NQ / G * D);
+        const void *next =
+            t + block_size - off < L
+                ? at(k_cache, (int64_t)blk[1] * block_size * row + (int64_t)h0 * D, bf)
+                : NULL;
+        for (; off < block_size && t < L; off++, t++, pos++, k = at(k, row, bf)) {
+            if (next) prefetch_row(at(next, (int64_t)off * row, bf), NQ / G * D, bf);
             for (int j = 0; j < NQ; j++)
-                s[(size_t)j * L + t] = dot(qb + (int64_t)j * D, k + (j / G) * D, D) * scale;
+                s[(size_t)j * L + t] =
+                    dot(qb + (int64_t)j * D, at(k, (int64_t)(j / G) * D, bf), D, bf) * scale;
         }
     }
     /* softmax per query head (unnormalised; divided by the sum at the end) */
@@ -112,24 +138,25 @@ static void attend(const float *restrict q, const float *restrict k_cache,
     for (int t = 0, pos = t0; t < L;) {
         const int32_t *blk = table + pos / block_size;
         int off = pos % block_size;
-        const float *v = v_cache + ((int64_t)*blk * block_size + off) * row + (int64_t)h0 * D;
+        const void *v = at(v_cache, ((int64_t)*blk * block_size + off) * row + (int64_t)h0 * D, bf);
         const int n = block_size - off < L - t ? block_size - off : L - t; /* keys in this block */
         if (t + n < L)
             for (int i = 0; i < block_size; i++)
-                prefetch_row(v_cache + ((int64_t)blk[1] * block_size + i) * row + (int64_t)h0 * D,
-                             NQ / G * D);
+                prefetch_row(
+                    at(v_cache, ((int64_t)blk[1] * block_size + i) * row + (int64_t)h0 * D, bf),
+                    NQ / G * D, bf);
         for (int j = 0; j < NQ; j++) {
             const float *pj = s + (size_t)j * L + t;
-            const float *vj = v + (j / G) * D;
+            const void *vj = at(v, (int64_t)(j / G) * D, bf);
             float *a = acc + (size_t)j * D;
-            if (D == 64) weighted_rows_64(a, pj, vj, row, n);
-            else if (D == 128) weighted_rows_128(a, pj, vj, row, n);
+            if (D == 64) weighted_rows_64(a, pj, vj, row, n, bf);
+            else if (D == 128) weighted_rows_128(a, pj, vj, row, n, bf);
             else
                 for (int i = 0; i < n; i++) {
                     const float p = pj[i];
-                    const float *vr = vj + (int64_t)i * row;
+                    const void *vr = at(vj, (int64_t)i * row, bf);
 #pragma omp simd
-                    for (int d = 0; d < D; d++) a[d] += p * vr[d];
+                    for (int d = 0; d < D; d++) a[d] += p * ld(vr, d, bf);
                 }
         }
         t += n;
@@ -142,13 +169,29 @@ static void attend(const float *restrict q, const float *restrict k_cache,
     }
 }
 
+/* The two element types, each compiled with its own inlined loads. */
+static void attend_f32(const float *q, const void *k_cache, const void *v_cache,
+                       const int32_t *table, float *out, float *s, int b, int h0, int h1, int t0,
+                       int L, int H, int Hkv, int D, int block_size, float scale, float softcap) {
+    attend(q, k_cache, v_cache, table, out, s, b, h0, h1, t0, L, H, Hkv, D, block_size, scale,
+           softcap, 0);
+}
+
+static void attend_bf16(const float *q, const void *k_cache, const void *v_cache,
+                        const int32_t *table, float *out, float *s, int b, int h0, int h1, int t0,
+                        int L, int H, int Hkv, int D, int block_size, float scale, float softcap) {
+    attend(q, k_cache, v_cache, table, out, s, b, h0, h1, t0, L, H, Hkv, D, block_size, scale,
+           softcap, 1);
+}
+
 typedef struct {
-    const float *q, *k_cache, *v_cache;
+    const float *q;
+    const void *k_cache, *v_cache;
     const int32_t *tables, *lens;
     float *out;
     int H, Hkv, D, block_size, max_blocks, num_blocks, per_head;
     float scale, softcap;
-    int window;
+    int window, kv_bf16;
     int bad_block, no_memory;
 } attn_ctx;
 
@@ -174,16 +217,18 @@ static void attend_item(void *vc, long w) {
         __atomic_store_n(&c->no_memory, 1, __ATOMIC_RELAXED);
         return;
     }
-    attend(c->q, c->k_cache, c->v_cache, table, c->out, s, b, h0, h1, t0, L, c->H, Hkv, D,
-           block_size, c->scale, c->softcap);
+    (c->kv_bf16 ? attend_bf16 : attend_f32)(c->q, c->k_cache, c->v_cache, table, c->out, s, b, h0,
+                                            h1, t0, L, c->H, Hkv, D, block_size, c->scale,
+                                            c->softcap);
     free(s);
 }
 
-int kvf_paged_decode_attention(const float *restrict q, const float *restrict k_cache,
-                               const float *restrict v_cache, const int32_t *restrict tables,
+int kvf_paged_decode_attention(const float *restrict q, const void *restrict k_cache,
+                               const void *restrict v_cache, const int32_t *restrict tables,
                                const int32_t *restrict lens, float *restrict out, int B, int H,
                                int Hkv, int D, int block_size, int max_blocks, int num_blocks,
-                               float scale, int window, float softcap, int num_threads) {
+                               float scale, int window, float softcap, int kv_bf16,
+                               int num_threads) {
     /* One work item per sequence (all its heads: each slot row is one contiguous read) when
      * there are enough sequences to keep the threads busy, else one per (sequence, KV head).
      * Either way each query head's result is computed by the same arithmetic in the same
@@ -191,7 +236,7 @@ int kvf_paged_decode_attention(const float *restrict q, const float *restrict k_
     const int per_head = B < 2 * num_threads;
     const int items = per_head ? B * Hkv : B;
     attn_ctx c = {q, k_cache, v_cache, tables, lens, out, H, Hkv, D, block_size, max_blocks,
-                  num_blocks, per_head, scale, softcap, window, 0, 0};
+                  num_blocks, per_head, scale, softcap, window, kv_bf16 != 0, 0, 0};
     kvf_parallel_for(items, num_threads, attend_item, &c);
     return c.bad_block ? -2 : c.no_memory ? -1 : 0;
 }

@@ -90,14 +90,22 @@ class PagedModel(torch.nn.Module):
     cfg: ModelConfig
     dtype: torch.dtype
     device: torch.device
+    # the KV cache's dtype where it is not the model's: bf16 on the CPU path's --dtype bfloat16
+    # (model_setup.load_model), whose model computes in fp32 around its bf16 GEMMs
+    kv_cache_dtype: torch.dtype | None = None
+
+    @property
+    def kv_dtype(self) -> torch.dtype:
+        """The dtype the KV cache holds (``kv_cache_dtype``, else the model's)."""
+        return self.kv_cache_dtype or self.dtype
 
     def make_kv_caches(
         self, num_blocks: int, block_size: int
     ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """One (k, v) pair per layer, each [num_blocks, block_size, Hkv, D], zero filled (so
-        padded gathers never meet NaNs)."""
+        """One (k, v) pair per layer, each [num_blocks, block_size, Hkv, D] of ``kv_dtype``, zero
+        filled (so padded gathers never meet NaNs)."""
         shape = (num_blocks, block_size, self.cfg.num_kv_heads, self.cfg.head_dim)
-        dt, dev = self.dtype, self.device
+        dt, dev = self.kv_dtype, self.device
         return [
             (torch.zeros(shape, dtype=dt, device=dev), torch.zeros(shape, dtype=dt, device=dev))
             for _ in range(self.cfg.num_layers)

@@ -230,6 +230,8 @@ def load_model(
     if packed is None or cpu_bf16:
         packed = cpu_bf16 or (fp32 and (cpu_gemm.panel_available() or cpu_gemm.onednn_available()))
     gemm = model.pack_weights(spec.dtype if cpu_bf16 else torch.float32) if packed else "torch"
+    if cpu_bf16:  # the KV cache follows --dtype, as vLLM's "auto" does: half the bytes
+        model.kv_cache_dtype = torch.bfloat16
     batch_invariant = cpu.batch_invariant and ops is None  # a CPU-path property
     gemm_rows = cpu.gemm_rows
     if batch_invariant and gemm_rows is None:
@@ -304,12 +306,17 @@ def kv_block_bytes(cfg: ModelConfig, kv_heads: int, block_size: int, dtype: torc
 def kv_cache_blocks(model: AnyModel, kv: KvSpec) -> int:
     """``kv.num_blocks``, or as many blocks as ``kv.kv_cache_gib`` holds for this model."""
     cfg = model.cfg
-    per_block = kv_block_bytes(cfg, cfg.num_kv_heads, kv.block_size, model.dtype)
+    dtype = model.dtype if cfg.encoder else model.kv_dtype
+    per_block = kv_block_bytes(cfg, cfg.num_kv_heads, kv.block_size, dtype)
     num_blocks = kv.num_blocks or max(1, int(kv.kv_cache_gib * 2**30) // per_block)
     if cfg.encoder:
         log.info("no KV cache (an encoder): %d blocks count the tokens in flight", num_blocks)
     else:
-        log.info("allocating KV cache: %.2f GiB", num_blocks * per_block / 2**30)
+        log.info(
+            "allocating KV cache: %.2f GiB (%s)",
+            num_blocks * per_block / 2**30,
+            str(dtype).removeprefix("torch."),
+        )
     return num_blocks
 
 

@@ -112,5 +112,7 @@ def test_the_cpu_path_packs_for_its_dtype_and_refuses_float16() -> None:
     assert isinstance(model.layers[0]["qkv"], kind)
     # the logits are fp32 sums: bf16 panels, or fp32 beside oneDNN (which rounds its outputs)
     assert isinstance(model.lm_head, kind if panels else cpu_gemm.linear_packing(torch.float32)[0])
+    assert model.kv_dtype == torch.bfloat16  # the KV cache follows --dtype
+    assert all(k.dtype == v.dtype == torch.bfloat16 for k, v in model.make_kv_caches(4, 16))
     with pytest.raises(ValueError, match="float32 or bfloat16"):
         load_model(None, DeviceSpec("cpu", torch.float16), CpuPathSpec(), cfg, weights)

@@ -167,6 +167,36 @@ def test_rejects_block_ids_outside_the_cache() -> None:
         cpu_native.paged_decode_attention(q, kc, vc, tables, lens, 0.25)
 
 
+@pytest.mark.parametrize(("d", "window", "softcap"), [(64, 0, 0.0), (128, 21, 0.0), (40, 0, 30.0)])
+def test_a_bf16_cache_reads_as_its_values_widened_to_fp32(
+    d: int, window: int, softcap: float
+) -> None:
+    """--dtype bfloat16's KV cache: the kernel on bf16 K/V computes what it computes on an fp32
+    cache holding the same values (each element widened as it is loaded; the two builds may
+    order a dot product's vector sums differently, so not bit for bit), a sequence gets the
+    same bits alone as in the batch, and the torch path on the bf16 cache agrees."""
+    q, kc, vc, tables, lens = make_cache([1, 16, 17, 90, 3], h=6, hkv=2, bs=8, seed=d, d=d)
+    kb, vb = kc.bfloat16(), vc.bfloat16()
+    out = cpu_native.paged_decode_attention(q, kb, vb, tables, lens, d**-0.5, window, softcap)
+    wide = cpu_native.paged_decode_attention(
+        q, kb.float(), vb.float(), tables, lens, d**-0.5, window, softcap
+    )
+    torch.testing.assert_close(out, wide, rtol=2e-6, atol=2e-6)
+    for b in (0, 3):
+        alone = cpu_native.paged_decode_attention(
+            q[b : b + 1], kb, vb, tables[b : b + 1], lens[b : b + 1], d**-0.5, window, softcap
+        )
+        assert torch.equal(alone[0], out[b])
+    plan = K.plan_attention(
+        tables.clamp(max=kc.shape[0] - 1).long(), lens.long(), torch.ones(5, dtype=torch.long), 8
+    )
+    ref = K.paged_attention(q, kb, vb, None, None, None, d**-0.5, plan, window, softcap)
+    assert ref.dtype == torch.float32
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    with pytest.raises(TypeError, match="bf16"):  # K and V of one dtype
+        cpu_native.paged_decode_attention(q, kb, vc, tables, lens, 0.25)
+
+
 def test_rejects_wrong_dtypes_and_lengths() -> None:
     q, kc, vc, tables, lens = make_cache([20, 5], h=4, hkv=2, bs=8, seed=4)
     with pytest.raises(TypeError):
