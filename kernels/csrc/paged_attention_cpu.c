@@ -84,8 +84,134 @@ static inline void prefetch_row(const void *p, int n, const int bf) {
 KVF_WEIGHTED_ROWS(64)
 KVF_WEIGHTED_ROWS(128)
 
+#ifdef __AVX512F__
+#include <immintrin.h>
+#define KVF_FAST_HEADS 1
+
+/* 16 cache elements from element i of p as fp32 (bf16 widened). */
+static inline __attribute__((always_inline)) __m512 ld16(const void *p, int64_t i, const int bf) {
+    if (!bf) return _mm512_loadu_ps((const float *)p + i);
+    const __m256i h = _mm256_loadu_si256((const __m256i *)((const uint16_t *)p + i));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+/* Lane i of the result = the sum of v[i]'s 16 lanes, for 16 vectors at once (a fixed tree:
+ * pairs within 128-bit lanes, then across them). */
+static inline __m512 sum16(const __m512 *v) {
+    __m512 t[8], u[4], w[2];
+    for (int k = 0; k < 8; k++)
+        t[k] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * k], v[2 * k + 1]),
+                             _mm512_unpackhi_ps(v[2 * k], v[2 * k + 1]));
+    for (int k = 0; k < 4; k++) {
+        const __m512d a = _mm512_castps_pd(t[2 * k]), b = _mm512_castps_pd(t[2 * k + 1]);
+        u[k] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)),
+                             _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+    }
+    for (int k = 0; k < 2; k++)
+        w[k] = _mm512_add_ps(_mm512_shuffle_f32x4(u[2 * k], u[2 * k + 1], 0x88),
+                             _mm512_shuffle_f32x4(u[2 * k], u[2 * k + 1], 0xDD));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(w[0], w[1], 0x88),
+                         _mm512_shuffle_f32x4(w[0], w[1], 0xDD));
+}
+
+/* Scores of query heads [0, NQ) over keys [t0, t0 + L), head sizes 64 and 128: each K row is
+ * loaded (and widened) once for the G query heads that share it, each head's product with it
+ * is one 16-lane vector (an FMA chain over the row's 16-element pieces), and every 16 keys the
+ * vectors' lane sums come out 16 at a time (sum16): no horizontal sum per key. part: NQ x 16
+ * x 16 floats of scratch. */
+static inline __attribute__((always_inline)) void scores_fast(
+    const float *restrict qb, const void *restrict k_cache, const int32_t *restrict table,
+    float *restrict s, float *restrict part, int t0, int L, int NQ, int G, int64_t row, int h0,
+    const int D, int block_size, float scale, const int bf) {
+    const int C = D / 16, nh = NQ / G;
+    const __m512 sc = _mm512_set1_ps(scale);
+    for (int t = 0, pos = t0; t < L;) {
+        const int32_t *blk = table + pos / block_size;
+        int off = pos % block_size;
+        const void *k = at(k_cache, ((int64_t)*blk * block_size + off) * row + (int64_t)h0 * D, bf);
+        const void *next =
+            t + block_size - off < L
+                ? at(k_cache, (int64_t)blk[1] * block_size * row + (int64_t)h0 * D, bf)
+                : NULL;
+        for (; off < block_size && t < L; off++, t++, pos++, k = at(k, row, bf)) {
+            if (next) prefetch_row(at(next, (int64_t)off * row, bf), nh * D, bf);
+            const int slot = t & 15;
+            for (int h = 0; h < nh; h++) {
+                __m512 kv[8];
+#pragma GCC unroll 8
+                for (int c = 0; c < C; c++) kv[c] = ld16(k, (int64_t)h * D + 16 * c, bf);
+                for (int g = 0; g < G; g++) {
+                    const int j = h * G + g;
+                    const float *qj = qb + (int64_t)j * D;
+                    __m512 pr = _mm512_mul_ps(_mm512_loadu_ps(qj), kv[0]);
+#pragma GCC unroll 8
+                    for (int c = 1; c < C; c++)
+                        pr = _mm512_fmadd_ps(_mm512_loadu_ps(qj + 16 * c), kv[c], pr);
+                    _mm512_storeu_ps(part + ((size_t)j * 16 + slot) * 16, pr);
+                }
+            }
+            if (slot == 15 || t + 1 == L) { /* 16 keys (or the last few): their scores */
+                const int n = slot + 1;
+                for (int j = 0; j < NQ; j++) {
+                    float *pj = part + (size_t)j * 256;
+                    for (int i = n; i < 16; i++) _mm512_storeu_ps(pj + 16 * i, _mm512_setzero_ps());
+                    __m512 v[16];
+                    for (int i = 0; i < 16; i++) v[i] = _mm512_loadu_ps(pj + 16 * i);
+                    _mm512_mask_storeu_ps(s + (size_t)j * L + t + 1 - n, (__mmask16)((1u << n) - 1),
+                                          _mm512_mul_ps(sum16(v), sc));
+                }
+            }
+        }
+    }
+}
+
+/* acc[j][d] = sum over keys t, in order, of p[j][t] * v[t][d] for head sizes 64 and 128: each
+ * V row loaded (and widened) once for up to 4 (D 64) or 2 (D 128) query heads of its KV head,
+ * their 16 accumulators held in registers over all the keys. */
+static inline __attribute__((always_inline)) void values_fast(
+    const float *restrict s, const void *restrict v_cache, const int32_t *restrict table,
+    float *restrict acc, int t0, int L, int NQ, int G, int64_t row, int h0, const int D,
+    int block_size, const int bf) {
+    const int C = D / 16, HC = 16 / C, nh = NQ / G;
+    for (int h = 0; h < nh; h++)
+        for (int g0 = 0; g0 < G; g0 += HC) {
+            const int hc = G - g0 < HC ? G - g0 : HC;
+            const float *pj = s + (size_t)(h * G + g0) * L;
+            __m512 a[16];
+#pragma GCC unroll 16
+            for (int i = 0; i < 16; i++) a[i] = _mm512_setzero_ps();
+            for (int t = 0, pos = t0; t < L;) {
+                const int32_t *blk = table + pos / block_size;
+                int off = pos % block_size;
+                const int n = block_size - off < L - t ? block_size - off : L - t;
+                const void *v = at(v_cache, ((int64_t)*blk * block_size + off) * row + (int64_t)(h0 + h) * D, bf);
+                if (t + n < L)
+                    for (int i = 0; i < block_size; i++)
+                        prefetch_row(at(v_cache, ((int64_t)blk[1] * block_size + i) * row + (int64_t)(h0 + h) * D, bf), D, bf);
+                for (int i = 0; i < n; i++, t++, v = at(v, row, bf)) {
+                    __m512 vv[8];
+#pragma GCC unroll 8
+                    for (int c = 0; c < C; c++) vv[c] = ld16(v, 16 * c, bf);
+#pragma GCC unroll 4
+                    for (int g = 0; g < HC; g++) {
+                        if (g >= hc) break;
+                        const __m512 p = _mm512_set1_ps(pj[(size_t)g * L + t]);
+#pragma GCC unroll 8
+                        for (int c = 0; c < C; c++) a[g * C + c] = _mm512_fmadd_ps(p, vv[c], a[g * C + c]);
+                    }
+                }
+                pos += n;
+            }
+            for (int g = 0; g < hc; g++)
+                for (int c = 0; c < C; c++)
+                    _mm512_storeu_ps(acc + (size_t)(h * G + g0 + g) * D + 16 * c, a[g * C + c]);
+        }
+}
+#endif
+
 /* Attention of sequence b's query heads of KV heads [h0, h1) over its keys [t0, t0 + L).
- * Scratch ``s`` holds (h1 - h0) * G * L scores, then G * D accumulators and G sums per KV
+ * Scratch ``s`` holds (h1 - h0) * G * L scores, then G * D accumulators, G sums and (head sizes 64
+ * and 128 with AVX-512) G * 256 floats of score vectors per KV
  * head. */
 static inline __attribute__((always_inline)) void attend(
     const float *restrict q, const void *restrict k_cache, const void *restrict v_cache,
@@ -97,9 +223,19 @@ static inline __attribute__((always_inline)) void attend(
     const float *qb = q + ((int64_t)b * H + (int64_t)h0 * G) * D;
     float *acc = s + (size_t)NQ * L;
     float *inv_sum = acc + (size_t)NQ * D;
+#ifdef KVF_FAST_HEADS
+    const int fast = D == 64 || D == 128;
+    float *part = inv_sum + NQ; /* NQ x 256 floats (scores_fast) */
+    if (D == 64)
+        scores_fast(qb, k_cache, table, s, part, t0, L, NQ, G, row, h0, 64, block_size, scale, bf);
+    else if (D == 128)
+        scores_fast(qb, k_cache, table, s, part, t0, L, NQ, G, row, h0, 128, block_size, scale, bf);
+#else
+    const int fast = 0;
+#endif
     /* scores: slot rows are read in order, all heads of a row at once (one contiguous run);
      * blocks walked in order, no division per key */
-    for (int t = 0, pos = t0; t < L;) {
+    for (int t = 0, pos = fast ? t0 + L : t0; t < L && !fast;) {
         const int32_t *blk = table + pos / block_size;
         int off = pos % block_size;
         const void *k = at(k_cache, ((int64_t)*blk * block_size + off) * row + (int64_t)h0 * D, bf);
@@ -110,9 +246,15 @@ static inline __attribute__((always_inline)) void attend(
                 : NULL;
         for (; off < block_size && t < L; off++, t++, pos++, k = at(k, row, bf)) {
             if (next) prefetch_row(at(next, (int64_t)off * row, bf), NQ / G * D, bf);
-            for (int j = 0; j < NQ; j++)
-                s[(size_t)j * L + t] =
-                    dot(qb + (int64_t)j * D, at(k, (int64_t)(j / G) * D, bf), D, bf) * scale;
+            for (int j = 0; j < NQ; j++) {
+                const float *qj = qb + (int64_t)j * D;
+                const void *kj = at(k, (int64_t)(j / G) * D, bf);
+                /* the common head sizes as constants: the loop unrolled, no remainder code */
+                const float d = D == 64    ? dot(qj, kj, 64, bf)
+                                : D == 128 ? dot(qj, kj, 128, bf)
+                                           : dot(qj, kj, D, bf);
+                s[(size_t)j * L + t] = d * scale;
+            }
         }
     }
     /* softmax per query head (unnormalised; divided by the sum at the end) */
@@ -134,8 +276,15 @@ static inline __attribute__((always_inline)) void attend(
     /* acc[j][d] = sum over t, in order, of p[j][t] * v[t][d]: each element one chain over the
      * keys (what any loop order gives); keys walked a block at a time, all heads of a slot row
      * at once */
-    for (int i = 0; i < NQ * D; i++) acc[i] = 0.0f;
-    for (int t = 0, pos = t0; t < L;) {
+#ifdef KVF_FAST_HEADS
+    if (D == 64)
+        values_fast(s, v_cache, table, acc, t0, L, NQ, G, row, h0, 64, block_size, bf);
+    else if (D == 128)
+        values_fast(s, v_cache, table, acc, t0, L, NQ, G, row, h0, 128, block_size, bf);
+#endif
+    if (!fast)
+        for (int i = 0; i < NQ * D; i++) acc[i] = 0.0f;
+    for (int t = 0, pos = t0; t < L && !fast;) {
         const int32_t *blk = table + pos / block_size;
         int off = pos % block_size;
         const void *v = at(v_cache, ((int64_t)*blk * block_size + off) * row + (int64_t)h0 * D, bf);
@@ -212,7 +361,7 @@ static void attend_item(void *vc, long w) {
         return;
     }
     const size_t nq = (size_t)(h1 - h0) * (c->H / Hkv);
-    float *s = malloc(sizeof(float) * (nq * L + nq * D + nq));
+    float *s = malloc(sizeof(float) * (nq * L + nq * D + nq + nq * 256));
     if (s == NULL) {
         __atomic_store_n(&c->no_memory, 1, __ATOMIC_RELAXED);
         return;

@@ -168,3 +168,16 @@ def test_peers_bench_starts_vllm_through_its_module_not_vllm_serve() -> None:
         "--max-num-seqs": "64",
         "--max-model-len": "208",
     }
+
+
+def test_cpu_gemm_bench_prints_a_row_per_shape_and_row_count(capsys) -> None:  # noqa: ANN001
+    from benchmarks import cpu_gemm as bench
+    from kernels import cpu_gemm
+
+    if not cpu_gemm.panel_available():
+        assert bench.main(["--rows", "1"]) == 1  # says what it needs instead
+        return
+    assert bench.main(["--rows", "1", "3", "--shapes", "40x34", "--reps", "1"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    rows = [line for line in lines if line.startswith("| 40 x 34 |")]
+    assert len(rows) == 2 and all(r.count("(") == len(bench.kinds()) for r in rows)

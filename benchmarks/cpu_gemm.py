@@ -1,0 +1,81 @@
+"""The CPU path's linear-layer kernels side by side: ``python -m benchmarks.cpu_gemm``.
+
+For each weight shape (default: SmolLM2-135M's, [N, K]) and row count, the best mean time of
+``--reps`` calls over five rounds, and the rate in GFLOP/s (2 M N K per call), of:
+
+- ``fp32 panels``: kernels/cpu_gemm.py ``PanelWeight`` (the fp32 default);
+- ``oneDNN bf16``: ``Bf16Weight`` (``--dtype bfloat16`` without AVX512_BF16);
+- ``bf16 panels``: ``Bf16PanelWeight`` (``--dtype bfloat16`` with AVX512_BF16), where this CPU
+  has it.
+
+Random weights and inputs: the kernels' time does not depend on the values. Threads: torch's
+(``--threads`` sets them).
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from collections.abc import Callable
+
+import torch
+
+from kernels import cpu_gemm
+
+SMOLLM2 = [(960, 576), (576, 576), (3072, 576), (576, 1536), (49152, 576)]
+
+
+def best_ms(fn: Callable[[], object], reps: int) -> float:
+    """The best of five rounds' mean time per call, in ms (after ten warm-up calls)."""
+    for _ in range(10):
+        fn()
+    best = float("inf")
+    for _ in range(5):
+        t = time.perf_counter()
+        for _ in range(reps):
+            fn()
+        best = min(best, (time.perf_counter() - t) / reps)
+    return best * 1e3
+
+
+def kinds() -> dict[str, type]:
+    got: dict[str, type] = {"fp32 panels": cpu_gemm.PanelWeight, "oneDNN bf16": cpu_gemm.Bf16Weight}
+    if cpu_gemm.bf16_panel_available():
+        got["bf16 panels"] = cpu_gemm.Bf16PanelWeight
+    return got
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--rows", type=int, nargs="+", default=[1, 16, 64, 256])
+    p.add_argument("--shapes", nargs="+", default=[f"{n}x{k}" for n, k in SMOLLM2], help="NxK")
+    p.add_argument("--reps", type=int, default=50)
+    p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    args = p.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if not cpu_gemm.panel_available():
+        print("the fp32 panel kernel does not run here (AVX2/FMA and a C compiler needed)")
+        return 1
+    g = torch.Generator().manual_seed(0)
+    names = list(kinds())
+    print(f"threads {torch.get_num_threads()}; ms per call (GFLOP/s)")
+    print("| weight [N, K] | rows | " + " | ".join(names) + " |")
+    print("|---|---:|" + "---:|" * len(names))
+    for shape in args.shapes:
+        n, k = (int(v) for v in shape.split("x"))
+        w = torch.randn(n, k, generator=g)
+        packed = [kind(w) for kind in kinds().values()]
+        for m in args.rows:
+            x = torch.randn(m, k, generator=g)
+            reps = max(3, args.reps * 576 * 960 // (n * k))
+            cells = []
+            for weight in packed:
+                ms = best_ms(lambda weight=weight, x=x: weight(x), reps)
+                cells.append(f"{ms:.3f} ({2 * m * n * k / ms / 1e6:.0f})")
+            print(f"| {n} x {k} | {m} | " + " | ".join(cells) + " |", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
