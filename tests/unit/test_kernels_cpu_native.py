@@ -197,6 +197,36 @@ def test_a_bf16_cache_reads_as_its_values_widened_to_fp32(
         cpu_native.paged_decode_attention(q, kb, vc, tables, lens, 0.25)
 
 
+def test_the_avx2_build_computes_what_the_avx512_one_does() -> None:
+    """Head sizes 64 and 128 take their own AVX-512 path (K/V rows shared by the query heads,
+    scores summed 16 keys at a time); an AVX2 build runs the generic loops. Both on one CPU:
+    the same results up to the order of the sums, each batch invariant."""
+    import ctypes
+
+    flags = [f for f in cpu_native._COMPILE_FLAGS if f != "-march=native"] + ["-march=haswell"]
+    path = cpu_native.build(cpu_native._SRC, flags)
+    assert path is not None and cpu_native.pool() is not None
+    avx2 = ctypes.CDLL(str(path))
+    for d, dtype, window in (
+        (64, torch.float32, 0),
+        (128, torch.bfloat16, 21),
+        (64, torch.bfloat16, 0),
+    ):
+        q, kc, vc, tables, lens = make_cache([1, 16, 17, 90, 3], h=6, hkv=2, bs=8, seed=d, d=d)
+        kc, vc = kc.to(dtype), vc.to(dtype)
+        want = cpu_native.paged_decode_attention(q, kc, vc, tables, lens, d**-0.5, window)
+        got = torch.empty_like(q)
+        rc = avx2.kvf_paged_decode_attention(
+            ctypes.c_void_p(q.data_ptr()), ctypes.c_void_p(kc.data_ptr()),
+            ctypes.c_void_p(vc.data_ptr()), ctypes.c_void_p(tables.data_ptr()),
+            ctypes.c_void_p(lens.data_ptr()), ctypes.c_void_p(got.data_ptr()), 5, 6, 2, d, 8,
+            tables.shape[1], kc.shape[0], ctypes.c_float(d**-0.5), window, ctypes.c_float(0.0),
+            int(dtype == torch.bfloat16), 2,
+        )  # fmt: skip
+        assert rc == 0
+        torch.testing.assert_close(got, want, rtol=2e-6, atol=2e-6)
+
+
 def test_rejects_wrong_dtypes_and_lengths() -> None:
     q, kc, vc, tables, lens = make_cache([20, 5], h=4, hkv=2, bs=8, seed=4)
     with pytest.raises(TypeError):
