@@ -129,12 +129,24 @@ def matmul_fn(weight: torch.Tensor | Weight) -> Callable[[torch.Tensor], torch.T
     return weight
 
 
+def invariant_rows(weight: torch.Tensor | Weight) -> int:
+    """How many rows one call of ``weight`` may take with each row's bits independent of the
+    others: 0 unless its kernel is batch invariant by construction."""
+    if not getattr(weight, "batch_invariant", False):
+        return 0
+    return getattr(weight, "max_invariant_rows", 1 << 62)
+
+
 def linear(
     x: torch.Tensor, weight: torch.Tensor | Weight, layout: RowLayout | None = None
 ) -> torch.Tensor:
-    """``x @ weight.T`` ([T, K] -> [T, N]), batch invariant when a ``layout`` is given."""
+    """``x @ weight.T`` ([T, K] -> [T, N]), batch invariant when a ``layout`` is given. A kernel
+    batch invariant by construction (``batch_invariant``) takes the whole step in one call when
+    it has no more rows than it stays invariant for (``max_invariant_rows``, unbounded for the
+    panels): its rows' bits are what the layout's calls would give, without the calls and the
+    concatenation."""
     mm = matmul_fn(weight)
-    if layout is None:
+    if layout is None or x.shape[0] <= invariant_rows(weight):
         return mm(x)
     parts = []
     ns, tile = layout.num_single, layout.tile

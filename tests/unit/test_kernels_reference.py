@@ -261,3 +261,32 @@ def test_linear_layout_is_batch_invariant_and_correct() -> None:
     assert torch.equal(mixed[:1], alone)
     # a segment's bits do not depend on what else runs
     assert torch.equal(mixed[15:23], K.linear(x[15:23], w, K.RowLayout(0, ((0, 8),), 4)))
+
+
+class _Invariant:
+    """A weight whose kernel is batch invariant up to ``max_invariant_rows`` rows per call; counts
+    its calls."""
+
+    batch_invariant = True
+
+    def __init__(self, w: torch.Tensor, max_rows: int | None) -> None:
+        self.w, self.shape, self.calls = w, tuple(w.shape), []
+        if max_rows is not None:
+            self.max_invariant_rows = max_rows
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls.append(x.shape[0])
+        return torch.stack([row @ self.w.T for row in x])  # each row alone: invariant
+
+
+def test_linear_gives_an_invariant_kernel_the_whole_step_in_one_call() -> None:
+    """Panels (no row limit) take a mixed step in one call; a kernel invariant up to 8 rows per
+    call takes a 23-row step as the layout's calls; either way the bits are the layout's."""
+    w, x = torch.randn(96, 40), torch.randn(23, 40)
+    layout = K.RowLayout(num_single=11, segments=((11, 15), (15, 23)), tile=4)
+    want = K.linear(x, _Invariant(w, 1 << 62), None)
+    whole = _Invariant(w, None)
+    assert torch.equal(K.linear(x, whole, layout), want) and whole.calls == [23]
+    bounded = _Invariant(w, 8)
+    assert torch.equal(K.linear(x, bounded, layout), want) and bounded.calls == [4, 4, 4, 4, 8]
+    assert K.invariant_rows(w) == 0 and K.invariant_rows(bounded) == 8
