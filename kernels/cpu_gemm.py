@@ -87,6 +87,26 @@ def panel_available() -> bool:
     return cpu_quant.panel_available()
 
 
+def _panel_product(
+    fn: ctypes._CFuncPtr, panels: torch.Tensor, shape: tuple[int, int], x: torch.Tensor
+) -> torch.Tensor:
+    """``x @ W.T`` for fp32 ``x`` ``[M, K]`` (rows with a stride of their own allowed) through a
+    panel kernel ``fn(x, M, K, x_stride, panels, N, y, y_stride, threads)``; fp32 ``[M, N]``."""
+    n, k = shape
+    if x.dtype != torch.float32 or x.dim() != 2 or x.shape[1] != k:
+        raise ValueError(f"x must be fp32 [M, {k}], got {x.dtype} {tuple(x.shape)}")
+    x = x if x.stride(1) == 1 else x.contiguous()
+    m = x.shape[0]
+    y = torch.empty(m, n, dtype=torch.float32)
+    if m == 0:
+        return y
+    rc = fn(x.data_ptr(), m, k, x.stride(0), panels.data_ptr(), n, y.data_ptr(), n,
+            torch.get_num_threads())  # fmt: skip
+    if rc != 0:
+        raise ValueError(f"{fn.__name__} refused its arguments ({rc})")
+    return y
+
+
 @cache
 def _bf16_kernel() -> ctypes.CDLL | None:
     """csrc/bf16_matmul_cpu.c built for this CPU, or None where it cannot be built or the CPU
@@ -131,31 +151,10 @@ class Bf16PanelWeight:
         return self.panels.numel() * 2
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        n, k = self.shape
-        if x.dtype != torch.float32 or x.dim() != 2 or x.shape[1] != k:
-            raise ValueError(f"x must be fp32 [M, {k}], got {x.dtype} {tuple(x.shape)}")
-        x = x if x.stride(1) == 1 else x.contiguous()
-        m = x.shape[0]
-        y = torch.empty(m, n, dtype=torch.float32)
-        if m == 0:
-            return y
         lib = _bf16_kernel()
         if lib is None:
             raise RuntimeError("the bf16 panel kernel is not available on this CPU")
-        rc = lib.kvf_bf16_panel_matmul(
-            x.data_ptr(),
-            m,
-            k,
-            x.stride(0),
-            self.panels.data_ptr(),
-            n,
-            y.data_ptr(),
-            n,
-            torch.get_num_threads(),
-        )
-        if rc != 0:
-            raise ValueError(f"kvf_bf16_panel_matmul refused its arguments ({rc})")
-        return y
+        return _panel_product(lib.kvf_bf16_panel_matmul, self.panels, self.shape, x)
 
     def __repr__(self) -> str:
         return f"Bf16PanelWeight{self.shape}"
@@ -235,28 +234,7 @@ class PanelWeight:
         return self.panels.numel() * 4
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        n, k = self.shape
-        if x.dtype != torch.float32 or x.dim() != 2 or x.shape[1] != k:
-            raise ValueError(f"x must be fp32 [M, {k}], got {x.dtype} {tuple(x.shape)}")
-        x = x if x.stride(1) == 1 else x.contiguous()
-        m = x.shape[0]
-        y = torch.empty(m, n, dtype=torch.float32)
-        if m == 0:
-            return y
-        rc = cpu_quant.load().kvf_panel_matmul_f32(
-            x.data_ptr(),
-            m,
-            k,
-            x.stride(0),
-            self.panels.data_ptr(),
-            n,
-            y.data_ptr(),
-            n,
-            torch.get_num_threads(),
-        )
-        if rc != 0:
-            raise ValueError(f"kvf_panel_matmul_f32 refused its arguments ({rc})")
-        return y
+        return _panel_product(cpu_quant.load().kvf_panel_matmul_f32, self.panels, self.shape, x)
 
     def __repr__(self) -> str:
         return f"PanelWeight{self.shape}"

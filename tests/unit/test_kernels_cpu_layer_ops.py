@@ -88,47 +88,34 @@ def _split(qkv: torch.Tensor, h: int, hkv: int, d: int):  # noqa: ANN202
     return q, k, v
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(("h", "hkv", "d"), [(9, 3, 64), (4, 4, 16), (8, 1, 32)])
-def test_rope_and_kv_write_equal_the_reference_bit_for_bit(h: int, hkv: int, d: int) -> None:
+def test_rope_and_kv_write_equal_the_reference_bit_for_bit(
+    h: int, hkv: int, d: int, dtype: torch.dtype
+) -> None:
+    """Into an fp32 cache, or a bf16 one (--dtype bfloat16's: K rotated in fp32, then K and V
+    rounded to nearest even), the bits the reference write (``.to(dtype)``) stores; ties,
+    subnormals, infinities and values near the largest bf16 included."""
     g = torch.Generator().manual_seed(h * d)
     cs = K.build_cos_sin_cache(d, 4096, 10000.0)
     qkv = torch.randn(6, (h + 2 * hkv) * d, generator=g)
+    qkv[0, (h + hkv) * d :][:6] = torch.tensor(
+        [1 + 2**-8, 1 + 3 * 2**-8, 1e-40, float("inf"), 3.39e38, -0.0]
+    )
     pos = torch.tensor([0, 5, 100, 4095, 7, 33])
     slots = torch.tensor([3, 17, -1, 159, 40, 0])  # -1: not stored
-    kc, vc = torch.randn(10, 16, hkv, d, generator=g), torch.randn(10, 16, hkv, d, generator=g)
+    kc = torch.randn(10, 16, hkv, d, generator=g).to(dtype)
+    vc = torch.randn(10, 16, hkv, d, generator=g).to(dtype)
     kc2, vc2 = kc.clone(), vc.clone()
     q, k, v = _split(qkv, h, hkv, d)
     want_q, want_k = K.rotary_embedding(pos, q, k, cs)
     K.write_kv_cache(want_k, v, kc, vc, slots)
     got_q = L.rope_write_kv(qkv, h, hkv, pos, cs, kc2, vc2, slots)
     assert torch.equal(got_q, want_q)
-    assert torch.equal(kc2, kc) and torch.equal(vc2, vc)
-
-
-@pytest.mark.parametrize(("h", "hkv", "d"), [(9, 3, 64), (8, 1, 32)])
-def test_rope_writes_a_bf16_cache_as_torch_rounds_to_bf16(h: int, hkv: int, d: int) -> None:
-    """--dtype bfloat16's KV cache: K rotated in fp32, then K and V rounded to nearest even,
-    bit for bit what the reference write (``.to(torch.bfloat16)``) stores; ties, subnormals,
-    infinities and values near the largest bf16 included."""
-    g = torch.Generator().manual_seed(h + d)
-    cs = K.build_cos_sin_cache(d, 4096, 10000.0)
-    qkv = torch.randn(6, (h + 2 * hkv) * d, generator=g)
-    v_cols = qkv[:, (h + hkv) * d :]
-    v_cols[0, :6] = torch.tensor([1 + 2**-8, 1 + 3 * 2**-8, 1e-40, float("inf"), 3.39e38, -0.0])
-    pos = torch.tensor([0, 5, 100, 4095, 7, 33])
-    slots = torch.tensor([3, 17, -1, 159, 40, 0])
-    kc = torch.randn(10, 16, hkv, d, generator=g).bfloat16()
-    vc = torch.randn(10, 16, hkv, d, generator=g).bfloat16()
-    kc2, vc2 = kc.clone(), vc.clone()
-    q, k, v = _split(qkv, h, hkv, d)
-    want_q, want_k = K.rotary_embedding(pos, q, k, cs)
-    K.write_kv_cache(want_k, v, kc, vc, slots)
-    got_q = L.rope_write_kv(qkv, h, hkv, pos, cs, kc2, vc2, slots)
-    assert torch.equal(got_q, want_q)
-    assert torch.equal(kc2.view(torch.int16), kc.view(torch.int16))
-    assert torch.equal(vc2.view(torch.int16), vc.view(torch.int16))
+    bits = torch.int32 if dtype == torch.float32 else torch.int16
+    assert torch.equal(kc2.view(bits), kc.view(bits)) and torch.equal(vc2.view(bits), vc.view(bits))
     with pytest.raises(ValueError, match="fp32 or bf16"):  # K and V of one dtype
-        L.rope_write_kv(qkv, h, hkv, pos, cs, kc2, vc2.float(), slots)
+        L.rope_write_kv(qkv, h, hkv, pos, cs, kc2, vc2.to(torch.float64), slots)
 
 
 def test_each_row_is_the_same_alone_and_in_a_batch() -> None:
