@@ -66,6 +66,20 @@ static inline void prefetch_row(const void *p, int n, const int bf) {
     for (int i = 0; i < n; i += step) __builtin_prefetch(at(p, i, bf), 0, 3);
 }
 
+/* Where a walk over a sequence's keys enters a block at position pos (t keys walked, L in all):
+ * returns the row of pos (its offset in the block in *off) and sets *next to the next block's
+ * first row when the walk goes on past this block (fetched while this one's rows are used:
+ * blocks lie anywhere), else NULL. col: the first element of the walk's heads in a row. */
+static inline __attribute__((always_inline)) const void *enter_block(
+    const void *cache, const int32_t *table, int pos, int t, int L, int block_size, int64_t row,
+    int64_t col, const int bf, int *off, const void **next) {
+    const int32_t *blk = table + pos / block_size;
+    *off = pos % block_size;
+    *next = t + block_size - *off < L ? at(cache, (int64_t)blk[1] * block_size * row + col, bf)
+                                      : NULL;
+    return at(cache, ((int64_t)*blk * block_size + *off) * row + col, bf);
+}
+
 /* a[d] += p[i] * v[i * stride + d] for i in 0..n-1 in order, with a held in registers across
  * the rows (the common head sizes; the same chains, so the same bits, as the generic loop). */
 #define KVF_WEIGHTED_ROWS(DIM)                                                                   \
@@ -126,13 +140,10 @@ static inline __attribute__((always_inline)) void scores_fast(
     const int C = D / 16, nh = NQ / G;
     const __m512 sc = _mm512_set1_ps(scale);
     for (int t = 0, pos = t0; t < L;) {
-        const int32_t *blk = table + pos / block_size;
-        int off = pos % block_size;
-        const void *k = at(k_cache, ((int64_t)*blk * block_size + off) * row + (int64_t)h0 * D, bf);
-        const void *next =
-            t + block_size - off < L
-                ? at(k_cache, (int64_t)blk[1] * block_size * row + (int64_t)h0 * D, bf)
-                : NULL;
+        int off;
+        const void *next;
+        const void *k = enter_block(k_cache, table, pos, t, L, block_size, row, (int64_t)h0 * D,
+                                    bf, &off, &next);
         for (; off < block_size && t < L; off++, t++, pos++, k = at(k, row, bf)) {
             if (next) prefetch_row(at(next, (int64_t)off * row, bf), nh * D, bf);
             const int slot = t & 15;
@@ -236,14 +247,10 @@ static inline __attribute__((always_inline)) void attend(
     /* scores: slot rows are read in order, all heads of a row at once (one contiguous run);
      * blocks walked in order, no division per key */
     for (int t = 0, pos = fast ? t0 + L : t0; t < L && !fast;) {
-        const int32_t *blk = table + pos / block_size;
-        int off = pos % block_size;
-        const void *k = at(k_cache, ((int64_t)*blk * block_size + off) * row + (int64_t)h0 * D, bf);
-        /* the next block's rows are fetched while this one's are used (blocks lie anywhere) */
-        const void *next =
-            t + block_size - off < L
-                ? at(k_cache, (int64_t)blk[1] * block_size * row + (int64_t)h0 * D, bf)
-                : NULL;
+        int off;
+        const void *next;
+        const void *k = enter_block(k_cache, table, pos, t, L, block_size, row, (int64_t)h0 * D,
+                                    bf, &off, &next);
         for (; off < block_size && t < L; off++, t++, pos++, k = at(k, row, bf)) {
             if (next) prefetch_row(at(next, (int64_t)off * row, bf), NQ / G * D, bf);
             for (int j = 0; j < NQ; j++) {
