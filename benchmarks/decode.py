@@ -99,7 +99,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument(
         "--quantization",
         default="",
-        help="'' (dense) | gguf | int8 | w8a8 | fp8 (CUDA) | gptq | awq",
+        help="'' (dense) | gguf | gguf-a8 | int8 | w8a8 | fp8 (CUDA) | gptq | awq",
     )
     return ap.parse_args(argv)
 

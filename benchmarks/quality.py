@@ -26,7 +26,7 @@ import torch
 
 from shared.messages import NewRequest, SamplingParams, ScheduledSeq, StepPlan
 
-SCHEMES = ("", "gguf", "int8", "w8a8", "fp8")
+SCHEMES = ("", "gguf", "gguf-a8", "int8", "w8a8", "fp8")
 BLOCK = 16
 
 

@@ -359,7 +359,8 @@ def load_weights(
     (``quantize_int8``); ``"fp8"`` rounds the layers' linear weights to e4m3 per output channel
     (kernels/fp8_linear.py); ``"gptq"`` / ``"awq"`` keep such a checkpoint's 4-bit groups as
     Q4_Z blocks (otherwise its packed layers are dequantized: shared/quantized_checkpoints.py).
-    The embedding stays dense for lookups, except under ``"gguf"``: there it stays in its blocks
+    ``"gguf-a8"`` keeps them so too, to be multiplied with int8 activations.
+    The embedding stays dense for lookups, except under ``"gguf"``/``"gguf-a8"``: there it stays in its blocks
     (rows decoded as they are looked up; a tied head reads the same blocks). ValueError names a
     missing or unexpected tensor."""
     t0 = time.perf_counter()
@@ -369,7 +370,9 @@ def load_weights(
             raise ValueError(f"{src.path}: encoders load from HF directories, unquantized")
         return encoder_weights(src.path, dtype)
     if src.kind == "gguf":
-        weights = _gguf_weights(src.path, cfg, fam, dtype, quantized=quantization == "gguf")
+        weights = _gguf_weights(
+            src.path, cfg, fam, dtype, quantized=quantization in ("gguf", "gguf-a8")
+        )
     else:
         weights = _hf_weights(src.path, dtype)
         method = checkpoint_method(src.path)
@@ -432,9 +435,15 @@ def is_linear_weight(name: str) -> bool:
 
 def round_weights(weights: dict[str, Any], quantization: str) -> dict[str, Any]:
     """The schemes that round loaded weights (``int8``: ``quantize_int8``; ``fp8``: the layers'
-    linear weights as kernels/fp8_linear.py ``Fp8Weight``); any other leaves them as they are."""
+    linear weights as kernels/fp8_linear.py ``Fp8Weight``) or mark them for int8 activations
+    (``gguf-a8``: a GGUF's blocks as they are); any other leaves them as they are."""
     if quantization in ("int8", "w8a8"):
         return quantize_int8(weights, int8_activations=quantization == "w8a8")
+    if quantization == "gguf-a8":  # the file's blocks, multiplied with int8 activations
+        return {
+            n: dataclasses.replace(w, int8_activations=True) if isinstance(w, QuantWeight) else w
+            for n, w in weights.items()
+        }
     if quantization == "fp8":
         return quantize_fp8(weights, frozenset(_LINEAR_NAMES))
     return weights

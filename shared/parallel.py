@@ -25,7 +25,7 @@ def check_parallel_settings(settings: Settings) -> None:
             f"--tensor-parallel-size {tp}: the simulated worker (--worker-backend sim) has no "
             "model to split; use --tensor-parallel-size 1 with it"
         )
-    if ms.quantization in ("gguf", "gptq", "awq"):
+    if ms.quantization in ("gguf", "gguf-a8", "gptq", "awq"):
         raise ValueError(
             f"--tensor-parallel-size {tp} does not work with --quantization {ms.quantization} "
             "yet: it keeps the checkpoint's own quantized blocks, which are not split over the "

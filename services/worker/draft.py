@@ -65,7 +65,9 @@ def load_draft(cfg: SpeculativeConfig, device: DeviceSpec, target: ModelConfig) 
             f"model {target.vocab_size}: a draft must share the served model's tokenizer"
         )
     log.info("loading draft model %s (%d layers) from %s", src.name, config.num_layers, src.path)
-    quant = device.quantization if device.quantization in ("gguf", "int8", "w8a8") else ""
+    quant = (
+        device.quantization if device.quantization in ("gguf", "gguf-a8", "int8", "w8a8") else ""
+    )
     weights = load_weights(src, full, device.dtype, quant)  # the model keeps its first layers
     spec = replace(device, quantization="")
     return load_model(None, spec, CpuPathSpec(batch_invariant=False), config, weights)

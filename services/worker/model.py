@@ -24,9 +24,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.nn.functional as F
 
-from kernels import cpu_layer_ops
+from kernels import cpu_layer_ops, cpu_quant_tiles
 from kernels import reference as K
 from kernels.cpu_gemm import head_packing, linear_packing
+from kernels.cpu_quant import QuantWeight
 from kernels.moe import MoEWeights, moe_block
 from kernels.ops import KernelBackend
 from kernels.stacked_weight import StackedWeight
@@ -74,6 +75,17 @@ def _fuse(parts: list, dtype: torch.dtype) -> torch.Tensor | K.Weight:
     return torch.cat(
         [p if isinstance(p, torch.Tensor) else p.dequantize().to(dtype) for p in parts]
     )
+
+
+def _tiled(w: Any) -> Any:
+    """Blocks multiplied with int8 activations (``--quantization gguf-a8``, ``w8a8``) as the
+    tiled kernel's layout where this CPU runs it (kernels/cpu_quant_tiles.py); anything else
+    as it is."""
+    if isinstance(w, StackedWeight):
+        return StackedWeight([_tiled(p) for p in w.parts])
+    if isinstance(w, QuantWeight) and w.int8_activations:
+        return cpu_quant_tiles.pack(w)
+    return w
 
 
 def _cat_bias(weights: dict[str, Any], names: list[str]) -> torch.Tensor | None:
@@ -259,23 +271,33 @@ class DecoderModel(PagedModel):
         construction, or oneDNN's layout; bf16 in kvflow's bf16 panels or for oneDNN's bf16
         GEMM). The lm_head follows ``cpu_gemm.head_packing``: bf16 panels (fp32 sums) or fp32,
         never a GEMM that rounds the logits to bf16. The embedding stays dense for lookups, so a
-        tied lm_head gets a packed copy of its own. Returns the packing's name."""
-        pack, packing = linear_packing(dtype)
+        tied lm_head gets a packed copy of its own. Quantized blocks multiplied with int8
+        activations (``--quantization gguf-a8``, ``w8a8``) become the tiled kernel's layout
+        (``_tiled``), a tied embedding and head sharing one copy. Returns the packing's name."""
+        dense, packing = linear_packing(dtype)
+
+        def pack(w: Any) -> Any:
+            if isinstance(w, torch.Tensor):
+                return dense(w)
+            return _tiled(w)
+
         for layer in self.layers:
             for name in ("qkv", "o", "gate_up", "down"):
-                w = layer[name]
-                if isinstance(w, torch.Tensor):
-                    layer[name] = pack(w)
+                layer[name] = pack(layer[name])
             m = layer["moe"]
             if m is not None:
-                m.gate_up = [pack(w) if isinstance(w, torch.Tensor) else w for w in m.gate_up]
-                m.down = [pack(w) if isinstance(w, torch.Tensor) else w for w in m.down]
+                m.gate_up = [pack(w) for w in m.gate_up]
+                m.down = [pack(w) for w in m.down]
                 for name in ("router", "shared_gate_up", "shared_down", "shared_gate"):
                     w = getattr(m, name)
-                    if isinstance(w, torch.Tensor):
+                    if w is not None:
                         setattr(m, name, pack(w))
         if isinstance(self.lm_head, torch.Tensor):
             self.lm_head = head_packing(dtype)(self.lm_head)
+        elif self.lm_head is self.embed:  # tied: one copy, looked up and multiplied
+            self.embed = self.lm_head = _tiled(self.embed)
+        else:
+            self.lm_head = _tiled(self.lm_head)
         return packing
 
     def stack_experts(self) -> int:

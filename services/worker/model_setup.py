@@ -36,7 +36,7 @@ if TYPE_CHECKING:
 else:
     AnyModel = DecoderModel
 
-QUANTIZATIONS = ("", "gguf", "int8", "w8a8", "gptq", "awq", "fp8")
+QUANTIZATIONS = ("", "gguf", "gguf-a8", "int8", "w8a8", "gptq", "awq", "fp8")
 
 
 @dataclass(frozen=True)
@@ -110,7 +110,8 @@ def check_quantization(
     ``gguf`` keeps a GGUF's Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K and Q6_K linear weights
     quantized; ``int8`` quantizes any
     checkpoint's linear weights to int8 blocks at load (shared/model_loader.quantize_int8);
-    ``w8a8`` is int8 with the activations rounded to int8 too (the CPU path only);
+    ``w8a8`` is int8 with the activations rounded to int8 too, and ``gguf-a8`` gguf with them
+    so, as llama.cpp computes (the CPU path only);
     ``gptq`` / ``awq`` serve such a 4-bit checkpoint's groups in place
     (shared/quantized_checkpoints.py). On the CPU path (fp32 activations) they run
     kernels/cpu_quant.py, on the device path (``backend`` "triton": CUDA, or Triton's
@@ -136,8 +137,10 @@ def check_quantization(
         quantization = method
     if not quantization:
         return ""
-    if quantization == "gguf" and src is not None and src.kind != "gguf":
-        raise ValueError(f"--quantization gguf needs a .gguf model; {src.path} is not one")
+    if quantization in ("gguf", "gguf-a8") and src is not None and src.kind != "gguf":
+        raise ValueError(
+            f"--quantization {quantization} needs a .gguf model; {src.path} is not one"
+        )
     if quantization == "fp8":
         if not device_path:
             raise ValueError(
@@ -152,10 +155,11 @@ def check_quantization(
             )
         return quantization
     if device_path:
-        if quantization == "w8a8":
+        if quantization in ("w8a8", "gguf-a8"):
+            instead = "gguf" if quantization == "gguf-a8" else "int8 (weights only) or fp8"
             raise ValueError(
-                "--quantization w8a8 rounds activations for the CPU's integer dot products; "
-                "on a GPU use int8 (weights only) or fp8"
+                f"--quantization {quantization} rounds activations for the CPU's integer dot "
+                f"products; on a GPU use {instead}"
             )
         return quantization
     if not cpu_fp32:

@@ -171,25 +171,39 @@ def test_int8_weights_stay_close_to_fp32_and_batch_invariant(smollm2, int8_weigh
 
 def test_w8a8_stays_close_to_fp32_and_batch_invariant(smollm2, int8_weights) -> None:  # noqa: ANN001
     """--quantization w8a8: int8's weights, and each row of activations rounded to int8 per 32
-    before the integer products; tokens part from fp32's earlier than int8's (measured here: 17,
-    8, 32 and 8 (all) agree). Each prompt's first 8 must, and batching changes no logit bit: the
-    integer kernel runs for every chunk length. (Perplexity: kvflow bench quality.)"""
+    before the integer products (the tiled kernel where the CPU has AVX-512 VNNI, else the int8
+    rows kernel); tokens part from fp32's earlier than int8's. Measured here with the tiles: 0,
+    32, 32 and 8 (all) agree, the first prompt's first token being a near tie (fp32 logits 24.86
+    and 24.74). Each prompt's first 8 must agree unless they part where fp32's own top logits are
+    within 0.25, and batching changes no logit bit: the integer kernel runs for every chunk
+    length. (Perplexity: kvflow bench quality.)"""
     weights = {
         name: dataclasses.replace(w, int8_activations=True) if isinstance(w, QuantWeight) else w
         for name, w in int8_weights.items()
     }
     runner = ModelRunner.from_weights(smollm2["cfg"], weights, BLOCK, num_blocks=64)
     assert runner.model.layers[0]["gate_up"].int8_activations
-    assert_close_to_fp32_and_batch_invariant(runner, smollm2, first=8)
+    assert_close_to_fp32_and_batch_invariant(runner, smollm2, first=8, tie=0.25)
 
 
-def assert_close_to_fp32_and_batch_invariant(runner: ModelRunner, smollm2, first: int) -> None:  # noqa: ANN001
-    """Each prompt's first ``first`` greedy tokens equal transformers' fp32 ones, and the same
-    prompts batched give every logit the bits it gets alone."""
+def assert_close_to_fp32_and_batch_invariant(
+    runner: ModelRunner,
+    smollm2,  # noqa: ANN001
+    first: int,
+    tie: float = 0.0,
+) -> None:
+    """Each prompt's first ``first`` greedy tokens equal transformers' fp32 ones (or part where
+    fp32's own logit for the token taken is within ``tie`` of its best: a near tie), each
+    prompt's first logits are within 10 % of fp32's, and the same prompts batched give every
+    logit the bits it gets alone."""
     alone = [generate(runner, [p]) for p in smollm2["prompts"]]
-    for (tokens, _), w in zip(alone, smollm2["want"], strict=True):
+    for p, (tokens, (logits,)), w in zip(smollm2["prompts"], alone, smollm2["want"], strict=True):
+        _, (fp32,) = generate(smollm2["runner"], [p])  # fp32's logits along its own tokens
+        assert (logits[0] - fp32[0]).norm() < 0.1 * fp32[0].norm()
         n = min(first, len(w))
-        assert tokens[0][:n] == w[:n]
+        part = next((i for i in range(n) if tokens[0][i] != w[i]), n)
+        if part < n:
+            assert fp32[part][tokens[0][part]] >= fp32[part].max() - tie, (part, tokens[0], w)
     tokens, batched_logits = generate(runner, smollm2["prompts"])
     assert tokens == [a[0][0] for a in alone]
     for (_, (alone_logits,)), batched in zip(alone, batched_logits, strict=True):
