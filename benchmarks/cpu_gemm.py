@@ -8,6 +8,12 @@ For each weight shape (default: SmolLM2-135M's, [N, K]) and row count, the best 
 - ``bf16 panels``: ``Bf16PanelWeight`` (``--dtype bfloat16`` with AVX512_BF16), where this CPU
   has it.
 
+With ``--gguf TYPE`` (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K) the same table for a
+GGUF block type instead: ``blocks`` (kernels/cpu_quant.py ``QuantWeight``, exact fp32 products:
+``--quantization gguf``), ``int8 rows`` (its int8-activation kernel, Q8_0/Q4_0 only) and
+``tiles`` (kernels/cpu_quant_tiles.py, int8 activations: ``--quantization gguf-a8``, ``w8a8``),
+where this CPU runs them.
+
 Random weights and inputs: the kernels' time does not depend on the values. Threads: torch's
 (``--threads`` sets them).
 """
@@ -20,7 +26,7 @@ from collections.abc import Callable
 
 import torch
 
-from kernels import cpu_gemm
+from kernels import cpu_gemm, cpu_quant, cpu_quant_tiles
 
 SMOLLM2 = [(960, 576), (576, 576), (3072, 576), (576, 1536), (49152, 576)]
 
@@ -45,27 +51,52 @@ def kinds() -> dict[str, type]:
     return got
 
 
+def gguf_kinds(qtype: int) -> dict[str, Callable[[torch.Tensor], object]]:
+    """Makers of a dense weight's stand-in in ``qtype`` blocks (random block bytes: the time does
+    not depend on them), one per kernel."""
+
+    def blocks(w: torch.Tensor, int8: bool = False) -> cpu_quant.QuantWeight:
+        n, k = w.shape
+        per_row = k // cpu_quant.BLOCK_WEIGHTS[qtype] * cpu_quant.BLOCK_BYTES[qtype]
+        g = torch.Generator().manual_seed(n * k)
+        raw = torch.randint(0, 256, (n, per_row), generator=g, dtype=torch.uint8)
+        return cpu_quant.QuantWeight(raw, qtype, (n, k), int8_activations=int8)
+
+    got: dict[str, Callable[[torch.Tensor], object]] = {"blocks": blocks}
+    if qtype in cpu_quant.INT8_ACTIVATION_TYPES and cpu_quant.panel_available():
+        got["int8 rows"] = lambda w: blocks(w, int8=True)
+    if cpu_quant_tiles.available():
+        got["tiles"] = lambda w: cpu_quant_tiles.TiledQuantWeight.from_blocks(blocks(w))
+    return got
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--rows", type=int, nargs="+", default=[1, 16, 64, 256])
     p.add_argument("--shapes", nargs="+", default=[f"{n}x{k}" for n, k in SMOLLM2], help="NxK")
     p.add_argument("--reps", type=int, default=50)
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    p.add_argument("--gguf", default="", help="a GGUF block type: its kernels instead (Q4_K...)")
     args = p.parse_args(argv)
+    types = {name: t for t, name in cpu_quant.TYPE_NAMES.items() if t != cpu_quant.Q4_Z}
+    if args.gguf and args.gguf not in types:
+        p.error(f"--gguf must be one of {', '.join(types)}")
     if args.threads:
         torch.set_num_threads(args.threads)
     if not cpu_gemm.panel_available():
         print("the fp32 panel kernel does not run here (AVX2/FMA and a C compiler needed)")
         return 1
     g = torch.Generator().manual_seed(0)
-    names = list(kinds())
-    print(f"threads {torch.get_num_threads()}; ms per call (GFLOP/s)")
+    makers = gguf_kinds(types[args.gguf]) if args.gguf else kinds()
+    names = list(makers)
+    what = f"{args.gguf} blocks, " if args.gguf else ""
+    print(f"{what}threads {torch.get_num_threads()}; ms per call (GFLOP/s)")
     print("| weight [N, K] | rows | " + " | ".join(names) + " |")
     print("|---|---:|" + "---:|" * len(names))
     for shape in args.shapes:
         n, k = (int(v) for v in shape.split("x"))
         w = torch.randn(n, k, generator=g)
-        packed = [kind(w) for kind in kinds().values()]
+        packed = [make(w) for make in makers.values()]
         for m in args.rows:
             x = torch.randn(m, k, generator=g)
             reps = max(3, args.reps * 576 * 960 // (n * k))

@@ -181,3 +181,17 @@ def test_cpu_gemm_bench_prints_a_row_per_shape_and_row_count(capsys) -> None:  #
     lines = capsys.readouterr().out.splitlines()
     rows = [line for line in lines if line.startswith("| 40 x 34 |")]
     assert len(rows) == 2 and all(r.count("(") == len(bench.kinds()) for r in rows)
+
+
+def test_cpu_gemm_bench_times_a_gguf_types_kernels(capsys) -> None:  # noqa: ANN001
+    from benchmarks import cpu_gemm as bench
+    from kernels import cpu_gemm
+
+    if not cpu_gemm.panel_available():
+        pytest.skip("the bench needs the fp32 panel kernel (AVX2/FMA and a C compiler)")
+    assert bench.main(["--gguf", "Q8_0", "--rows", "2", "--shapes", "20x64", "--reps", "1"]) == 0
+    out = capsys.readouterr().out
+    row = next(line for line in out.splitlines() if line.startswith("| 20 x 64 | 2 |"))
+    assert row.count("(") == len(bench.gguf_kinds(8)) >= 1 and "Q8_0 blocks" in out
+    with pytest.raises(SystemExit):
+        bench.main(["--gguf", "Q9_9"])

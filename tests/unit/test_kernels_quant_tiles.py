@@ -7,6 +7,8 @@ already on the int8 grid (so rounding x changes nothing), x off the grid is roun
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -101,3 +103,22 @@ def test_pack_keeps_blocks_it_cannot_tile_and_refuses_bad_x() -> None:
     assert tiled(torch.zeros(0, 64)).shape == (0, 4)
     with pytest.raises(ValueError, match="fp32"):
         tiled(torch.zeros(2, 32))
+
+
+def test_gguf_a8_marks_the_files_blocks_and_is_a_cpu_scheme() -> None:
+    from services.worker.model_setup import check_quantization
+    from shared.model_loader import round_weights
+    from shared.model_source import ModelSource
+
+    qw = blocks("Q4_K", 16, 256)
+    dense = torch.zeros(4, 4)
+    out = round_weights({"a": qw, "norm": dense}, "gguf-a8")
+    assert out["a"].int8_activations and out["a"].blocks is qw.blocks and out["norm"] is dense
+    assert not qw.int8_activations  # the loaded weight itself is left as it was
+    cpu = torch.device("cpu")
+    gguf = ModelSource("gguf", Path("m.gguf"), "m")
+    assert check_quantization("gguf-a8", gguf, cpu, torch.float32) == "gguf-a8"
+    with pytest.raises(ValueError, match="on a GPU use gguf"):
+        check_quantization("gguf-a8", gguf, cpu, torch.float32, backend="triton")
+    with pytest.raises(ValueError, match="needs a .gguf model"):
+        check_quantization("gguf-a8", ModelSource("hf", Path("d"), "d"), cpu, torch.float32)
