@@ -1,7 +1,8 @@
 """Linear-layer weights pre-packed for the CPU GEMM path of the worker: in kvflow's own panels
 (``PanelWeight``, where the CPU has AVX2 and FMA) or for oneDNN (``PackedWeight``, elsewhere);
 for ``--dtype bfloat16``, in kvflow's bf16 panels (``Bf16PanelWeight``, where the CPU has
-AVX512_BF16) or for oneDNN's bf16 GEMM (``Bf16Weight``, elsewhere).
+AVX-512: AVX512_BF16's instruction, or its products emulated) or for oneDNN's bf16 GEMM
+(``Bf16Weight``, elsewhere).
 
 ``PanelWeight`` keeps the weight as k-major panels of 24 outputs, multiplied by the 4 x 24
 register-blocked FMA kernel of csrc/quant_matmul_cpu.c (the one that also serves quantized
@@ -110,7 +111,7 @@ def _panel_product(
 @cache
 def _bf16_kernel() -> ctypes.CDLL | None:
     """csrc/bf16_matmul_cpu.c built for this CPU, or None where it cannot be built or the CPU
-    has no AVX512_BF16 (the build then has no kernel)."""
+    has no AVX-512 (the build then has no kernel)."""
     lib = cpu_native.load_kernels(_BF16_SRC, _BF16_FLAGS)
     if lib is None:
         return None
@@ -121,8 +122,15 @@ def _bf16_kernel() -> ctypes.CDLL | None:
     return lib if lib.kvf_bf16_available() else None
 
 
+def bf16_panel_native() -> bool:
+    """Whether the bf16 panels run on AVX512_BF16's own instruction (not emulated)."""
+    lib = _bf16_kernel()
+    return lib is not None and lib.kvf_bf16_available() == 2
+
+
 def bf16_panel_available() -> bool:
-    """Whether kvflow's bf16 panel kernel runs here (AVX512_BF16 and a C compiler)."""
+    """Whether kvflow's bf16 panel kernel runs here (AVX-512 and a C compiler: AVX512_BF16's
+    vdpbf16ps, or the same products emulated with fp32 fmas where the CPU lacks it)."""
     return _bf16_kernel() is not None
 
 
@@ -162,7 +170,7 @@ class Bf16PanelWeight:
 
 class Bf16Weight:
     """A linear weight ``[N, K]`` held in bfloat16 for ``--dtype bfloat16`` on a CPU without
-    AVX512_BF16 (``Bf16PanelWeight`` elsewhere): ``w(x)``
+    AVX-512 (``Bf16PanelWeight`` elsewhere): ``w(x)``
     rounds ``x`` to bf16 and runs oneDNN's bf16 GEMM (AVX512_BF16 or AMX dot products where the
     CPU has them, fp32 sums), returning fp32 ``[M, N]``. Half the bytes of fp32 and, on this
     project's AMD EPYC (avx512_bf16), 2-3x the fp32 panels' rate from 16 rows on. Not batch
@@ -200,7 +208,7 @@ def bf16_instructions() -> bool:
 
 def linear_packing(dtype: torch.dtype) -> tuple[type, str]:
     """How the CPU path holds dense linear weights for a model served in ``dtype``, and its
-    name for the log: bf16 -> kvflow's bf16 panels where the CPU has AVX512_BF16, else
+    name for the log: bf16 -> kvflow's bf16 panels where the CPU has AVX-512, else
     ``Bf16Weight`` (oneDNN); fp32 -> kvflow's panels where the panel kernel runs (batch
     invariant by construction), else oneDNN's fp32 layout."""
     if dtype == torch.bfloat16:

@@ -314,6 +314,23 @@ static void quantize_row(const float* x, int K, const tinfo* t, int8_t* q, float
     }
 }
 
+typedef struct {
+    const float* x;
+    int x_stride, K;
+    const tinfo* t;
+    int8_t* xq;
+    float* xd;
+    int32_t* xi;
+    float* xs;
+} quant_ctx;
+
+static void quantize_one(void* vc, long m) {
+    const quant_ctx* c = vc;
+    const int G = c->K / QK;
+    quantize_row(c->x + (size_t)m * c->x_stride, c->K, c->t, c->xq + (size_t)m * c->K,
+                 c->xd + (size_t)m * G, c->xi + (size_t)m * G * 2, c->xs + (size_t)m * G);
+}
+
 // A group's 8 vectors of integers.
 static inline __attribute__((always_inline)) void unpack(const uint8_t* gp, const int bits,
                                                          __m512i* W) {
@@ -484,9 +501,9 @@ int kvf_tiles_matmul(const float* x, int M, int K, int x_stride, const uint8_t* 
         free(xq), free(xd), free(xi), free(xs);
         return -2;
     }
-    for (int m = 0; m < M; m++)
-        quantize_row(x + (size_t)m * x_stride, K, &t, xq + (size_t)m * K, xd + (size_t)m * G,
-                     xi + (size_t)m * G * 2, xs + (size_t)m * G);
+    quant_ctx q = {x, x_stride, K, &t, xq, xd, xi, xs};
+    // rows rounded on the threads where there are enough of them to pay for waking them
+    kvf_parallel_for(M, (long)M * K >= (1 << 16) ? threads : 1, quantize_one, &q);
     prod_ctx c = {xq, xd, xi, xs, M, K, G, N, tiles, y, y_stride, group_bytes(&t), type};
     const long tiles_n = (N + TN - 1) / TN;
     const int rc =

@@ -221,9 +221,9 @@ def load_model(
     cpu_bf16 = ops is None and spec.dtype == torch.bfloat16
     if ops is None and spec.dtype not in (torch.float32, torch.bfloat16):
         raise ValueError(f"the CPU path computes in float32 or bfloat16, not {spec.dtype}")
-    if cpu_bf16 and not cpu_gemm.bf16_instructions():
+    if cpu_bf16 and not cpu_gemm.bf16_panel_available() and not cpu_gemm.bf16_instructions():
         log.warning(
-            "--dtype bfloat16: this CPU has no bf16 dot products (AVX512_BF16, AMX), so oneDNN "
+            "--dtype bfloat16: this CPU has neither AVX-512 nor bf16 dot products, so oneDNN "
             "converts to fp32 and bf16 runs slower than float32 (the default) here"
         )
     if model is None:  # the CPU path builds in fp32; bf16 is its GEMMs' dtype (pack_weights)
