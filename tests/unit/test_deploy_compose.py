@@ -13,6 +13,7 @@ from __future__ import annotations
 import copy
 import json
 import os
+import re
 import shutil
 import subprocess
 from pathlib import Path, PurePosixPath
@@ -62,7 +63,19 @@ def resolved(compose) -> dict:
         )
         if out.returncode == 0:
             return json.loads(out.stdout)
-    return compose
+    return _defaults(compose)
+
+
+def _defaults(node: object) -> object:
+    """``${NAME:-default}`` / ``${NAME-default}`` / ``${NAME}`` resolved to their defaults (""
+    without one), as `docker compose config` resolves them with the variables unset."""
+    if isinstance(node, dict):
+        return {k: _defaults(v) for k, v in node.items()}
+    if isinstance(node, list):
+        return [_defaults(v) for v in node]
+    if isinstance(node, str):
+        return re.sub(r"\$\{[A-Za-z_][A-Za-z0-9_]*(?::?-([^}]*))?\}", lambda m: m[1] or "", node)
+    return node
 
 
 def _mounts(svc: dict) -> list[tuple[str, str, bool]]:
