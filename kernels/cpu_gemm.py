@@ -93,12 +93,8 @@ def _panel_product(
 ) -> torch.Tensor:
     """``x @ W.T`` for fp32 ``x`` ``[M, K]`` (rows with a stride of their own allowed) through a
     panel kernel ``fn(x, M, K, x_stride, panels, N, y, y_stride, threads)``; fp32 ``[M, N]``."""
-    n, k = shape
-    if x.dtype != torch.float32 or x.dim() != 2 or x.shape[1] != k:
-        raise ValueError(f"x must be fp32 [M, {k}], got {x.dtype} {tuple(x.shape)}")
-    x = x if x.stride(1) == 1 else x.contiguous()
-    m = x.shape[0]
-    y = torch.empty(m, n, dtype=torch.float32)
+    x, y = cpu_quant.product_operands(x, shape)
+    (m, n), k = y.shape, shape[1]
     if m == 0:
         return y
     rc = fn(x.data_ptr(), m, k, x.stride(0), panels.data_ptr(), n, y.data_ptr(), n,

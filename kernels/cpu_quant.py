@@ -104,6 +104,17 @@ def quantize_rows_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return xq, xd[:, :, 0].contiguous()
 
 
+def product_operands(x: torch.Tensor, shape: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """What a native ``x @ W.T`` kernel for an [N, K] ``shape`` takes: ``x`` checked as fp32
+    [M, K] (rows with a stride of their own allowed, values contiguous) and an empty fp32
+    [M, N] output; ValueError for any other ``x``."""
+    n, k = shape
+    if x.dtype != torch.float32 or x.dim() != 2 or x.shape[1] != k:
+        raise ValueError(f"x must be fp32 [M, {k}], got {x.dtype} {tuple(x.shape)}")
+    x = x if x.stride(1) == 1 else x.contiguous()
+    return x, torch.empty(x.shape[0], n, dtype=torch.float32)
+
+
 @dataclass(eq=False)
 class QuantWeight:
     """An [N, K] linear weight as GGUF blocks: ``blocks`` is uint8 [N, K / 32 * block bytes],
@@ -187,12 +198,8 @@ class QuantWeight:
         return out
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype != torch.float32 or x.dim() != 2 or x.shape[1] != self.shape[1]:
-            raise ValueError(f"x must be fp32 [M, {self.shape[1]}], got {x.dtype} {tuple(x.shape)}")
-        m = x.shape[0]
-        x = x if x.stride(1) == 1 else x.contiguous()
-        n, k = self.shape
-        y = torch.empty(m, n, dtype=torch.float32)
+        x, y = product_operands(x, self.shape)
+        (m, n), k = y.shape, self.shape[1]
         if m == 0:
             return y
         lib = _lib()

@@ -121,12 +121,8 @@ class TiledQuantWeight:
         return self._decode(torch.arange(self.shape[0]))
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        n, k = self.shape
-        if x.dtype != torch.float32 or x.dim() != 2 or x.shape[1] != k:
-            raise ValueError(f"x must be fp32 [M, {k}], got {x.dtype} {tuple(x.shape)}")
-        x = x if x.stride(1) == 1 else x.contiguous()
-        m = x.shape[0]
-        y = torch.empty(m, n, dtype=torch.float32)
+        x, y = cpu_quant.product_operands(x, self.shape)
+        (m, n), k = y.shape, self.shape[1]
         if m == 0:
             return y
         rc = _lib().kvf_tiles_matmul(
