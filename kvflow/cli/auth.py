@@ -3,6 +3,8 @@
     DIR/<role>/nats-password, DIR/<role>/redis-password   one directory per role
     DIR/nats/nats.conf                                     nats-server -c (users, permissions)
     DIR/redis/users.acl                                    redis-server --aclfile
+    DIR/redis/replication.conf                             redis-server FILE (with Sentinel)
+    DIR/redis/sentinel.conf                                a sentinel's, after its monitor line
 
 Compose's init service runs it into one volume per role; for Kubernetes, run it into
 k8s/base/secrets before `kubectl apply -k` (kustomize makes the Secrets from the files).

@@ -31,7 +31,7 @@ from shared.access.connect import EXIT_REFUSED
 from shared.access.credentials import Credentials, generate
 from shared.config import Settings
 from shared.cpu_budget import usable_cpus
-from shared.infra import Server, port_is_free, start_nats, start_redis
+from shared.infra import Server, port_is_free, start_nats, start_redis, start_redis_sentinel
 from shared.lora import check_lora_settings
 from shared.model_loader import check_settings_model
 from shared.model_source import ModelNotFoundError
@@ -137,10 +137,13 @@ class Stack:
         log_path: Path | None = None,
         console: TextIO | None = None,
         nats_tls: tuple[str, str] | None = None,
+        redis_sentinel: bool = False,
     ) -> None:
         """``nats_tls``: (certificate, key) files for nats-server: every client connection is
-        then TLS (the services verify it with ``--nats-tls-ca``). Settings that cannot be
-        served raise ValueError here, before anything starts."""
+        then TLS (the services verify it with ``--nats-tls-ca``). ``redis_sentinel``: Redis as
+        a primary, a replica and three sentinels (every Redis client follows a failover)
+        instead of one redis-server. Settings that cannot be served raise ValueError here,
+        before anything starts."""
         parse_speculative_config(settings.model.speculative_config)
         ms = settings.model
         check_lora_settings(ms.enable_lora, ms.lora_modules, ms.max_loras, ms.max_lora_rank)
@@ -153,6 +156,7 @@ class Stack:
         self.servers: list[Server] = []
         self.procs: list[tuple[Process, subprocess.Popen]] = []
         self.nats_tls = nats_tls
+        self.redis_sentinel = redis_sentinel
         self.credentials: Credentials | None = None
         self._log: IO[bytes] | None = None
 
@@ -182,9 +186,15 @@ class Stack:
         scheme = "tls" if self.nats_tls else "nats"
         self.settings = self.settings.replace(nats_url=f"{scheme}://127.0.0.1:{nats.port}")
         if redis or (self.settings.cache.kv_redis_tier and not self.settings.bus.redis_url):
-            server = start_redis(aclfile=self.credentials.redis_acl)
-            self.servers.append(server)
-            self.settings = self.settings.replace(redis_url=server.url)
+            c = self.credentials
+            if self.redis_sentinel:
+                rs = start_redis_sentinel(c.redis_acl, c.redis_replication_conf, c.sentinel_conf)
+                self.servers += [*rs.servers, *rs.sentinels]  # stopped in reverse: sentinels first
+                self.settings = self.settings.replace(redis_url=rs.url)
+            else:
+                server = start_redis(aclfile=c.redis_acl)
+                self.servers.append(server)
+                self.settings = self.settings.replace(redis_url=server.url)
         if self.log_path is not None:
             self._log = open(self.log_path, "ab")  # noqa: SIM115 - closed in stop()
         for p in self.plan:
@@ -332,7 +342,12 @@ def _supervise(stack: Stack) -> None:
 
 def _run(stack: Stack) -> None:
     """Start the stack, wait for the gateway, supervise (until an exception)."""
-    stack.note("starting nats-server and redis-server ...")
+    redis = (
+        "Redis with Sentinel (a primary, a replica, 3 sentinels)"
+        if stack.redis_sentinel
+        else "redis-server"
+    )
+    stack.note(f"starting nats-server and {redis} ...")
     stack.start()
     s = stack.settings
     stack.note(f"nats {s.bus.nats_url}, redis {s.bus.redis_url}")
@@ -361,12 +376,13 @@ def serve(
     settings: Settings,
     topology: Topology | None = None,
     nats_tls: tuple[str, str] | None = None,
+    redis_sentinel: bool = False,
 ) -> int:
     """``kvflow serve``: the whole stack with a gateway, until Ctrl-C or SIGTERM."""
     topology = topology or Topology()
     try:
         check_settings_model(settings)
-        stack = Stack(settings, topology, nats_tls=nats_tls)
+        stack = Stack(settings, topology, nats_tls=nats_tls, redis_sentinel=redis_sentinel)
     except (ModelNotFoundError, ValueError) as e:
         return _fail(str(e))
     host, port = settings.gateway.host, settings.gateway.port

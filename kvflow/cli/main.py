@@ -118,6 +118,13 @@ def build_parser(tool_name: str | None = None) -> argparse.ArgumentParser:
         "(give the services its CA with --nats-tls-ca)",
     )
     serve.add_argument("--nats-server-tls-key", default="", help="key of --nats-server-tls-cert")
+    serve.add_argument(
+        "--redis-sentinel",
+        action="store_true",
+        help="Redis as a primary, a replica and three sentinels instead of one redis-server: "
+        "the sentinels promote the replica when the primary dies (in about 2 s) and every "
+        "service follows them",
+    )
 
     run = sub.add_parser("run", help="run one service")
     run.add_argument("service", choices=SERVICES)
@@ -161,7 +168,7 @@ def main(argv: list[str] | None = None) -> int:
     if bool(cert) != bool(key):
         print("kvflow: error: --nats-server-tls-cert and --nats-server-tls-key go together")
         return 2
-    return serve(settings, topology, (cert, key) if cert else None)
+    return serve(settings, topology, (cert, key) if cert else None, args.redis_sentinel)
 
 
 if __name__ == "__main__":

@@ -18,8 +18,9 @@ import logging
 import time
 from typing import TYPE_CHECKING, Any
 
-import redis.asyncio as aioredis
-from redis.exceptions import LockError, LockNotOwnedError, RedisError
+from redis.exceptions import LockError, RedisError
+
+from shared.access.connect import redis_from_url
 
 if TYPE_CHECKING:
     from shared.config import Settings
@@ -35,8 +36,8 @@ class Lease:
     def __init__(
         self, redis_url: str, cell: str, ttl_s: float = 3.0, options: dict[str, Any] | None = None
     ) -> None:
-        """``options``: more ``from_url`` arguments (the scheduler role's login)."""
-        self.redis = aioredis.from_url(
+        """``options``: more ``redis_from_url`` arguments (the scheduler role's login)."""
+        self.redis = redis_from_url(
             redis_url, socket_timeout=1.0, socket_connect_timeout=1.0, **(options or {})
         )
         self.key = f"kvflow:scheduler:{cell}:lease"
@@ -66,21 +67,36 @@ class Lease:
             return False
 
     async def renew(self) -> None:
-        """Extend the lease; raises LeaseLost if another scheduler holds it."""
+        """Extend the lease; raises LeaseLost if another scheduler holds it or led meanwhile."""
         try:
             await self.lock.reacquire()
             self.held_until = time.monotonic() + self.ttl_s * 0.8
-        except LockNotOwnedError as e:
-            raise LeaseLost(str(e)) from e
         except LockError:
-            # the key expired while Redis was away: take it again if nobody else did
-            if not await self.lock.acquire(blocking=False):
-                raise LeaseLost("the lease expired and another scheduler took it") from None
-            self.held_until = time.monotonic() + self.ttl_s * 0.8
+            # not ours any more: it expired while Redis was away (an outage, a failover that
+            # promoted a replica) or another scheduler took it
+            await self._retake()
         except (RedisError, OSError) as e:
             # nobody can take the lease while Redis is away: keep leading
             log.warning("lease: Redis unreachable (%s); still leading", e)
             self.held_until = time.monotonic() + self.ttl_s * 0.8
+
+    async def _retake(self) -> None:
+        """Take the lease again after it expired, keeping this leadership's epoch, if nobody
+        else holds it and nobody led since (the epoch counter has not moved past this one)."""
+        try:
+            if not await self.lock.acquire(blocking=False):
+                raise LeaseLost("the lease expired and another scheduler took it")
+            current = int(await self.redis.get(self.epoch_key) or 0)
+            if current > self.epoch:
+                await self.release()
+                raise LeaseLost(f"another scheduler led meanwhile (epoch {current})")
+            if current < self.epoch:  # the write was lost with a failed primary: put it back
+                await self.redis.set(self.epoch_key, self.epoch)
+        except (RedisError, OSError) as e:
+            log.warning("lease: Redis unreachable (%s); still leading", e)
+        else:
+            log.warning("lease: taken again after it expired (epoch %d)", self.epoch)
+        self.held_until = time.monotonic() + self.ttl_s * 0.8
 
     def valid(self) -> bool:
         return time.monotonic() < self.held_until

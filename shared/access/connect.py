@@ -100,11 +100,60 @@ def redis_options(bus: BusSettings, role: str) -> dict[str, Any]:
     return out
 
 
-def redis_client(bus: BusSettings, role: str, **kwargs: Any) -> aioredis.Redis:
-    """A Redis client of ``role`` on ``bus.redis_url`` (``kwargs``: timeouts, decoding)."""
+SENTINEL_SCHEMES = {"redis+sentinel": False, "rediss+sentinel": True}  # scheme -> TLS
+
+
+def parse_sentinel_url(url: str) -> tuple[list[tuple[str, int]], str, int, bool] | None:
+    """``redis+sentinel://HOST:PORT[,HOST:PORT...]/MASTER[/DB]`` (``rediss+sentinel``: TLS to
+    the sentinels and the servers) as (sentinels, master name, db, tls); None for any other
+    URL. A ValueError says what is wrong with one."""
+    scheme, sep, rest = url.partition("://")
+    if not sep or scheme not in SENTINEL_SCHEMES:
+        return None
+    hosts, _, path = rest.partition("/")
+    parts = [p for p in path.split("/") if p]
+    form = f"a Sentinel URL is {scheme}://HOST:PORT[,HOST:PORT...]/MASTER[/DB]"
+    if "@" in hosts or not hosts or not parts or len(parts) > 2:
+        raise ValueError(
+            f"{url!r}: {form} (the login comes from --redis-user/--redis-password-file)"
+        )
+    sentinels = []
+    for hp in hosts.split(","):
+        host, _, port = hp.rpartition(":")
+        if not host or not port.isdigit():
+            raise ValueError(f"{url!r}: {hp!r} is not HOST:PORT; {form}")
+        sentinels.append((host.strip("[]"), int(port)))
+    db = parts[1] if len(parts) == 2 else "0"
+    if not db.isdigit():
+        raise ValueError(f"{url!r}: the database {db!r} is not a number; {form}")
+    return sentinels, parts[0], int(db), SENTINEL_SCHEMES[scheme]
+
+
+def redis_from_url(url: str, **kwargs: Any) -> aioredis.Redis:
+    """A Redis client on ``url`` (``kwargs``: the login, timeouts, decoding: ``from_url``'s).
+    A Sentinel URL gives a client of the primary that the sentinels name, asked again whenever
+    a connection fails (a failover promoted a replica); it logs in to the sentinels with the
+    same user and password."""
     import redis.asyncio as aioredis
 
-    return aioredis.from_url(bus.redis_url, **redis_options(bus, role), **kwargs)
+    sentinel = parse_sentinel_url(url)
+    if sentinel is None:
+        return aioredis.from_url(url, **kwargs)
+    from redis.asyncio.sentinel import Sentinel
+
+    hosts, master, db, tls = sentinel
+    opts = dict(kwargs)
+    ca = opts.pop("ssl_ca_certs", None)
+    secure = {"ssl": True, **({"ssl_ca_certs": ca} if ca else {})} if tls else {}
+    login = {k: opts[k] for k in ("username", "password") if k in opts}
+    timeouts = {k: v for k, v in opts.items() if k.startswith("socket_")}
+    sentinels = Sentinel(hosts, sentinel_kwargs={**login, **timeouts, **secure})
+    return sentinels.master_for(master, db=db, **opts, **secure)
+
+
+def redis_client(bus: BusSettings, role: str, **kwargs: Any) -> aioredis.Redis:
+    """A Redis client of ``role`` on ``bus.redis_url`` (``kwargs``: timeouts, decoding)."""
+    return redis_from_url(bus.redis_url, **redis_options(bus, role), **kwargs)
 
 
 async def verify_redis(client: aioredis.Redis, role: str, url: str) -> bool:

@@ -2,6 +2,8 @@
 
     DIR/<role>/nats-password    DIR/<role>/redis-password    (one directory per role)
     DIR/nats/nats.conf          DIR/redis/users.acl          (the servers' configurations)
+    DIR/redis/replication.conf  DIR/redis/sentinel.conf      (Redis with Sentinel: every Redis
+                                                              server's and every sentinel's)
 
 `kvflow serve` makes them at start in a private temporary directory; `kvflow auth init DIR`
 makes them for compose (its init service) and Kubernetes (Secrets generated from the files).
@@ -16,12 +18,19 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from shared.access.grants import NATS_ROLES, REDIS_ROLES, ROLES
-from shared.access.render import nats_config, redis_acl
+from shared.access.render import (
+    nats_config,
+    redis_acl,
+    redis_replication_config,
+    sentinel_config,
+)
 
 NATS_PASSWORD = "nats-password"
 REDIS_PASSWORD = "redis-password"
 NATS_CONF = Path("nats") / "nats.conf"
 REDIS_ACL = Path("redis") / "users.acl"
+REDIS_REPLICATION_CONF = Path("redis") / "replication.conf"
+SENTINEL_CONF = Path("redis") / "sentinel.conf"
 
 
 @dataclass(frozen=True)
@@ -43,6 +52,15 @@ class Credentials:
     @property
     def redis_acl(self) -> Path:
         return self.root / REDIS_ACL
+
+    @property
+    def redis_replication_conf(self) -> Path:
+        return self.root / REDIS_REPLICATION_CONF
+
+    @property
+    def sentinel_conf(self) -> Path:
+        """Every sentinel's configuration after its ``sentinel_monitor`` lines."""
+        return self.root / SENTINEL_CONF
 
     def service_settings(self, role: str) -> dict[str, str]:
         """The flat settings that make a service of ``role`` log in (user = its role)."""
@@ -89,5 +107,8 @@ def generate(
         nats, tls_cert=tls_cert, tls_key=tls_key, tls_ca=tls_ca, max_payload=max_payload
     )
     _write(creds.nats_conf, conf, mode)
-    _write(creds.redis_acl, redis_acl(redis), mode)
+    server = {u: secrets.token_urlsafe(24) for u in ("replication", "sentinel")}
+    _write(creds.redis_acl, redis_acl(redis, server), mode)
+    _write(creds.redis_replication_conf, redis_replication_config(server["replication"]), mode)
+    _write(creds.sentinel_conf, sentinel_config(redis, server["sentinel"]), mode)
     return creds

@@ -27,6 +27,7 @@ class NatsGrant:
 class RedisGrant:
     keys: tuple[str, ...]  # glob patterns
     commands: tuple[str, ...]  # command names (``script|load``: one subcommand)
+    channels: tuple[str, ...] = ()  # Pub/Sub channel patterns
 
 
 ANY_GATEWAY = f"{S.PREFIX}.gateway.*"  # S.gateway_inbox(id): where pipeline answers go
@@ -137,6 +138,46 @@ REDIS_GRANTS: dict[str, RedisGrant] = {
         commands=(*_CONNECT, "get", "mget", "set", "exists", "expire"),
     ),
 }
+
+# Redis's own users, for Redis with Sentinel (`kvflow serve --redis-sentinel`, compose,
+# Kubernetes): a replica copies its primary as "replication"; the sentinels watch and reconfigure
+# the servers, and talk to one another, as "sentinel" (the commands Redis's Sentinel
+# documentation lists for its ACL user). Their passwords never leave the servers' files.
+REDIS_SERVER_GRANTS: dict[str, RedisGrant] = {
+    "replication": RedisGrant(keys=(), commands=("psync", "replconf", "ping")),
+    "sentinel": RedisGrant(
+        keys=(),
+        commands=(
+            *_CONNECT,
+            "multi",
+            "exec",
+            "slaveof",
+            "subscribe",
+            "publish",
+            "config|rewrite",
+            "role",
+            "info",
+            "client|setname",
+            "client|kill",
+            "script|kill",
+        ),
+        channels=("*",),
+    ),
+}
+# What a service of any Redis role asks a sentinel (as its own user, with its own password):
+# where the primary is (redis-py's Sentinel client), nothing that changes the sentinel
+SENTINEL_CLIENT_COMMANDS = (
+    "ping",
+    "auth",
+    "hello",
+    "sentinel|get-master-addr-by-name",
+    "sentinel|masters",
+    "sentinel|master",
+    "sentinel|slaves",
+    "sentinel|replicas",
+    "sentinel|sentinels",
+)
+SENTINEL_MASTER = "kvflow"  # the name the sentinels know the primary by
 
 NATS_ROLES = tuple(NATS_GRANTS)
 REDIS_ROLES = tuple(REDIS_GRANTS)

@@ -1,6 +1,8 @@
 """The servers' side of the grants: a nats-server configuration (users with bcrypt-hashed
-passwords and their subject permissions) and a Redis ACL file (users with SHA-256-hashed
-passwords, key patterns and commands; the default user may only PING, for health checks)."""
+passwords and their subject permissions), a Redis ACL file (users with SHA-256-hashed
+passwords, key patterns and commands; the default user may only PING, for health checks) and,
+for Redis with Sentinel, what the replicas and the sentinels log in with and the sentinels'
+own users."""
 
 from __future__ import annotations
 
@@ -10,7 +12,14 @@ from collections.abc import Mapping
 
 import bcrypt
 
-from shared.access.grants import NATS_GRANTS, REDIS_GRANTS
+from shared.access.grants import (
+    NATS_GRANTS,
+    REDIS_GRANTS,
+    REDIS_SERVER_GRANTS,
+    SENTINEL_CLIENT_COMMANDS,
+    SENTINEL_MASTER,
+    RedisGrant,
+)
 
 
 def _q(value: str) -> str:
@@ -62,14 +71,58 @@ def nats_config(
     return text
 
 
-def redis_acl(passwords: Mapping[str, str]) -> str:
-    """A Redis ACL file (``redis-server --aclfile``) for the roles in ``passwords``."""
+def _redis_user(name: str, password: str, grant: RedisGrant) -> str:
+    digest = hashlib.sha256(password.encode()).hexdigest()
+    keys = "".join(f" ~{k}" for k in grant.keys)
+    channels = "".join(f" &{c}" for c in grant.channels)
+    commands = " ".join(f"+{c}" for c in grant.commands)
+    return f"user {name} on #{digest} resetkeys{keys} resetchannels{channels} -@all {commands}"
+
+
+def redis_acl(passwords: Mapping[str, str], server_passwords: Mapping[str, str] = {}) -> str:  # noqa: B006 - read only
+    """A Redis ACL file (``redis-server --aclfile``) for the roles in ``passwords`` and Redis's
+    own users in ``server_passwords`` (``replication``, ``sentinel``)."""
     # no comments: an ACL file holds only `user` lines
     lines = ["user default on nopass resetkeys resetchannels -@all +ping"]
-    for role, password in passwords.items():
-        grant = REDIS_GRANTS[role]
-        digest = hashlib.sha256(password.encode()).hexdigest()
-        keys = " ".join(f"~{k}" for k in grant.keys)
-        commands = " ".join(f"+{c}" for c in grant.commands)
-        lines.append(f"user {role} on #{digest} resetkeys {keys} resetchannels -@all {commands}")
+    lines += [_redis_user(role, pw, REDIS_GRANTS[role]) for role, pw in passwords.items()]
+    lines += [_redis_user(n, pw, REDIS_SERVER_GRANTS[n]) for n, pw in server_passwords.items()]
+    return "\n".join(lines) + "\n"
+
+
+def redis_replication_config(password: str) -> str:
+    """The lines every Redis server of a Sentinel deployment starts with (``redis-server
+    FILE``): how it logs in to its primary when it is (or becomes) a replica."""
+    return f"masteruser replication\nmasterauth {_q(password)}\n"
+
+
+def sentinel_monitor(host: str, port: int, quorum: int = 2) -> str:
+    """The lines a sentinel's configuration starts with: the primary it watches as
+    SENTINEL_MASTER (a host name is resolved: compose and Kubernetes name their servers);
+    ``sentinel_config``'s lines follow them."""
+    return (
+        "sentinel resolve-hostnames yes\n"
+        f"sentinel monitor {SENTINEL_MASTER} {host} {port} {quorum}\n"
+    )
+
+
+def sentinel_config(passwords: Mapping[str, str], sentinel_password: str) -> str:
+    """The rest of a sentinel's configuration (after ``sentinel_monitor``; the sentinel rewrites
+    its file, so each gets its own copy): it logs in to the servers and to the other sentinels as
+    "sentinel" and lets each role in ``passwords`` ask only where the primary is; anyone may
+    PING (health checks). A primary is given up after a second without answer (a sentinel's
+    default is 30 s)."""
+    m = SENTINEL_MASTER
+    lines = [
+        f"sentinel down-after-milliseconds {m} 1000",
+        f"sentinel failover-timeout {m} 10000",
+        f"sentinel auth-user {m} sentinel",
+        f"sentinel auth-pass {m} {_q(sentinel_password)}",
+        "sentinel sentinel-user sentinel",
+        f"sentinel sentinel-pass {_q(sentinel_password)}",
+        "user default on nopass resetchannels -@all +ping",
+        f"user sentinel on #{hashlib.sha256(sentinel_password.encode()).hexdigest()} "
+        "resetchannels &* +@all",
+    ]
+    client = RedisGrant(keys=(), commands=SENTINEL_CLIENT_COMMANDS)
+    lines += [_redis_user(role, pw, client) for role, pw in passwords.items()]
     return "\n".join(lines) + "\n"

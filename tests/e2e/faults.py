@@ -21,7 +21,7 @@ MODEL = "SmolLM2-135M-Instruct"
 def stack_urls(name: str) -> tuple[str, str]:
     """(nats URL, redis URL) that `kvflow serve` printed for the stack ``name``."""
     log = (ROOT / ".pytest_cache" / f"kvflow-serve-{name}.log").read_text()
-    m = re.search(r"kvflow: nats (nats://\S+), redis (redis://\S+)", log)
+    m = re.search(r"kvflow: nats (nats://\S+), redis (redis\S*://\S+)", log)
     assert m, "no infrastructure URLs in the stack's log"
     return m.group(1), m.group(2)
 
@@ -79,6 +79,8 @@ class Stream:
     base: str
     prompt: str | list[int]
     max_tokens: int
+    model: str = MODEL
+    headers: dict[str, str] = field(default_factory=dict)  # an API key
     pieces: list[str] = field(default_factory=list)
     finish_reason: str | None = None
     error: str | None = None
@@ -93,7 +95,7 @@ class Stream:
         import json
 
         body = {
-            "model": MODEL,
+            "model": self.model,
             "prompt": self.prompt,
             "max_tokens": self.max_tokens,
             "temperature": 0,
@@ -101,7 +103,8 @@ class Stream:
             "ignore_eos": True,
         }
         try:
-            with httpx.stream("POST", f"{self.base}/v1/completions", json=body, timeout=600) as r:
+            url, h = f"{self.base}/v1/completions", self.headers
+            with httpx.stream("POST", url, json=body, headers=h, timeout=600) as r:
                 if r.status_code != 200:
                     self.error = f"HTTP {r.status_code}: {r.read().decode()[:300]}"
                     return

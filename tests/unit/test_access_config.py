@@ -13,7 +13,7 @@ import bcrypt
 import pytest
 
 from kvflow.cli.main import main
-from shared.access.connect import AccessError, nats_auth, redis_options
+from shared.access.connect import AccessError, nats_auth, parse_sentinel_url, redis_options
 from shared.access.credentials import Credentials
 from shared.access.grants import NATS_ROLES, REDIS_ROLES
 from shared.config import BusSettings
@@ -37,8 +37,49 @@ def test_auth_init_writes_every_roles_files_that_the_configs_accept(tmp_path: Pa
         assert f"#{hashlib.sha256(password.encode()).hexdigest()}" in line
     assert not creds.redis_password_file("tokenizer").exists()  # no Redis user: no file
     assert "user default on nopass resetkeys resetchannels -@all +ping" in acl
-    for f in (creds.nats_conf, creds.redis_acl, creds.nats_password_file("worker")):
+    # Redis with Sentinel: the replicas' login to the primary is a user of the ACL, and every
+    # role may log in to the sentinels with its own password (to ask where the primary is)
+    repl = re.search(r'masterauth "([^"]+)"', creds.redis_replication_conf.read_text()).group(1)
+    line = next(x for x in acl.splitlines() if x.startswith("user replication "))
+    assert f"#{hashlib.sha256(repl.encode()).hexdigest()}" in line and "+psync" in line
+    sentinel = creds.sentinel_conf.read_text()
+    for role in REDIS_ROLES:
+        password = creds.redis_password_file(role).read_text().strip()
+        line = next(x for x in sentinel.splitlines() if x.startswith(f"user {role} "))
+        assert f"#{hashlib.sha256(password.encode()).hexdigest()}" in line
+        assert "+sentinel|get-master-addr-by-name" in line and "+@all" not in line
+    files = (creds.nats_conf, creds.redis_acl, creds.sentinel_conf, creds.redis_replication_conf)
+    for f in (*files, creds.nats_password_file("worker")):
         assert stat.S_IMODE(f.stat().st_mode) == 0o600
+
+
+@pytest.mark.parametrize(
+    ("url", "parsed"),
+    [
+        ("redis://127.0.0.1:6379/0", None),
+        (
+            "redis+sentinel://a:26379,b:26380/kvflow",
+            ([("a", 26379), ("b", 26380)], "kvflow", 0, False),
+        ),
+        ("rediss+sentinel://[::1]:1/m/3", ([("::1", 1)], "m", 3, True)),
+    ],
+)
+def test_sentinel_urls(url: str, parsed) -> None:
+    assert parse_sentinel_url(url) == parsed
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        "redis+sentinel://a:1",  # no master name
+        "redis+sentinel://a/kvflow",  # no port
+        "redis+sentinel://u:p@a:1/kvflow",  # a login in the URL
+        "redis+sentinel://a:1/kvflow/x",
+    ],
+)
+def test_bad_sentinel_urls_say_the_form(url: str) -> None:
+    with pytest.raises(ValueError, match="HOST:PORT"):
+        parse_sentinel_url(url)
 
 
 def test_auth_init_keeps_or_refuses_existing_credentials(tmp_path: Path, capsys) -> None:

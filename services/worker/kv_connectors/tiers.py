@@ -24,11 +24,11 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
-import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
 from services.worker.kv_blocks import KvBlockIO
 from services.worker.kv_connectors.base import KvTier
+from shared.access.connect import redis_from_url
 from shared.kv_tier import tier_key
 from shared.messages import KvLoad, StepPlan
 
@@ -133,9 +133,9 @@ class RedisTier:
         probe_every_s: float = 2.0,
         options: dict[str, Any] | None = None,
     ) -> None:
-        """``options``: more ``from_url`` arguments (the worker role's login,
+        """``options``: more ``redis_from_url`` arguments (the worker role's login,
         shared/access/connect.redis_options)."""
-        self.redis = aioredis.from_url(
+        self.redis = redis_from_url(
             url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s, **(options or {})
         )
         self.layout = layout
