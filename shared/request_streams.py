@@ -4,8 +4,10 @@ gateway, the Python API).
 The detokenizer sends one ``DeltaBatch`` per step for all of a client's requests (per-token
 traffic stays batched on NATS); here it is fanned out to each request's queue, the only place
 where messages become per-request. A delta that repeats tokens already delivered (two
-detokenizers held the request) is dropped; any reply, or an ``Accepted``, marks the request
-acknowledged."""
+detokenizers held the request, or it was published again after a NATS node's loss) is dropped;
+one that comes after a gap (the delta before it was lost and is published again) waits for it,
+and a gap still open after ``GAP_TIMEOUT_S`` ends the request with an error rather than a text
+with a hole. Any reply, or an ``Accepted``, marks the request acknowledged."""
 
 from __future__ import annotations
 
@@ -14,9 +16,11 @@ import logging
 from collections import deque
 from typing import Any
 
+from shared.in_order import InOrder
 from shared.messages import Accepted, Delta, DeltaBatch, Message, RequestError, ToolCallDelta
 
 log = logging.getLogger("kvflow.streams")
+GAP_TIMEOUT_S = 15.0  # a delta lost in transit is published again within a few seconds
 
 Item = Delta | RequestError
 
@@ -107,8 +111,19 @@ class RequestStreams:
         self._queues: dict[str, DeltaQueue] = {}
         self._accepted: dict[str, asyncio.Event] = {}  # set by Accepted, or any reply at all
         self._tokens: dict[str, int] = {}  # completion tokens delivered so far
-        self.duplicate_deltas = 0  # deltas dropped as repeats (two detokenizers had a request)
+        self._order: InOrder[Delta] = InOrder()
         self.unknown_deltas = 0  # deltas for requests no longer here (finished or aborted)
+        self.lost_deltas = 0  # requests ended because a gap in their deltas never filled
+
+    @property
+    def duplicate_deltas(self) -> int:
+        """Deltas dropped as repeats (two detokenizers had a request, or a replay)."""
+        return self._order.repeats
+
+    @property
+    def held_deltas(self) -> int:
+        """Deltas that came after a gap and waited for it to fill."""
+        return self._order.held
 
     def open(self, request_id: str) -> DeltaQueue:
         q = DeltaQueue()
@@ -120,6 +135,7 @@ class RequestStreams:
         self._queues.pop(request_id, None)
         self._accepted.pop(request_id, None)
         self._tokens.pop(request_id, None)
+        self._order.forget(request_id)
 
     def accepted(self, request_id: str) -> asyncio.Event | None:
         """Set once the scheduler acknowledged the request (None: no longer open)."""
@@ -160,13 +176,18 @@ class RequestStreams:
                 if q is None:
                     self.unknown_deltas += 1
                     continue
-                self._ack(delta.request_id)
-                seen = self._tokens.get(delta.request_id, 0)
-                if delta.completion_tokens and delta.completion_tokens <= seen:
-                    self.duplicate_deltas += 1  # each delta counts one more token than the last
+                rid = delta.request_id
+                self._ack(rid)
+                if not delta.completion_tokens:  # no tokens to order by (an embedding)
+                    q.put_nowait(delta)
                     continue
-                self._tokens[delta.request_id] = delta.completion_tokens
-                q.put_nowait(delta)
+                seen = self._tokens.get(rid, 0)
+                start = delta.after_tokens
+                for d in self._order.push(rid, seen, start, delta.completion_tokens, delta):
+                    self._tokens[rid] = d.completion_tokens
+                    q.put_nowait(d)
+                if self._order.waiting(rid) and start > seen:
+                    self._watch_gap(rid)
         elif isinstance(msg, RequestError):
             q = self._queues.get(msg.request_id)
             if q is not None:
@@ -176,6 +197,31 @@ class RequestStreams:
             self._ack(msg.request_id)
         else:
             log.debug("inbox: ignored %s", type(msg).__name__)
+
+    def _watch_gap(self, request_id: str) -> None:
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:  # dispatched outside a loop (tests): no deadline
+            return
+        loop.call_later(GAP_TIMEOUT_S, self._gap_open, request_id)
+
+    def _gap_open(self, request_id: str) -> None:
+        """A gap still open after its deadline: what filled it is lost; the request ends."""
+        q = self._queues.get(request_id)
+        if q is None or request_id not in self._order.gaps(GAP_TIMEOUT_S * 0.99):
+            return
+        self._order.forget(request_id)
+        self.lost_deltas += 1
+        log.error("request %s: a piece of its output was lost in transit", request_id)
+        q.put_nowait(
+            RequestError(
+                request_id,
+                "part of the output was lost in transit (a NATS server failed and it was not "
+                "published again in time); retry the request",
+                "ServiceUnavailableError",
+                code=503,
+            )
+        )
 
     async def handler(self, msg: Message, _raw: Any) -> None:
         """The Bus subscription callback."""

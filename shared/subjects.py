@@ -18,6 +18,17 @@ TOKENIZER_RPC = f"{PREFIX}.tokenizer.rpc"  # queue group TOKENIZER_QUEUE
 KV_DONE = f"{PREFIX}.kv.done"  # KvTransferDone: decode worker -> scheduler
 # MetricsRequest (with a reply subject) -> every service instance answers a MetricsReport
 METRICS = f"{PREFIX}.metrics"
+# a connection back from a lost NATS node asks every service to publish again what it sent
+# lately on the subjects of REPLAYED (shared/replay.py); the payload is the asker's id
+REPLAY = f"{PREFIX}.bus.replay"
+
+
+def replayed(subject: str) -> bool:
+    """Whether messages on ``subject`` are published again after a NATS node's loss: the ones
+    whose receivers drop repeats and put late ones in order (requests, aborts, step results, KV
+    hand-off reports, a gateway's deltas). Plans are not (a worker must run a plan once; a lost
+    one is recomputed, services/scheduler), nor heartbeats, pings, metrics, request/reply."""
+    return subject in _REPLAYED or subject.startswith(_GATEWAYS)
 
 
 def ping(service: str) -> str:
@@ -65,3 +76,7 @@ def subject_label(subject: str) -> str:
     if len(parts) >= 4 and parts[0] == PREFIX and parts[1] == "blob":
         parts[3] = "*"
     return ".".join(parts)
+
+
+_REPLAYED = frozenset((TOKENIZE, REQUESTS, ABORT, RESULTS, KV_DONE))
+_GATEWAYS = f"{PREFIX}.gateway."

@@ -31,7 +31,14 @@ from shared.access.connect import EXIT_REFUSED
 from shared.access.credentials import Credentials, generate
 from shared.config import Settings
 from shared.cpu_budget import usable_cpus
-from shared.infra import Server, port_is_free, start_nats, start_redis, start_redis_sentinel
+from shared.infra import (
+    Server,
+    port_is_free,
+    start_nats,
+    start_nats_cluster,
+    start_redis,
+    start_redis_sentinel,
+)
 from shared.lora import check_lora_settings
 from shared.model_loader import check_settings_model
 from shared.model_source import ModelNotFoundError
@@ -138,12 +145,19 @@ class Stack:
         console: TextIO | None = None,
         nats_tls: tuple[str, str] | None = None,
         redis_sentinel: bool = False,
+        nats_cluster: int = 1,
     ) -> None:
         """``nats_tls``: (certificate, key) files for nats-server: every client connection is
         then TLS (the services verify it with ``--nats-tls-ca``). ``redis_sentinel``: Redis as
         a primary, a replica and three sentinels (every Redis client follows a failover)
-        instead of one redis-server. Settings that cannot be served raise ValueError here,
-        before anything starts."""
+        instead of one redis-server. ``nats_cluster``: nats-servers joined into one cluster
+        (every service is given them all and moves to another when its own is lost). Settings
+        that cannot be served raise ValueError here, before anything starts."""
+        if nats_cluster < 1 or (nats_cluster > 1 and (nats_cluster < 3 or nats_cluster % 2 == 0)):
+            raise ValueError(
+                f"--nats-cluster {nats_cluster}: a NATS cluster is 3 or more nodes, an odd "
+                "number (1: one nats-server, the default)"
+            )
         parse_speculative_config(settings.model.speculative_config)
         ms = settings.model
         check_lora_settings(ms.enable_lora, ms.lora_modules, ms.max_loras, ms.max_lora_rank)
@@ -157,6 +171,7 @@ class Stack:
         self.procs: list[tuple[Process, subprocess.Popen]] = []
         self.nats_tls = nats_tls
         self.redis_sentinel = redis_sentinel
+        self.nats_cluster = nats_cluster
         self.credentials: Credentials | None = None
         self._log: IO[bytes] | None = None
 
@@ -181,10 +196,16 @@ class Stack:
         self.credentials = generate(
             tempfile.mkdtemp(prefix="kvflow-auth-"), tls_cert=cert, tls_key=key
         )
-        nats = start_nats(config=self.credentials.nats_conf)
-        self.servers.append(nats)
+        if self.nats_cluster > 1:
+            c = self.credentials
+            password = c.nats_route_password.read_text().strip()
+            nodes = start_nats_cluster(c.nats_conf.parent, self.nats_cluster, password).nodes
+        else:
+            nodes = [start_nats(config=self.credentials.nats_conf)]
+        self.servers += nodes
         scheme = "tls" if self.nats_tls else "nats"
-        self.settings = self.settings.replace(nats_url=f"{scheme}://127.0.0.1:{nats.port}")
+        urls = ",".join(f"{scheme}://127.0.0.1:{n.port}" for n in nodes)
+        self.settings = self.settings.replace(nats_url=urls)
         if redis or (self.settings.cache.kv_redis_tier and not self.settings.bus.redis_url):
             c = self.credentials
             if self.redis_sentinel:
@@ -377,12 +398,19 @@ def serve(
     topology: Topology | None = None,
     nats_tls: tuple[str, str] | None = None,
     redis_sentinel: bool = False,
+    nats_cluster: int = 1,
 ) -> int:
     """``kvflow serve``: the whole stack with a gateway, until Ctrl-C or SIGTERM."""
     topology = topology or Topology()
     try:
         check_settings_model(settings)
-        stack = Stack(settings, topology, nats_tls=nats_tls, redis_sentinel=redis_sentinel)
+        stack = Stack(
+            settings,
+            topology,
+            nats_tls=nats_tls,
+            redis_sentinel=redis_sentinel,
+            nats_cluster=nats_cluster,
+        )
     except (ModelNotFoundError, ValueError) as e:
         return _fail(str(e))
     host, port = settings.gateway.host, settings.gateway.port

@@ -119,6 +119,15 @@ def build_parser(tool_name: str | None = None) -> argparse.ArgumentParser:
     )
     serve.add_argument("--nats-server-tls-key", default="", help="key of --nats-server-tls-cert")
     serve.add_argument(
+        "--nats-cluster",
+        type=int,
+        default=1,
+        metavar="N",
+        help="N nats-servers (3 or more, odd) joined into one cluster instead of one: every "
+        "service is given them all and moves to another when its own dies; what the lost one "
+        "dropped is published again",
+    )
+    serve.add_argument(
         "--redis-sentinel",
         action="store_true",
         help="Redis as a primary, a replica and three sentinels instead of one redis-server: "
@@ -168,7 +177,8 @@ def main(argv: list[str] | None = None) -> int:
     if bool(cert) != bool(key):
         print("kvflow: error: --nats-server-tls-cert and --nats-server-tls-key go together")
         return 2
-    return serve(settings, topology, (cert, key) if cert else None, args.redis_sentinel)
+    tls = (cert, key) if cert else None
+    return serve(settings, topology, tls, args.redis_sentinel, args.nats_cluster)
 
 
 if __name__ == "__main__":

@@ -33,6 +33,7 @@ from shared import subjects
 from shared.access.connect import nats_auth
 from shared.bus import Bus
 from shared.config import Settings
+from shared.in_order import InOrder
 from shared.logs import request_scope
 from shared.messages import (
     Abort,
@@ -42,6 +43,7 @@ from shared.messages import (
     Message,
     PooledOutput,
     PromptLogprobs,
+    RequestError,
     SampleLogprobs,
     StepResult,
     StepVoid,
@@ -53,6 +55,7 @@ from shared.voided_steps import VoidedSteps
 log = logging.getLogger("kvflow.detokenizer")
 _tracer = tracer("detokenizer")
 
+GAP_TIMEOUT_S = 10.0  # a result lost in transit is published again within a few seconds
 EARLY_RESULT_TTL_S = 10.0  # results that arrive before their request's registration wait this long
 
 
@@ -67,7 +70,9 @@ class DetokenizerService:
         self.metrics = DetokenizerMetrics(lambda: len(self.states))
         self.metrics.registry.register(ToolParserErrors())
         self.done: OrderedDict[str, None] = OrderedDict()  # recently ended, to ignore late results
-        self.duplicates_dropped = 0
+        # each request's tokens in position order (shared/in_order.py): repeats of a re-run
+        # step or of a replay dropped, tokens after a lost result held until it comes again
+        self.order: InOrder[tuple[str, int, int, SampleLogprobs | None]] = InOrder()
         self.voided = VoidedSteps()  # steps the scheduler gave up (shared/voided_steps.py)
         self.early: dict[str, tuple[float, list[tuple[int, int, SampleLogprobs | None]]]] = {}
         self.early_prompt: dict[str, tuple[float, list[PromptLogprobs]]] = {}
@@ -110,6 +115,7 @@ class DetokenizerService:
             case Abort():
                 if self.embeds.pop(msg.request_id, None) is not None:
                     self._mark_done(msg.request_id)
+                self.order.forget(msg.request_id)
                 if self.states.pop(msg.request_id, None) is not None:
                     self._end_span(msg.request_id, "abort")
                     self._mark_done(msg.request_id)
@@ -160,14 +166,56 @@ class DetokenizerService:
                 )
         lps = res.logprobs or [None] * len(res.request_ids)
         entries = list(zip(res.request_ids, res.token_ids, res.finish_reasons, lps, strict=True))
-        if res.num_output_tokens:  # drop tokens of positions already sent (a re-run step)
-            entries = [
-                e
-                for e, count in zip(entries, res.num_output_tokens, strict=True)
-                if not self._already_sent(e[0], count)
-            ]
+        if res.num_output_tokens:
+            entries = self._in_order(entries, res.num_output_tokens)
         await self._apply(entries)
         self._expire_early()
+        await self._expire_gaps()
+
+    def _in_order(
+        self, entries: list[tuple[str, int, int, SampleLogprobs | None]], counts: list[int]
+    ) -> list[tuple[str, int, int, SampleLogprobs | None]]:
+        """The entries of requests held here in position order (``counts``: each token's
+        position, counting it): a position the request has had is dropped (a step re-run after a
+        failure, a result published again), one past a gap waits for the gap to fill."""
+        out = []
+        have: dict[str, int] = {}
+        for e, count in zip(entries, counts, strict=True):
+            st = self.states.get(e[0])
+            if st is None or count <= 0:
+                out.append(e)  # not registered yet (kept as early) or not numbered
+                continue
+            seen = have.get(e[0], st.completion_tokens)
+            ready = self.order.push(e[0], seen, count - 1, count, e)
+            out += ready
+            have[e[0]] = seen + len(ready)
+        return out
+
+    async def _expire_gaps(self) -> None:
+        """A request whose tokens stopped at a gap for GAP_TIMEOUT_S: the result that filled it is
+        lost for good; the request ends with an error (never a text with a hole)."""
+        for rid in self.order.gaps(GAP_TIMEOUT_S):
+            self.order.forget(rid)
+            st = self.states.pop(rid, None)
+            if st is None:
+                continue
+            log.error("detokenizer: %s lost a step's tokens in transit; ending it", rid)
+            self._end_span(rid, "error", st.completion_tokens)
+            self._mark_done(rid)
+            err = RequestError(
+                rid,
+                "part of the output was lost in transit (a NATS server failed and it was not "
+                "published again in time); retry the request",
+                "ServiceUnavailableError",
+                code=503,
+            )
+            await self.bus.publish(st.reply_to, err)
+            await self.bus.publish(subjects.ABORT, Abort(rid, FinishReason.ABORT))
+
+    @property
+    def duplicates_dropped(self) -> int:
+        """Tokens dropped as positions already had."""
+        return self.order.repeats
 
     async def _apply(self, entries: list[tuple[str, int, int, SampleLogprobs | None]]) -> None:
         out: dict[str, list[Delta]] = defaultdict(list)
@@ -195,6 +243,7 @@ class DetokenizerService:
                 st.sent_delta()
             if st.finished:
                 del self.states[rid]
+                self.order.forget(rid)
                 self._end_span(rid, delta.finish_reason, st.completion_tokens)
                 self._mark_done(rid)
                 if by_stop:
@@ -235,16 +284,6 @@ class DetokenizerService:
             span.set_attribute("kvflow.finish_reason", reason or "")
             span.set_attribute("kvflow.completion_tokens", tokens)
             span.end()
-
-    def _already_sent(self, rid: str, count: int) -> bool:
-        """A token whose position (``count``, counting it) this request has already had: a
-        step re-run after a failure produced it again."""
-        st = self.states.get(rid)
-        if st is None or count <= 0 or count > st.completion_tokens:
-            return False
-        self.duplicates_dropped += 1
-        log.info("detokenizer: dropped a repeated token %d of %s", count, rid)
-        return True
 
     async def begin_drain(self) -> None:
         """SIGTERM: take no new requests, finish the ones here, then stop (or after

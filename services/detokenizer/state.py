@@ -43,6 +43,7 @@ class DetokState:
     text: str = ""
     sent: int = 0  # characters of ``text`` already sent
     completion_tokens: int = 0
+    delivered_tokens: int = 0  # ``completion_tokens`` of the last delta sent
     finished: bool = False
     first_prompt_token: int = -1  # kept when prompt logprobs are asked (it has no logprob)
     # prompt logprobs by position, sent with the request's first delta
@@ -173,6 +174,7 @@ class DetokState:
             prompt_tokens=self.prompt_tokens,
             completion_tokens=self.completion_tokens,
             token_ids=self.pending_ids,
+            after_tokens=self.delivered_tokens,
         )
 
     def _parse_tools(self, delta: Delta, finish: FinishReason) -> None:
@@ -190,6 +192,7 @@ class DetokState:
     def sent_delta(self) -> None:
         """The last delta went out: its token ids are delivered."""
         self.pending_ids = []
+        self.delivered_tokens = self.completion_tokens
 
 
 def tool_finish_reason(mode: str, called: bool, finish: FinishReason) -> str | None:

@@ -71,6 +71,10 @@ from shared.voided_steps import VoidedSteps
 log = logging.getLogger("kvflow.scheduler")
 
 TRANSFER_TIMEOUT_S = 120.0  # a KV transfer not reported done by then is given up
+LOST_CHECK_S = 1.0  # how often a step's wait looks at the worker's heartbeats
+# a heartbeat received this long after a plan went out that shows the worker idle with nothing
+# queued: the plan or its result was lost (worker heartbeats come every 0.5 s)
+MISSED_AFTER_S = 2.0
 INBOX = (subjects.REQUESTS, subjects.ABORT, subjects.RESULTS, subjects.HEARTBEAT, subjects.KV_DONE)
 
 
@@ -112,6 +116,7 @@ class SchedulerService:
         self.step_subject: dict[str, str] = {}
         self.last_seen: dict[str, float] = {}
         self.slow_steps = 0  # step timeouts waited through: the worker said it was computing
+        self.lost_steps = 0  # plans or results lost in transit (recomputed)
         self.voided = VoidedSteps()  # steps given up: their late results are not applied
         self.heartbeats: dict[str, WorkerHeartbeat] = {}
         self.heartbeats_known: dict[str, str] = {}  # worker id -> instance the core knows
@@ -468,25 +473,60 @@ class SchedulerService:
     async def _step_result(
         self, wid: str, plan: StepPlan, fut: asyncio.Future[StepResult]
     ) -> StepResult:
-        """The plan's result. A step is lost (TimeoutError: its sequences are recomputed) only
-        when ``--step-timeout`` passed and the worker's heartbeats do not say it is computing
-        this step: a slow step on a live worker is waited for, however long (a recompute would
-        be as slow, and lose the work done). A worker that falls silent is given up by
-        ``_watch_workers``, which cancels the wait."""
+        """The plan's result. A step is lost (TimeoutError: its sequences are recomputed) when
+        the worker's heartbeats show it idle with nothing queued well after the plan went out
+        (the plan or its result was lost on the way: a NATS node failed), or when
+        ``--step-timeout`` passed and the heartbeats do not say it is computing this step: a
+        slow step on a live worker is waited for, however long (a recompute would be as slow,
+        and lose the work done). A worker that falls silent is given up by ``_watch_workers``,
+        which cancels the wait."""
         timeout = self.settings.scheduler.step_timeout
+        slice_s = min(timeout, LOST_CHECK_S)
+        sent = time.monotonic()
         waited = 0.0
         while True:
             try:
-                return await asyncio.wait_for(asyncio.shield(fut), timeout)
+                return await asyncio.wait_for(asyncio.shield(fut), slice_s)
             except TimeoutError:
-                waited += timeout
+                waited += slice_s
                 hb = self.heartbeats.get(wid)
-                if hb is None or (hb.step_id, hb.step_epoch) != (plan.step_id, plan.epoch):
+                computing = hb is not None and (hb.step_id, hb.step_epoch) == (
+                    plan.step_id,
+                    plan.epoch,
+                )
+                if not computing and self._missed(wid, sent):
+                    log.warning(
+                        "worker %s: idle with nothing queued %.1fs after step %d went out: the "
+                        "plan or its result was lost in transit",
+                        wid,
+                        time.monotonic() - sent,
+                        plan.step_id,
+                    )
+                    self.lost_steps += 1
                     fut.cancel()
                     raise
+                if waited < timeout:
+                    continue
+                if not computing:
+                    fut.cancel()
+                    raise
+                assert hb is not None
                 what = (wid, plan.step_id, hb.step_seconds, waited)
                 log.warning("worker %s: step %d is slow (computing for %.0fs, waited %.0fs)", *what)
                 self.slow_steps += 1
+                waited = 0.0
+
+    def _missed(self, wid: str, sent: float) -> bool:
+        """Whether a heartbeat that left the worker well after a plan was sent (``sent``) shows
+        it idle with no plan queued: the plan never came, or its result was lost."""
+        hb = self.heartbeats.get(wid)
+        heard = self.last_seen.get(wid, 0.0)
+        return (
+            hb is not None
+            and heard - sent > MISSED_AFTER_S
+            and hb.step_id == 0
+            and hb.queued_plans == 0
+        )
 
     async def _watch_workers(self) -> None:
         while not self.stopped.is_set():

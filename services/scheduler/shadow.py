@@ -5,7 +5,9 @@ Every scheduler keeps one, leader and standby alike, from the same messages the 
 (TokenizedRequest, StepResult, Abort). When a standby takes over, the live requests resume from
 their prompt plus the tokens already generated (recompute), so a client's stream goes on with no
 token repeated or missing. The recently finished ids make a resubmitted request (the gateway
-retries until the scheduler acknowledges) run once, not twice.
+retries until the scheduler acknowledges) run once, not twice. A step's tokens are taken in
+position order (shared/in_order.py): a result published again after a NATS node's loss is not
+counted twice, and tokens after a lost one wait for it.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
+from shared.in_order import InOrder
 from shared.messages import FinishReason, StepResult, TokenizedRequest
 
 
@@ -27,6 +30,7 @@ class ShadowState:
         self.live: dict[str, LiveRequest] = {}
         self.finished: OrderedDict[str, None] = OrderedDict()
         self.remember_finished = remember_finished
+        self.order: InOrder[tuple[int, int]] = InOrder()  # (token, finish reason) by position
 
     def is_finished(self, request_id: str) -> bool:
         return request_id in self.finished
@@ -39,6 +43,7 @@ class ShadowState:
         return True
 
     def end(self, request_id: str) -> None:
+        self.order.forget(request_id)
         if self.live.pop(request_id, None) is not None or request_id not in self.finished:
             self.finished[request_id] = None
             while len(self.finished) > self.remember_finished:
@@ -53,10 +58,13 @@ class ShadowState:
             live = self.live.get(rid)
             if live is None:
                 continue
-            if count and count <= len(live.output_ids):
-                continue  # a token this request already has (a step re-run after a failure)
-            live.output_ids.append(tok)
-            if reason != FinishReason.NONE:
-                self.end(rid)
+            have = len(live.output_ids)
+            # a position this request has is dropped (a step re-run after a failure, a replay)
+            ready = self.order.push(rid, have, count - 1, count, (tok, reason)) if count else []
+            for tok_, reason_ in ready if count else [(tok, reason)]:
+                live.output_ids.append(tok_)
+                if reason_ != FinishReason.NONE:
+                    self.end(rid)
+                    break
         for pooled in result.embeddings:  # an embedding request ends with its vector
             self.end(pooled.request_id)

@@ -109,6 +109,8 @@ class WorkerService:
         self.step: StepPlan | None = None  # the plan being computed (heartbeats name it)
         self.step_started = 0.0
         self.epoch = 0  # the newest scheduler term seen in a plan
+        self.last_done = (0, 0)  # (epoch, step id) of the last step finished here
+        self.starting = False  # a plan taken from the queue is being prepared
         self.instance = uuid.uuid4().hex
         self.stopped = asyncio.Event()  # set when released (or the drain timed out)
         self._beat = asyncio.Event()  # wakes the heartbeat loop early
@@ -200,6 +202,7 @@ class WorkerService:
     async def _run_steps(self) -> None:
         while True:
             plan = await self.plans.get()
+            self.starting = True  # counted as queued until it runs (heartbeats)
             if plan.epoch < self.epoch:
                 # a deposed scheduler leader: tell it, so it stops; do not run its plan
                 log.warning("worker: plan of old scheduler term %d ignored", plan.epoch)
@@ -207,6 +210,7 @@ class WorkerService:
                 await self.bus.publish(
                     subjects.RESULTS, step_result(self.worker_id, plan, error=why)
                 )
+                self.starting = False
                 continue
             if plan.epoch > self.epoch:
                 if self.epoch:
@@ -218,6 +222,7 @@ class WorkerService:
             t0 = self.telemetry.step_started(plan)
             self.stepping = True
             self.step, self.step_started = plan, time.monotonic()  # heartbeats report it
+            self.starting = False
             try:
                 result, stored = await self.model_thread.run(self._step, plan)
             except Exception as e:  # noqa: BLE001 - execute reports its own errors; belt and braces
@@ -230,6 +235,7 @@ class WorkerService:
             result.worker_id = self.worker_id
             result.host_tier_evicted = self.tiers.take_evicted()
             await self.bus.publish(subjects.RESULTS, result)
+            self.last_done = (plan.epoch, plan.step_id)
             self.last_heard = time.monotonic()  # a step's time is not the scheduler's silence
             self.telemetry.step_done(plan, result, t0)
             self.telemetry.expert_load(self.runner.take_expert_load())
@@ -288,6 +294,9 @@ class WorkerService:
             step_id=step.step_id if step is not None else 0,
             step_epoch=step.epoch if step is not None else 0,
             step_seconds=time.monotonic() - self.step_started if step is not None else 0.0,
+            queued_plans=self.plans.qsize() + self.starting,
+            last_step_id=self.last_done[1],
+            last_step_epoch=self.last_done[0],
         )
 
     async def _keep_group_alive(self) -> None:

@@ -2,6 +2,7 @@
 
     DIR/<role>/nats-password    DIR/<role>/redis-password    (one directory per role)
     DIR/nats/nats.conf          DIR/redis/users.acl          (the servers' configurations)
+    DIR/nats/route-password                                  (a NATS cluster's nodes)
     DIR/redis/replication.conf  DIR/redis/sentinel.conf      (Redis with Sentinel: every Redis
                                                               server's and every sentinel's)
 
@@ -28,6 +29,7 @@ from shared.access.render import (
 NATS_PASSWORD = "nats-password"
 REDIS_PASSWORD = "redis-password"
 NATS_CONF = Path("nats") / "nats.conf"
+NATS_ROUTE_PASSWORD = Path("nats") / "route-password"
 REDIS_ACL = Path("redis") / "users.acl"
 REDIS_REPLICATION_CONF = Path("redis") / "replication.conf"
 SENTINEL_CONF = Path("redis") / "sentinel.conf"
@@ -48,6 +50,11 @@ class Credentials:
     @property
     def nats_conf(self) -> Path:
         return self.root / NATS_CONF
+
+    @property
+    def nats_route_password(self) -> Path:
+        """What the nodes of a NATS cluster log in to one another with (user "route")."""
+        return self.root / NATS_ROUTE_PASSWORD
 
     @property
     def redis_acl(self) -> Path:
@@ -107,6 +114,7 @@ def generate(
         nats, tls_cert=tls_cert, tls_key=tls_key, tls_ca=tls_ca, max_payload=max_payload
     )
     _write(creds.nats_conf, conf, mode)
+    _write(creds.nats_route_password, secrets.token_urlsafe(24) + "\n", mode)
     server = {u: secrets.token_urlsafe(24) for u in ("replication", "sentinel")}
     _write(creds.redis_acl, redis_acl(redis, server), mode)
     _write(creds.redis_replication_conf, redis_replication_config(server["replication"]), mode)

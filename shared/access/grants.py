@@ -42,15 +42,23 @@ def inbox_prefix(role: str) -> str:
 
 def _own(role: str, *subscribe: str) -> tuple[str, ...]:
     """What every service subscribes to besides its work: its inboxes, the metrics scatter, its
-    own ping subject and its own blob subjects (where it serves its large messages' bytes)."""
-    return (*subscribe, f"{inbox_prefix(role)}.>", S.METRICS, S.ping(role), S.blobs(role))
+    own ping subject, its own blob subjects (where it serves its large messages' bytes) and the
+    replay requests of connections back from a lost NATS node (shared/replay.py)."""
+    return (
+        *subscribe,
+        f"{inbox_prefix(role)}.>",
+        S.METRICS,
+        S.ping(role),
+        S.blobs(role),
+        S.REPLAY,
+    )
 
 
 def _out(role: str, *publish: str) -> tuple[str, ...]:
     """What every service publishes to besides its work: its own inboxes (shared/bus.py's
-    subscription check is a message to itself) and any role's blob subjects (fetching a large
-    message's bytes: a request, answered through allow_responses)."""
-    return (*publish, f"{inbox_prefix(role)}.>", S.blobs("*"))
+    subscription check is a message to itself), any role's blob subjects (fetching a large
+    message's bytes: a request, answered through allow_responses) and replay requests."""
+    return (*publish, f"{inbox_prefix(role)}.>", S.blobs("*"), S.REPLAY)
 
 
 NATS_GRANTS: dict[str, NatsGrant] = {

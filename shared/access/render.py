@@ -71,6 +71,27 @@ def nats_config(
     return text
 
 
+def nats_cluster_node(
+    index: int, cluster_port: int, routes: list[str], route_password: str, host: str = "127.0.0.1"
+) -> str:
+    """The configuration of node ``index`` of a NATS cluster, written beside ``nats.conf`` (its
+    users, permissions and TLS, included) : it listens for the other nodes on
+    ``host:cluster_port`` and joins the ``routes`` ("HOST:PORT" of every node's cluster port,
+    its own among them), nodes logging in to one another as "route"."""
+    urls = ", ".join(_q(f"nats-route://route:{route_password}@{r}") for r in routes)
+    return (
+        "# kvflow: one node of a NATS cluster; made by `kvflow serve --nats-cluster`\n"
+        'include "nats.conf"\n'
+        f"server_name: {_q(f'kvflow-{index}')}\n"
+        "cluster {\n"
+        '  name: "kvflow"\n'
+        f"  listen: {_q(f'{host}:{cluster_port}')}\n"
+        f'  authorization {{ user: "route", password: {_q(route_password)} }}\n'
+        f"  routes: [{urls}]\n"
+        "}\n"
+    )
+
+
 def _redis_user(name: str, password: str, grant: RedisGrant) -> str:
     digest = hashlib.sha256(password.encode()).hexdigest()
     keys = "".join(f" ~{k}" for k in grant.keys)

@@ -37,6 +37,10 @@ class Delta(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     tool_calls: list[ToolCallDelta] = []
     # an embedding request's one (final) delta: its vector as little-endian float32 bytes
     embedding: bytes = b""
+    # the completion tokens delivered before this delta (the previous delta's
+    # ``completion_tokens``): a client holding fewer missed a delta (a NATS node lost it; it is
+    # published again, shared/replay.py) and holds this one until that one comes
+    after_tokens: int = 0
 
 
 class ToolCallDelta(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):

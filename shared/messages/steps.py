@@ -180,6 +180,12 @@ class WorkerHeartbeat(_Msg, tag=6):
     step_id: int = 0
     step_epoch: int = 0
     step_seconds: float = 0.0
+    # plans received and not started yet, and the last step finished here: an idle worker with
+    # nothing queued did not get a plan sent well before, or its result was lost on the way
+    # (a NATS node failed): the scheduler recomputes it without waiting for --step-timeout
+    queued_plans: int = 0
+    last_step_id: int = 0
+    last_step_epoch: int = 0
 
 
 class WorkerRelease(_Msg, tag=15):
