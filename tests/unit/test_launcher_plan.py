@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from kvflow.cli.launcher import Process, Topology, _supervise, plan, share_cores
+from kvflow.cli.launcher import Process, Stack, Topology, _supervise, plan, share_cores
 from shared.access.connect import EXIT_REFUSED
+from shared.access.render import nats_cluster_node
 from shared.config import Settings
 from shared.cpu_budget import usable_cpus
 
@@ -103,3 +104,16 @@ def test_a_child_that_crashes_is_restarted_until_it_keeps_crashing() -> None:
     assert stack.restarted == [0]
     with pytest.raises(RuntimeError, match="times within a minute"):
         _supervise(_FakeStack([1, 1, 1, 1]))  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("nodes", [0, 2, 4])
+def test_a_nats_cluster_is_an_odd_number_of_three_or_more_nodes(nodes: int) -> None:
+    with pytest.raises(ValueError, match="3 or more nodes, an odd number"):
+        Stack(Settings(), Topology(), nats_cluster=nodes)
+
+
+def test_a_cluster_nodes_configuration_includes_the_users_and_joins_every_route() -> None:
+    text = nats_cluster_node(1, 6223, ["127.0.0.1:6222", "127.0.0.1:6223"], "pw")
+    assert 'include "nats.conf"' in text and 'server_name: "kvflow-1"' in text
+    assert 'listen: "127.0.0.1:6223"' in text
+    assert '"nats-route://route:pw@127.0.0.1:6222", "nats-route://route:pw@127.0.0.1:6223"' in text
