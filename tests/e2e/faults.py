@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import os
 import re
+import subprocess
+import sys
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -32,6 +34,22 @@ def stack_credentials(name: str) -> Credentials:
     m = re.search(r"kvflow: credentials \(one per role, removed at exit\): (\S+);", log)
     assert m, "no credentials directory in the stack's log"
     return Credentials(Path(m.group(1)))
+
+
+def kvflow_keys(name: str, redis_url: str, *args: str) -> str:
+    """`kvflow keys ARGS` as the admin role of the stack ``name``'s Redis."""
+    admin = stack_credentials(name).redis_password_file("admin")
+    env = {**os.environ, "KVFLOW_REDIS_URL": redis_url, "KVFLOW_REDIS_PASSWORD_FILE": str(admin)}
+    out = subprocess.run(
+        [sys.executable, "-m", "kvflow.cli.main", "keys", *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+        cwd=ROOT,
+    )
+    return out.stdout.strip()
 
 
 def _environ(pid: int) -> dict[str, str]:

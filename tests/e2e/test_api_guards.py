@@ -6,16 +6,13 @@ Redis."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 
 import httpx
 import openai
 import pytest
 
 from tests.e2e.conftest import GUARDED_KEY, wait_all_blocks_free
-from tests.e2e.faults import stack_credentials
+from tests.e2e.faults import kvflow_keys
 
 pytestmark = pytest.mark.e2e
 MODEL = "SmolLM2-135M-Instruct"
@@ -153,21 +150,6 @@ def test_body_limits(guarded_stack) -> None:
     assert r.status_code == 413 and "65536" in r.json()["error"]["message"]
 
 
-def kvflow_keys(redis_url: str, *args: str) -> str:
-    """`kvflow keys ARGS` as the admin role of the guarded stack's Redis."""
-    admin = stack_credentials("guarded").redis_password_file("admin")
-    env = {**os.environ, "KVFLOW_REDIS_URL": redis_url, "KVFLOW_REDIS_PASSWORD_FILE": str(admin)}
-    out = subprocess.run(
-        [sys.executable, "-m", "kvflow.cli.main", "keys", *args],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=True,
-    )
-    return out.stdout.strip()
-
-
 def test_api_keys_401_and_rate_limits_429(guarded_stack) -> None:
     base, redis_url = guarded_stack
     kw = {"model": MODEL, "prompt": "Hi", "max_tokens": 2}
@@ -181,7 +163,7 @@ def test_api_keys_401_and_rate_limits_429(guarded_stack) -> None:
         assert httpx.get(f"{base}{path}", timeout=10).status_code == 200, path
     static = openai.OpenAI(base_url=f"{base}/v1", api_key=GUARDED_KEY, max_retries=0)
     assert static.completions.create(**kw).choices
-    key = kvflow_keys(redis_url, "add", "e2e-user", "--rpm", "2", "--tpm", "100000")
+    key = kvflow_keys("guarded", redis_url, "add", "e2e-user", "--rpm", "2", "--tpm", "100000")
     user = openai.OpenAI(base_url=f"{base}/v1", api_key=key, max_retries=0)
     codes = []
     for _ in range(5):
@@ -195,6 +177,6 @@ def test_api_keys_401_and_rate_limits_429(guarded_stack) -> None:
     assert codes[:2] == [200, 200] and 429 in codes and codes.count(200) <= 4, codes
     assert limited.body["type"] == "RateLimitError"
     assert 1 <= int(limited.response.headers["retry-after"]) <= 60
-    listing = kvflow_keys(redis_url, "list").splitlines()
+    listing = kvflow_keys("guarded", redis_url, "list").splitlines()
     row = next(line.split() for line in listing if line.startswith("e2e-user"))
     assert row[1:4] == ["2", "100000", str(codes.count(200))]  # rpm, tpm, requests served

@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
-import sys
 import time
 
 import httpx
@@ -18,8 +16,15 @@ import pytest
 import redis
 
 from shared.access.grants import SENTINEL_MASTER
-from tests.e2e.conftest import ROOT, running_stack, wait_all_blocks_free
-from tests.e2e.faults import MODEL, Stream, service_pids, stack_credentials, stack_urls
+from tests.e2e.conftest import running_stack, wait_all_blocks_free
+from tests.e2e.faults import (
+    MODEL,
+    Stream,
+    kvflow_keys,
+    service_pids,
+    stack_credentials,
+    stack_urls,
+)
 from tests.e2e.test_lora_adapters import _make_adapter
 
 pytestmark = pytest.mark.e2e
@@ -53,22 +58,6 @@ def _texts(base: str, prompts: list[str], max_tokens: int, **kw) -> list[Stream]
     return [s.join() for s in streams]
 
 
-def _keys(redis_url: str, *args: str) -> str:
-    """`kvflow keys ARGS` as the stack's admin role, through the sentinels."""
-    admin = stack_credentials(NAME).redis_password_file("admin")
-    env = {**os.environ, "KVFLOW_REDIS_URL": redis_url, "KVFLOW_REDIS_PASSWORD_FILE": str(admin)}
-    out = subprocess.run(
-        [sys.executable, "-m", "kvflow.cli.main", "keys", *args],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=True,
-        cwd=ROOT,
-    )
-    return out.stdout.strip()
-
-
 def _primary_pid(redis_url: str) -> int:
     """The Redis primary's process, found by asking a sentinel (as the gateway role)."""
     sentinel_port = int(redis_url.split("://", 1)[1].split(",", 1)[0].split(":")[1])
@@ -92,7 +81,7 @@ def test_a_killed_redis_primary_is_replaced_and_nothing_is_lost(adapter) -> None
     with running_stack(NAME, *args) as base:
         nats_url, redis_url = stack_urls(NAME)
         assert redis_url.startswith("redis+sentinel://")
-        key = _keys(redis_url, "add", "tenant-a", "--rpm", "1000")
+        key = kvflow_keys(NAME, redis_url, "add", "tenant-a", "--rpm", "1000")
         r = httpx.post(
             f"{base}/v1/load_lora_adapter",
             json={"lora_name": "notes", "lora_path": adapter},
