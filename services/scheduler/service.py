@@ -419,11 +419,12 @@ class SchedulerService:
         except Exception as e:  # noqa: BLE001 - a lost step is recovered below
             if wid not in core.workers:
                 return False
-            what = (wid, plan.step_id, self.settings.scheduler.step_timeout, type(e).__name__)
             log.error(
-                "worker %s: step %d got no result in %.0fs and the worker is not computing "
-                "it (%s); recomputing",
-                *what,
+                "worker %s: step %d got no result and the worker is not computing it (%s); "
+                "recomputing",
+                wid,
+                plan.step_id,
+                type(e).__name__,
             )
             self._void_flight(wid, flight)
             ws.on_failed_step()

@@ -37,13 +37,22 @@ def outputs(base: str) -> dict[str, object]:
     return {"full": full, "streamed": streamed, "n2": [c.text for c in n2.choices], "stats": stats}
 
 
+SLOW_PROMPT = {"model": MODEL, "prompt": PROMPTS[1], "max_tokens": 3, "temperature": 0}
+SIM = ["--worker-backend", "sim", "--sim-step-ms", "2"]
+
+
+@pytest.fixture(scope="module")
+def aggregated():
+    """A fast aggregated sim stack (both tests compare with it)."""
+    with running_stack("sim-aggregated", *SIM) as base:
+        yield base
+
+
 @pytest.mark.timeout(600)
-def test_sim_stack_aggregated_and_disaggregated_agree() -> None:
-    sim = ["--worker-backend", "sim", "--sim-step-ms", "2"]
-    with running_stack("sim-aggregated", *sim) as base:
-        agg = outputs(base)
+def test_sim_stack_aggregated_and_disaggregated_agree(aggregated) -> None:
+    agg = outputs(aggregated)
     with running_stack(
-        "sim-disaggregated", *sim, "--prefill-workers", "1", "--decode-workers", "1"
+        "sim-disaggregated", *SIM, "--prefill-workers", "1", "--decode-workers", "1"
     ) as base:
         dis = outputs(base)
     assert agg["full"] == agg["streamed"]
@@ -56,17 +65,15 @@ def test_sim_stack_aggregated_and_disaggregated_agree() -> None:
 
 
 @pytest.mark.timeout(300)
-def test_a_step_slower_than_the_step_timeout_is_waited_for_not_recomputed() -> None:
+def test_a_step_slower_than_the_step_timeout_is_waited_for_not_recomputed(aggregated) -> None:
     """Steps of 2.5 s under `--step-timeout 1`: the worker's heartbeats say it is computing the
     step, so the scheduler waits (slow is not lost) and the request completes with the text of
     a fast stack. Before: each step 'got no result in 1s; recomputing', the same oversized step
     resent for ever, and the request never finished."""
-    prompt = {"model": MODEL, "prompt": PROMPTS[1], "max_tokens": 3, "temperature": 0}
-    with running_stack("sim-fast", "--worker-backend", "sim", "--sim-step-ms", "2") as base:
-        want = httpx.post(f"{base}/v1/completions", json=prompt, timeout=60).json()
+    want = httpx.post(f"{aggregated}/v1/completions", json=SLOW_PROMPT, timeout=60).json()
     slow = ["--worker-backend", "sim", "--sim-step-ms", "2500", "--step-timeout", "1"]
     with running_stack("sim-slow-steps", *slow) as base:
-        got = httpx.post(f"{base}/v1/completions", json=prompt, timeout=120).json()
+        got = httpx.post(f"{base}/v1/completions", json=SLOW_PROMPT, timeout=120).json()
     assert got["choices"][0]["text"] == want["choices"][0]["text"]
     log = (ROOT / ".pytest_cache" / "kvflow-serve-sim-slow-steps.log").read_text()
     assert "recomputing" not in log and "is slow (computing for" in log
