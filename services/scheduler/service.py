@@ -496,12 +496,15 @@ class SchedulerService:
                     plan.epoch,
                 )
                 if not computing and self._missed(wid, sent):
+                    assert hb is not None
+                    done = (hb.last_step_epoch, hb.last_step_id) >= (plan.epoch, plan.step_id)
                     log.warning(
-                        "worker %s: idle with nothing queued %.1fs after step %d went out: the "
-                        "plan or its result was lost in transit",
+                        "worker %s: idle with nothing queued %.1fs after step %d went out: %s "
+                        "was lost in transit",
                         wid,
                         time.monotonic() - sent,
                         plan.step_id,
+                        "its result" if done else "the plan",
                     )
                     self.lost_steps += 1
                     fut.cancel()
