@@ -10,7 +10,20 @@ from __future__ import annotations
 import time
 from typing import Generic, TypeVar
 
+from shared.messages import RequestError
+
 T = TypeVar("T")
+
+
+def lost_in_transit(request_id: str) -> RequestError:
+    """What a reader sends or shows when a gap in a request's stream never filled."""
+    return RequestError(
+        request_id,
+        "part of the output was lost in transit (a NATS server failed and it was not "
+        "published again in time); retry the request",
+        "ServiceUnavailableError",
+        code=503,
+    )
 
 
 class InOrder(Generic[T]):

@@ -65,6 +65,3 @@ class ReplayLog:
         self.replays += 1
         self.replayed_messages += len(out)
         return out
-
-    def __len__(self) -> int:
-        return len(self._sent)

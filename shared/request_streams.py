@@ -16,7 +16,7 @@ import logging
 from collections import deque
 from typing import Any
 
-from shared.in_order import InOrder
+from shared.in_order import InOrder, lost_in_transit
 from shared.messages import Accepted, Delta, DeltaBatch, Message, RequestError, ToolCallDelta
 
 log = logging.getLogger("kvflow.streams")
@@ -213,15 +213,7 @@ class RequestStreams:
         self._order.forget(request_id)
         self.lost_deltas += 1
         log.error("request %s: a piece of its output was lost in transit", request_id)
-        q.put_nowait(
-            RequestError(
-                request_id,
-                "part of the output was lost in transit (a NATS server failed and it was not "
-                "published again in time); retry the request",
-                "ServiceUnavailableError",
-                code=503,
-            )
-        )
+        q.put_nowait(lost_in_transit(request_id))
 
     async def handler(self, msg: Message, _raw: Any) -> None:
         """The Bus subscription callback."""

@@ -33,7 +33,7 @@ from shared import subjects
 from shared.access.connect import nats_auth
 from shared.bus import Bus
 from shared.config import Settings
-from shared.in_order import InOrder
+from shared.in_order import InOrder, lost_in_transit
 from shared.logs import request_scope
 from shared.messages import (
     Abort,
@@ -43,7 +43,6 @@ from shared.messages import (
     Message,
     PooledOutput,
     PromptLogprobs,
-    RequestError,
     SampleLogprobs,
     StepResult,
     StepVoid,
@@ -202,14 +201,7 @@ class DetokenizerService:
             log.error("detokenizer: %s lost a step's tokens in transit; ending it", rid)
             self._end_span(rid, "error", st.completion_tokens)
             self._mark_done(rid)
-            err = RequestError(
-                rid,
-                "part of the output was lost in transit (a NATS server failed and it was not "
-                "published again in time); retry the request",
-                "ServiceUnavailableError",
-                code=503,
-            )
-            await self.bus.publish(st.reply_to, err)
+            await self.bus.publish(st.reply_to, lost_in_transit(rid))
             await self.bus.publish(subjects.ABORT, Abort(rid, FinishReason.ABORT))
 
     @property

@@ -116,7 +116,6 @@ class SchedulerService:
         self.step_subject: dict[str, str] = {}
         self.last_seen: dict[str, float] = {}
         self.slow_steps = 0  # step timeouts waited through: the worker said it was computing
-        self.lost_steps = 0  # plans or results lost in transit (recomputed)
         self.voided = VoidedSteps()  # steps given up: their late results are not applied
         self.heartbeats: dict[str, WorkerHeartbeat] = {}
         self.heartbeats_known: dict[str, str] = {}  # worker id -> instance the core knows
@@ -506,7 +505,6 @@ class SchedulerService:
                         plan.step_id,
                         "its result" if done else "the plan",
                     )
-                    self.lost_steps += 1
                     fut.cancel()
                     raise
                 if waited < timeout:

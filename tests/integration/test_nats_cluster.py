@@ -19,7 +19,7 @@ from shared.access.connect import nats_auth
 from shared.access.credentials import Credentials, generate
 from shared.bus import Bus
 from shared.config import BusSettings
-from shared.infra import NatsCluster, start_nats_cluster
+from shared.infra import NatsCluster, Server, start_nats_cluster
 from shared.messages import Abort, StepResult
 
 pytestmark = pytest.mark.integration
@@ -73,6 +73,24 @@ async def _routed(c: NatsCluster, creds: Credentials, a: int, b: int) -> None:
         await pub.close()
 
 
+async def _publish_killing(writer: Bus, n: int, kill_at: int, node: Server, every_s: float) -> None:
+    """Step results 1..n on RESULTS, ``node`` SIGKILLed right after result ``kill_at``."""
+    for step in range(1, n + 1):
+        await writer.publish(S.RESULTS, StepResult("w", step, [], [], []))
+        if step == kill_at:
+            os.kill(node.proc.pid, signal.SIGKILL)
+        await asyncio.sleep(every_s)
+
+
+async def _until_all(got, n: int) -> None:
+    """Until every step 1..n has reached the reader (``got``: the steps received)."""
+    deadline = asyncio.get_running_loop().time() + 20
+    while set(got) != set(range(1, n + 1)):
+        missing = sorted(set(range(1, n + 1)) - set(got))[:20]
+        assert asyncio.get_running_loop().time() < deadline, f"missing: {missing}"
+        await asyncio.sleep(0.1)
+
+
 async def test_a_stream_survives_the_loss_of_its_readers_node(cluster) -> None:
     creds, c = cluster
     for b in (1, 2):
@@ -87,17 +105,8 @@ async def test_a_stream_survives_the_loss_of_its_readers_node(cluster) -> None:
     await reader.subscribe(S.RESULTS, on_result)
     victim = _node(reader, c)
     n = 300
-    for step in range(1, n + 1):
-        await writer.publish(S.RESULTS, StepResult("w", step, [], [], []))
-        if step == 100:
-            os.kill(c.nodes[victim].proc.pid, signal.SIGKILL)
-        await asyncio.sleep(0.005)
-    deadline = asyncio.get_running_loop().time() + 20
-    while set(got) != set(range(1, n + 1)):
-        assert asyncio.get_running_loop().time() < deadline, (
-            f"missing after the node's loss: {sorted(set(range(1, n + 1)) - set(got))[:20]}"
-        )
-        await asyncio.sleep(0.1)
+    await _publish_killing(writer, n, 100, c.nodes[victim], 0.005)
+    await _until_all(got, n)
     assert reader.reconnects >= 1 and _node(reader, c) != victim
     # what the lost node may have dropped came again: repeats, which readers drop
     assert writer.replay_log.replays >= 1 and len(got) > n
@@ -131,17 +140,8 @@ async def test_the_writers_node_lost_its_last_messages_and_they_come_again(clust
     await reader.subscribe(S.RESULTS, on_result)
     await _routed(c, creds, victim, reader_node)
     n = 200
-    for step in range(1, n + 1):
-        await writer.publish(S.RESULTS, StepResult("w", step, [], [], []))
-        if step == 120:
-            os.kill(c.nodes[victim].proc.pid, signal.SIGKILL)
-        await asyncio.sleep(0.002)
-    deadline = asyncio.get_running_loop().time() + 20
-    while got != set(range(1, n + 1)):
-        assert asyncio.get_running_loop().time() < deadline, (
-            f"missing: {sorted(set(range(1, n + 1)) - got)[:20]}"
-        )
-        await asyncio.sleep(0.1)
+    await _publish_killing(writer, n, 120, c.nodes[victim], 0.002)
+    await _until_all(got, n)
     assert writer.reconnects >= 1 and writer.replay_log.replays >= 1
     await reader.close()
     await writer.close()
