@@ -2,6 +2,7 @@
 
     DIR/<role>/nats-password, DIR/<role>/redis-password   one directory per role
     DIR/nats/nats.conf                                     nats-server -c (users, permissions)
+    DIR/nats/cluster.conf, DIR/nats/route-password         a NATS cluster node's -c (routes)
     DIR/redis/users.acl                                    redis-server --aclfile
     DIR/redis/replication.conf                             redis-server FILE (with Sentinel)
     DIR/redis/sentinel.conf                                a sentinel's, after its monitor line
@@ -16,7 +17,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from shared.access.credentials import NATS_CONF, generate
+from shared.access.credentials import NATS_ROUTES, Credentials, generate
 from shared.access.grants import ROLES
 
 
@@ -28,7 +29,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     init.add_argument(
         "--if-missing",
         action="store_true",
-        help="do nothing when DIR already holds credentials (compose's init service)",
+        help="do nothing when DIR already holds every file (compose's init service); where "
+        "some are missing (made by an older kvflow), write new ones for every role",
     )
     init.add_argument("--force", action="store_true", help="replace credentials already in DIR")
     init.add_argument(
@@ -42,15 +44,30 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     init.add_argument(
         "--nats-tls-ca", default="", help="CA of client certificates (nats-server verifies them)"
     )
+    init.add_argument(
+        "--nats-routes",
+        default=",".join(NATS_ROUTES),
+        help="HOST:PORT of every NATS cluster node's cluster port, comma-separated, for "
+        "nats/cluster.conf (default: the names compose and k8s/ give the three nodes)",
+    )
 
 
 def main(args: argparse.Namespace) -> int:
     """Run ``kvflow auth``."""
-    if (args.dir / NATS_CONF).exists():
-        if args.if_missing:
+    files = Credentials(args.dir).files()
+    missing = [f for f in files if not f.exists()]
+    if len(missing) < len(files):  # some are there
+        if args.if_missing and not missing:
             print(f"kvflow: credentials already in {args.dir}: kept", file=sys.stderr)
             return 0
-        if not args.force:
+        if args.if_missing:
+            names = ", ".join(str(p.relative_to(args.dir)) for p in missing)
+            print(
+                f"kvflow: {args.dir} lacks {names} (an older kvflow made it): new credentials "
+                "for every role",
+                file=sys.stderr,
+            )
+        elif not args.force:
             print(
                 f"kvflow: error: {args.dir} already holds credentials; pass --force to replace "
                 "them (every service must then be given the new ones)",
@@ -65,6 +82,7 @@ def main(args: argparse.Namespace) -> int:
             tls_cert=args.nats_tls_cert,
             tls_key=args.nats_tls_key,
             tls_ca=args.nats_tls_ca,
+            nats_routes=tuple(r.strip() for r in args.nats_routes.split(",") if r.strip()),
         )
     except ValueError as e:
         print(f"kvflow: error: {e}", file=sys.stderr)

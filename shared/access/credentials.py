@@ -2,7 +2,10 @@
 
     DIR/<role>/nats-password    DIR/<role>/redis-password    (one directory per role)
     DIR/nats/nats.conf          DIR/redis/users.acl          (the servers' configurations)
-    DIR/nats/route-password                                  (a NATS cluster's nodes)
+    DIR/nats/route-password     DIR/nats/cluster.conf        (a NATS cluster's nodes: the
+                                                              password; compose's and
+                                                              Kubernetes' nodes' -c, which
+                                                              includes nats.conf)
     DIR/redis/replication.conf  DIR/redis/sentinel.conf      (Redis with Sentinel: every Redis
                                                               server's and every sentinel's)
 
@@ -20,6 +23,7 @@ from pathlib import Path
 
 from shared.access.grants import NATS_ROLES, REDIS_ROLES, ROLES
 from shared.access.render import (
+    nats_cluster,
     nats_config,
     redis_acl,
     redis_replication_config,
@@ -30,6 +34,10 @@ NATS_PASSWORD = "nats-password"
 REDIS_PASSWORD = "redis-password"
 NATS_CONF = Path("nats") / "nats.conf"
 NATS_ROUTE_PASSWORD = Path("nats") / "route-password"
+NATS_CLUSTER_CONF = Path("nats") / "cluster.conf"
+# the cluster ports of the three nodes compose and Kubernetes run (the StatefulSet's pods behind
+# its headless Service `nats-cluster`; compose gives its containers the same names as aliases)
+NATS_ROUTES = tuple(f"nats-{i}.nats-cluster:6222" for i in range(3))
 REDIS_ACL = Path("redis") / "users.acl"
 REDIS_REPLICATION_CONF = Path("redis") / "replication.conf"
 SENTINEL_CONF = Path("redis") / "sentinel.conf"
@@ -57,6 +65,11 @@ class Credentials:
         return self.root / NATS_ROUTE_PASSWORD
 
     @property
+    def nats_cluster_conf(self) -> Path:
+        """A cluster node's configuration (compose, Kubernetes): ``nats.conf`` and the routes."""
+        return self.root / NATS_CLUSTER_CONF
+
+    @property
     def redis_acl(self) -> Path:
         return self.root / REDIS_ACL
 
@@ -68,6 +81,13 @@ class Credentials:
     def sentinel_conf(self) -> Path:
         """Every sentinel's configuration after its ``sentinel_monitor`` lines."""
         return self.root / SENTINEL_CONF
+
+    def files(self) -> list[Path]:
+        """Every file ``generate`` writes."""
+        files = [self.nats_password_file(r) for r in NATS_ROLES]
+        files += [self.redis_password_file(r) for r in REDIS_ROLES]
+        files += [self.nats_conf, self.nats_route_password, self.nats_cluster_conf]
+        return files + [self.redis_acl, self.redis_replication_conf, self.sentinel_conf]
 
     def service_settings(self, role: str) -> dict[str, str]:
         """The flat settings that make a service of ``role`` log in (user = its role)."""
@@ -95,10 +115,12 @@ def generate(
     tls_key: str = "",
     tls_ca: str = "",
     max_payload: int | None = None,
+    nats_routes: tuple[str, ...] = NATS_ROUTES,
 ) -> Credentials:
     """New random passwords for every role and the servers' configurations under ``root``.
     ``mode``: of every file (0o600: only this user; compose's init service widens it so the
-    unprivileged containers that mount a role's directory can read it). ``tls_*``: paths, as
+    unprivileged containers that mount a role's directory can read it). ``nats_routes``: every
+    cluster node's HOST:6222, for ``cluster.conf``. ``tls_*``: paths, as
     nats-server will see them, of its certificate, key and client CA."""
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
@@ -114,7 +136,14 @@ def generate(
         nats, tls_cert=tls_cert, tls_key=tls_key, tls_ca=tls_ca, max_payload=max_payload
     )
     _write(creds.nats_conf, conf, mode)
-    _write(creds.nats_route_password, secrets.token_urlsafe(24) + "\n", mode)
+    route_password = secrets.token_urlsafe(24)
+    _write(creds.nats_route_password, route_password + "\n", mode)
+    cluster = nats_cluster(nats_routes, route_password, listen="0.0.0.0:6222")
+    _write(
+        creds.nats_cluster_conf,
+        "# kvflow: a NATS cluster's node; made by `kvflow auth init`\n" + cluster,
+        mode,
+    )
     server = {u: secrets.token_urlsafe(24) for u in ("replication", "sentinel")}
     _write(creds.redis_acl, redis_acl(redis, server), mode)
     _write(creds.redis_replication_conf, redis_replication_config(server["replication"]), mode)

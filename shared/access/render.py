@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 import bcrypt
 
@@ -71,24 +71,33 @@ def nats_config(
     return text
 
 
-def nats_cluster_node(
-    index: int, cluster_port: int, routes: list[str], route_password: str, host: str = "127.0.0.1"
-) -> str:
-    """The configuration of node ``index`` of a NATS cluster, written beside ``nats.conf`` (its
-    users, permissions and TLS, included) : it listens for the other nodes on
-    ``host:cluster_port`` and joins the ``routes`` ("HOST:PORT" of every node's cluster port,
-    its own among them), nodes logging in to one another as "route"."""
+def nats_cluster(routes: Sequence[str], route_password: str, listen: str) -> str:
+    """What makes nats-server a node of a NATS cluster, written beside ``nats.conf`` (its users,
+    permissions and TLS, included): it listens for the other nodes on ``listen`` ("HOST:PORT")
+    and joins the ``routes`` ("HOST:PORT" of every node's cluster port, its own among them: a
+    node ignores a route to itself), nodes logging in to one another as "route". No
+    ``server_name``: each node is given its own (``--name``)."""
     urls = ", ".join(_q(f"nats-route://route:{route_password}@{r}") for r in routes)
     return (
-        "# kvflow: one node of a NATS cluster; made by `kvflow serve --nats-cluster`\n"
         'include "nats.conf"\n'
-        f"server_name: {_q(f'kvflow-{index}')}\n"
         "cluster {\n"
         '  name: "kvflow"\n'
-        f"  listen: {_q(f'{host}:{cluster_port}')}\n"
+        f"  listen: {_q(listen)}\n"
         f'  authorization {{ user: "route", password: {_q(route_password)} }}\n'
         f"  routes: [{urls}]\n"
         "}\n"
+    )
+
+
+def nats_cluster_node(
+    index: int, cluster_port: int, routes: list[str], route_password: str, host: str = "127.0.0.1"
+) -> str:
+    """The configuration of node ``index`` of ``kvflow serve --nats-cluster``: ``nats_cluster``
+    listening on ``host:cluster_port``, named ``kvflow-INDEX``."""
+    return (
+        "# kvflow: one node of a NATS cluster; made by `kvflow serve --nats-cluster`\n"
+        f"server_name: {_q(f'kvflow-{index}')}\n"
+        + nats_cluster(routes, route_password, f"{host}:{cluster_port}")
     )
 
 

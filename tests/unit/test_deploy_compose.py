@@ -24,9 +24,20 @@ import yaml
 
 from kvflow.cli.keys import redis_settings
 from kvflow.cli.main import SERVICES, build_parser
-from shared.access.credentials import NATS_CONF, NATS_PASSWORD, REDIS_ACL, REDIS_PASSWORD, generate
-from shared.access.grants import NATS_ROLES, REDIS_ROLES, ROLES
-from shared.access.render import redis_acl
+from shared.access.connect import parse_sentinel_url
+from shared.access.credentials import (
+    NATS_CLUSTER_CONF,
+    NATS_PASSWORD,
+    NATS_ROUTES,
+    REDIS_ACL,
+    REDIS_PASSWORD,
+    REDIS_REPLICATION_CONF,
+    SENTINEL_CONF,
+    generate,
+)
+from shared.access.grants import NATS_ROLES, REDIS_ROLES, ROLES, SENTINEL_MASTER
+from shared.access.render import redis_acl, sentinel_monitor
+from shared.bus import server_urls
 from tests.unit.deploy_support import (
     ROOT,
     environ_of_compose,
@@ -42,6 +53,10 @@ SECRETS = PurePosixPath("/run/secrets/kvflow")  # where a service finds its role
 INIT = "auth"  # the one-shot service that writes every role's credentials
 TOOLS = {"keys"}  # one-shot `docker compose run` tools
 ONE_SHOT = {INIT, *TOOLS}
+NATS_NODES = ["nats-0", "nats-1", "nats-2"]
+REDIS_SERVERS = ["redis-0", "redis-1"]  # the primary at the first start, its replica
+SENTINELS = ["sentinel-0", "sentinel-1", "sentinel-2"]
+SERVERS = [*NATS_NODES, *REDIS_SERVERS, *SENTINELS]
 
 
 @pytest.fixture(scope="module")
@@ -124,7 +139,7 @@ def test_compose_file_is_valid_against_the_compose_spec_schema(compose) -> None:
 def test_every_service_has_its_own_container_health_check_and_restart_policy(compose) -> None:
     services = compose["services"]
     default = {n for n, s in services.items() if "profiles" not in s}
-    assert {"nats", "redis", *SERVICES} <= default
+    assert {*SERVERS, *SERVICES} <= default
     assert {INIT} <= default and all("tools" in services[n]["profiles"] for n in TOOLS)
     for name, svc in services.items():
         if name in ONE_SHOT:  # runs once and exits 0: a restart policy would run it forever
@@ -134,13 +149,12 @@ def test_every_service_has_its_own_container_health_check_and_restart_policy(com
         assert svc.get("healthcheck", {}).get("test"), f"{name} has no health check"
         # Docker Engine < 25 (Debian's docker.io 20.10) refuses the whole file over this key
         assert "start_interval" not in svc["healthcheck"], name
-    assert "--jetstream" in services["nats"]["command"]
     assert "${KVFLOW_PUBLISHED_PORT:-8000}:8000" in services["gateway"]["ports"]
     kvflow = _kvflow_services(compose)
-    for name, svc in kvflow.items():
-        needs = svc["depends_on"]
-        assert needs["nats"]["condition"] == "service_healthy", name
-        assert needs["redis"]["condition"] == "service_healthy", name
+    for name, svc in kvflow.items():  # every NATS node, and the sentinels (Redis through them)
+        needs = _needs(svc)
+        for server in [*NATS_NODES, *SENTINELS]:
+            assert needs[server] == "service_healthy", (name, server)
 
 
 def test_kvflow_containers_run_commands_kvflow_accepts(compose) -> None:
@@ -151,9 +165,11 @@ def test_kvflow_containers_run_commands_kvflow_accepts(compose) -> None:
         assert name == cmd.service or name.startswith(f"{cmd.service}-"), name
         ran.add(cmd.service)
         s = cmd.settings
-        assert s.bus.nats_url == "nats://nats:4222"
-        if cmd.service in REDIS_ROLES:
-            assert s.bus.redis_url.startswith("redis://redis:"), name
+        assert server_urls(s.bus.nats_url) == [f"nats://{n}:4222" for n in NATS_NODES]
+        if cmd.service in REDIS_ROLES:  # the primary, wherever it is, from the sentinels
+            sentinels, master, _, tls = parse_sentinel_url(s.bus.redis_url)
+            assert sentinels == [(n, 26379) for n in SENTINELS] and master == SENTINEL_MASTER
+            assert not tls, name
         else:  # no Redis credentials: nothing to do there
             assert s.bus.redis_url == "", name
         health_url = svc["healthcheck"]["test"][-1]
@@ -255,8 +271,8 @@ def test_every_kvflow_service_mounts_only_its_own_roles_credentials(resolved) ->
         if role == "admin":
             users = set(TOOLS)
         assert mounted_by[f"kvflow-auth-{role}"] == {INIT, *users}, role
-    assert mounted_by["kvflow-auth-nats"] == {INIT, "nats"}
-    assert mounted_by["kvflow-auth-redis"] == {INIT, "redis"}
+    assert mounted_by["kvflow-auth-nats"] == {INIT, *NATS_NODES}
+    assert mounted_by["kvflow-auth-redis"] == {INIT, *REDIS_SERVERS, *SENTINELS}
 
 
 def test_the_init_service_writes_every_file_of_auth_init_into_a_volume(
@@ -276,7 +292,7 @@ def test_the_init_service_writes_every_file_of_auth_init_into_a_volume(
     generate(tmp_path)  # what `kvflow auth init` writes
     written = {p.name for p in tmp_path.iterdir()}
     assert all((tmp_path / d).is_dir() for d in written)  # no file at the top
-    assert set(ROLES) | {NATS_CONF.parent.name, REDIS_ACL.parent.name} == written
+    assert set(ROLES) | {NATS_CLUSTER_CONF.parent.name, REDIS_ACL.parent.name} == written
     out = PurePosixPath(str(args.dir))
     assert sorted(_mounts(init)) == sorted(
         (f"kvflow-auth-{d}", str(out / d), False) for d in written
@@ -286,33 +302,70 @@ def test_the_init_service_writes_every_file_of_auth_init_into_a_volume(
         assert not volume.get("external"), d
 
 
-def test_nats_and_redis_load_the_users_and_are_not_published(resolved) -> None:
+def _aliases(svc: dict) -> list[str]:
+    return (svc.get("networks") or {}).get("default", {}).get("aliases", [])
+
+
+def test_nats_nodes_form_one_cluster_with_the_users_and_are_not_published(resolved) -> None:
+    """Each node: cluster.conf (nats.conf's users and permissions, the routes) under its own
+    name, reachable under the name cluster.conf's routes give it."""
     services = resolved["services"]
-    nats, redis = services["nats"], services["redis"]
+    assert [n for n in services if n.startswith("nats")] == NATS_NODES
+    routes = [r.rsplit(":", 1)[0] for r in NATS_ROUTES]
+    for node, route in zip(NATS_NODES, routes, strict=True):
+        svc = services[node]
+        cmd = svc["command"]
+        conf = PurePosixPath(cmd[cmd.index("-c") + 1])
+        assert conf.name == NATS_CLUSTER_CONF.name
+        assert _mounts(svc) == [("kvflow-auth-nats", str(conf.parent), True)]
+        assert cmd[cmd.index("--name") + 1] == node
+        assert route in _aliases(svc), node
+        assert "--http_port" in cmd and "8222" in svc["healthcheck"]["test"][-1]
+        assert not svc.get("ports"), node  # only the compose network reaches it
 
-    cmd = nats["command"]
-    conf = PurePosixPath(cmd[cmd.index("-c") + 1])
-    assert conf.name == NATS_CONF.name
-    assert ("kvflow-auth-nats", str(conf.parent), True) in _mounts(nats)
-    assert {"--jetstream", "--http_port"} <= set(cmd)  # the health check's monitoring port
-    assert "8222" in nats["healthcheck"]["test"][-1]
 
-    cmd = redis["command"]
-    acl = PurePosixPath(cmd[cmd.index("--aclfile") + 1])
-    assert cmd[0] == "redis-server" and acl.name == REDIS_ACL.name
-    assert ("kvflow-auth-redis", str(acl.parent), True) in _mounts(redis)
-    # the health check logs in as nobody: the default user may PING and nothing else
-    assert redis["healthcheck"]["test"][1:] == ["redis-cli", "ping"]
+def test_redis_runs_a_primary_a_replica_and_three_sentinels_with_the_users(resolved) -> None:
+    services = resolved["services"]
+    for name in REDIS_SERVERS:
+        svc, cmd = services[name], services[name]["command"]
+        acl = PurePosixPath(cmd[cmd.index("--aclfile") + 1])
+        assert cmd[0] == "redis-server" and acl.name == REDIS_ACL.name
+        assert PurePosixPath(cmd[1]).name == REDIS_REPLICATION_CONF.name  # a replica's login
+        assert ("kvflow-auth-redis", str(acl.parent), True) in _mounts(svc)
+        assert cmd[cmd.index("--replica-announce-ip") + 1] == name
+        assert ("--replicaof" in cmd) == (name != REDIS_SERVERS[0]), name
+        # the health check logs in as nobody: the default user may PING and nothing else
+        assert svc["healthcheck"]["test"][1:] == ["redis-cli", "ping"]
+    replica = services[REDIS_SERVERS[1]]["command"]
+    assert replica[replica.index("--replicaof") + 1 :][:2] == [REDIS_SERVERS[0], "6379"]
     (default,) = [line for line in redis_acl({}).splitlines() if line.startswith("user default")]
     assert default.split()[-2:] == ["-@all", "+ping"]
 
-    for name in ("nats", "redis"):  # only the compose network reaches them
+    monitor = sentinel_monitor(REDIS_SERVERS[0], 6379).splitlines()
+    for name in SENTINELS:
+        svc = services[name]
+        script = svc["command"][-1].replace("$$", "$")  # compose's escape of a shell's $
+        written = [
+            line.split("echo ", 1)[1].strip('"') for line in script.splitlines() if "echo " in line
+        ]
+        assert written[0] == "port 26379" and "sentinel announce-ip $SENTINEL_NAME" in written
+        assert svc["environment"]["SENTINEL_NAME"] == name
+        assert [w for w in written if w in monitor] == monitor  # what `kvflow serve` writes
+        assert f"cat /etc/kvflow/redis/{SENTINEL_CONF.name}" in script
+        assert "--sentinel" in script and (
+            "kvflow-auth-redis",
+            "/etc/kvflow/redis",
+            True,
+        ) in _mounts(svc)
+        assert any(target == "/data" for _, target, _ in _mounts(svc))  # its own rewritten file
+        assert svc["healthcheck"]["test"][1:] == ["redis-cli", "-p", "26379", "ping"]
+    for name in [*REDIS_SERVERS, *SENTINELS]:
         assert not services[name].get("ports"), name
 
 
 def test_every_service_waits_for_the_credentials(resolved) -> None:
     services = resolved["services"]
-    waiting = {"nats", "redis", *_kvflow_services(resolved), *TOOLS}
+    waiting = {*SERVERS, *_kvflow_services(resolved), *TOOLS}
     for name in waiting:
         assert _needs(services[name]).get(INIT) == "service_completed_successfully", name
     assert not _needs(services[INIT])
@@ -326,7 +379,7 @@ def test_keys_runs_kvflow_keys_as_the_redis_admin(resolved, monkeypatch) -> None
     user a password file implies), from the admin volume, which no service mounts."""
     keys = resolved["services"]["keys"]
     assert _mounts(keys) == [("kvflow-auth-admin", str(SECRETS), True)]
-    assert _needs(keys)["redis"] == "service_healthy"
+    assert all(_needs(keys)[s] == "service_healthy" for s in SENTINELS)
     assert keys["entrypoint"] == ["kvflow", "keys"]
     env = environ_of_compose(keys)
     assert env.get("KVFLOW_REDIS_USER", "admin") == "admin"
@@ -334,7 +387,7 @@ def test_keys_runs_kvflow_keys_as_the_redis_admin(resolved, monkeypatch) -> None
         monkeypatch.setenv(name, value)
     args = build_parser("keys").parse_args(["keys", *keys["command"]])
     bus = redis_settings(args)  # the variables, read as the services read them
-    assert bus.redis_url.startswith("redis://redis:")
+    assert parse_sentinel_url(bus.redis_url)[0] == [(n, 26379) for n in SENTINELS]
     assert bus.redis_password_file == str(SECRETS / REDIS_PASSWORD)
 
     gateway = environ_of_compose(resolved["services"]["gateway"])
