@@ -1,7 +1,9 @@
 """`docker compose up` for real: the image is built from the Dockerfile, compose/docker-compose.yml
 starts the stack (two workers, two detokenizers), and a user's checks run through the published
 port: the openai SDK streams greedy text equal to Hugging Face transformers', /metrics answers,
-both workers serve, a worker container killed mid-stream loses no request, the gateway's traces
+both workers serve, a worker container killed mid-stream loses no request, nor do the gateway's
+NATS node and the Redis primary killed together (the 3-node NATS cluster and Redis with Sentinel
+are the default stack; the sentinels promote the replica, the killed ones rejoin), the gateway's traces
 reach the collector, `docker compose stop` drains cleanly and `down -v` leaves nothing behind.
 The stack is closed: the `auth` init service writes every role's credentials (kept by a second
 run), clients without credentials are refused by NATS and Redis inside the compose network, a
@@ -60,7 +62,10 @@ services:
       test: ["CMD", "python", "-c", "import socket; socket.create_connection(('127.0.0.1', 4318))"]
       interval: 2s
 """
-STACK = ["nats", "redis", "gateway", "tokenizer", "scheduler", "scheduler-standby"]
+NATS_NODES = ["nats-0", "nats-1", "nats-2"]
+REDIS = ["redis-0", "redis-1", "sentinel-0", "sentinel-1", "sentinel-2"]  # redis-0: the primary
+SERVERS = [*NATS_NODES, *REDIS]
+STACK = [*SERVERS, "gateway", "tokenizer", "scheduler", "scheduler-standby"]
 STACK += ["detokenizer", "worker", "otel-collector"]
 INIT = "auth"  # one-shot: writes the credentials, exits 0 before anything else starts
 
@@ -241,7 +246,7 @@ def test_metrics_answer_on_the_gateway_and_in_every_service(compose_stack: Compo
     metrics = httpx.get(f"{compose_stack.base}/metrics", timeout=10)
     assert metrics.status_code == 200 and "vllm:e2e_request_latency_seconds" in metrics.text
     for c in compose_stack.containers():
-        if c["Service"] in ("nats", "redis", "gateway", "otel-collector"):
+        if c["Service"] in (*SERVERS, "gateway", "otel-collector"):
             continue
         code = "import urllib.request as u; print(u.urlopen('http://127.0.0.1:9100/metrics').read().decode())"
         assert "kvflow:bus_messages_total" in compose_stack.exec(c["Name"], "python", "-c", code)
@@ -263,18 +268,28 @@ def test_both_workers_serve(compose_stack: ComposeStack) -> None:
     assert all(w["num_prefills"] > 0 for w in _workers(compose_stack.base))
 
 
-def test_a_worker_container_killed_mid_stream_loses_no_request(
-    compose_stack: ComposeStack,
-) -> None:
-    base, ps = compose_stack.base, _prompts(8)
-    reference = [s.join() for s in [Stream(base, p, 32).start() for p in ps]]
+@pytest.fixture(scope="module")
+def undisturbed(compose_stack: ComposeStack) -> list[str]:
+    """The texts of 8 greedy streams nothing was done to."""
+    reference = [s.join() for s in [Stream(compose_stack.base, p, 32).start() for p in _prompts(8)]]
     assert [(r.error, r.finish_reason) for r in reference] == [(None, "length")] * 8
+    return [r.text for r in reference]
 
-    streams = [Stream(base, p, 32).start() for p in ps]
+
+def _streams_under_way(base: str) -> list[Stream]:
+    streams = [Stream(base, p, 32).start() for p in _prompts(8)]
     deadline = time.monotonic() + 120
     while min(len(s.pieces) for s in streams) < 3:  # every stream is under way
         assert time.monotonic() < deadline, "streams did not start"
         time.sleep(0.05)
+    return streams
+
+
+def test_a_worker_container_killed_mid_stream_loses_no_request(
+    compose_stack: ComposeStack, undisturbed: list[str]
+) -> None:
+    base = compose_stack.base
+    streams = _streams_under_way(base)
     busiest = max(_workers(base), key=lambda w: w["num_running"])
     assert busiest["num_running"] > 0
     workers = [c["Name"] for c in compose_stack.containers() if c["Service"] == "worker"]
@@ -287,7 +302,81 @@ def test_a_worker_container_killed_mid_stream_loses_no_request(
     for s in streams:
         s.join()
     assert [s.error for s in streams] == [None] * 8
-    assert [s.text for s in streams] == [r.text for r in reference]
+    assert [s.text for s in streams] == undisturbed
+
+
+def _container(stack: ComposeStack, service: str) -> str:
+    (name,) = [c["Name"] for c in stack.containers(all_=True) if c["Service"] == service]
+    return name
+
+
+def _gateway_node(stack: ComposeStack) -> str:
+    """The NATS node the gateway is connected to (each node's monitoring port lists its
+    clients and the users they logged in as)."""
+    for node in NATS_NODES:
+        url = "http://127.0.0.1:8222/connz?auth=true&limit=1024"
+        connz = json.loads(stack.exec(_container(stack, node), "wget", "-q", "-O", "-", url))
+        if any(c.get("authorized_user") == "gateway" for c in connz.get("connections") or []):
+            return node
+    raise AssertionError("the gateway is connected to no NATS node")
+
+
+def test_a_nats_node_and_the_redis_primary_killed_mid_stream_lose_nothing(
+    compose_stack: ComposeStack, undisturbed: list[str]
+) -> None:
+    """`docker kill` of the gateway's NATS node and of the Redis primary while 8 streams run:
+    every text equals the undisturbed one, a sentinel promotes the replica and `kvflow keys`
+    writes to it; the killed containers start again, the node rejoins, the old primary comes
+    back as a replica, and the stack serves."""
+    base = compose_stack.base
+    streams = _streams_under_way(base)
+    node = _gateway_node(compose_stack)
+    killed = [_container(compose_stack, node), _container(compose_stack, "redis-0")]
+    t_kill = time.monotonic()
+    run("docker", "kill", *killed)
+    for s in streams:
+        s.join()
+    took = time.monotonic() - t_kill
+    assert [s.error for s in streams] == [None] * 8
+    assert [s.text for s in streams] == undisturbed
+    key = compose_stack.compose("run", "--rm", "-T", "keys", "add", "e2e-failover")
+    t_keys = time.monotonic() - t_kill
+    assert key.stdout.strip()
+    compose_stack.compose("run", "--rm", "-T", "keys", "remove", "e2e-failover")
+    print(
+        f"\ncompose e2e: killed {node} and redis-0; 8 streams ended {took:.1f} s after, "
+        f"a key written to the promoted primary {t_keys:.1f} s after",
+        flush=True,
+    )
+
+    (gateway,) = [c["Name"] for c in compose_stack.containers() if c["Service"] == "gateway"]
+    assert compose_stack.exec(gateway, "python", "-c", _PRIMARY).split() == ["redis-1", "6379"]
+
+    run("docker", "start", *killed)
+    deadline = time.monotonic() + 120
+    inspect = ["docker", "inspect", "-f", "{{.State.Health.Status}}", *killed]
+    while run(*inspect).stdout.split() != ["healthy", "healthy"]:
+        assert time.monotonic() < deadline, run(*inspect).stdout
+        time.sleep(1)
+    routez = "http://127.0.0.1:8222/routez"
+    while (
+        len(json.loads(compose_stack.exec(killed[0], "wget", "-q", "-O", "-", routez))["routes"])
+        < 2
+    ):
+        assert time.monotonic() < deadline, f"{node} did not rejoin the cluster"
+        time.sleep(1)
+    again = [Stream(base, p, 32).start() for p in _prompts(2)]
+    assert [s.join().text for s in again] == undisturbed[:2]
+
+
+# run in the gateway container: where the sentinels say the primary is (as the gateway's user)
+_PRIMARY = """
+from redis.sentinel import Sentinel
+password = open("/run/secrets/kvflow/redis-password").read().strip()
+login = {"username": "gateway", "password": password}
+sentinels = [(f"sentinel-{i}", 26379) for i in range(3)]
+print(*Sentinel(sentinels, sentinel_kwargs=login).discover_master("kvflow"))
+"""
 
 
 def test_the_gateways_traces_reach_the_collector(compose_stack: ComposeStack) -> None:
@@ -310,7 +399,7 @@ _REFUSED = """
 import asyncio, nats, redis
 async def connect():
     try:
-        await nats.connect("nats://nats:4222", allow_reconnect=False, connect_timeout=5)
+        await nats.connect("nats://nats-0:4222", allow_reconnect=False, connect_timeout=5)
     except Exception as e:
         print("nats:", e)
     else:
@@ -322,10 +411,10 @@ def get(client):
     except redis.exceptions.NoPermissionError as e:
         return "refused"
     return "allowed"
-print("redis ping:", redis.Redis(host="redis").ping())
-print("redis get:", get(redis.Redis(host="redis")))
+print("redis ping:", redis.Redis(host="redis-1").ping())
+print("redis get:", get(redis.Redis(host="redis-1")))
 password = open("/run/secrets/kvflow/redis-password").read().strip()
-gateway = redis.Redis(host="redis", username="gateway", password=password)
+gateway = redis.Redis(host="redis-1", username="gateway", password=password)
 print("gateway ping:", gateway.ping(), "get:", get(gateway))
 """
 
@@ -360,7 +449,7 @@ def test_stop_drains_cleanly_and_down_leaves_nothing(compose_stack: ComposeStack
     exits = {
         c["Name"]: c["ExitCode"]
         for c in compose_stack.containers(all_=True)
-        if c["Service"] not in ("nats", "redis")
+        if c["Service"] not in SERVERS
     }
     killed = {n for n, code in exits.items() if code == 137}  # the worker killed above
     assert len(killed) <= 1, exits
