@@ -18,6 +18,9 @@ import kubernetes_validate
 import pytest
 
 from kvflow.cli.main import SERVICES
+from shared.access.connect import parse_sentinel_url
+from shared.access.grants import SENTINEL_MASTER
+from shared.bus import server_urls
 from tests.unit.deploy_support import (
     closed_crd_schema,
     environ_of_container,
@@ -197,7 +200,11 @@ def test_each_service_runs_a_command_kvflow_accepts_with_probes_on_its_ports(ove
         cmd = parse_kvflow_command(c["args"], env)
         seen[name] = cmd.service
         s = cmd.settings
-        assert s.bus.nats_url == "nats://nats:4222" and s.bus.redis_url == "redis://redis:6379/0"
+        # every NATS node, every sentinel, by the names their StatefulSets give their pods
+        assert server_urls(s.bus.nats_url) == [f"nats://{h}:4222" for h in _pods(docs, "nats")]
+        sentinels, master, _, _ = parse_sentinel_url(s.bus.redis_url)
+        assert sentinels == [(h, 26379) for h in _pods(docs, "redis-sentinel")]
+        assert master == SENTINEL_MASTER
         ports = {p["name"]: p["containerPort"] for p in c["ports"]}
         if cmd.service == "gateway":
             assert s.gateway.host == "0.0.0.0" and ports["http"] == s.gateway.port
@@ -261,9 +268,32 @@ def test_scaling_disruption_budgets_services_and_monitoring(overlay: str) -> Non
         svc = services[name]
         assert selector.items() <= svc["metadata"]["labels"].items(), name
         assert {p["name"] for p in svc["spec"]["ports"]} & scraped_ports, name
-    assert {"nats", "redis"} <= set(services)
-    nats = _of_kind(docs, "StatefulSet")["nats"]["spec"]["template"]["spec"]["containers"][0]
-    assert "--jetstream" in nats["args"]
+    # no single point of failure: three NATS nodes, two Redis servers, three sentinels, each
+    # behind a headless Service that names its pods, a drain taking one at a time
+    sets = _of_kind(docs, "StatefulSet")
+    assert {n: s["spec"]["replicas"] for n, s in sets.items()} == {
+        "nats": 3,
+        "redis": 2,
+        "redis-sentinel": 3,
+    }
+    budgets = {
+        p["spec"]["selector"]["matchLabels"]["app.kubernetes.io/name"]: p["spec"]
+        for p in _of_kind(docs, "PodDisruptionBudget").values()
+    }
+    for name, sts in sets.items():
+        headless = services[sts["spec"]["serviceName"]]["spec"]
+        assert headless["clusterIP"] == "None" and headless["publishNotReadyAddresses"], name
+        assert budgets[name] == {
+            "maxUnavailable": 1,
+            "selector": {"matchLabels": {"app.kubernetes.io/name": name}},
+        }
+    assert "nats" in services  # the client Service (the TLS certificate's name)
+
+
+def _pods(docs, name: str) -> list[str]:
+    """The names a StatefulSet's pods have in DNS: POD.SERVICE."""
+    spec = _of_kind(docs, "StatefulSet")[name]["spec"]
+    return [f"{name}-{i}.{spec['serviceName']}" for i in range(spec["replicas"])]
 
 
 def test_the_tensor_parallel_component_makes_each_worker_pod_a_group_kvflow_accepts() -> None:

@@ -25,6 +25,7 @@ from kvflow.cli.keys import redis_settings
 from kvflow.cli.main import build_parser
 from shared.access.credentials import NATS_PASSWORD, REDIS_PASSWORD
 from shared.access.grants import NATS_ROLES, REDIS_ROLES, ROLES
+from shared.bus import server_urls
 from tests.integration.test_deploy_k8s import COMPONENTS, OVERLAYS
 from tests.unit.deploy_support import (
     ROOT,
@@ -116,12 +117,17 @@ def test_each_service_mounts_only_its_roles_secret_and_reads_its_passwords(overl
     assert set(secrets) == {f"kvflow-{r}" for r in ROLES} | {
         "kvflow-nats-config",
         "kvflow-redis-acl",
+        "kvflow-redis-sentinel",
     }
     nats_conf = _secret_file(docs, "kvflow-nats-config", "nats.conf")
     nats_hashes = dict(re.findall(r'user: "(\w+)"\s+password: "([^"]+)"', nats_conf))
     acl = _secret_file(docs, "kvflow-redis-acl", "users.acl")
     redis_hashes = dict(re.findall(r"^user (\w+) on #([0-9a-f]{64}) ", acl, re.M))
-    expected = {"nats": {"kvflow-nats-config"}, "redis": {"kvflow-redis-acl"}}
+    expected = {
+        "nats": {"kvflow-nats-config"},
+        "redis": {"kvflow-redis-acl"},
+        "redis-sentinel": {"kvflow-redis-sentinel"},
+    }
     for name, pod, c, _, cmd in _services(docs):
         role = cmd.service
         expected[name] = {f"kvflow-{role}"}
@@ -157,26 +163,74 @@ def test_each_service_mounts_only_its_roles_secret_and_reads_its_passwords(overl
     assert set().union(*expected.values()) >= {f"kvflow-{r}" for r in NATS_ROLES}
 
 
+def _hash_of(text: str, user: str) -> str:
+    """The SHA-256 password hash of ``user`` in Redis ACL lines."""
+    (line,) = [ln for ln in text.splitlines() if ln.startswith(f"user {user} ")]
+    return re.search(r"#([0-9a-f]{64})", line).group(1)
+
+
+def _sha(password: str) -> str:
+    return hashlib.sha256(password.encode()).hexdigest()
+
+
 @pytest.mark.parametrize("overlay", OVERLAYS)
-def test_nats_runs_with_its_config_and_redis_with_its_acl_file(overlay) -> None:
+def test_nats_nodes_run_the_cluster_config_and_redis_its_acl_with_sentinel(overlay) -> None:
+    """Each NATS node: cluster.conf (with nats.conf beside it, which it includes) under its pod's
+    name, routes to every pod of the StatefulSet; Redis: the ACL file and a replica's login,
+    the replica following redis-0; the sentinels: the monitor lines before sentinel.conf,
+    whose logins are the ones the servers' ACL file accepts."""
     docs = render_k8s(overlay)
-    workloads = _workloads(docs)
-    for name, flag, secret, key in (
-        ("nats", "-c", "kvflow-nats-config", "nats.conf"),
-        ("redis", "--aclfile", "kvflow-redis-acl", "users.acl"),
-    ):
-        pod = workloads[name]["spec"]
-        (c,) = pod["containers"]
-        path = c["args"][c["args"].index(flag) + 1]
-        assert _file_in_secret(pod, c, path) == (secret, key), name
-    nats = workloads["nats"]["spec"]["containers"][0]
-    assert "--jetstream" in nats["args"]
+    workloads, sets = _workloads(docs), _by_kind(docs)["StatefulSet"]
+
+    pod = workloads["nats"]["spec"]
+    (c,) = pod["containers"]
+    conf = c["args"][c["args"].index("-c") + 1]
+    assert _file_in_secret(pod, c, conf) == ("kvflow-nats-config", "cluster.conf")
+    assert c["args"][c["args"].index("--name") + 1] == "$(POD_NAME)"
+    assert {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}} in c[
+        "env"
+    ]
+    cluster = _secret_file(docs, "kvflow-nats-config", "cluster.conf")
+    assert 'include "nats.conf"' in cluster
     assert "authorization" in _secret_file(docs, "kvflow-nats-config", "nats.conf")
+    service = sets["nats"]["spec"]["serviceName"]
+    nodes = [f"nats-{i}.{service}:6222" for i in range(sets["nats"]["spec"]["replicas"])]
+    assert re.findall(r"@([^\"]+)\"", cluster) == nodes
+    assert "--jetstream" not in c["args"]  # kvflow uses none; the nodes keep no state
+
+    pod = workloads["redis"]["spec"]
+    (c,) = pod["containers"]
+    script = c["command"][-1]
+    acl_path = re.search(r"--aclfile (\S+)", script).group(1)
+    assert _file_in_secret(pod, c, acl_path) == ("kvflow-redis-acl", "users.acl")
+    replication = re.search(r"redis-server (\S+)", script).group(1)
+    assert _file_in_secret(pod, c, replication) == ("kvflow-redis-acl", "replication.conf")
+    primary = f"redis-0.{sets['redis']['spec']['serviceName']}"
+    assert f"--replicaof {primary} 6379" in script
     # the readiness probe's `redis-cli ping` logs in as the default user, which may only PING
-    redis = workloads["redis"]["spec"]["containers"][0]
-    assert redis["readinessProbe"]["exec"]["command"] == ["redis-cli", "ping"]
+    assert c["readinessProbe"]["exec"]["command"] == ["redis-cli", "ping"]
     acl = _secret_file(docs, "kvflow-redis-acl", "users.acl")
     assert re.search(r"^user default on nopass .*-@all \+ping$", acl, re.M)
+    login = _secret_file(docs, "kvflow-redis-acl", "replication.conf")
+    masterauth = re.search(r'masterauth "([^"]+)"', login).group(1)
+    assert "masteruser replication" in login and _sha(masterauth) == _hash_of(acl, "replication")
+
+    pod = workloads["redis-sentinel"]["spec"]
+    (c,) = pod["containers"]
+    script = c["command"][-1]
+    conf = re.search(r"cat (\S+)", script).group(1)
+    assert _file_in_secret(pod, c, conf) == ("kvflow-redis-sentinel", "sentinel.conf")
+    assert f"sentinel monitor kvflow {primary} 6379 2" in script
+    sentinel = _secret_file(docs, "kvflow-redis-sentinel", "sentinel.conf")
+    auth_pass = re.search(r'sentinel auth-pass kvflow "([^"]+)"', sentinel).group(1)
+    assert _sha(auth_pass) == _hash_of(acl, "sentinel")  # the servers know the sentinels
+    for role in REDIS_ROLES:  # each role asks the sentinels with its own Redis password
+        password = _secret_file(docs, f"kvflow-{role}", "redis-password").strip()
+        assert _hash_of(sentinel, role) == _sha(password) == _hash_of(acl, role), role
+    assert (
+        "users.acl" not in {i for v in _secret_volumes(pod).values() for i in [v["secretName"]]}
+        and _secret_volumes(pod)["config"]["secretName"] == "kvflow-redis-sentinel"
+    )
 
 
 # --- NetworkPolicies, evaluated as a CNI enforces them ---------------------------------------
@@ -244,13 +298,18 @@ def test_network_policies_deny_ingress_but_what_kvflow_needs(overlay) -> None:
     # the gateway's API: from anywhere
     for ns, labels in ((outside, {}), (NAMESPACE, stranger), (NAMESPACE, kvflow_pod)):
         assert ok(ns, labels, "gateway", "http")
-    # NATS and Redis: kvflow's pods only (not other pods, not other namespaces, not monitoring)
-    for dst, port in (("nats", "client"), ("redis", "redis")):
+    # NATS, Redis and the sentinels: kvflow's pods only (not other pods, not other namespaces,
+    # not monitoring)
+    for dst, port in (("nats", "client"), ("redis", "redis"), ("redis-sentinel", "sentinel")):
         assert ok(NAMESPACE, kvflow_pod, dst, port)
         assert ok(NAMESPACE, {**stranger, "app.kubernetes.io/part-of": "kvflow"}, dst, port)
         assert not ok(NAMESPACE, stranger, dst, port)
         assert not ok(outside, kvflow_pod, dst, port)
         assert not ok(MONITORING, {}, dst, port)
+    # the NATS nodes' routes: the other nodes only
+    node = {"app.kubernetes.io/part-of": "kvflow", "app.kubernetes.io/name": "nats"}
+    assert ok(NAMESPACE, node, "nats", "cluster")
+    assert not ok(NAMESPACE, kvflow_pod, "nats", "cluster")
     # NATS monitoring: the monitoring stack only (probes come from the node, always allowed)
     assert ok(MONITORING, {}, "nats", "monitor")
     assert not ok(NAMESPACE, kvflow_pod, "nats", "monitor")
@@ -369,8 +428,11 @@ def test_nats_tls_component_serves_tls_and_gives_every_service_the_ca(overlay) -
     for name, pod, c, _, cmd in _services(docs):
         seen.add(cmd.service)
         bus = cmd.settings.bus
-        assert bus.nats_url.startswith("tls://"), name
-        assert bus.nats_url.removeprefix("tls://").split(":")[0] in server["spec"]["dnsNames"]
+        for url in server_urls(bus.nats_url):  # every node by a name the certificate holds
+            assert url.startswith("tls://"), name
+            host = url.removeprefix("tls://").split(":")[0]
+            names = server["spec"]["dnsNames"]
+            assert host in names or f"*.{host.split('.', 1)[1]}" in names, (name, host)
         assert _file_in_secret(pod, c, bus.nats_tls_ca) == (server_secret, "ca.crt"), name
         for v in _secret_volumes(pod).values():
             if v["secretName"] == server_secret:
@@ -394,7 +456,8 @@ def test_keys_admin_component_runs_kvflow_keys_as_the_redis_admin(overlay, monke
     # `kubectl exec deploy/kvflow-admin -- kvflow keys list`: the login comes from the env
     args = build_parser("keys").parse_args(["keys", "list"])
     bus = redis_settings(args)  # the variables, read as the services read them
-    assert bus.redis_url == "redis://redis:6379/0"
+    settings = _by_kind(docs)["ConfigMap"]["kvflow-settings"]["data"]
+    assert bus.redis_url == settings["KVFLOW_REDIS_URL"]  # the primary, through the sentinels
     assert bus.redis_user in ("", "admin")
     assert _file_in_secret(pod, c, bus.redis_password_file) == ("kvflow-admin", REDIS_PASSWORD)
     policies = list(_by_kind(docs)["NetworkPolicy"].values())

@@ -95,6 +95,30 @@ def test_auth_init_keeps_or_refuses_existing_credentials(tmp_path: Path, capsys)
     assert after.read_text() != before and stat.S_IMODE(after.stat().st_mode) == 0o644
 
 
+def test_auth_init_if_missing_renews_what_an_older_kvflow_left_incomplete(
+    tmp_path: Path, capsys
+) -> None:
+    """Volumes from before the cluster files existed: --if-missing writes everything anew (the
+    route and sentinel passwords must match users.acl), and says so."""
+    d = str(tmp_path)
+    assert main(["auth", "init", d]) == 0
+    creds = Credentials(tmp_path)
+    assert all(f.exists() for f in creds.files())
+    before = creds.nats_password_file("gateway").read_text()
+    creds.nats_cluster_conf.unlink()
+    creds.sentinel_conf.unlink()
+    assert main(["auth", "init", d, "--if-missing"]) == 0
+    assert "lacks nats/cluster.conf, redis/sentinel.conf" in capsys.readouterr().err
+    assert all(f.exists() for f in creds.files())
+    assert creds.nats_password_file("gateway").read_text() != before
+    route = creds.nats_route_password.read_text().strip()
+    cluster = creds.nats_cluster_conf.read_text()
+    assert cluster.count(f"route:{route}@") == 3 and 'include "nats.conf"' in cluster
+    assert main(["auth", "init", d, "--nats-routes", "a:6222,b:7222", "--force"]) == 0
+    routes = re.findall(r"@([^\"]+)\"", creds.nats_cluster_conf.read_text())
+    assert routes == ["a:6222", "b:7222"]
+
+
 def test_a_role_is_given_only_its_own_files(tmp_path: Path) -> None:
     creds = Credentials(tmp_path)
     assert creds.service_settings("tokenizer") == {
