@@ -5,7 +5,8 @@ gguf-py's ``GGUFReader`` builds every metadata array as numpy views part by part
 262k-entry vocabulary (Gemma 3) takes 15-18 s on 2 cores; the early config check of ``kvflow
 serve`` / ``LLM()`` and every service that reads the config would each pay it. Here numeric
 arrays are read with one ``numpy.frombuffer`` each and string arrays are skipped (their lengths
-walked) unless asked for; the weights are still read by ``GGUFReader`` (shared/model_loader.py).
+walked) unless asked for. The weights are read from the same table (``tensors``): each tensor's
+bytes mapped from the file, shaped as ``GGUFReader`` shapes them (shared/model_loader.py).
 Format: https://github.com/ggml-org/ggml/blob/master/docs/gguf.md (v2 and v3).
 """
 
@@ -59,6 +60,44 @@ class GGUFHeader:
         with self.path.open("rb") as f:
             f.seek(self.data_offset + info.offset)
             return np.frombuffer(f.read(4 * count), dtype="<f4").copy()
+
+
+@dataclass(frozen=True)
+class GGUFTensor:
+    """One tensor of a GGUF file, as gguf-py's ``ReaderTensor`` gives it: ``data`` is a read-only
+    view of the mapped file, numpy-shaped (slowest dimension first), in the type's element
+    type for F32/F16/BF16 and integer types, else ``uint8`` with one row of block bytes per
+    row of the tensor."""
+
+    name: str
+    tensor_type: Any  # gguf.GGMLQuantizationType
+    shape: tuple[int, ...]  # as GGUF lists it: fastest-varying dimension first
+    data: np.ndarray
+
+
+def read_tensors(header: GGUFHeader) -> list[GGUFTensor]:
+    """Every tensor of ``header``'s file in table order, each a view of one read-only map of the
+    file (kept alive by the views)."""
+    from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    plain = {0: "<f4", 1: "<f2", 24: "<i1", 25: "<i2", 26: "<i4", 27: "<i8", 28: "<f8"}
+    mm = np.memmap(header.path, dtype=np.uint8, mode="r")
+    out = []
+    for name, info in header.tensors.items():
+        qtype = GGMLQuantizationType(info.type)
+        block, size = GGML_QUANT_SIZES[qtype]
+        count = int(np.prod(info.shape))
+        start = header.data_offset + info.offset
+        raw = mm[start : start + count // block * size]
+        dims = tuple(reversed(info.shape))
+        if info.type in plain:
+            data = raw.view(plain[info.type]).reshape(dims)
+        elif qtype == GGMLQuantizationType.BF16:
+            data = raw.view("<u2").reshape(dims)  # as GGUFReader: the raw 16-bit words
+        else:
+            data = raw.reshape(*dims[:-1], dims[-1] // block * size)
+        out.append(GGUFTensor(name, qtype, info.shape, data))
+    return out
 
 
 class _Cursor:

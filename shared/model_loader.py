@@ -27,7 +27,7 @@ import torch
 
 from kernels.cpu_quant import BLOCK_BYTES, TYPE_NAMES, QuantWeight
 from kernels.fp8_linear import Fp8Weight, quantize_fp8
-from shared.gguf_header import read_header
+from shared.gguf_header import read_header, read_tensors
 from shared.model_source import ModelSource, resolve_model
 from shared.models.config import ModelConfig, ModelConfigError
 from shared.models.family import LINEARS, Family
@@ -147,27 +147,6 @@ def _hf_config(path: Path, strict: bool = False, model_impl: str = "auto") -> Mo
             raise ModelConfigError(f"{e}; and {fallback}") from e
     except ModelConfigError as e:
         raise ModelConfigError(f"{e} (or serve it with --model-impl transformers)") from e
-
-
-_SKIP_FIELDS = {f"tokenizer.ggml.{k}" for k in ("tokens", "merges", "token_type", "scores")}
-
-
-def _gguf_fields(reader: Any) -> dict[str, Any]:
-    """Metadata values of a ``GGUFReader`` (the weights' reader), without the big vocab
-    arrays."""
-    return {k: f.contents() for k, f in reader.fields.items() if k not in _SKIP_FIELDS}
-
-
-@functools.lru_cache(maxsize=1)
-def _gguf_reader(path: Path, mtime_ns: int) -> Any:
-    """Parsing a GGUF header takes seconds (the vocab arrays): do it once for config + weights."""
-    from gguf import GGUFReader
-
-    return GGUFReader(path)
-
-
-def _reader(path: Path) -> Any:
-    return _gguf_reader(path, path.stat().st_mtime_ns)
 
 
 def _gguf_config(path: Path, strict: bool = False) -> ModelConfig:
@@ -561,10 +540,10 @@ def _gguf_weights(
 ) -> dict[str, torch.Tensor | QuantWeight]:
 
     log.info("reading %s", path.name)
-    reader = _reader(path)
-    arch = _gguf_fields(reader).get("general.architecture", "llama")
+    header = read_header(path)
+    arch = header.fields.get("general.architecture", "llama")
     names = _gguf_names(arch, cfg.num_layers)
-    tensors = [t for t in reader.tensors if t.name in names or _GGUF_MOE.match(t.name)]
+    tensors = [t for t in read_tensors(header) if t.name in names or _GGUF_MOE.match(t.name)]
     if quantized:
         _log_kept(path, tensors)
     else:

@@ -121,13 +121,9 @@ def hf_model(model_src):
     """SmolLM2 in Hugging Face transformers, from the same GGUF file (dequantized to fp32)."""
     import torch
 
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    from transformers import AutoModelForCausalLM
+    from tests.gguf_without_vocabulary import transformers_model
 
-    model = AutoModelForCausalLM.from_pretrained(
-        str(model_src.directory), gguf_file=model_src.path.name, dtype=torch.float32
-    )
-    return model.eval()
+    return transformers_model(model_src.path, torch.float32)
 
 
 # (prompt, new tokens) -> Hugging Face's greedy (text, token count), for the session's hf_model

@@ -11,7 +11,6 @@ forcing the token."""
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
@@ -21,6 +20,7 @@ from services.worker.runner import ModelRunner
 from shared.messages import FinishReason, NewRequest, SamplingParams, ScheduledSeq, StepPlan
 from shared.model_loader import load_config, load_weights
 from shared.model_source import load_tokenizer, resolve_model
+from tests.gguf_without_vocabulary import transformers_model
 
 pytestmark = pytest.mark.integration
 
@@ -45,15 +45,10 @@ PROMPTS = [
 def gemma3(gemma3_gguf: Path) -> dict:
     """kvflow's config, weights and runner for the file, and transformers' model and greedy
     tokens for ``PROMPTS`` (loaded once: the GGUF header alone takes seconds to parse)."""
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    from transformers import AutoModelForCausalLM
-
     src = resolve_model(str(gemma3_gguf))
     cfg = load_config(src)
     weights = load_weights(src, cfg)
-    hf = AutoModelForCausalLM.from_pretrained(
-        str(src.directory), gguf_file=src.path.name, dtype=torch.float32
-    ).eval()
+    hf = transformers_model(src.path, torch.float32)
     tok = load_tokenizer(src)
     prompts = [list(tok(p)["input_ids"]) for p in PROMPTS]
     with torch.no_grad():

