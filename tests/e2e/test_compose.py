@@ -85,7 +85,7 @@ def _base_images() -> list[str]:
     dockerfile = (ROOT / "Dockerfile").read_text()
     python = dockerfile.split("ARG PYTHON_IMAGE=", 1)[1].split()[0]
     services = yaml.safe_load(COMPOSE_FILE.read_text())["services"]
-    return [python, services["nats"]["image"], services["redis"]["image"]]
+    return [python, services["nats-0"]["image"], services["redis-0"]["image"]]
 
 
 def prepare_docker() -> bool:
