@@ -148,10 +148,13 @@ class NatsCluster:
             n.stop()
 
 
-def start_nats_cluster(conf_dir: Path, size: int, route_password: str) -> NatsCluster:
+def start_nats_cluster(
+    conf_dir: Path, size: int, route_password: str, route_tls: tuple[str, str, str] | None = None
+) -> NatsCluster:
     """``size`` nats-servers on loopback ports joined by routes into one cluster, each from a
     node configuration written into ``conf_dir`` beside its ``nats.conf`` (users, permissions,
-    TLS: shared/access/credentials.py), which every node includes."""
+    TLS: shared/access/credentials.py), which every node includes. ``route_tls``: (certificate,
+    key, CA) for TLS routes."""
     from shared.access.render import nats_cluster_node
 
     if size < 1:
@@ -162,7 +165,8 @@ def start_nats_cluster(conf_dir: Path, size: int, route_password: str) -> NatsCl
     configs = []
     for i in range(size):
         conf = conf_dir / f"node-{i}.conf"
-        conf.write_text(nats_cluster_node(i, cluster_ports[i], routes, route_password))
+        text = nats_cluster_node(i, cluster_ports[i], routes, route_password, tls=route_tls)
+        conf.write_text(text)
         conf.chmod(0o600)
         configs.append(conf)
     nodes: list[Server] = []

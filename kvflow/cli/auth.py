@@ -3,6 +3,7 @@
     DIR/<role>/nats-password, DIR/<role>/redis-password   one directory per role
     DIR/nats/nats.conf                                     nats-server -c (users, permissions)
     DIR/nats/cluster.conf, DIR/nats/route-password         a NATS cluster node's -c (routes)
+    DIR/nats/cluster-tls.conf                              the same with TLS routes
     DIR/redis/users.acl                                    redis-server --aclfile
     DIR/redis/replication.conf                             redis-server FILE (with Sentinel)
     DIR/redis/sentinel.conf                                a sentinel's, after its monitor line
@@ -17,7 +18,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from shared.access.credentials import NATS_ROUTES, Credentials, generate
+from shared.access.credentials import NATS_ROUTE_TLS_DIR, NATS_ROUTES, Credentials, generate
 from shared.access.grants import ROLES
 
 
@@ -49,6 +50,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=",".join(NATS_ROUTES),
         help="HOST:PORT of every NATS cluster node's cluster port, comma-separated, for "
         "nats/cluster.conf (default: the names compose and k8s/ give the three nodes)",
+    )
+    init.add_argument(
+        "--nats-route-tls-dir",
+        default=NATS_ROUTE_TLS_DIR,
+        help="where nats/cluster-tls.conf's nodes find tls.crt, tls.key and ca.crt for TLS "
+        f"routes (default {NATS_ROUTE_TLS_DIR}: where k8s/components/nats-tls mounts them)",
     )
 
 
@@ -83,6 +90,7 @@ def main(args: argparse.Namespace) -> int:
             tls_key=args.nats_tls_key,
             tls_ca=args.nats_tls_ca,
             nats_routes=tuple(r.strip() for r in args.nats_routes.split(",") if r.strip()),
+            nats_route_tls_dir=args.nats_route_tls_dir,
         )
     except ValueError as e:
         print(f"kvflow: error: {e}", file=sys.stderr)

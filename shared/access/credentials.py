@@ -35,6 +35,10 @@ REDIS_PASSWORD = "redis-password"
 NATS_CONF = Path("nats") / "nats.conf"
 NATS_ROUTE_PASSWORD = Path("nats") / "route-password"
 NATS_CLUSTER_CONF = Path("nats") / "cluster.conf"
+NATS_CLUSTER_TLS_CONF = Path("nats") / "cluster-tls.conf"
+# where cluster-tls.conf's nodes find their certificate, key and CA: cert-manager's Secret (k8s
+# components/nats-tls mounts it there)
+NATS_ROUTE_TLS_DIR = "/etc/nats/tls"
 # the cluster ports of the three nodes compose and Kubernetes run (the StatefulSet's pods behind
 # its headless Service `nats-cluster`; compose gives its containers the same names as aliases)
 NATS_ROUTES = tuple(f"nats-{i}.nats-cluster:6222" for i in range(3))
@@ -70,6 +74,11 @@ class Credentials:
         return self.root / NATS_CLUSTER_CONF
 
     @property
+    def nats_cluster_tls_conf(self) -> Path:
+        """``nats_cluster_conf`` with TLS routes (k8s components/nats-tls)."""
+        return self.root / NATS_CLUSTER_TLS_CONF
+
+    @property
     def redis_acl(self) -> Path:
         return self.root / REDIS_ACL
 
@@ -87,6 +96,7 @@ class Credentials:
         files = [self.nats_password_file(r) for r in NATS_ROLES]
         files += [self.redis_password_file(r) for r in REDIS_ROLES]
         files += [self.nats_conf, self.nats_route_password, self.nats_cluster_conf]
+        files += [self.nats_cluster_tls_conf]
         return files + [self.redis_acl, self.redis_replication_conf, self.sentinel_conf]
 
     def service_settings(self, role: str) -> dict[str, str]:
@@ -116,11 +126,13 @@ def generate(
     tls_ca: str = "",
     max_payload: int | None = None,
     nats_routes: tuple[str, ...] = NATS_ROUTES,
+    nats_route_tls_dir: str = NATS_ROUTE_TLS_DIR,
 ) -> Credentials:
     """New random passwords for every role and the servers' configurations under ``root``.
     ``mode``: of every file (0o600: only this user; compose's init service widens it so the
     unprivileged containers that mount a role's directory can read it). ``nats_routes``: every
-    cluster node's HOST:6222, for ``cluster.conf``. ``tls_*``: paths, as
+    cluster node's HOST:6222, for ``cluster.conf`` and ``cluster-tls.conf`` (whose routes are
+    TLS with ``tls.crt``, ``tls.key`` and ``ca.crt`` in ``nats_route_tls_dir``). ``tls_*``: paths, as
     nats-server will see them, of its certificate, key and client CA."""
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
@@ -138,12 +150,12 @@ def generate(
     _write(creds.nats_conf, conf, mode)
     route_password = secrets.token_urlsafe(24)
     _write(creds.nats_route_password, route_password + "\n", mode)
+    head = "# kvflow: a NATS cluster's node; made by `kvflow auth init`\n"
     cluster = nats_cluster(nats_routes, route_password, listen="0.0.0.0:6222")
-    _write(
-        creds.nats_cluster_conf,
-        "# kvflow: a NATS cluster's node; made by `kvflow auth init`\n" + cluster,
-        mode,
-    )
+    _write(creds.nats_cluster_conf, head + cluster, mode)
+    tls = tuple(f"{nats_route_tls_dir}/{f}" for f in ("tls.crt", "tls.key", "ca.crt"))
+    cluster = nats_cluster(nats_routes, route_password, listen="0.0.0.0:6222", tls=tls)
+    _write(creds.nats_cluster_tls_conf, head + cluster, mode)
     server = {u: secrets.token_urlsafe(24) for u in ("replication", "sentinel")}
     _write(creds.redis_acl, redis_acl(redis, server), mode)
     _write(creds.redis_replication_conf, redis_replication_config(server["replication"]), mode)

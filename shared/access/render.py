@@ -71,13 +71,24 @@ def nats_config(
     return text
 
 
-def nats_cluster(routes: Sequence[str], route_password: str, listen: str) -> str:
+def nats_cluster(
+    routes: Sequence[str], route_password: str, listen: str, tls: tuple[str, str, str] | None = None
+) -> str:
     """What makes nats-server a node of a NATS cluster, written beside ``nats.conf`` (its users,
     permissions and TLS, included): it listens for the other nodes on ``listen`` ("HOST:PORT")
     and joins the ``routes`` ("HOST:PORT" of every node's cluster port, its own among them: a
-    node ignores a route to itself), nodes logging in to one another as "route". No
+    node ignores a route to itself), nodes logging in to one another as "route". ``tls``:
+    (certificate, key, CA) paths as nats-server sees them: routes in TLS, each node verifying
+    the other's certificate (for the route's host name) and presenting its own. No
     ``server_name``: each node is given its own (``--name``)."""
     urls = ", ".join(_q(f"nats-route://route:{route_password}@{r}") for r in routes)
+    block = ""
+    if tls:
+        cert, key, ca = tls
+        block = (
+            f"  tls {{\n    cert_file: {_q(cert)}\n    key_file: {_q(key)}\n"
+            f"    ca_file: {_q(ca)}\n    verify: true\n    timeout: 5\n  }}\n"
+        )
     return (
         'include "nats.conf"\n'
         "cluster {\n"
@@ -85,19 +96,25 @@ def nats_cluster(routes: Sequence[str], route_password: str, listen: str) -> str
         f"  listen: {_q(listen)}\n"
         f'  authorization {{ user: "route", password: {_q(route_password)} }}\n'
         f"  routes: [{urls}]\n"
+        f"{block}"
         "}\n"
     )
 
 
 def nats_cluster_node(
-    index: int, cluster_port: int, routes: list[str], route_password: str, host: str = "127.0.0.1"
+    index: int,
+    cluster_port: int,
+    routes: list[str],
+    route_password: str,
+    host: str = "127.0.0.1",
+    tls: tuple[str, str, str] | None = None,
 ) -> str:
     """The configuration of node ``index`` of ``kvflow serve --nats-cluster``: ``nats_cluster``
     listening on ``host:cluster_port``, named ``kvflow-INDEX``."""
     return (
         "# kvflow: one node of a NATS cluster; made by `kvflow serve --nats-cluster`\n"
         f"server_name: {_q(f'kvflow-{index}')}\n"
-        + nats_cluster(routes, route_password, f"{host}:{cluster_port}")
+        + nats_cluster(routes, route_password, f"{host}:{cluster_port}", tls)
     )
 
 

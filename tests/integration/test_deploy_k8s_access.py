@@ -423,6 +423,17 @@ def test_nats_tls_component_serves_tls_and_gives_every_service_the_ca(overlay) -
         path = args[args.index(flag) + 1]
         assert _file_in_secret(nats_pod, nats, path) == (server_secret, key)
     assert "-c" in args  # still the users and permissions
+    # the routes in TLS too: cluster-tls.conf, whose files are the same Secret's
+    conf = args[args.index("-c") + 1]
+    assert _file_in_secret(nats_pod, nats, conf) == ("kvflow-nats-config", "cluster-tls.conf")
+    cluster = _secret_file(docs, "kvflow-nats-config", "cluster-tls.conf")
+    files = dict(re.findall(r"(cert_file|key_file|ca_file): \"([^\"]+)\"", cluster))
+    assert {k: _file_in_secret(nats_pod, nats, v) for k, v in files.items()} == {
+        "cert_file": (server_secret, "tls.crt"),
+        "key_file": (server_secret, "tls.key"),
+        "ca_file": (server_secret, "ca.crt"),
+    }
+    assert "verify: true" in cluster and "client auth" in server["spec"]["usages"]
     # every service: a tls:// URL to a name in the certificate, the CA (and only the CA)
     seen = set()
     for name, pod, c, _, cmd in _services(docs):

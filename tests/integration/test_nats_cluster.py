@@ -13,6 +13,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import trustme
 
 from shared import subjects as S
 from shared.access.connect import nats_auth
@@ -145,3 +146,37 @@ async def test_the_writers_node_lost_its_last_messages_and_they_come_again(clust
     assert writer.reconnects >= 1 and writer.replay_log.replays >= 1
     await reader.close()
     await writer.close()
+
+
+def _route_tls(tmp_path: Path, name: str, ca) -> tuple[str, str, str]:
+    """A node certificate for 127.0.0.1 signed by ``ca``, its key, and ``ca``'s certificate."""
+    leaf = ca.issue_cert("127.0.0.1", "localhost")
+    d = tmp_path / name
+    d.mkdir()
+    leaf.cert_chain_pems[0].write_to_path(d / "tls.crt")
+    leaf.private_key_pem.write_to_path(d / "tls.key")
+    ca.cert_pem.write_to_path(d / "ca.crt")
+    return str(d / "tls.crt"), str(d / "tls.key"), str(d / "ca.crt")
+
+
+async def test_tls_routes_join_nodes_whose_certificates_the_ca_signed(tmp_path: Path) -> None:
+    """cluster-tls.conf's block (k8s components/nats-tls): the nodes route to one another in
+    TLS, each verifying the other's certificate; nodes that trust another CA never join."""
+    creds = generate(tmp_path / "auth")
+    password = creds.nats_route_password.read_text().strip()
+    ca = trustme.CA()
+    tls = _route_tls(tmp_path, "good", ca)
+    c = start_nats_cluster(creds.nats_conf.parent, 3, password, route_tls=tls)
+    try:
+        for b in (1, 2):
+            await _routed(c, creds, 0, b)
+    finally:
+        c.stop()
+    stranger = (*tls[:2], _route_tls(tmp_path, "other", trustme.CA())[2])
+    c = start_nats_cluster(creds.nats_conf.parent, 2, password, route_tls=stranger)
+    try:
+        with pytest.raises(AssertionError, match="never routed"):
+            await _routed(c, creds, 0, 1)
+    finally:
+        c.stop()
+    assert "tls {" in creds.nats_cluster_tls_conf.read_text()
