@@ -66,8 +66,8 @@ class GGUFHeader:
 class GGUFTensor:
     """One tensor of a GGUF file, as gguf-py's ``ReaderTensor`` gives it: ``data`` is a read-only
     view of the mapped file, numpy-shaped (slowest dimension first), in the type's element
-    type for F32/F16/BF16 and integer types, else ``uint8`` with one row of block bytes per
-    row of the tensor."""
+    type for F32/F16/F64 and integer types, else (block types, BF16) ``uint8`` with one row of
+    bytes per row of the tensor."""
 
     name: str
     tensor_type: Any  # gguf.GGMLQuantizationType
@@ -92,9 +92,7 @@ def read_tensors(header: GGUFHeader) -> list[GGUFTensor]:
         dims = tuple(reversed(info.shape))
         if info.type in plain:
             data = raw.view(plain[info.type]).reshape(dims)
-        elif qtype == GGMLQuantizationType.BF16:
-            data = raw.view("<u2").reshape(dims)  # as GGUFReader: the raw 16-bit words
-        else:
+        else:  # block types, and BF16 (as GGUFReader gives it: its bytes)
             data = raw.reshape(*dims[:-1], dims[-1] // block * size)
         out.append(GGUFTensor(name, qtype, info.shape, data))
     return out
