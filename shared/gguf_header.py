@@ -42,6 +42,11 @@ class GGUFHeader:
     tensors: dict[str, TensorInfo] = field(default_factory=dict)
     data_offset: int = 0
     strings: dict[str, list[str]] = field(default_factory=dict)  # string arrays kept
+    version: int = 3
+    # where each metadata entry (key, type and value) and the tensor table lie in the file:
+    # (start, end) byte offsets, for tools that copy a file with some entries changed
+    spans: dict[str, tuple[int, int]] = field(default_factory=dict)
+    table_span: tuple[int, int] = (0, 0)
 
     def token_id(self, text: str) -> int | None:
         """The id of the vocabulary entry spelled ``text`` (None without one)."""
@@ -148,20 +153,24 @@ def read_header(path: Path, keep_strings: frozenset[str] = frozenset()) -> GGUFH
             if bytes(c.buf[:4]) != b"GGUF":
                 raise ValueError(f"{path.name} is not a GGUF file")
             c.at = 4
-            version = c.unpack("<I")
+            version = out.version = c.unpack("<I")
             if version < 2:
                 raise ValueError(f"{path.name}: GGUF version {version} is not supported")
             n_tensors, n_kv = c.unpack("<Q"), c.unpack("<Q")
             for _ in range(n_kv):
+                start = c.at
                 key = c.string()
                 value = c.value(c.unpack("<I"), key, keep_strings, out)
                 if value is not None:
                     out.fields[key] = value
+                out.spans[key] = (start, c.at)
+            start = c.at
             for _ in range(n_tensors):
                 name = c.string()
                 dims = c.unpack("<I")
                 shape = tuple(c.unpack("<Q") for _ in range(dims))
                 out.tensors[name] = TensorInfo(shape, c.unpack("<I"), c.unpack("<Q"))
+            out.table_span = (start, c.at)
             align = int(out.fields.get("general.alignment", _ALIGNMENT))
             out.data_offset = -(-c.at // align) * align
         finally:

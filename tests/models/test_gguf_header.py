@@ -51,3 +51,17 @@ def test_tensors_equal_gguf_readers(model_src) -> None:
         assert not a.data.flags.writeable, a.name  # the file is mapped read-only
         kinds.add(a.tensor_type.name)
     assert {"F32", "Q8_0"} <= kinds  # plain and block types both checked
+
+
+def test_spans_tile_the_metadata_and_the_table(model_src) -> None:
+    """Each entry's (start, end) follows the previous one's from the 24-byte preamble on, the
+    tensor table follows the last, and the data starts at the table's end, aligned."""
+    header = read_header(model_src.path)
+    at = 24  # magic, version, tensor count, entry count
+    for key, (start, end) in header.spans.items():
+        assert start == at and end > start, key
+        at = end
+    assert header.table_span[0] == at and header.table_span[1] > at
+    align = int(header.fields.get("general.alignment", 32))
+    assert header.data_offset == -(-header.table_span[1] // align) * align
+    assert header.version == GGUFReader(model_src.path).fields["GGUF.version"].contents()
