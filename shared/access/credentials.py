@@ -132,7 +132,8 @@ def generate(
     ``mode``: of every file (0o600: only this user; compose's init service widens it so the
     unprivileged containers that mount a role's directory can read it). ``nats_routes``: every
     cluster node's HOST:6222, for ``cluster.conf`` and ``cluster-tls.conf`` (whose routes are
-    TLS with ``tls.crt``, ``tls.key`` and ``ca.crt`` in ``nats_route_tls_dir``). ``tls_*``: paths, as
+    TLS with ``tls.crt``, ``tls.key`` and ``ca.crt`` in ``nats_route_tls_dir``). ``tls_*``:
+    paths, as
     nats-server will see them, of its certificate, key and client CA."""
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)

@@ -1,10 +1,10 @@
 """`docker compose up` for real: the image is built from the Dockerfile, compose/docker-compose.yml
 starts the stack (two workers, two detokenizers), and a user's checks run through the published
 port: the openai SDK streams greedy text equal to Hugging Face transformers', /metrics answers,
-both workers serve, a worker container killed mid-stream loses no request, nor do the gateway's
-NATS node and the Redis primary killed together (the 3-node NATS cluster and Redis with Sentinel
-are the default stack; the sentinels promote the replica, the killed ones rejoin), the gateway's traces
-reach the collector, `docker compose stop` drains cleanly and `down -v` leaves nothing behind.
+both workers serve, a worker container killed mid-stream loses no request, nor do the
+gateway's NATS node and the Redis primary killed together (the 3-node NATS cluster and Redis
+with Sentinel are the default stack; the sentinels promote the replica, the killed ones
+rejoin), the gateway's traces reach the collector, `docker compose stop` drains cleanly and `down -v` leaves nothing behind.
 The stack is closed: the `auth` init service writes every role's credentials (kept by a second
 run), clients without credentials are refused by NATS and Redis inside the compose network, a
 role may not touch another's Redis keys, and `keys` manages API keys as Redis's admin.
