@@ -133,8 +133,7 @@ def generate(
     unprivileged containers that mount a role's directory can read it). ``nats_routes``: every
     cluster node's HOST:6222, for ``cluster.conf`` and ``cluster-tls.conf`` (whose routes are
     TLS with ``tls.crt``, ``tls.key`` and ``ca.crt`` in ``nats_route_tls_dir``). ``tls_*``:
-    paths, as
-    nats-server will see them, of its certificate, key and client CA."""
+    paths, as nats-server will see them, of its certificate, key and client CA."""
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
     nats = {r: secrets.token_urlsafe(24) for r in NATS_ROLES}
