@@ -6,7 +6,10 @@ Any number of detokenizers share the work: each new request goes to one of them 
 group on the requests subject), which then handles that request's tokens; step results go to
 all, and each keeps only its own. On SIGTERM a detokenizer leaves the queue group (no new
 requests) and finishes the ones it has, then exits. Should a request ever reach two (a
-resubmission landing elsewhere), both send the same deltas and the gateway keeps one.
+resubmission, or a replay after a lost NATS node, landing elsewhere), both send the same deltas
+and the gateway keeps one: a detokenizer takes a request only when it has every token of it,
+i.e. when the tokens it kept for it while it was unknown here start at the first; one that
+reaches it after its first tokens went by is another's, and is left to it.
 
 Embedding requests (``TokenizedRequest.pooling``) have no text: the one StepResult entry of
 their vector (``StepResult.embeddings``) passes through as the request's only, final Delta.
@@ -73,7 +76,9 @@ class DetokenizerService:
         # step or of a replay dropped, tokens after a lost result held until it comes again
         self.order: InOrder[tuple[str, int, int, SampleLogprobs | None]] = InOrder()
         self.voided = VoidedSteps()  # steps the scheduler gave up (shared/voided_steps.py)
-        self.early: dict[str, tuple[float, list[tuple[int, int, SampleLogprobs | None]]]] = {}
+        # tokens of requests not known here yet: (position, or 0 where the sender numbers none;
+        # token, finish reason, logprobs), from when the first came
+        self.early: dict[str, tuple[float, list[tuple[int, int, int, SampleLogprobs | None]]]] = {}
         self.early_prompt: dict[str, tuple[float, list[PromptLogprobs]]] = {}
         self.embeds: dict[str, tuple[str, int]] = {}  # embedding: id -> (reply_to, prompt len)
         self.early_embeds: dict[str, tuple[float, PooledOutput]] = {}
@@ -124,6 +129,17 @@ class DetokenizerService:
     async def _register(self, req: TokenizedRequest, headers: dict[str, str] | None = None) -> None:
         if req.request_id in self.states or req.request_id in self.done:
             return  # a resubmission (the gateway retries until acknowledged): already known
+        early = self.early.pop(req.request_id, None)
+        numbered = sorted({e[0]: e for e in (early[1] if early else []) if e[0] > 0}.values())
+        if numbered and numbered[0][0] != 1:
+            # its first tokens went by before it was known here: another detokenizer has it (a
+            # replay landed here); taking it would send text from a wrong position
+            log.info(
+                "detokenizer: %s reached here at token %d: another detokenizer has it",
+                req.request_id,
+                numbered[0][0],
+            )
+            return
         if req.pooling is not None:  # an embedding: its vector passes through (_send_vectors)
             self.embeds[req.request_id] = (req.reply_to, len(req.prompt_token_ids))
             early = self.early_embeds.pop(req.request_id, None)
@@ -148,9 +164,11 @@ class DetokenizerService:
         self.states[req.request_id] = st
         for piece in self.early_prompt.pop(req.request_id, (0.0, []))[1]:
             st.add_prompt_logprobs(self.backend, piece)
-        early = self.early.pop(req.request_id, None)
-        if early:
-            await self._apply([(req.request_id, t, r, lp) for t, r, lp in early[1]])
+        if numbered:  # in position order, each position once
+            entries = [(req.request_id, t, r, lp) for _, t, r, lp in numbered]
+            await self._apply(self._in_order(entries, [e[0] for e in numbered]))
+        if early:  # from senders that number no positions, as they came
+            await self._apply([(req.request_id, t, r, lp) for c, t, r, lp in early[1] if c == 0])
 
     async def _on_result(self, res: StepResult) -> None:
         if res.embeddings:
@@ -181,8 +199,12 @@ class DetokenizerService:
         have: dict[str, int] = {}
         for e, count in zip(entries, counts, strict=True):
             st = self.states.get(e[0])
+            if st is None and count > 0:  # not known here yet: kept with its position
+                if e[0] not in self.done:
+                    self.early.setdefault(e[0], (time.monotonic(), []))[1].append((count, *e[1:]))
+                continue
             if st is None or count <= 0:
-                out.append(e)  # not registered yet (kept as early) or not numbered
+                out.append(e)  # not known here yet (kept as early) or not numbered
                 continue
             seen = have.get(e[0], st.completion_tokens)
             ready = self.order.push(e[0], seen, count - 1, count, e)
@@ -218,7 +240,7 @@ class DetokenizerService:
             if st is None:
                 if rid not in self.done:
                     early = self.early.setdefault(rid, (time.monotonic(), []))
-                    early[1].append((tok, reason, lp))
+                    early[1].append((0, tok, reason, lp))
                 continue
             delta, by_stop = st.add_token(self.backend, tok, FinishReason(reason), lp)
             mine += 1

@@ -161,7 +161,9 @@ def sentinel_config(passwords: Mapping[str, str], sentinel_password: str) -> str
     m = SENTINEL_MASTER
     lines = [
         f"sentinel down-after-milliseconds {m} 1000",
-        f"sentinel failover-timeout {m} 10000",
+        # also how long sentinels whose votes split (each for itself: they see the primary go
+        # down in the same second) wait before trying again, twice this: 6 s
+        f"sentinel failover-timeout {m} 3000",
         f"sentinel auth-user {m} sentinel",
         f"sentinel auth-pass {m} {_q(sentinel_password)}",
         "sentinel sentinel-user sentinel",

@@ -132,6 +132,46 @@ def test_detokenizer_takes_tokens_in_position_order(tokenizer) -> None:
     assert deltas[-1].finish_reason == "length" and svc.duplicates_dropped == 1
 
 
+def test_a_request_known_late_is_taken_only_with_every_token(tokenizer) -> None:
+    """Tokens of a request not known here yet are kept with their positions: registered after
+    them, the request's text is whole and in order (a replayed result counted once); when what
+    was kept starts past the first token, the request is another detokenizer's (a replay of
+    its request landed here) and is left alone: no delta from a wrong position."""
+    ids = tokenizer(" one two three four five")["input_ids"]
+    N, L = int(FinishReason.NONE), int(FinishReason.LENGTH)
+
+    def result(rid: str, pos: int) -> StepResult:
+        last = L if pos == len(ids) else N
+        return StepResult("w", pos, [rid], [ids[pos - 1]], [last], num_output_tokens=[pos])
+
+    def request(rid: str) -> TokenizedRequest:
+        return TokenizedRequest(rid, f"inbox.{rid}", [1, 2], SamplingParams(max_tokens=len(ids)))
+
+    svc = DetokenizerService(Settings(), tokenizer)
+    svc.bus = _Bus()  # type: ignore[assignment]
+
+    async def go() -> None:
+        for pos in (1, 3, 2, 3, 4):  # before the registration: out of order, one repeat
+            await svc._on_result(result("mine", pos))
+        for pos in (3, 4):  # another's request: its first tokens went by before
+            await svc._on_result(result("other", pos))
+        await svc._register(request("mine"))
+        await svc._register(request("other"))
+        for pos in range(5, len(ids) + 1):
+            await svc._on_result(result("mine", pos))
+            await svc._on_result(result("other", pos))
+
+    asyncio.run(go())
+    sent = [
+        (subj, d) for subj, b in svc.bus.published if isinstance(b, DeltaBatch) for d in b.deltas
+    ]
+    assert {subj for subj, _ in sent} == {"inbox.mine"}
+    deltas = [d for _, d in sent]
+    assert "".join(d.text for d in deltas) == tokenizer.decode(ids)
+    assert [d.after_tokens for d in deltas] == [d.completion_tokens - 1 for d in deltas]
+    assert deltas[-1].finish_reason == "length" and "other" not in svc.states
+
+
 def test_shadow_counts_a_replayed_step_once_and_waits_for_a_lost_one() -> None:
     shadow = ShadowState()
     shadow.add(TokenizedRequest("r", "inbox", [1], SamplingParams()))
