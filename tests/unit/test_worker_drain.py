@@ -13,10 +13,6 @@ import pytest
 from services.worker import service as worker_service
 from shared.config import Settings
 
-# timings: each test on a loop of its own, where no task another test left on the session's
-# loop can run (in the whole suite one such task once held the loop for ~37 s mid-test)
-pytestmark = pytest.mark.asyncio(loop_scope="function")
-
 
 def _worker(**kw: object) -> SimpleNamespace:
     base = dict(
