@@ -200,11 +200,10 @@ class DetokenizerService:
         for e, count in zip(entries, counts, strict=True):
             st = self.states.get(e[0])
             if st is None and count > 0:  # not known here yet: kept with its position
-                if e[0] not in self.done:
-                    self.early.setdefault(e[0], (time.monotonic(), []))[1].append((count, *e[1:]))
+                self._keep_early(count, *e)
                 continue
             if st is None or count <= 0:
-                out.append(e)  # not known here yet (kept as early) or not numbered
+                out.append(e)  # not numbered (kept as early by _apply if not known here)
                 continue
             seen = have.get(e[0], st.completion_tokens)
             ready = self.order.push(e[0], seen, count - 1, count, e)
@@ -238,9 +237,7 @@ class DetokenizerService:
         for rid, tok, reason, lp in entries:
             st = self.states.get(rid)
             if st is None:
-                if rid not in self.done:
-                    early = self.early.setdefault(rid, (time.monotonic(), []))
-                    early[1].append((0, tok, reason, lp))
+                self._keep_early(0, rid, tok, reason, lp)
                 continue
             delta, by_stop = st.add_token(self.backend, tok, FinishReason(reason), lp)
             mine += 1
@@ -267,6 +264,15 @@ class DetokenizerService:
             await self.bus.publish(reply_to, DeltaBatch(deltas))
         for rid in stopped:
             await self.bus.publish(subjects.ABORT, Abort(rid, FinishReason.STOP))
+
+    def _keep_early(
+        self, position: int, rid: str, tok: int, reason: int, lp: SampleLogprobs | None
+    ) -> None:
+        """A token of a request not known here (yet), unless it ended here already."""
+        if rid not in self.done:
+            self.early.setdefault(rid, (time.monotonic(), []))[1].append(
+                (position, tok, reason, lp)
+            )
 
     async def _send_vectors(self, outs: list[PooledOutput]) -> None:
         """Each vector of an embedding request held here goes to its gateway as the final
