@@ -27,7 +27,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from services.worker.model_setup import CpuPathSpec, DeviceSpec, LoadedModel, load_model
-from services.worker.step_inputs import HostStep, pack
+from services.worker.step_inputs import HostStep, Staging, pack
 from services.worker.step_rows import StepRows, host_batch, lay_out
 from shared.messages import ScheduledSeq
 from shared.model_loader import ModelConfig, load_config, load_weights
@@ -82,6 +82,7 @@ class DraftProposer:
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.kv_caches = self.model.make_kv_caches(num_blocks, block_size)
+        self.staging = Staging(loaded.device)  # its own: the target's is in use meanwhile
         # request id -> (position, tokens): known tokens the target has computed and the draft
         # not yet, contiguous from that position; run in front of the request's next proposal
         self.pending: dict[str, tuple[int, list[int]]] = {}
@@ -177,5 +178,5 @@ class DraftProposer:
         tables = [s.block_table[: -(-e // bs)] for s, e in zip(step.seqs, ends, strict=True)]
         qlens = [len(s.token_ids) for s in step.seqs]
         host = HostStep(step.ids, step.pos, step.slots, tables, ends, qlens, step.logits_rows)
-        batch = pack(host, ld.device)
+        batch = pack(host, self.staging)
         return self.model.forward_device_pooled(ld.ops, batch, self.kv_caches, None)[0]

@@ -95,7 +95,7 @@ def _piece_logprobs(piece: _Piece, logits: torch.Tensor) -> PromptLogprobs:
     if not rows:
         return PromptLogprobs(piece.request_id, first_pos, [], [], [])
     lsm = torch.cat(rows)
-    tgt = torch.tensor(targets)
+    tgt = torch.tensor(targets).to(lsm.device)
     lps = lsm.gather(1, tgt[:, None])[:, 0]
     ranks = (lsm > lps[:, None]).sum(dim=1) + 1
     top_v, top_i = lsm.topk(k, dim=-1) if k else (lsm[:, :0], lsm[:, :0].long())

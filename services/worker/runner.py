@@ -45,7 +45,7 @@ from services.worker.model_setup import (
     weight_bytes,
 )
 from services.worker.pooling import PoolState, pooled_output
-from services.worker.step_inputs import HostStep, pack
+from services.worker.step_inputs import HostStep, Staging, pack
 from services.worker.step_output import StepOut, step_result
 from services.worker.step_rows import StepRows, host_batch, lay_out
 from services.worker.tensor_parallel import TPGroup
@@ -66,8 +66,6 @@ from shared.sampling import (
     LogitsProcessor,
     active_processors,
     apply_processors,
-    needs_host_sampling,
-    params_need_host,
 )
 
 log = logging.getLogger("kvflow.worker")
@@ -99,11 +97,9 @@ class RequestState:
     lora: LoRARef | None = None  # its LoRA adapter (None: the base model)
     # what the parameters decide for sampling, once (shared/sampling/derived.py)
     processors: tuple[LogitsProcessor, ...] = field(init=False, default=())
-    host_params: bool = field(init=False, default=False)
 
     def __post_init__(self) -> None:
         self.processors = active_processors(self.params)
-        self.host_params = params_need_host(self.params, self.processors)
 
 
 class ModelRunner:
@@ -134,6 +130,7 @@ class ModelRunner:
         device = device or DeviceSpec()
         loaded = load_model(src, device, cpu or CpuPathSpec(), config, weights, model)
         self.device, self.ops, self.model = loaded.device, loaded.ops, loaded.model
+        self.staging = Staging(self.device)  # the device path's step inputs, reused
         self.model.tp = tp  # before graph capture: the captured steps run the collectives
         self.gemm_rows, self.decode_fn = loaded.gemm_rows, loaded.decode_fn
         self.model_path = str(src.path) if src is not None else ""  # for grammar compilers
@@ -284,7 +281,7 @@ class ModelRunner:
         p = r.params
         gen = None
         if p.seed is not None:
-            gen = torch.Generator().manual_seed(int(p.seed))
+            gen = torch.Generator(self.device).manual_seed(int(p.seed))
         eos = r.eos_token_ids or list(self.config.eos_token_ids)
         st = self.requests[r.request_id] = RequestState(
             params=p,
@@ -343,11 +340,8 @@ class ModelRunner:
         n_tokens = len(step.ids)
         lora = lora_rows(self.loras, seqs, self.requests)
         if self.ops is not None:
+            # sampled (and prompt-logprob rows) where they are: only ids and logprobs leave
             logits, hidden = self._forward_device(step, lora)
-            states = [self.requests[s.request_id] for s in seqs if s.sample]
-            states = [st for st in states if st.pool is None]
-            if logits.device.type != "cpu" and (prompt_rows.rows or needs_host_sampling(states)):
-                logits = logits.cpu()
         else:
             batch = host_batch(step, self._block_size, self.decode_fn, self.gemm_rows)
             batch.lora = lora
@@ -365,11 +359,11 @@ class ModelRunner:
         logits = logits[: len(sample_rows)]
         sampled = [s for s in seqs if s.sample and self.requests[s.request_id].pool is None]
         want_lp = [self.requests[s.request_id].params.logprobs is not None for s in sampled]
-        raw = logits[torch.tensor(want_lp)].clone() if any(want_lp) else None
+        asking = [i for i, w in enumerate(want_lp) if w]
+        raw = logits.index_select(0, torch.tensor(asking).to(logits.device)) if asking else None
         tokens = self._sample(logits, sampled).tolist() if sampled else []
         row_lps: list[SampleLogprobs | None] = [None] * len(sampled)
         if raw is not None:
-            asking = [i for i, w in enumerate(want_lp) if w]
             pairs = [(sampled[i], tokens[i]) for i in asking]
             for i, lp in zip(asking, sampler.logprobs_of(raw, pairs, self.requests), strict=True):
                 row_lps[i] = lp
@@ -417,7 +411,7 @@ class ModelRunner:
                 return logits, None
             return logits.index_select(0, torch.tensor(rows, device=self.device)), None
         qlens = [len(s.token_ids) for s in seqs]
-        batch = pack(HostStep(ids, pos, slots, tables, ends, qlens, rows), self.device)
+        batch = pack(HostStep(ids, pos, slots, tables, ends, qlens, rows), self.staging)
         if self.model.length_dependent_rope:
             batch.prompt_lens = torch.tensor(step.prompt_lens, device=self.device)
         pool = torch.tensor(step.pool_rows, device=self.device) if step.pool_rows else None
@@ -447,7 +441,8 @@ class ModelRunner:
         """Every feature's logits processor over the rows, then one batched draw."""
         states = [self.requests[s.request_id] for s in sampled]
         apply_processors(logits, states)
-        batch = sampler.make_batch([st.params for st in states], [st.generator for st in states])
+        params, gens = [st.params for st in states], [st.generator for st in states]
+        batch = sampler.make_batch(params, gens, logits.device)
         return sampler.sample(logits, batch)
 
     def _finish(self, st: RequestState, token: int) -> FinishReason:

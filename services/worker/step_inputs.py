@@ -1,6 +1,8 @@
 """A step's metadata for the device path (the Triton backend): built on the host from the
 StepPlan, packed into one int32 buffer (pinned on CUDA) and copied to the device once per step
-with ``non_blocking``, then read through views.
+with ``non_blocking``, then read through views. The host buffer is the runner's ``Staging``,
+kept from step to step (pinning memory is a driver call that costs more than the step's copy);
+it grows when a step needs more and is written again only once its last copy has finished.
 
 ``DeviceBatch`` is what ``DecoderModel.forward_device`` takes; the CUDA-graph decode path
 (services/worker/cuda_graphs.py) fills the same fields from static buffers instead.
@@ -62,15 +64,48 @@ def fill_tables(out: np.ndarray, tables: Sequence[Sequence[int]]) -> None:
         out[i, : len(t)] = t
 
 
-def pack(step: HostStep, device: torch.device) -> DeviceBatch:
-    """Every int of ``step`` in one host buffer (pinned on CUDA), one copy to ``device``, and
-    views of it. A decode step has no ``query_start_loc``."""
+class Staging:
+    """The host buffer a runner packs its steps into, one per runner and reused (pinned on
+    CUDA). ``take`` waits for the copy out of the previous step's buffer before handing it
+    out again; ``send`` copies a filled buffer to the device."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self._host = torch.empty(0, dtype=torch.int32)
+        self._copied: torch.cuda.Event | None = None  # the last copy out of ``_host``
+        self.allocations = 0  # host buffers made so far (grows only when a step needs more)
+
+    def take(self, n: int) -> torch.Tensor:
+        """``n`` int32 of the buffer, free to write."""
+        if self._copied is not None:
+            self._copied.synchronize()
+            self._copied = None
+        if n > self._host.numel():
+            size = max(n, 2 * self._host.numel(), 4096)
+            self._host = torch.empty(size, dtype=torch.int32, pin_memory=self.device.type == "cuda")
+            self.allocations += 1
+        return self._host[:n]
+
+    def send(self, host: torch.Tensor) -> torch.Tensor:
+        """``host`` (from ``take``) on the device; on the CPU a copy, since the buffer is
+        written again by the next step."""
+        if self.device.type == "cpu":
+            return host.clone()
+        buf = host.to(self.device, non_blocking=True)
+        self._copied = torch.cuda.Event()
+        self._copied.record()
+        return buf
+
+
+def pack(step: HostStep, staging: Staging) -> DeviceBatch:
+    """Every int of ``step`` in ``staging``'s host buffer, one copy to its device, and views
+    of it. A decode step has no ``query_start_loc``."""
     t, b, s = len(step.token_ids), len(step.seq_lens), len(step.sample_rows)
     w = max((len(x) for x in step.block_tables), default=0)
     decode = step.is_decode
     sizes = [t, t, t, b, 0 if decode else b + 1, s, b * w]
     offs = np.cumsum([0, *sizes]).tolist()
-    host = torch.empty(offs[-1], dtype=torch.int32, pin_memory=device.type == "cuda")
+    host = staging.take(offs[-1])
     a = host.numpy()
     a[offs[0] : offs[1]] = step.token_ids
     a[offs[1] : offs[2]] = step.positions
@@ -81,7 +116,7 @@ def pack(step: HostStep, device: torch.device) -> DeviceBatch:
         np.cumsum(step.query_lens, out=a[offs[4] + 1 : offs[5]])
     a[offs[5] : offs[6]] = step.sample_rows
     fill_tables(a[offs[6] :].reshape(b, w), step.block_tables)
-    buf = host.to(device, non_blocking=True) if device.type != "cpu" else host
+    buf = staging.send(host)
 
     def seg(i: int) -> torch.Tensor:
         return buf[offs[i] : offs[i + 1]]

@@ -12,9 +12,7 @@ from shared.sampling.checks import (
 from shared.sampling.derived import (
     active_processors,
     apply_processors,
-    needs_host_sampling,
     needs_token_history,
-    params_need_host,
     validate_sampling,
     wire_fields,
 )
@@ -35,9 +33,7 @@ __all__ = [
     "SamplingParamError",
     "active_processors",
     "apply_processors",
-    "needs_host_sampling",
     "needs_token_history",
-    "params_need_host",
     "validate_sampling",
     "wire_fields",
 ]

@@ -1,5 +1,5 @@
 """What every layer derives from the feature table (features.py): validation, the wire mapping,
-whether a request needs its token history, and the worker's host-side processing."""
+whether a request needs its token history, and the worker's logits processing."""
 
 from __future__ import annotations
 
@@ -16,7 +16,6 @@ if TYPE_CHECKING:
     from shared.messages import SamplingParams as WireParams
 
 FIELD_NAMES = frozenset(f.name for f in FIELDS)
-_HOST_FIELDS = tuple(f.needs_host for f in FIELDS if f.needs_host is not None)
 
 
 def validate_sampling(
@@ -53,31 +52,9 @@ def active_processors(p: WireParams) -> tuple[LogitsProcessor, ...]:
     return tuple(pr for pr in PROCESSORS if pr.active(p))
 
 
-def params_need_host(p: WireParams, processors: Sequence[LogitsProcessor]) -> bool:
-    """What the parameters alone decide of ``needs_host_sampling`` (once per request): a field
-    that changes the argmax or the output (temperature, logprobs), or an active processor that
-    is not argmax-invariant and applies on every step."""
-    return any(needs(p) for needs in _HOST_FIELDS) or any(
-        not pr.per_step and not pr.argmax_invariant for pr in processors
-    )
-
-
-def needs_host_sampling(states: Sequence[RowState]) -> bool:
-    """Whether sampling these rows needs more than a greedy argmax (which runs on the device):
-    what each row's parameters decided, or a per-step processor that applies this step. The
-    rows then go to the host and through the CPU sampler, as on the CPU path."""
-    for st in states:
-        if st.host_params:
-            return True
-        for pr in st.processors:
-            if pr.per_step and pr.needs_host(st):
-                return True
-    return False
-
-
 def apply_processors(logits: torch.Tensor, states: Sequence[RowState]) -> None:
-    """Every feature's change to the sampling rows (row i is ``states[i]``), in place, in the
-    table's order; only the processors some row turned on run. The batched draw
+    """Every feature's change to the sampling rows (row i is ``states[i]``), in place where the
+    logits are, in the table's order; only the processors some row turned on run. The batched draw
     (services/worker/sampler.py) comes after."""
     on = {pr for st in states for pr in st.processors}
     for pr in PROCESSORS:

@@ -28,7 +28,7 @@ from shared.sampling.processors import (
     MinTokens,
     Penalties,
 )
-from shared.sampling.spec import GREEDY_EPS, LogitsProcessor, SamplingField
+from shared.sampling.spec import LogitsProcessor, SamplingField
 
 V = Mapping[str, Any]  # every value of the request, and the limits max_n and max_logprobs
 GUIDED = ("guided_json", "guided_regex", "guided_choice", "guided_grammar")
@@ -120,7 +120,6 @@ FIELDS: list[SamplingField] = [
         _temperature,
         responses=False,
         wire=float,
-        needs_host=lambda p: p.temperature >= GREEDY_EPS,
     ),
     F("top_p", float, 1.0, _in(0.0, 1.0, lo_open=True), responses=False, wire=float),
     F("top_k", int, 0, _int_in(-1, MAX_TOKEN_ID), wire=lambda v: max(0, int(v))),  # -1, 0: off
@@ -147,7 +146,6 @@ FIELDS: list[SamplingField] = [
         _logprobs,
         nullable=True,
         body=False,
-        needs_host=lambda p: p.logprobs is not None,
     ),
     F("prompt_logprobs", int | None, None, _logprobs, nullable=True, responses=False),
     F(

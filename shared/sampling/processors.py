@@ -1,6 +1,8 @@
-"""The host-side logits processors of the features that change logits rows (vLLM's names and
+"""The logits processors of the features that change logits rows (vLLM's names and
 rules): logit bias, allowed tokens, penalties, bad words, min_tokens and grammars. Each works on
-one row in place, so a request's logits never depend on the rest of the batch. torch is imported
+one row in place, so a request's logits never depend on the rest of the batch, and on the
+logits' device (the GPU on the device path) without reading a value back: what a processor
+decides from the token history is decided on the host, where the history is. torch is imported
 only when a processor runs (the gateway imports the feature table too)."""
 
 from __future__ import annotations
@@ -16,26 +18,42 @@ if TYPE_CHECKING:
     from shared.messages import SamplingParams as WireParams
 
 
+def _on(logits: torch.Tensor, values: Sequence, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """A small host list as a tensor on the logits' device (one copy, no read back)."""
+    import torch
+
+    t = torch.tensor(list(values), dtype=dtype if dtype is not None else torch.long)
+    return t.to(logits.device, non_blocking=True)
+
+
+def _forbid_unless_nothing_left(logits: torch.Tensor, row: int, ids: Sequence[int]) -> None:
+    """Set ``ids`` of ``row`` to -inf, unless that would leave the row with no finite logit
+    (then the row stays as it was). Decided on the device: no value is read back."""
+    import torch
+
+    x = logits[row]
+    banned = x.index_fill(0, _on(logits, ids), float("-inf"))
+    logits[row] = torch.where(torch.isfinite(banned).any(), banned, x)
+
+
 def apply_logit_bias(logits: torch.Tensor, row: int, bias: dict[int, float]) -> None:
     """OpenAI's ``logit_bias``: add each value to its token's logit (in place); ids outside
     the vocabulary are ignored (the gateway rejects them)."""
-    import torch
-
     vocab = logits.shape[-1]
     items = [(int(t), float(b)) for t, b in bias.items() if 0 <= int(t) < vocab]
     if items:
-        ids = torch.tensor([t for t, _ in items])
-        logits[row, ids] += torch.tensor([b for _, b in items], dtype=logits.dtype)
+        ids = _on(logits, [t for t, _ in items])
+        logits[row].index_add_(0, ids, _on(logits, [b for _, b in items], logits.dtype))
 
 
 def allow_only_tokens(logits: torch.Tensor, row: int, token_ids: Sequence[int]) -> None:
     """vLLM's ``allowed_token_ids``: every other token of ``row`` is forbidden (in place)."""
     import torch
 
-    keep = torch.tensor([t for t in token_ids if 0 <= t < logits.shape[-1]], dtype=torch.long)
-    mask = torch.ones(logits.shape[-1], dtype=torch.bool)
+    keep = _on(logits, [t for t in token_ids if 0 <= t < logits.shape[-1]])
+    mask = torch.ones(logits.shape[-1], dtype=torch.bool, device=logits.device)
     mask[keep] = False
-    logits[row, mask] = float("-inf")
+    logits[row].masked_fill_(mask, float("-inf"))
 
 
 def ban_bad_words(
@@ -43,8 +61,6 @@ def ban_bad_words(
 ) -> None:
     """vLLM's ``bad_words``: forbid each word's last token where the output so far ends with
     the rest of the word (in place), so no banned token sequence is ever completed."""
-    import torch
-
     vocab = logits.shape[-1]
     banned = [
         w[-1]
@@ -54,26 +70,17 @@ def ban_bad_words(
         and (len(w) == 1 or list(output[len(output) - len(w) + 1 :]) == list(w[:-1]))
         and 0 <= w[-1] < vocab
     ]
-    if banned:
-        kept = logits[row, banned].clone()
-        logits[row, banned] = float("-inf")
-        if not torch.isfinite(logits[row]).any():  # nothing left (allowed_token_ids): undo
-            logits[row, banned] = kept
+    if banned:  # nothing left (allowed_token_ids): the row stays as it was
+        _forbid_unless_nothing_left(logits, row, banned)
 
 
 def suppress_tokens(logits: torch.Tensor, row: int, token_ids: Sequence[int]) -> None:
     """Forbid ``token_ids`` in ``row`` (in place); used to hold back EOS/stop ids before
     ``min_tokens`` outputs. Never forbids the last tokens a row has left (when
     ``allowed_token_ids`` holds only stop tokens, a stop token is the only answer)."""
-    import torch
-
     ids = [t for t in token_ids if 0 <= t < logits.shape[-1]]
-    if not ids:
-        return
-    kept = logits[row, ids].clone()
-    logits[row, ids] = float("-inf")
-    if not torch.isfinite(logits[row]).any():
-        logits[row, ids] = kept
+    if ids:
+        _forbid_unless_nothing_left(logits, row, ids)
 
 
 def apply_penalties(
@@ -87,16 +94,18 @@ def apply_penalties(
     penalties, in place on one row."""
     import torch
 
-    x = logits[row]
+    x, vocab = logits[row], logits.shape[-1]
+    output_token_ids = [t for t in output_token_ids if 0 <= t < vocab]
     if params.repetition_penalty != 1.0:
-        seen = torch.tensor(sorted(set(prompt_token_ids) | set(output_token_ids)), dtype=torch.long)
-        if seen.numel():
-            v = x[seen]
+        seen = sorted(t for t in set(prompt_token_ids) | set(output_token_ids) if 0 <= t < vocab)
+        if seen:
+            ids = _on(logits, seen)
+            v = x[ids]
             pen = params.repetition_penalty
-            x[seen] = torch.where(v > 0, v / pen, v * pen)
+            x[ids] = torch.where(v > 0, v / pen, v * pen)
     if output_token_ids and (params.presence_penalty or params.frequency_penalty):
-        ids = torch.tensor(list(output_token_ids), dtype=torch.long)
-        counts = torch.bincount(ids, minlength=x.shape[0])[: x.shape[0]].to(x.dtype)
+        ids = _on(logits, output_token_ids)
+        counts = torch.zeros_like(x).index_add_(0, ids, torch.ones_like(ids, dtype=x.dtype))
         x -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0).to(x.dtype)
 
 
@@ -144,13 +153,8 @@ class MinTokens(LogitsProcessor):
     def active(self, p: WireParams) -> bool:
         return p.min_tokens > 0
 
-    per_step = True  # only until the row has min_tokens outputs
-
     def applies(self, st: RowState) -> bool:
         return st.num_output_tokens < st.params.min_tokens and st.guide is None
-
-    def needs_host(self, st: RowState) -> bool:
-        return st.num_output_tokens < st.params.min_tokens
 
     def apply_row(self, logits: torch.Tensor, row: int, st: RowState) -> None:
         stops = set(st.stop_token_ids)
@@ -166,13 +170,8 @@ class Grammar(LogitsProcessor):
     def active(self, p: WireParams) -> bool:
         return p.structured_output is not None
 
-    per_step = True  # the matcher's state, and whether it failed
-
     def applies(self, st: RowState) -> bool:
         return st.guide is not None and not st.guide.error
-
-    def needs_host(self, st: RowState) -> bool:
-        return st.guide is not None or st.guide_failed
 
     def apply(self, logits: torch.Tensor, states: Sequence[RowState]) -> None:
         rows = [i for i, st in enumerate(states) if self.applies(st)]
@@ -183,4 +182,5 @@ class Grammar(LogitsProcessor):
         bitmask = xgr.allocate_token_bitmask(logits.shape[0], logits.shape[1])
         for i in rows:
             states[i].guide.matcher.fill_next_token_bitmask(bitmask, i)
+        bitmask = bitmask.to(logits.device, non_blocking=True)
         xgr.apply_token_bitmask_inplace(logits, bitmask, indices=rows)

@@ -30,9 +30,7 @@ class SamplingField:
     values skip ``check`` when ``nullable``. ``body``: whether the HTTP bodies declare it (as
     ``type | None`` defaulting to ``body_default``; an unset field means ``default``);
     ``responses``: whether /v1/responses accepts it among its extras. ``wire``: maps the value
-    onto the wire ``SamplingParams`` field of the same name (None: not on the wire).
-    ``needs_host``: whether a request with these wire params needs more than the device's
-    greedy argmax (None: never, e.g. top_k leaves the argmax unchanged)."""
+    onto the wire ``SamplingParams`` field of the same name (None: not on the wire)."""
 
     name: str
     type: Any
@@ -43,7 +41,6 @@ class SamplingField:
     body_default: Any = None
     responses: bool = True
     wire: Callable[[Any], Any] | None = _same
-    needs_host: Callable[[WireParams], bool] | None = None
 
     def validate(self, value: Any, values: Mapping[str, Any]) -> None:
         """Raise ``SamplingParamError`` naming this field if ``value`` is wrong."""
@@ -66,22 +63,17 @@ class RowState(Protocol):
     output_tokens: list[int]
     guide: Any  # the grammar matcher (structured output), or None
     guide_failed: bool
-    # decided once per request from its parameters (derived.active_processors and
-    # params_need_host), so the per-step checks touch only what changes between steps
+    # decided once per request from its parameters (derived.active_processors)
     processors: tuple[LogitsProcessor, ...]
-    host_params: bool
 
 
 class LogitsProcessor:
-    """A feature's change to the logits of the rows that sample this step, in place on the host
-    (fp32, [rows, vocab]). Rows are independent, so processors run one after another over the
-    batch. ``argmax_invariant``: never changes a greedy row's choice (such rows may then stay on
-    the device); ``needs_history``: reads the prompt and output tokens so far (the scheduler then
-    sends them, ``NewRequest.token_history``)."""
+    """A feature's change to the logits of the rows that sample this step, in place where the
+    logits are (fp32, [rows, vocab]; the GPU on the device path). Rows are independent, so
+    processors run one after another over the batch. ``needs_history``: reads the prompt and
+    output tokens so far (the scheduler then sends them, ``NewRequest.token_history``)."""
 
-    argmax_invariant: bool = False
     needs_history: bool = False
-    per_step: bool = False  # ``applies`` depends on the row's state this step, not only its params
 
     def active(self, p: WireParams) -> bool:
         """Whether the request's parameters turn this feature on."""
@@ -90,10 +82,6 @@ class LogitsProcessor:
     def applies(self, st: RowState) -> bool:
         """Whether it changes this row this step (default: whenever it is on)."""
         return self.active(st.params)
-
-    def needs_host(self, st: RowState) -> bool:
-        """Whether this row needs the host sampler this step because of this feature."""
-        return not self.argmax_invariant and self.applies(st)
 
     def apply_row(self, logits: torch.Tensor, row: int, st: RowState) -> None:
         """Change one row in place."""

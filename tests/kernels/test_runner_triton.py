@@ -212,8 +212,8 @@ def test_triton_worker_path_matches_the_cpu_path(model, reference, graphs: bool)
 
 @requires_interpreter
 def test_triton_worker_prompt_logprobs_and_sampling_params(model) -> None:
-    """Rows that need the host sampler (logprobs, temperature with a seed, penalties, prompt
-    logprobs) give what the CPU path gives."""
+    """Rows sampled on the device with logprobs, temperature with a seed, penalties, and prompt
+    logprobs give what the CPU path gives."""
     params = [
         SamplingParams(max_tokens=3, temperature=0.0, logprobs=2, prompt_logprobs=1),
         SamplingParams(max_tokens=3, temperature=0.9, seed=5, repetition_penalty=1.3),
@@ -246,6 +246,64 @@ def test_triton_worker_prompt_logprobs_and_sampling_params(model) -> None:
             assert (b.start, b.token_ids, b.ranks) == (a.start, a.token_ids, a.ranks)
             assert b.logprobs == pytest.approx(a.logprobs, abs=1e-4)
     assert results[0][0].prompt_logprobs  # the prompt logprobs really were asked for
+
+
+def _device_runner(model) -> ModelRunner:
+    """The device path: on the GPU when there is one, else the Triton interpreter."""
+    return make(model, backend="triton", max_num_seqs=4, **({"device": "cuda"} if HAS_CUDA else {}))
+
+
+def _sample_on_device(
+    runner: ModelRunner, want: dict[str, tuple[list[int], list[int], SamplingParams]], steps: int
+):
+    """Prefill then decode ``steps`` times every request of ``want`` (id: prompt, block table,
+    params), in the dict's order; returns each request's tokens and sampled logprobs. Checks
+    that the sampler is given the logits where the model made them."""
+    sample = runner._sample
+
+    def on_device(logits, sampled):
+        assert logits.device == runner.kv_caches[0][0].device
+        return sample(logits, sampled)
+
+    runner._sample = on_device
+    new = [NewRequest(r, p, len(prompt)) for r, (prompt, _, p) in want.items()]
+    seqs = [ScheduledSeq(r, prompt, 0, table) for r, (prompt, table, _) in want.items()]
+    got: dict[str, list[int]] = {r: [] for r in want}
+    lps: dict[str, list] = {r: [] for r in want}
+    for step in range(steps):
+        res = runner.execute(StepPlan(step, seqs, new))
+        assert res.error is None, res.error
+        for r, tok, lp in zip(res.request_ids, res.token_ids, res.logprobs, strict=True):
+            got[r].append(tok)
+            lps[r].append(None if lp is None else (lp.logprob, lp.top_ids))
+        new = []
+        seqs = [
+            ScheduledSeq(r, [got[r][-1]], len(prompt) + step, table)
+            for r, (prompt, table, _) in want.items()
+        ]
+    return got, lps
+
+
+def test_seeded_sampling_on_the_device_is_the_same_whatever_the_batch(model) -> None:
+    """A seeded request sampled on the device (its own generator there) draws the same tokens
+    and logprobs alone and inside a batch of greedy, unseeded and other seeded rows; another
+    seed draws others."""
+    hot = dict(max_tokens=8, temperature=1.5, top_p=0.95, top_k=60, ignore_eos=True)
+    seeded = SamplingParams(**hot, seed=11, logprobs=2, repetition_penalty=1.1)
+    alone, alone_lps = _sample_on_device(_device_runner(model), {"s": (A, TABLES["a"], seeded)}, 6)
+    batch = {
+        "g": (B, TABLES["b"], GREEDY),
+        "u": (C, TABLES["c"], SamplingParams(max_tokens=8, temperature=1.0, ignore_eos=True)),
+        "s": (A, TABLES["a"], seeded),
+        "t": (E, TABLES["e"], SamplingParams(**hot, seed=12, min_p=0.01)),
+    }
+    mixed, mixed_lps = _sample_on_device(_device_runner(model), batch, 6)
+    assert mixed["s"] == alone["s"]
+    for (lp_a, top_a), (lp_b, top_b) in zip(alone_lps["s"], mixed_lps["s"], strict=True):
+        assert top_a == top_b and lp_a == pytest.approx(lp_b, abs=1e-4)
+    other = SamplingParams(**hot, seed=12, logprobs=2, repetition_penalty=1.1)
+    again, _ = _sample_on_device(_device_runner(model), {"s": (A, TABLES["a"], other)}, 6)
+    assert again["s"] != alone["s"]  # the seed decides the draws
 
 
 @requires_interpreter

@@ -1,6 +1,5 @@
 """The device path's host-side pieces, on the CPU: device/dtype/backend choice, the CUDA-graph
-batch-size ladder and padding into static buffers, the one-copy step metadata, and when the
-sampled rows must go to the host."""
+batch-size ladder and padding into static buffers, and the one-copy step metadata."""
 
 from __future__ import annotations
 
@@ -9,10 +8,8 @@ import torch
 
 from services.worker.cuda_graphs import DecodeBuffers, DecodeGraphs, capture_sizes, padded_size
 from services.worker.device import kernel_backend, resolve_device, resolve_dtype
-from services.worker.runner import RequestState, needs_host_sampling
-from services.worker.step_inputs import HostStep, pack
+from services.worker.step_inputs import HostStep, Staging, pack
 from shared.config import Settings
-from shared.messages import SamplingParams
 
 CPU = torch.device("cpu")
 
@@ -100,7 +97,8 @@ def test_pack_mixed_and_decode_steps() -> None:
         query_lens=[1, 3, 2],
         sample_rows=[0, 3, 5],
     )
-    b = pack(mixed, CPU)
+    staging = Staging(CPU)
+    b = pack(mixed, staging)
     assert b.input_ids.tolist() == [1, 2, 3, 4, 5, 6]
     assert b.positions.tolist() == [7, 0, 1, 2, 8, 9]
     assert b.slot_mapping.tolist() == [31, 4, 5, 6, 40, 41]
@@ -114,9 +112,16 @@ def test_pack_mixed_and_decode_steps() -> None:
         t.untyped_storage().data_ptr() == base
         for t in (b.positions, b.slot_mapping, b.seq_lens, b.block_tables, b.sample_rows)
     )
-    d = pack(HostStep([3, 4], [5, 0], [21, 2], [[5, 2], [0]], [6, 1], [1, 1], [1]), CPU)
+    d = pack(HostStep([3, 4], [5, 0], [21, 2], [[5, 2], [0]], [6, 1], [1, 1], [1]), staging)
     assert d.query_start_loc is None and d.max_query_len == 1
     assert d.sample_rows.tolist() == [1] and d.block_tables.tolist() == [[5, 2], [0, 0]]
+    # the host buffer is the staging's, reused: the first step's batch is not overwritten
+    assert b.input_ids.tolist() == [1, 2, 3, 4, 5, 6] and staging.allocations == 1
+    big = 5000  # more than the buffer holds: it grows once, then serves smaller steps again
+    wide = HostStep([1] * big, [0] * big, [0] * big, [[1]], [big], [big], [big - 1])
+    assert pack(wide, staging).input_ids.numel() == big and staging.allocations == 2
+    first = staging.take(8).data_ptr()
+    assert staging.take(16).data_ptr() == first and staging.allocations == 2
 
 
 def test_device_dtype_and_backend_choice() -> None:
@@ -140,24 +145,3 @@ def test_device_dtype_and_backend_choice() -> None:
     with pytest.raises(ValueError):
         resolve_dtype("int8", CPU)
     assert kernel_backend(cuda) == "triton" and kernel_backend(CPU) == "reference"
-
-
-def _state(**params) -> RequestState:
-    p = SamplingParams(**params)
-    return RequestState(p, 5, 0, frozenset([1]), frozenset(), None, p.needs_token_history())
-
-
-def test_only_plain_greedy_rows_are_sampled_on_the_device() -> None:
-    greedy = _state(temperature=0.0)
-    assert not needs_host_sampling([greedy, _state(temperature=0.0, max_tokens=3)])
-    assert not needs_host_sampling([])
-    for other in (
-        _state(temperature=0.7),
-        _state(temperature=0.0, logprobs=0),
-        _state(temperature=0.0, logit_bias={3: 1.0}),
-        _state(temperature=0.0, allowed_token_ids=[3, 4]),
-        _state(temperature=0.0, presence_penalty=0.5),
-        _state(temperature=0.0, min_tokens=2),
-        _state(temperature=0.0, bad_words=["x"], bad_words_token_ids=[[3]]),
-    ):
-        assert needs_host_sampling([greedy, other])

@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 
 from services.worker import sampler
 from shared.messages import SamplingParams
-from shared.sampling import processors
+from shared.sampling import PROCESSORS, apply_processors, processors
 
 
 def batch(
@@ -135,3 +136,34 @@ def test_bad_words_ban_only_the_token_that_would_complete_a_word() -> None:
     only[0, 7] = 1.0  # allowed_token_ids left nothing but a bad word: it stays possible
     processors.ban_bad_words(only, 0, words, [])
     assert only[0, 7] == 1.0
+
+
+def test_sampling_and_processors_stay_on_the_logits_device() -> None:
+    """Everything a step does to its sampled rows (every processor but the grammar, top-k/top-p,
+    min-p, temperature, the draw) runs on the ``meta`` device: a tensor made on the host among
+    them, or a value read back from the device (a sync on a GPU), raises there."""
+    from services.worker.runner import RequestState
+
+    def state(**kw) -> RequestState:
+        p = SamplingParams(**kw)
+        return RequestState(
+            p, 3, 1, frozenset([1]), frozenset([2]), None, p.needs_token_history(), [5, 6], [7]
+        )
+
+    states = [
+        state(temperature=0.0),
+        state(temperature=0.8, top_p=0.9, top_k=5, min_p=0.05, logit_bias={3: 2.0}),
+        state(allowed_token_ids=[3, 4, 9], min_tokens=4, repetition_penalty=1.2),
+        state(temperature=1.3, presence_penalty=0.5, frequency_penalty=0.2),
+        state(bad_words=["x"], bad_words_token_ids=[[7, 8], [9]], temperature=0.5),
+    ]
+    assert {type(pr) for st in states for pr in st.processors} == {
+        type(pr) for pr in PROCESSORS if type(pr).__name__ != "Grammar"
+    }
+    logits = torch.empty(len(states), 16, device="meta")
+    apply_processors(logits, states)
+    b = sampler.make_batch([st.params for st in states], device="meta")
+    tokens = sampler.sample(logits, b)
+    assert tokens.device.type == "meta" and tokens.shape == (len(states),)
+    with pytest.raises(RuntimeError):  # the test's premise: meta refuses host tensors
+        logits + torch.ones(16)

@@ -1,5 +1,5 @@
 """The sampling feature table (shared/sampling): every layer derives its fields from it, and the
-processors say which features need token history and the host sampler."""
+processors say which features need token history."""
 
 from __future__ import annotations
 
@@ -19,7 +19,6 @@ from shared.sampling import (
     PROCESSORS,
     SamplingParamError,
     apply_processors,
-    needs_host_sampling,
     validate_sampling,
     wire_fields,
 )
@@ -66,16 +65,11 @@ def test_unknown_fields_are_refused() -> None:
     assert e.value.param == "guided_choice"
 
 
-def test_history_and_host_come_from_the_processors() -> None:
+def test_history_comes_from_the_processors() -> None:
     assert {type(p) for p in PROCESSORS if p.needs_history} == {Penalties, BadWords}
     assert not SamplingParams().needs_token_history()
     assert SamplingParams(frequency_penalty=0.1).needs_token_history()
     assert SamplingParams(bad_words_token_ids=[[3]]).needs_token_history()
-    assert not needs_host_sampling([_state(temperature=0.0, top_k=3, top_p=0.5)])
-    assert needs_host_sampling([_state(temperature=0.0, min_tokens=1)])
-    done = _state(temperature=0.0, min_tokens=1)
-    done.num_output_tokens = 1  # min_tokens are out: greedy again
-    assert not needs_host_sampling([done])
 
 
 def test_processors_run_in_table_order_on_their_rows_only() -> None:
