@@ -619,7 +619,7 @@ def step_summary(args: argparse.Namespace) -> int:
     tests = _junit(out)
     if tests is not None:
         data["tests"] = tests
-    for name in ("env", "greedy", "kernels", "decode", "decode-eager", "stack"):
+    for name in ("env", "greedy", "kernels", "decode", "decode-eager", "sampling", "stack"):
         part = _load(out, name)
         if part is not None:
             part.pop("nvidia_smi", None) if name == "env" else None
@@ -654,6 +654,14 @@ def step_summary(args: argparse.Namespace) -> int:
             ]
             md.append(f"- B={b} ctx={c}: " + ", ".join(cells))
         data["splits"] = splits
+    sampling = data.get("sampling")
+    if sampling and sampling.get("results"):
+        md += ["", f"One step's sampling on {sampling['device']} (ms; host: logits copied first):"]
+        md += [""] + [
+            f"- {r['rows']} rows, {r['mix']}: "
+            + ", ".join(f"{k[:-3]} {v:.3f}" for k, v in r.items() if k.endswith("_ms"))
+            for r in sampling["results"]
+        ]
     stack = data.get("stack")
     if stack:
         md += [

@@ -9,6 +9,7 @@
 #   kernels  python -m benchmarks.kernels (per-kernel table, device-only decode loop)
 #   splits   paged decode attention at each split count (the data default_num_splits is tuned on)
 #   decode   python -m benchmarks.decode --device cuda --random-llama, graphs then eager
+#   sampling python -m benchmarks.sampling: one step's sampling on the GPU vs copied to the host
 #   profile  cProfile of the worker's decode steps at batch 64 (where the host's time goes)
 #   stack    kvflow serve --device cuda at 1/32/256 streams, then transformers on the same weights
 #   summary  summary.md + summary.json (the issue's targets checked), results.tar.gz of the rest
@@ -87,6 +88,7 @@ if [[ $CPU == 1 ]]; then
   XDIST=()
   STREAMS=(--streams 1 4 --waves 1 --input-len 16 --output-len 8)
   DECODE=(--device cpu --random-llama --hidden 128 --layers 2 --intermediate 256 --batch 1 8 --context 32 --steps 3 --warmup 1)
+  SAMPLING=(--device cpu --rows 1 8 --vocab 4096 --steps 3 --warmup 1)
 elif [[ -n ${GPU_CHECK_TESTS:-} ]]; then
   read -r -a TESTS <<<"$GPU_CHECK_TESTS"  # a rerun of some tests: their ids, space-separated
 else
@@ -97,6 +99,7 @@ if [[ $CPU == 0 ]]; then
   "$PY" -c "import xdist" 2>/dev/null && XDIST=(-n 8)
   STREAMS=(--streams 1 32 256)
   DECODE=(--device cuda --random-llama --batch 1 8 32 64 256 --context 512 --steps 20)
+  SAMPLING=(--device cuda --rows 1 64 256 --steps 20)
 fi
 
 step env 30 "$PY" -m benchmarks.gpu_check env --out "$OUTDIR"
@@ -107,6 +110,7 @@ step kernels 60 "$PY" -m benchmarks.kernels --json "$OUTDIR/kernels.json"
 step splits 40 "$PY" -m benchmarks.gpu_check splits --out "$OUTDIR"
 step decode 45 "$PY" -m benchmarks.decode "${DECODE[@]}" --json "$OUTDIR/decode.json"
 step decode-eager 30 "$PY" -m benchmarks.decode "${DECODE[@]}" --enforce-eager --json "$OUTDIR/decode-eager.json"
+step sampling 25 "$PY" -m benchmarks.sampling "${SAMPLING[@]}" --json "$OUTDIR/sampling.json"
 step profile 30 "$PY" -m benchmarks.gpu_check profile $TINY --out "$OUTDIR"
 step stack 150 "$PY" -m benchmarks.gpu_check stack $TINY "${STREAMS[@]}" ${GPU_CHECK_STACK_ARGS:-} --out "$OUTDIR"
 "$PY" -m benchmarks.gpu_check summary --out "$OUTDIR" >"$LOGS/summary.log" 2>&1

@@ -65,7 +65,6 @@ from shared.model_source import ModelSource
 from shared.sampling import (
     LogitsProcessor,
     active_processors,
-    apply_processors,
 )
 
 log = logging.getLogger("kvflow.worker")
@@ -358,15 +357,7 @@ class ModelRunner:
             out.prompt_logprobs = prompt_rows.collect(logits[len(sample_rows) :])
         logits = logits[: len(sample_rows)]
         sampled = [s for s in seqs if s.sample and self.requests[s.request_id].pool is None]
-        want_lp = [self.requests[s.request_id].params.logprobs is not None for s in sampled]
-        asking = [i for i, w in enumerate(want_lp) if w]
-        raw = logits.index_select(0, torch.tensor(asking).to(logits.device)) if asking else None
-        tokens = self._sample(logits, sampled).tolist() if sampled else []
-        row_lps: list[SampleLogprobs | None] = [None] * len(sampled)
-        if raw is not None:
-            pairs = [(sampled[i], tokens[i]) for i in asking]
-            for i, lp in zip(asking, sampler.logprobs_of(raw, pairs, self.requests), strict=True):
-                row_lps[i] = lp
+        tokens, row_lps = self._sample(logits, sampled) if sampled else ([], [])
         # each request's sampled rows in position order (several when it verifies drafts)
         rows: dict[str, list[tuple[int, SampleLogprobs | None]]] = {}
         for s, tok, lp in zip(sampled, tokens, row_lps, strict=True):
@@ -437,13 +428,11 @@ class ModelRunner:
                 done.append(pooled_output(s.request_id, st.finish()))
         return done
 
-    def _sample(self, logits: torch.Tensor, sampled: list[ScheduledSeq]) -> torch.Tensor:
-        """Every feature's logits processor over the rows, then one batched draw."""
-        states = [self.requests[s.request_id] for s in sampled]
-        apply_processors(logits, states)
-        params, gens = [st.params for st in states], [st.generator for st in states]
-        batch = sampler.make_batch(params, gens, logits.device)
-        return sampler.sample(logits, batch)
+    def _sample(
+        self, logits: torch.Tensor, sampled: list[ScheduledSeq]
+    ) -> tuple[list[int], list[SampleLogprobs | None]]:
+        """The sampled rows' tokens and logprobs (services/worker/sampler.py)."""
+        return sampler.sample_rows(logits, [self.requests[s.request_id] for s in sampled])
 
     def _finish(self, st: RequestState, token: int) -> FinishReason:
         """Count the new token and say whether the request ends with it."""

@@ -2,43 +2,55 @@
 one row of logits per sequence that samples this step, after the features' logits processors
 (shared/sampling/processors.py) have changed the rows.
 
-Nothing here reads a value back from the device: the batch's settings are tensors made on the
+Nothing here reads a value back from a GPU: the batch's settings are tensors made on the
 logits' device from the requests' parameters (Python values), every branch is decided from
 those parameters, and only the sampled ids (and the logprobs asked for) leave the device, once
-per step. Every transform works row by row (sorts, cumsums and softmaxes along the vocab of one
+per step (on the CPU one check looks at values: ``_best``). Every transform works row by row (sorts, cumsums and softmaxes along the vocab of one
 row), and a seeded request draws its noise from its own ``torch.Generator`` (on the logits'
 device) with a fixed-size draw per step, so a seeded request gets the same tokens whatever else
-is in the batch. Sampling uses the exponential race (``argmax(p / q)``, q ~ Exp(1)), which is
-exactly sampling from ``p``. Greedy rows skip temperature, top-k/top-p/min-p and the draw
-(they cannot change a greedy row's argmax), as vLLM's sampler does.
+is in the batch. The draw is by inverse CDF, one uniform per row (exact sampling from the
+filtered distribution; an exponential race would draw a vocabulary of noise per row, which on
+the CPU cost more than the step's sort). Top-k and top-p work on each row's best tokens only
+(``topk``, not a sort of the vocabulary, when the rows' top-k bound them). Greedy rows skip
+temperature, top-k/top-p/min-p and the draw (they cannot change a greedy row's argmax), as
+vLLM's sampler does.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Protocol
 
 import torch
 
-from shared.messages import SampleLogprobs, SamplingParams, ScheduledSeq
-from shared.sampling import GREEDY_EPS
+from shared.messages import SampleLogprobs, SamplingParams
+from shared.sampling import GREEDY_EPS, RowState, apply_processors
+
+
+class SampledRow(RowState, Protocol):
+    """What sampling reads of a request on the worker (runner.RequestState)."""
+
+    generator: torch.Generator | None  # seeded requests' own, on the logits' device
+
+
+NUCLEUS_GUESS = 2048  # CPU: candidates taken by top-k before falling back to a whole-row sort
 
 
 @dataclass
 class SamplingBatch:
     """Per-row sampling settings as tensors on the logits' device, built once per step by
-    ``make_batch``; the flags and ``greedy`` are the parameters' own (host) values."""
+    ``make_batch``; the row lists and widths are decided from the parameters (host values)."""
 
     temperature: torch.Tensor  # [S] float; 1.0 for greedy rows
     top_p: torch.Tensor  # [S] float, 1.0 = off
     top_k: torch.Tensor  # [S] long, 0 = off
     min_p: torch.Tensor  # [S] float, 0.0 = off
-    greedy_rows: torch.Tensor  # [S] bool
-    greedy: list[bool]  # per row, as decided from the parameters
     generators: list[torch.Generator | None]  # per row; None = the device's default RNG
+    plain: list[int]  # sampled rows drawn from the whole vocabulary
+    filtered: list[int]  # sampled rows with top-k or top-p
+    width: int  # candidates the filtered rows need (their largest top-k); 0: no bound
     all_greedy: bool
-    needs_top_k_top_p: bool
     needs_min_p: bool
 
 
@@ -50,7 +62,10 @@ def make_batch(
     """The rows' settings on ``device`` (where the logits are); a seeded row's generator must
     live on that device too."""
     greedy = [float(p.temperature) < GREEDY_EPS for p in params]
-    sampled = [p for p, g in zip(params, greedy, strict=True) if not g]
+    rows = [i for i, g in enumerate(greedy) if not g]
+    filtered = [i for i in rows if params[i].top_k > 0 or params[i].top_p < 1.0]
+    bounded = all(params[i].top_k > 0 for i in filtered)
+    filtered_set = set(filtered)
     temperature = [1.0 if g else float(p.temperature) for p, g in zip(params, greedy, strict=True)]
 
     def on(values: list, dtype: torch.dtype) -> torch.Tensor:
@@ -61,12 +76,12 @@ def make_batch(
         top_p=on([float(p.top_p) for p in params], torch.float32),
         top_k=on([max(int(p.top_k), 0) for p in params], torch.long),
         min_p=on([float(p.min_p) for p in params], torch.float32),
-        greedy_rows=on(greedy, torch.bool),
-        greedy=greedy,
         generators=list(generators) if generators is not None else [None] * len(params),
-        all_greedy=not sampled,
-        needs_top_k_top_p=any(p.top_k > 0 or p.top_p < 1.0 for p in sampled),
-        needs_min_p=any(p.min_p > 0 for p in sampled),
+        plain=[i for i in rows if i not in filtered_set],
+        filtered=filtered,
+        width=max((params[i].top_k for i in filtered), default=0) if bounded else 0,
+        all_greedy=not rows,
+        needs_min_p=any(params[i].min_p > 0 for i in rows),
     )
 
 
@@ -77,59 +92,134 @@ def _apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
     return logits.masked_fill(probs < thresh, float("-inf"))
 
 
-def _apply_top_k_top_p(
-    logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
-) -> torch.Tensor:
-    """Keep the top-k tokens, then the minimal nucleus whose probability reaches top_p (the
-    top token is always kept)."""
-    sorted_logits, order = logits.sort(dim=-1, descending=True)
-    vocab = logits.shape[-1]
-    rank = torch.arange(vocab, device=logits.device)[None, :]
-    k = torch.where(top_k > 0, top_k.clamp(max=vocab), vocab)
-    sorted_logits = sorted_logits.masked_fill(rank >= k[:, None], float("-inf"))
-    probs = torch.softmax(sorted_logits, dim=-1)
+def _best(
+    x: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, width: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Each row's best tokens in order (logits and ids, [S, K]): enough of them to hold the
+    row's top-k and nucleus, and the probability they hold of the row's whole vocabulary when
+    that is not all of it and the row has no top-k (None: all of it). ``width``: the largest
+    top-k when every row has one. Otherwise a whole-row sort, except on the CPU, where a sort
+    of the vocabulary costs more than the rest of sampling: the best ``NUCLEUS_GUESS`` tokens
+    are enough when they hold more than top_p of each row's probability (a row with top-k
+    needs only its k)."""
+    vocab = x.shape[-1]
+    if width:
+        vals, ids = x.topk(min(width, vocab), dim=-1)
+        return vals, ids, None
+    if x.device.type == "cpu" and NUCLEUS_GUESS < vocab:
+        vals, ids = x.topk(NUCLEUS_GUESS, dim=-1)
+        held = (torch.logsumexp(vals, -1) - torch.logsumexp(x, -1)).exp()
+        enough = (top_k > 0) & (top_k <= NUCLEUS_GUESS) | (held >= top_p + 1e-4)
+        if bool(enough.all()):  # a read back: on the CPU it costs nothing
+            return vals, ids, torch.where(top_k > 0, 1.0, held)
+    vals, ids = x.sort(dim=-1, descending=True)
+    return vals, ids, None
+
+
+def _candidates(
+    x: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, width: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rows' top-k, then the minimal nucleus whose probability (over the top-k, or the whole
+    vocabulary without top-k) reaches top_p, the top token always kept: candidate logits best
+    first (the rest -inf) and their token ids."""
+    vals, ids, held = _best(x, top_k, top_p, width)
+    k = vals.shape[-1]
+    rank = torch.arange(k, device=x.device)[None, :]
+    k_rows = torch.where(top_k > 0, top_k.clamp(max=k), k)
+    vals = vals.masked_fill(rank >= k_rows[:, None], -torch.inf)
+    probs = torch.softmax(vals, dim=-1)  # over the top-k, or the whole row
+    if held is not None:  # the best NUCLEUS_GUESS of a row without top-k: of the whole row
+        probs = probs * held[:, None]
     before = probs.cumsum(dim=-1) - probs  # mass of strictly better tokens
-    drop = (before >= top_p[:, None]) & (rank > 0)
-    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
-    return torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
+    drop = (before >= top_p[:, None]) & (rank > 0) & (top_p < 1.0)[:, None]
+    return vals.masked_fill(drop, -torch.inf), ids
+
+
+def _uniforms(batch: SamplingBatch, rows: int, device: torch.device) -> torch.Tensor:
+    """One U[0, 1) per row: a seeded row's from its own generator (one draw per step, whatever
+    the batch), the others' from the device's default RNG."""
+    u = torch.rand(rows, device=device)
+    for i, g in enumerate(batch.generators):
+        if g is not None:
+            u[i] = torch.rand((), device=device, generator=g)
+    return u
+
+
+def _inverse_cdf(logits: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Per row, the token where the cumulative probability of ``softmax(logits)`` passes
+    ``u`` of its total (in float64: tail tokens keep their weight over a long vocabulary); a
+    token of probability 0 is never picked."""
+    cdf = torch.softmax(logits, dim=-1).double().cumsum(dim=-1)
+    target = (u.double() * cdf[:, -1])[:, None]
+    return torch.searchsorted(cdf, target, right=True)[:, 0].clamp(max=logits.shape[-1] - 1)
 
 
 def sample(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-    """Pick one token per row of ``logits`` [S, V]; returns [S] long on the logits' device."""
+    """Pick one token per row of ``logits`` [S, V]; returns [S] long on the logits' device.
+    Greedy rows take the argmax; the others temperature, min-p, top-k/top-p, then an
+    inverse-CDF draw of one uniform per row (exact sampling from the filtered distribution)."""
     logits = logits.float()
-    greedy_tokens = logits.argmax(dim=-1)
+    tokens = logits.argmax(dim=-1)
     if batch.all_greedy:
-        return greedy_tokens
+        return tokens
+    dev = logits.device
     x = logits / batch.temperature[:, None]
     if batch.needs_min_p:
         x = _apply_min_p(x, batch.min_p)
-    if batch.needs_top_k_top_p:
-        x = _apply_top_k_top_p(x, batch.top_k, batch.top_p)
-    probs = torch.softmax(x, dim=-1)
-    q = torch.ones_like(probs)
-    rows = [(i, g) for i, g in enumerate(batch.generators) if not batch.greedy[i]]
-    shared = [i for i, g in rows if g is None]
-    if len(shared) == len(probs):
-        q.exponential_()
-    elif shared:
-        q[shared] = torch.empty_like(q[shared]).exponential_()
-    for i, g in rows:
-        if g is not None:
-            q[i].exponential_(generator=g)
-    random_tokens = (probs / q.clamp_min(1e-20)).argmax(dim=-1)
-    return torch.where(batch.greedy_rows, greedy_tokens, random_tokens)
+    u = _uniforms(batch, len(x), dev)
+
+    def pick(rows: list[int]) -> tuple[torch.Tensor | None, torch.Tensor | slice]:
+        if len(rows) == len(x):
+            return None, slice(None)
+        idx = torch.tensor(rows).to(dev, non_blocking=True)
+        return idx, idx
+
+    for rows, filtered in ((batch.plain, False), (batch.filtered, True)):
+        if not rows:
+            continue
+        idx, at = pick(rows)
+        xs, us = (x, u) if idx is None else (x[idx], u[idx])
+        if filtered:
+            k, p = (
+                (batch.top_k, batch.top_p) if idx is None else (batch.top_k[idx], batch.top_p[idx])
+            )
+            vals, ids = _candidates(xs, k, p, batch.width)
+            got = ids.gather(1, _inverse_cdf(vals, us)[:, None])[:, 0]
+        else:
+            got = _inverse_cdf(xs, us)
+        tokens[at] = got
+    return tokens
 
 
-def logprobs_of(
-    raw: torch.Tensor, asking: list[tuple[ScheduledSeq, int]], requests: Mapping[str, Any]
-) -> list[SampleLogprobs]:
+def logprobs_of(raw: torch.Tensor, tokens: torch.Tensor, ks: Sequence[int]) -> list[SampleLogprobs]:
     """Log-probabilities of the model's raw distribution (before penalties, bias or
-    temperature, as vLLM reports them) for each sampled token, plus the top ``logprobs``.
-    Computed where ``raw`` is; one copy of the results to the host."""
+    temperature, as vLLM reports them) of each row's sampled token ``tokens`` [A], plus the top
+    ``ks[row]`` (at most 20). Computed where ``raw`` is; only the results are copied."""
     lp = torch.log_softmax(raw.float(), dim=-1)
-    ks = [min(int(requests[s.request_id].params.logprobs or 0), 20) for s, _ in asking]
-    toks = torch.tensor([t for _, t in asking], dtype=torch.long).to(lp.device)
-    chosen = lp.gather(1, toks[:, None])[:, 0].tolist()
-    top_v, top_i = lp.topk(max(ks), dim=-1) if max(ks, default=0) else (lp[:, :0], lp[:, :0].long())
+    ks = [min(k, 20) for k in ks]
+    chosen = lp.gather(1, tokens[:, None])[:, 0].tolist()
+    k = max(ks, default=0)
+    top_v, top_i = lp.topk(k, dim=-1) if k else (lp[:, :0], lp[:, :0].long())
     top_v, top_i = top_v.tolist(), top_i.tolist()
     return [SampleLogprobs(chosen[r], top_i[r][:k], top_v[r][:k]) for r, k in enumerate(ks)]
+
+
+def sample_rows(
+    logits: torch.Tensor, states: Sequence[SampledRow]
+) -> tuple[list[int], list[SampleLogprobs | None]]:
+    """A step's sampled rows (row i is ``states[i]``'s) where the logits are: the raw rows of
+    the requests that asked for logprobs kept aside, every feature's processor, one batched draw;
+    then the ids (and logprobs) copied to the host. Changes ``logits`` in place."""
+    asking = [i for i, st in enumerate(states) if st.params.logprobs is not None]
+    where = logits.device
+    raw = logits.index_select(0, torch.tensor(asking).to(where)) if asking else None
+    apply_processors(logits, states)
+    batch = make_batch([st.params for st in states], [st.generator for st in states], where)
+    drawn = sample(logits, batch)
+    lps: list[SampleLogprobs | None] = [None] * len(states)
+    if raw is not None:
+        ks = [int(states[i].params.logprobs or 0) for i in asking]
+        got = logprobs_of(raw, drawn.index_select(0, torch.tensor(asking).to(where)), ks)
+        for i, lp in zip(asking, got, strict=True):
+            lps[i] = lp
+    return drawn.tolist(), lps

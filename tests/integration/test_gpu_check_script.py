@@ -30,7 +30,8 @@ def test_the_dry_run_runs_every_step(tmp_path: Path) -> None:
     assert sorted(p.name for p in out.iterdir()) == ["results.tar.gz", "summary.json", "summary.md"]
     summary = json.loads((out / "summary.json").read_text())
     rc = {s["step"]: s["rc"] for s in summary["steps"]}
-    names = ["env", "tests", "greedy", "kernels", "splits", "decode", "decode-eager", "profile"]
+    names = ["env", "tests", "greedy", "kernels", "splits", "decode", "decode-eager", "sampling"]
+    names += ["profile"]
     assert list(rc) == [*names, "stack"]
     # benchmarks.kernels times CUDA events: without a GPU it refuses, saying what to run instead
     assert rc.pop("kernels") == 2
@@ -44,6 +45,11 @@ def test_the_dry_run_runs_every_step(tmp_path: Path) -> None:
     assert all(r["output_tokens"] == r["requests"] * 8 for r in runs if "output_tokens" in r)
     assert any(r["system"].startswith("transformers generate (static") for r in runs)
     assert [r["batch"] for r in summary["decode"]["rows"]] == [1, 8]
+    assert [(r["rows"], r["mix"]) for r in summary["sampling"]["results"]][:3] == [
+        (1, "greedy"),
+        (1, "hot"),
+        (1, "full"),
+    ]
     md = (out / "summary.md").read_text()
     assert "| greedy equality with transformers | equal: True | yes |" in md
 

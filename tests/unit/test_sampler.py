@@ -70,17 +70,85 @@ def test_seeded_is_reproducible_and_batch_independent() -> None:
     assert draws(row, 0, [hot], [43]) != alone
 
 
+def kept(logits: torch.Tensor, top_k: list[int], top_p: list[float], width: int = 0):
+    """The token ids each row keeps after top-k and top-p, sorted."""
+    vals, ids = sampler._candidates(logits, torch.tensor(top_k), torch.tensor(top_p), width)
+    return [sorted(ids[r][torch.isfinite(vals[r])].tolist()) for r in range(len(logits))]
+
+
 def test_top_p_keeps_minimal_nucleus() -> None:
     probs = torch.tensor([[0.5, 0.3, 0.15, 0.05], [0.5, 0.3, 0.15, 0.05], [0.05, 0.15, 0.3, 0.5]])
-    logits = probs.log()
-    kept = sampler._apply_top_k_top_p(
-        logits, torch.tensor([0, 0, 0]), torch.tensor([0.8, 0.81, 0.5])
-    )
-    assert torch.isfinite(kept).tolist() == [
-        [True, True, False, False],  # 0.5 + 0.3 reaches 0.8
-        [True, True, True, False],  # 0.81 needs the third token
-        [False, False, False, True],  # top token alone has 0.5
+    assert kept(probs.log(), [0, 0, 0], [0.8, 0.81, 0.5]) == [
+        [0, 1],  # 0.5 + 0.3 reaches 0.8
+        [0, 1, 2],  # 0.81 needs the third token
+        [3],  # top token alone has 0.5
     ]
+
+
+def test_top_p_after_top_k_is_over_the_top_k() -> None:
+    probs = torch.tensor([[0.4, 0.3, 0.2, 0.1]] * 2)
+    # top-2 renormalised: 0.571, 0.429; top_p 0.55 keeps only the first, 0.6 both
+    assert kept(probs.log(), [2, 2], [0.55, 0.6], width=2) == [[0], [0, 1]]
+    assert kept(probs.log(), [2, 0], [0.55, 0.6]) == [[0], [0, 1]]  # the other row: no top-k
+
+
+@pytest.mark.parametrize("guess", [3, 200], ids=["guess-too-small", "guess-holds-the-nucleus"])
+def test_the_cpu_nucleus_guess_equals_a_whole_sort(monkeypatch, guess: int) -> None:
+    g = torch.Generator().manual_seed(5)
+    logits = torch.randn(7, 400, generator=g) * 4
+    # a row whose best 20 hold ~0.9 and a long flat tail the rest: its nucleus is measured
+    # against the whole row, not the best ``guess`` alone
+    logits[6] = -1.0 + 0.01 * torch.randn(400, generator=g)
+    logits[6, :20] = 4.0 + torch.linspace(0, 1, 20)
+    top_k, top_p = [0, 0, 7, 0, 300, 0, 0], [0.9, 0.5, 0.95, 0.999, 0.8, 0.3, 0.85]
+    monkeypatch.setattr(sampler, "NUCLEUS_GUESS", 10**6)  # always the whole-row sort
+    want = kept(logits, top_k, top_p)
+    monkeypatch.setattr(sampler, "NUCLEUS_GUESS", guess)
+    assert kept(logits, top_k, top_p) == want
+    held = sampler._best(logits, torch.tensor(top_k), torch.tensor(top_p), 0)[2]
+    assert (held is None) == (guess == 3)  # 3 tokens hold too little: a whole-row sort
+    assert max(len(w) for w in want) == 187 and len(want[6]) == 18
+
+
+def _frequencies(params: SamplingParams, logits: torch.Tensor, draws: int) -> torch.Tensor:
+    rows = logits.expand(draws, -1)
+    out = sampler.sample(rows, batch([params] * draws))
+    return torch.bincount(out, minlength=logits.shape[-1]).double() / draws
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(temperature=1.0),
+        SamplingParams(temperature=0.7, top_k=3),
+        SamplingParams(temperature=1.3, top_p=0.8),
+        SamplingParams(temperature=1.0, top_p=0.9, top_k=4, min_p=0.05),
+    ],
+    ids=["plain", "top-k", "top-p", "all"],
+)
+def test_draws_follow_the_filtered_distribution(params: SamplingParams) -> None:
+    """40,000 draws of one row: each token's frequency within 5 standard errors of its
+    probability after temperature, min-p, top-k and top-p (computed here from their
+    definitions), and no token outside them ever drawn."""
+    torch.manual_seed(0)
+    logits = torch.tensor([[2.0, 1.5, 1.2, 0.3, 0.0, -0.5, -1.0, -3.0]])
+    p = torch.softmax(logits[0] / params.temperature, -1).double()
+    keep = torch.ones(8, dtype=torch.bool)
+    if params.min_p:
+        keep &= p >= params.min_p * p.max()
+    order = p.argsort(descending=True)
+    if params.top_k:
+        keep[order[params.top_k :]] = False
+    q = torch.where(keep, p, 0.0)
+    q /= q.sum()
+    before = torch.cumsum(q[order], 0) - q[order]
+    keep[order[(before >= params.top_p) & (torch.arange(8) > 0)]] = False
+    want = torch.where(keep, q, 0.0)
+    want /= want.sum()
+    got = _frequencies(params, logits, 40_000)
+    sigma = (want * (1 - want) / 40_000).sqrt()
+    assert ((got - want).abs() <= 5 * sigma + 1e-12).all(), (got, want)
+    assert (got[~keep] == 0).all()
 
 
 def test_top_p_samples_only_from_nucleus() -> None:
@@ -94,10 +162,9 @@ def test_top_p_samples_only_from_nucleus() -> None:
 
 def test_top_k_and_min_p() -> None:
     logits = torch.log(torch.tensor([[0.4, 0.3, 0.2, 0.1]]))
-    kept = sampler._apply_top_k_top_p(logits, torch.tensor([2]), torch.tensor([1.0]))
-    assert torch.isfinite(kept).tolist() == [[True, True, False, False]]
-    kept = sampler._apply_min_p(logits, torch.tensor([0.45]))  # threshold 0.18 keeps 0.4 .. 0.2
-    assert torch.isfinite(kept).tolist() == [[True, True, True, False]]
+    assert kept(logits, [2], [1.0], width=2) == [[0, 1]]
+    kept_ = sampler._apply_min_p(logits, torch.tensor([0.45]))  # threshold 0.18 keeps 0.4 .. 0.2
+    assert torch.isfinite(kept_).tolist() == [[True, True, True, False]]
 
 
 def test_penalties_and_suppression() -> None:
