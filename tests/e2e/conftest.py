@@ -17,11 +17,34 @@ import pytest
 from shared.infra import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
+# stacks told to stop (SIGTERM) and not yet waited for: each drains while the tests go on, and
+# the session's end waits for them together (one after another, each ~3 s or more, added up)
+_STOPPING: dict[str, tuple[subprocess.Popen, object]] = {}  # by stack name (its log file)
+
+
+def _reap(proc: subprocess.Popen, log: object) -> None:
+    try:
+        proc.wait(30)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    log.close()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _stacks_stop_together():
+    """Set up before every stack, so torn down after them all: waits for the stacks still
+    stopping."""
+    yield
+    while _STOPPING:
+        _reap(*_STOPPING.popitem()[1])
 
 
 @contextlib.contextmanager
 def running_stack(name: str, *args: str):
     """`kvflow serve ARGS` on a free port until the block exits; yields the base URL."""
+    if name in _STOPPING:  # the same name's last stack writes the same log: let it finish
+        _reap(*_STOPPING.pop(name))
     port = free_port()
     log_path = ROOT / ".pytest_cache" / f"kvflow-serve-{name}.log"
     log_path.parent.mkdir(exist_ok=True)
@@ -51,13 +74,8 @@ def running_stack(name: str, *args: str):
             time.sleep(0.5)
         yield base
     finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-        log.close()
+        proc.send_signal(signal.SIGTERM)  # waited for at the session's end
+        _STOPPING[name] = (proc, log)
 
 
 @pytest.fixture(scope="session")
