@@ -47,6 +47,45 @@ static inline float kvf_expf(float x) {
     return y * scale;
 }
 
+// The same steps on VL floats at once (GCC vector extensions: AVX-512 or 2 x AVX2 here, split
+// by the compiler elsewhere), operation for operation the scalar kvf_expf below, so a value does
+// not depend on whether it falls in a row's vector body or its scalar tail. Written out because
+// gcc's own vectorization of silu_row's scalar loop if-converts the clamp into lanes that divide
+// by 1 + exp(88) for every input, whose denormal results cost a microcode assist each: the
+// activation ran 6-8x slower than torch's (2,048 x 1,536 silu_mul: 40 ms -> 5 ms, same bits).
+#define VL 16
+typedef float kvf_fv __attribute__((vector_size(4 * VL), aligned(4)));
+typedef int32_t kvf_iv __attribute__((vector_size(4 * VL), aligned(4)));
+
+static inline kvf_fv kvf_splat(float v) {
+    kvf_fv out;
+    for (int i = 0; i < VL; i++) out[i] = v;
+    return out;
+}
+
+static inline kvf_fv kvf_select(kvf_iv m, kvf_fv a, kvf_fv b) {  // m ? a : b, lane by lane
+    return (kvf_fv)(((kvf_iv)a & m) | ((kvf_iv)b & ~m));
+}
+
+static inline kvf_fv kvf_expf_v(kvf_fv x) {
+    x = kvf_select(x < kvf_splat(-87.0f), kvf_splat(-87.0f), x);
+    x = kvf_select(x > kvf_splat(88.0f), kvf_splat(88.0f), x);
+    kvf_fv n = x * 1.44269504088896341f + 12582912.0f;
+    n = n - 12582912.0f;
+    kvf_fv r = x - n * 0.693359375f;
+    r = r - n * -2.12194440e-4f;
+    kvf_fv p = kvf_splat(1.9875691500e-4f);
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    const kvf_fv y = p * (r * r) + r + 1.0f;
+    const kvf_iv bits = (__builtin_convertvector(n, kvf_iv) + 127) << 23;
+    return y * (kvf_fv)bits;
+}
+
+
 typedef struct {
     const float *x;
     int x_stride;
@@ -190,7 +229,12 @@ static void silu_row(void *vc, long t) {
     const float* g = c->x + (size_t)t * c->x_stride;
     const float* u = g + N;
     float* o = c->out + (size_t)t * N;
-    for (int i = 0; i < N; i++) o[i] = g[i] / (1.0f + kvf_expf(-g[i])) * u[i];
+    int i = 0;
+    for (; i + VL <= N; i += VL) {
+        const kvf_fv gv = *(const kvf_fv*)(g + i);
+        *(kvf_fv*)(o + i) = gv / (1.0f + kvf_expf_v(-gv)) * *(const kvf_fv*)(u + i);
+    }
+    for (; i < N; i++) o[i] = g[i] / (1.0f + kvf_expf(-g[i])) * u[i];
 }
 
 // x [T, 2N] rows x_stride apart (gate | up), out [T, N] contiguous:
@@ -208,7 +252,7 @@ static void gelu_tanh_row(void *vc, long t) {
     const float* g = c->x + (size_t)t * c->x_stride;
     const float* u = g + N;
     float* o = c->out + (size_t)t * N;
-    for (int i = 0; i < N; i++) {
+    for (int i = 0; i < N; i++) {  // (gcc's own vectorization of this loop is fast)
         const float gi = g[i];
         const float y2 = c2 * (gi + 0.044715f * (gi * gi * gi));
         // past exp's clamp the result is below 1e-37 |g|: 0 (with g's sign), as exp
