@@ -12,9 +12,9 @@
 // row's result never depends on the batch. Compiled with -ffp-contract=off and without
 // -ffast-math: a multiply and an add stay two rounded IEEE operations in the vector body and in
 // the scalar tail alike (as in PyTorch's own kernels), and sums keep their written order
-// (-fno-trapping-math only lets gcc turn the clamps in exp into vector min/max).
+// (-fno-trapping-math lets gcc vectorize loops with comparisons in them).
 // Results follow HF's op order (RMSNorm: weight * (x * rsqrt(var + eps)); RoPE: rotate_half);
-// exp is a polynomial (|error| <= 2 ulp) rather than libm's, so that it vectorizes.
+// exp is a polynomial (|error| <= 2 ulp) rather than libm's, in vectors (kvf_expf_v).
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
@@ -25,34 +25,12 @@
 
 #define PAR_MIN_FLOATS (1 << 16)
 
-static inline float kvf_expf(float x) {
-    x = x < -87.0f ? -87.0f : x;
-    x = x > 88.0f ? 88.0f : x;
-    // n = round(x / ln 2) by the 1.5 * 2^23 trick (exact for |x / ln 2| < 2^22)
-    float n = x * 1.44269504088896341f + 12582912.0f;
-    n = n - 12582912.0f;
-    // r = x - n ln 2 in two parts (Cody-Waite), |r| <= ln 2 / 2
-    float r = x - n * 0.693359375f;
-    r = r - n * -2.12194440e-4f;
-    float p = 1.9875691500e-4f;
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    const float y = p * (r * r) + r + 1.0f;
-    const int32_t bits = ((int32_t)n + 127) << 23;  // 2^n, n in [-126, 127]
-    float scale;
-    memcpy(&scale, &bits, sizeof scale);
-    return y * scale;
-}
-
-// The same steps on VL floats at once (GCC vector extensions: AVX-512 or 2 x AVX2 here, split
-// by the compiler elsewhere), operation for operation the scalar kvf_expf below, so a value does
-// not depend on whether it falls in a row's vector body or its scalar tail. Written out because
-// gcc's own vectorization of silu_row's scalar loop if-converts the clamp into lanes that divide
-// by 1 + exp(88) for every input, whose denormal results cost a microcode assist each: the
-// activation ran 6-8x slower than torch's (2,048 x 1,536 silu_mul: 40 ms -> 5 ms, same bits).
+// e^x on VL floats at once, written with GCC vector extensions (AVX-512 or 2 x AVX2 here, split
+// by the compiler elsewhere) and used for every value, a row's last N % VL included (through a
+// zero-padded copy), so no value depends on where in a row it falls. Written out rather than
+// left to gcc's vectorization of a scalar loop: for silu that if-converted the clamp into lanes
+// dividing every input by 1 + exp(88), whose denormal quotients cost a microcode assist each
+// (the activation ran 6-8x slower than torch's; 2,048 x 1,536 silu_mul: 40 ms -> 5 ms).
 #define VL 16
 typedef float kvf_fv __attribute__((vector_size(4 * VL), aligned(4)));
 typedef int32_t kvf_iv __attribute__((vector_size(4 * VL), aligned(4)));
@@ -70,8 +48,10 @@ static inline kvf_fv kvf_select(kvf_iv m, kvf_fv a, kvf_fv b) {  // m ? a : b, l
 static inline kvf_fv kvf_expf_v(kvf_fv x) {
     x = kvf_select(x < kvf_splat(-87.0f), kvf_splat(-87.0f), x);
     x = kvf_select(x > kvf_splat(88.0f), kvf_splat(88.0f), x);
+    // n = round(x / ln 2) by the 1.5 * 2^23 trick (exact for |x / ln 2| < 2^22)
     kvf_fv n = x * 1.44269504088896341f + 12582912.0f;
     n = n - 12582912.0f;
+    // r = x - n ln 2 in two parts (Cody-Waite), |r| <= ln 2 / 2
     kvf_fv r = x - n * 0.693359375f;
     r = r - n * -2.12194440e-4f;
     kvf_fv p = kvf_splat(1.9875691500e-4f);
@@ -81,10 +61,9 @@ static inline kvf_fv kvf_expf_v(kvf_fv x) {
     p = p * r + 1.6666665459e-1f;
     p = p * r + 5.0000001201e-1f;
     const kvf_fv y = p * (r * r) + r + 1.0f;
-    const kvf_iv bits = (__builtin_convertvector(n, kvf_iv) + 127) << 23;
+    const kvf_iv bits = (__builtin_convertvector(n, kvf_iv) + 127) << 23;  // 2^n, n in [-126, 127]
     return y * (kvf_fv)bits;
 }
-
 
 typedef struct {
     const float *x;
@@ -223,18 +202,37 @@ typedef struct {
     float *out;
 } gate_ctx;
 
+static inline kvf_fv silu_v(kvf_fv g) { return g / (1.0f + kvf_expf_v(-g)); }
+
+// gelu_tanh(g) = 0.5 g (1 + tanh(y)), y = sqrt(2 / pi) (g + 0.044715 g^3), as g / (1 + exp(-2y));
+// past exp's clamp the result is below 1e-37 |g|: 0 (with g's sign), as exp overflowing to inf
+// gives in the reference, even where g^3 is inf
+static inline kvf_fv gelu_tanh_v(kvf_fv g) {
+    const kvf_fv y2 = 1.5957691216057308f * (g + 0.044715f * (g * g * g));  // 2 sqrt(2 / pi)
+    return kvf_select(y2 < kvf_splat(-88.0f), g * 0.0f, g / (1.0f + kvf_expf_v(-y2)));
+}
+
+// o = act(g) * u over a row of N
+static inline __attribute__((always_inline)) void gated_row(const float* g, const float* u,
+                                                             float* o, int N,
+                                                             kvf_fv (*act)(kvf_fv)) {
+    int i = 0;
+    for (; i + VL <= N; i += VL)
+        *(kvf_fv*)(o + i) = act(*(const kvf_fv*)(g + i)) * *(const kvf_fv*)(u + i);
+    if (i < N) {
+        const size_t rest = (size_t)(N - i) * sizeof(float);
+        kvf_fv gv = kvf_splat(0.0f), uv = kvf_splat(0.0f);
+        memcpy(&gv, g + i, rest);
+        memcpy(&uv, u + i, rest);
+        const kvf_fv ov = act(gv) * uv;
+        memcpy(o + i, &ov, rest);
+    }
+}
+
 static void silu_row(void *vc, long t) {
     const gate_ctx *c = vc;
-    const int N = c->N;
     const float* g = c->x + (size_t)t * c->x_stride;
-    const float* u = g + N;
-    float* o = c->out + (size_t)t * N;
-    int i = 0;
-    for (; i + VL <= N; i += VL) {
-        const kvf_fv gv = *(const kvf_fv*)(g + i);
-        *(kvf_fv*)(o + i) = gv / (1.0f + kvf_expf_v(-gv)) * *(const kvf_fv*)(u + i);
-    }
-    for (; i < N; i++) o[i] = g[i] / (1.0f + kvf_expf(-g[i])) * u[i];
+    gated_row(g, g + c->N, c->out + (size_t)t * c->N, c->N, silu_v);
 }
 
 // x [T, 2N] rows x_stride apart (gate | up), out [T, N] contiguous:
@@ -247,19 +245,8 @@ int kvf_silu_mul(const float* x, int T, int N, int x_stride, float* out, int thr
 
 static void gelu_tanh_row(void *vc, long t) {
     const gate_ctx *c = vc;
-    const int N = c->N;
-    const float c2 = 1.5957691216057308f;  // 2 sqrt(2 / pi)
     const float* g = c->x + (size_t)t * c->x_stride;
-    const float* u = g + N;
-    float* o = c->out + (size_t)t * N;
-    for (int i = 0; i < N; i++) {  // (gcc's own vectorization of this loop is fast)
-        const float gi = g[i];
-        const float y2 = c2 * (gi + 0.044715f * (gi * gi * gi));
-        // past exp's clamp the result is below 1e-37 |g|: 0 (with g's sign), as exp
-        // overflowing to inf gives in the reference, even where g^3 is inf
-        const float a = y2 < -88.0f ? gi * 0.0f : gi / (1.0f + kvf_expf(-y2));
-        o[i] = a * u[i];
-    }
+    gated_row(g, g + c->N, c->out + (size_t)t * c->N, c->N, gelu_tanh_v);
 }
 
 // x [T, 2N] rows x_stride apart (gate | up), out [T, N] contiguous: out = gelu_tanh(gate) * up,
