@@ -234,3 +234,35 @@ def test_sampling_and_processors_stay_on_the_logits_device() -> None:
     assert tokens.device.type == "meta" and tokens.shape == (len(states),)
     with pytest.raises(RuntimeError):  # the test's premise: meta refuses host tensors
         logits + torch.ones(16)
+
+
+def test_batched_penalties_equal_each_row_alone() -> None:
+    """``Penalties.apply`` (one pass over the batch) gives the bits ``apply_penalties`` gives
+    row by row, for rows with each penalty, none, no outputs yet, and ids past the vocabulary."""
+    from services.worker.runner import RequestState
+
+    g = torch.Generator().manual_seed(9)
+    vocab = 50
+
+    def state(prompt, output, **kw) -> RequestState:
+        p = SamplingParams(**kw)
+        return RequestState(p, len(prompt), len(output), frozenset(), frozenset(), None, True,
+                            list(prompt), list(output))  # fmt: skip
+
+    states = [
+        state([1, 2, 3, 60], [4, 4, 5], repetition_penalty=1.7),
+        state([1], [2, 2, 2, 9], frequency_penalty=0.6, presence_penalty=-0.3),
+        state([7, 8], [], repetition_penalty=0.8, presence_penalty=1.0),  # no outputs yet
+        state([3], [3, 49, 70], temperature=0.7),  # no penalty: untouched
+        state([0, 49], [0, 0, 12, 49], repetition_penalty=1.2, frequency_penalty=-1.5),
+    ]
+    logits = torch.randn(len(states), vocab, generator=g) * 3
+    want = logits.clone()
+    for r, st in enumerate(states):
+        if processors.Penalties().applies(st):
+            processors.apply_penalties(want, r, st.params, st.prompt_tokens, st.output_tokens)
+    got = logits.clone()
+    processors.Penalties().apply(got, states)
+    assert torch.equal(got, want)
+    assert not torch.equal(got, logits)  # the penalties changed something
+    assert torch.equal(got[3], logits[3])
