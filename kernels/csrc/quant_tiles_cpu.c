@@ -42,7 +42,7 @@
 #define QK 32
 #define QK_K 256
 #define TN 16          // outputs per tile
-#define TILES_CHUNK 4  // tiles per task
+#define ROWS_BLOCK 256  // rows per task (256 x K int8 stays in L2 for the SmolLM2-to-8B K's)
 
 enum { Q8_0 = 8, Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q4_K = 12, Q5_K = 13, Q6_K = 14 };
 
@@ -280,6 +280,7 @@ typedef struct {
     int y_stride;
     size_t gb;
     int type;
+    long chunk;  // tiles per task
 } prod_ctx;
 
 // Round row x (K values) into q, dx per group, the -off sums and x's sums.
@@ -404,8 +405,9 @@ static inline __attribute__((always_inline)) void tile_rows(const prod_ctx* c, c
     for (int r = 0; r < R; r++) _mm512_storeu_ps(out + (size_t)r * TN, yv[r]);
 }
 
-// One tile, every row: eights, then a four, a two and a one as M's bits say.
+// Rows [m0, m1) of one tile: eights, then a four, a two and a one as the count's bits say.
 static inline __attribute__((always_inline)) void tile_all_rows(const prod_ctx* c, long t,
+                                                                int m0, const int m1,
                                                                 const int bits, const int s16,
                                                                 const int has_min,
                                                                 const int two) {
@@ -413,8 +415,8 @@ static inline __attribute__((always_inline)) void tile_all_rows(const prod_ctx* 
     const int n0 = (int)t * TN, nr = c->N - n0 < TN ? c->N - n0 : TN;
     const __mmask16 keep = (__mmask16)((1u << nr) - 1);
     float out[8 * TN];
-    for (int m0 = 0; m0 < c->M;) {
-        const int left = c->M - m0;
+    while (m0 < m1) {
+        const int left = m1 - m0;
         const int R = left >= 8 ? 8 : left >= 4 ? 4 : left >= 2 ? 2 : 1;
         if (R == 8) tile_rows(c, tile, m0, 8, bits, s16, has_min, two, out);
         else if (R == 4) tile_rows(c, tile, m0, 4, bits, s16, has_min, two, out);
@@ -427,20 +429,26 @@ static inline __attribute__((always_inline)) void tile_all_rows(const prod_ctx* 
     }
 }
 
-static void tiles_chunk(void* vc, long chunk) {
+// Task `task`: a block of at most ROWS_BLOCK rows times a chunk of c->chunk tiles, so that both
+// the block's rounded rows and the chunk's tiles stay in the core's L2 cache while each tile
+// meets every row of the block (one pass over all of x per tile re-reads it from memory).
+static void tiles_task(void* vc, long task) {
     const prod_ctx* c = vc;
-    const long tiles = (c->N + TN - 1) / TN;
-    const long t1 = (chunk + 1) * TILES_CHUNK < tiles ? (chunk + 1) * TILES_CHUNK : tiles;
-    for (long t = chunk * TILES_CHUNK; t < t1; t++) {
+    const long tiles = (c->N + TN - 1) / TN, chunks = (tiles + c->chunk - 1) / c->chunk;
+    const long chunk = task % chunks;
+    const int m0 = (int)(task / chunks) * ROWS_BLOCK;
+    const int m1 = c->M - m0 < ROWS_BLOCK ? c->M : m0 + ROWS_BLOCK;
+    const long t1 = (chunk + 1) * c->chunk < tiles ? (chunk + 1) * c->chunk : tiles;
+    for (long t = chunk * c->chunk; t < t1; t++) {
         switch (c->type) {
-            case Q8_0: tile_all_rows(c, t, 8, 1, 0, 0); break;
-            case Q4_0: tile_all_rows(c, t, 4, 1, 0, 0); break;
-            case Q4_1: tile_all_rows(c, t, 4, 1, 1, 0); break;
-            case Q5_0: tile_all_rows(c, t, 5, 1, 0, 0); break;
-            case Q5_1: tile_all_rows(c, t, 5, 1, 1, 0); break;
-            case Q4_K: tile_all_rows(c, t, 4, 0, 1, 0); break;
-            case Q5_K: tile_all_rows(c, t, 5, 0, 1, 0); break;
-            default: tile_all_rows(c, t, 6, 0, 0, 1); break;  // Q6_K
+            case Q8_0: tile_all_rows(c, t, m0, m1, 8, 1, 0, 0); break;
+            case Q4_0: tile_all_rows(c, t, m0, m1, 4, 1, 0, 0); break;
+            case Q4_1: tile_all_rows(c, t, m0, m1, 4, 1, 1, 0); break;
+            case Q5_0: tile_all_rows(c, t, m0, m1, 5, 1, 0, 0); break;
+            case Q5_1: tile_all_rows(c, t, m0, m1, 5, 1, 1, 0); break;
+            case Q4_K: tile_all_rows(c, t, m0, m1, 4, 0, 1, 0); break;
+            case Q5_K: tile_all_rows(c, t, m0, m1, 5, 0, 1, 0); break;
+            default: tile_all_rows(c, t, m0, m1, 6, 0, 0, 1); break;  // Q6_K
         }
     }
 }
@@ -504,10 +512,12 @@ int kvf_tiles_matmul(const float* x, int M, int K, int x_stride, const uint8_t* 
     quant_ctx q = {x, x_stride, K, &t, xq, xd, xi, xs};
     // rows rounded on the threads where there are enough of them to pay for waking them
     kvf_parallel_for(M, (long)M * K >= (1 << 16) ? threads : 1, quantize_one, &q);
-    prod_ctx c = {xq, xd, xi, xs, M, K, G, N, tiles, y, y_stride, group_bytes(&t), type};
-    const long tiles_n = (N + TN - 1) / TN;
-    const int rc =
-        kvf_parallel_for((tiles_n + TILES_CHUNK - 1) / TILES_CHUNK, threads, tiles_chunk, &c);
+    // one block of rows: 4 tiles per task (enough tasks for the threads); more rows: 16 tiles,
+    // whose weights are re-read once per block of rows
+    const long tiles_n = (N + TN - 1) / TN, chunk = M <= ROWS_BLOCK ? 4 : 16;
+    prod_ctx c = {xq, xd, xi, xs, M, K, G, N, tiles, y, y_stride, group_bytes(&t), type, chunk};
+    const long tasks = (tiles_n + chunk - 1) / chunk * ((M + ROWS_BLOCK - 1) / ROWS_BLOCK);
+    const int rc = kvf_parallel_for(tasks, threads, tiles_task, &c);
     free(xq), free(xd), free(xi), free(xs);
     return rc;
 #else

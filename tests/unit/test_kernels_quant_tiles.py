@@ -95,6 +95,19 @@ def test_a_row_gets_the_same_bits_in_any_batch(name: str) -> None:
     assert torch.equal(tiled(x[1::2]), full[1::2])  # strided rows
 
 
+def test_rows_past_a_block_and_tiles_past_a_chunk_get_the_same_bits() -> None:
+    # past 256 rows the product runs in blocks of 256 rows by chunks of 16 tiles (256 outputs):
+    # 600 rows are three blocks (the last ragged), 300 outputs two chunks (the last ragged)
+    tiled = cpu_quant_tiles.TiledQuantWeight.from_blocks(blocks("Q5_1", 300, 64, seed=7))
+    x = torch.randn(600, 64, generator=torch.Generator().manual_seed(8))
+    full = tiled(x)
+    for i in (0, 255, 256, 511, 512, 599):
+        assert torch.equal(tiled(x[i : i + 1])[0], full[i])
+    assert torch.equal(tiled(x[250:262]), full[250:262])
+    want = x.double() @ tiled.dequantize().double().T
+    assert ((full.double() - want).norm() / want.norm()).item() < 0.02
+
+
 def test_pack_keeps_blocks_it_cannot_tile_and_refuses_bad_x() -> None:
     z = cpu_quant.QuantWeight(torch.zeros(4, 20, dtype=torch.uint8), cpu_quant.Q4_Z, (4, 32))
     assert cpu_quant_tiles.pack(z) is z  # GPTQ/AWQ's groups have their own zero points
