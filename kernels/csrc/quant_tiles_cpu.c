@@ -357,13 +357,16 @@ static inline __attribute__((always_inline)) __m512 load_scales(const uint8_t* p
 }
 
 // Rows [m0, m0 + R) of one tile's 16 outputs into out (R x 16 floats). R, bits, s16, has_min
-// and two are constants once inlined. Short R splits each row's 8 vpdpbusd into CH chains.
+// and two are constants once inlined. Each weight vector meets every row before the next is
+// taken, so that the rows' chains of vpdpbusd run side by side: fewer than 4 rows split each
+// row's chain into CH chains (integers: the sum is the same in any order), Q6_K keeps one chain
+// per half of a group (each half has its own scale) and runs 4 rows at a time (8 chains).
 static inline __attribute__((always_inline)) void tile_rows(const prod_ctx* c, const uint8_t* tile,
                                                             int m0, const int R, const int bits,
                                                             const int s16, const int has_min,
                                                             const int two, float* out) {
     const int G = c->G, K = c->K;
-    const int CH = two ? 2 : (R >= 4 ? 1 : 4 / R);
+    const int CH = two ? 2 : (R >= 4 ? 1 : 4 / R), RG = two && R > 4 ? 4 : R;
     __m512 yv[8];
     for (int r = 0; r < R; r++) yv[r] = _mm512_setzero_ps();
     const size_t wb = bits == 8 ? 512 : 256 + 64 * (size_t)(bits - 4), sw = s16 ? 2 : 4;
@@ -374,32 +377,40 @@ static inline __attribute__((always_inline)) void tile_rows(const prod_ctx* c, c
         const __m512 sc0 = load_scales(gp + wb, s16);
         const __m512 sc1 = two ? load_scales(gp + wb + TN * sw, s16) : sc0;
         const __m512 mn = has_min ? load_scales(gp + wb + TN * sw, s16) : sc0;
-        for (int r = 0; r < R; r++) {
-            const size_t m = (size_t)(m0 + r), mg = m * G + g;
-            const int32_t* xg = (const int32_t*)(c->xq + m * K + (size_t)g * QK);
-            __m512i acc[4];
-            acc[0] = _mm512_set1_epi32(c->xi[2 * mg]);
-            for (int h = 1; h < CH; h++)
-                acc[h] = two ? _mm512_set1_epi32(c->xi[2 * mg + 1]) : _mm512_setzero_si512();
-            for (int v = 0; v < 8; v++) {
-                const int h = two ? v / 4 : v % CH;
-                acc[h] = _mm512_dpbusd_epi32(acc[h], W[v], _mm512_set1_epi32(xg[v]));
+#pragma GCC unroll 2
+        for (int r0 = 0; r0 < R; r0 += RG) {
+            __m512i acc[8];
+            size_t mg[8];
+            const int32_t* xg[8];
+            for (int i = 0; i < RG; i++) {
+                const size_t m = (size_t)(m0 + r0 + i);
+                mg[i] = m * G + g;
+                xg[i] = (const int32_t*)(c->xq + m * K + (size_t)g * QK);
+                acc[i * CH] = _mm512_set1_epi32(c->xi[2 * mg[i]]);
+                for (int j = 1; j < CH; j++)
+                    acc[i * CH + j] =
+                        two ? _mm512_set1_epi32(c->xi[2 * mg[i] + 1]) : _mm512_setzero_si512();
             }
-            const __m512 dx = _mm512_set1_ps(c->xd[mg]);
-            if (two) {
-                yv[r] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(acc[0]), dx), sc0, yv[r]);
-                yv[r] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(acc[1]), dx), sc1, yv[r]);
-            } else {
-                __m512i a = acc[0];
-                if (CH == 4) {
-                    a = _mm512_add_epi32(_mm512_add_epi32(acc[0], acc[1]),
-                                         _mm512_add_epi32(acc[2], acc[3]));
-                } else if (CH == 2) {
-                    a = _mm512_add_epi32(acc[0], acc[1]);
+            for (int v = 0; v < 8; v++)
+                for (int i = 0; i < RG; i++) {
+                    const int j = i * CH + (two ? v / 4 : v % CH);
+                    acc[j] = _mm512_dpbusd_epi32(acc[j], W[v], _mm512_set1_epi32(xg[i][v]));
                 }
-                yv[r] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(a), dx), sc0, yv[r]);
+            for (int i = 0; i < RG; i++) {
+                const int r = r0 + i;
+                const __m512 dx = _mm512_set1_ps(c->xd[mg[i]]);
+                if (two) {
+                    yv[r] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(acc[2 * i]), dx), sc0,
+                                            yv[r]);
+                    yv[r] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(acc[2 * i + 1]), dx),
+                                            sc1, yv[r]);
+                } else {
+                    __m512i a = acc[i * CH];
+                    for (int j = 1; j < CH; j++) a = _mm512_add_epi32(a, acc[i * CH + j]);
+                    yv[r] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(a), dx), sc0, yv[r]);
+                }
+                if (has_min) yv[r] = _mm512_fmadd_ps(mn, _mm512_set1_ps(c->xs[mg[i]]), yv[r]);
             }
-            if (has_min) yv[r] = _mm512_fmadd_ps(mn, _mm512_set1_ps(c->xs[mg]), yv[r]);
         }
     }
     for (int r = 0; r < R; r++) _mm512_storeu_ps(out + (size_t)r * TN, yv[r]);
