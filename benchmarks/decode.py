@@ -101,6 +101,9 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
         default="",
         help="'' (dense) | gguf | gguf-a8 | int8 | w8a8 | fp8 (CUDA) | gptq | awq",
     )
+    ap.add_argument(
+        "--kv-cache-dtype", default="auto", help="auto | bfloat16 | float32 (kvflow serve's)"
+    )
     return ap.parse_args(argv)
 
 
@@ -144,6 +147,8 @@ def main(argv: list[str] | None = None) -> int:
     num_blocks = sum(b * per_seq for b in args.batch) + 1
     max_len = per_seq * bs
     kw: dict = {"quantization": args.quantization} if args.quantization else {}
+    if args.kv_cache_dtype != "auto":
+        kw["kv_cache_dtype"] = args.kv_cache_dtype
     if device.type != "cpu":  # (CPU: only arguments every ModelRunner version takes)
         kw |= {
             "device": device,
@@ -177,6 +182,8 @@ def main(argv: list[str] | None = None) -> int:
         src = resolve_model(args.model)
         runner = ModelRunner.create(src, bs, num_blocks, dtype=dtype, max_model_len=max_len, **kw)
         name = src.name + (f" --quantization {args.quantization}" if args.quantization else "")
+    if args.kv_cache_dtype != "auto":
+        name += f" --kv-cache-dtype {args.kv_cache_dtype}"
     load_s = time.perf_counter() - t0
     graphs = getattr(runner, "graphs", None)
     path = "cpu" if getattr(runner, "ops", None) is None else "triton"

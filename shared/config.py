@@ -17,6 +17,8 @@ from typing import Any
 
 from shared.model_settings import ModelSettings
 
+KV_CACHE_DTYPES = ("auto", "bfloat16", "float32")
+
 
 @dataclass
 class CacheSettings:
@@ -28,6 +30,17 @@ class CacheSettings:
     )
     num_kv_blocks: int = field(
         default=0, metadata={"help": "KV blocks per worker (0: from --kv-cache-memory)"}
+    )
+    kv_cache_dtype: str = field(
+        default="auto",
+        metadata={
+            "help": "what the KV cache holds (vLLM's --kv-cache-dtype): auto (the model's "
+            "dtype; bfloat16 on the CPU path's --dtype bfloat16) | bfloat16 (on the CPU path "
+            "with any --dtype and --quantization: half the bytes each decode step reads, keys "
+            "and values rounded to bf16, arithmetic in fp32; on a GPU only with --dtype "
+            "bfloat16) | float32 (the CPU path: the exact cache under --dtype bfloat16)",
+            "choices": KV_CACHE_DTYPES,
+        },
     )
     kv_host_memory: float = field(
         default=0.0,

@@ -22,7 +22,7 @@ from services.worker.cuda_graphs import DecodeGraphs, capture_sizes
 from services.worker.device import kernel_backend as default_backend
 from services.worker.model import DecoderModel
 from services.worker.step_inputs import DeviceBatch
-from shared.config import CacheSettings, ModelSettings, WorkerSettings
+from shared.config import KV_CACHE_DTYPES, CacheSettings, ModelSettings, WorkerSettings
 from shared.model_loader import ModelConfig, load_config, load_weights
 from shared.model_source import ModelSource
 from shared.quantized_checkpoints import METHODS, checkpoint_method
@@ -66,6 +66,7 @@ class DeviceSpec:
     cuda_graphs: bool | None = None
     max_num_seqs: int = 64
     model_impl: str = "auto"  # --model-impl: auto | kvflow | transformers
+    kv_cache_dtype: str = "auto"  # --kv-cache-dtype: auto | bfloat16 | float32 (kv_cache_dtype())
 
 
 @dataclass(frozen=True)
@@ -234,8 +235,7 @@ def load_model(
     if packed is None or cpu_bf16:
         packed = cpu_bf16 or (fp32 and (cpu_gemm.panel_available() or cpu_gemm.onednn_available()))
     gemm = model.pack_weights(spec.dtype if cpu_bf16 else torch.float32) if packed else "torch"
-    if cpu_bf16:  # the KV cache follows --dtype, as vLLM's "auto" does: half the bytes
-        model.kv_cache_dtype = torch.bfloat16
+    model.kv_cache_dtype = kv_cache_dtype(spec.kv_cache_dtype, model.dtype, spec.dtype, ops)
     batch_invariant = cpu.batch_invariant and ops is None  # a CPU-path property
     gemm_rows = cpu.gemm_rows
     if batch_invariant and gemm_rows is None:
@@ -300,6 +300,30 @@ def calibrate_gemm_rows(model: AnyModel) -> GemmRows:
     how = "from the calibration cache" if cached else "calibrated"
     log.info("GEMM row layout %s (%s in %.1fs)", rows, how, time.perf_counter() - t0)
     return rows
+
+
+def kv_cache_dtype(
+    asked: str, model_dtype: torch.dtype, dtype: torch.dtype, ops: object | None
+) -> torch.dtype | None:
+    """The KV cache's dtype where it is not the model's (``--kv-cache-dtype``), or None.
+
+    ``auto`` follows ``--dtype`` as vLLM's does (on the CPU path, whose model computes in fp32,
+    ``--dtype bfloat16`` gives a bf16 cache). The CPU path's kernels read either dtype into
+    fp32 arithmetic, so there ``bfloat16`` halves the bytes of K and V every step reads (the
+    decode attention's time at long contexts and large batches) with any weights; the device
+    path's kernels read the cache in the model's dtype, so there only that dtype is taken."""
+    if asked not in KV_CACHE_DTYPES:
+        raise ValueError(
+            f"--kv-cache-dtype must be one of {', '.join(KV_CACHE_DTYPES)}, not {asked!r}"
+        )
+    want = {"auto": dtype, "bfloat16": torch.bfloat16, "float32": torch.float32}[asked]
+    if ops is not None and want != model_dtype:
+        raise ValueError(
+            f"--kv-cache-dtype {asked}: the device path keeps the KV cache in the model's dtype "
+            f"({str(model_dtype).removeprefix('torch.')}); pass --dtype {asked} or leave "
+            "--kv-cache-dtype auto"
+        )
+    return None if want == model_dtype else want
 
 
 def kv_block_bytes(cfg: ModelConfig, kv_heads: int, block_size: int, dtype: torch.dtype) -> int:
@@ -460,4 +484,5 @@ def runner_specs(
         cuda_graphs=False if worker.enforce_eager else None,
         max_num_seqs=max_num_seqs,
         model_impl=model.model_impl,
+        kv_cache_dtype=cache.kv_cache_dtype,
     )

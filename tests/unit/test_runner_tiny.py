@@ -316,3 +316,23 @@ def test_penalties_see_the_whole_prompt_when_a_prefix_was_computed_elsewhere(hf_
     assert out == ref
     plain = Driver(make_runner(hf_model), [prompt]).run(6)["r0"]
     assert plain != ref  # the penalty changed the output: the comparison above has teeth
+
+
+def test_a_bf16_kv_cache_holds_bf16_and_stays_close_to_hf(hf_model: LlamaForCausalLM) -> None:
+    """``--kv-cache-dtype bfloat16`` on the CPU path with fp32 weights: K and V are stored as
+    bf16 (read back into fp32 arithmetic), so the logits move by about bf16's rounding and no
+    more; the default cache stays exact."""
+    errs = {}
+    for kv_dtype in ("bfloat16", "auto"):
+        runner = make_runner(hf_model, kv_cache_dtype=kv_dtype)
+        want = torch.bfloat16 if kv_dtype == "bfloat16" else torch.float32
+        assert all(k.dtype == v.dtype == want for k, v in runner.kv_caches)
+        rows = capture_logits(runner, "r0")
+        out = Driver(runner, PROMPTS, seed=5).run(6)["r0"]
+        full = torch.tensor([PROMPTS[0] + out[:-1]])
+        with torch.no_grad():
+            ref = hf_model(full).logits[0, len(PROMPTS[0]) - 1 :]
+        errs[kv_dtype] = ((torch.stack(rows) - ref).norm() / ref.norm()).item()
+        assert out == ref.argmax(-1).tolist()
+    assert errs["auto"] < 1e-5
+    assert 1e-5 < errs["bfloat16"] < 1e-2  # K and V lose ~0.2 % each
