@@ -31,6 +31,7 @@ OLD_FLAT = {
     "block_size": ("cache.block_size", "32", 32, 16),
     "kv_cache_memory": ("cache.kv_cache_memory", "2.5", 2.5, 1.0),
     "num_kv_blocks": ("cache.num_kv_blocks", "100", 100, 0),
+    "kv_cache_dtype": ("cache.kv_cache_dtype", "bfloat16", "bfloat16", "auto"),
     "kv_host_memory": ("cache.kv_host_memory", "0.5", 0.5, 0.0),
     "kv_redis_tier": ("cache.kv_redis_tier", "true", True, False),
     "kv_tier_ttl": ("cache.kv_tier_ttl", "60", 60, 3600),
