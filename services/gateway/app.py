@@ -21,6 +21,7 @@ from services.gateway.state import GatewayState
 from shared.access.connect import AccessError
 from shared.bus import Bus
 from shared.config import Settings
+from shared.heap import freeze_startup_heap
 
 
 @asynccontextmanager
@@ -32,6 +33,7 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
     except AccessError as e:  # re-raised by services/gateway/main.py after uvicorn gives up
         app.state.refused = e
         raise
+    freeze_startup_heap()
     try:
         yield
     finally:
