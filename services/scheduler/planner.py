@@ -211,10 +211,11 @@ def _build_plan(ws: WorkerState, chosen: dict[Sequence, _Chosen]) -> StepPlan:
     # Evicted blocks go to the host tier only when this plan's step is what overwrites them:
     # the worker copies them first. Blocks taken for a tier load or a reservation are written
     # by other paths, which might get there before the copy: not offloaded.
-    written = {b for s in chosen for b in s.blocks}
-    offload = [
-        BlockRef(b, h) for b, h in ws.bm.take_evicted() if ws.offload_enabled and b in written
-    ]
+    evicted = ws.bm.take_evicted()
+    offload: list[BlockRef] = []
+    if evicted and ws.offload_enabled:  # the set of every block of the batch only then
+        written = {b for s in chosen for b in s.blocks}
+        offload = [BlockRef(b, h) for b, h in evicted if b in written]
     store = (
         [BlockRef(b, h) for b in ws.plan_cached if (h := ws.bm.block_hash[b])]
         if ws.store_enabled

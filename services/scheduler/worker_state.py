@@ -255,6 +255,8 @@ class WorkerState:
         registered by a later plan. Returns the blocks registered."""
         start = len(seq.hashes)  # blocks before this are registered already (or duplicates)
         upto = min(end, seq.num_tokens)
+        if upto // self.bm.block_size <= start:  # no block filled (most decode steps)
+            return []
         self.bm.extend_hashes(seq.hashes, seq.token_ids, upto, seq.cache_salt)
         added = self.bm.cache_blocks(seq.blocks[start:], seq.hashes[start:])
         self.plan_cached += added

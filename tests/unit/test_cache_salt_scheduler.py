@@ -38,6 +38,9 @@ def test_every_chained_hash_differs_between_salts_and_equal_salts_agree() -> Non
     assert set(plain).isdisjoint(a) and set(plain).isdisjoint(b) and set(a).isdisjoint(b)
     # salts are compared whole: a tenant prefix cannot be mimicked by a shorter salt
     assert set(bm.block_hashes(toks, "t:a")).isdisjoint(bm.block_hashes(toks, "t"))
+    # nor by moving the boundary between salt and tokens ("x1" then 2... against "x" then 12...)
+    assert bm.block_hashes([2, *toks[1:4]], "x1") != bm.block_hashes([12, *toks[1:4]], "x")
+    assert bm.block_hashes([2, 0, 0, 0], "x\x02") != bm.block_hashes([2, 0, 0, 0], "x")
     assert bm.block_hashes(toks, "") == plain  # no salt (the gateway refuses an empty one)
     # extend_hashes (a running sequence, block by block) agrees with block_hashes
     hashes: list = []
