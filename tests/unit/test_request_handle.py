@@ -49,7 +49,11 @@ def test_a_finished_request_never_times_out_and_close_disarms_the_timer() -> Non
         early.close()
         await asyncio.sleep(0.05)  # past both deadlines
         done.close()
-        return final.finish_reason == "stop", done.finished, done.queue.qsize() + early.queue.qsize()
+        return (
+            final.finish_reason == "stop",
+            done.finished,
+            done.queue.qsize() + early.queue.qsize(),
+        )
 
     stopped, finished, left = asyncio.run(main())
     assert stopped and finished
