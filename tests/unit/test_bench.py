@@ -195,3 +195,11 @@ def test_cpu_gemm_bench_times_a_gguf_types_kernels(capsys) -> None:  # noqa: ANN
     assert row.count("(") == len(bench.gguf_kinds(8)) >= 1 and "Q8_0 blocks" in out
     with pytest.raises(SystemExit):
         bench.main(["--gguf", "Q9_9"])
+
+
+def test_scheduler_bench_runs_every_request_to_its_end() -> None:
+    from benchmarks.scheduler import run_once
+
+    plan_us, result_us, steps = run_once(4, 20, 9, 4, 2)
+    # one prefill step, then a token a step: the 9th token of each comes in the 9th step
+    assert steps == 9 and plan_us > 0 and result_us > 0
