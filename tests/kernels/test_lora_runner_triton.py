@@ -17,7 +17,7 @@ if not HAS_CUDA:
 from services.worker.lora import LoRASpec  # noqa: E402
 from services.worker.runner import ModelRunner  # noqa: E402
 from shared.messages import LoRARef  # noqa: E402
-from tests.unit.test_lora_engine import (  # noqa: E402
+from tests.models.test_lora_engine import (  # noqa: E402
     GREEDY,
     PROMPTS,
     argmax_tokens,

@@ -482,7 +482,7 @@ def test_speculative_decoding_on_the_device_path(model, graphs: bool, method: st
     from services.scheduler.core import SchedulerCore
     from services.scheduler.worker_state import SchedulerLimits
     from shared.speculative import SpeculativeConfig
-    from tests.unit.test_speculative_engine import run_core
+    from tests.models.test_speculative_engine import run_core
 
     prompts = [[5, 17, 99, 5, 17, 99, 5, 17], [7, 7, 7, 7, 7]]
     params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
