@@ -33,16 +33,19 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
     except AccessError as e:  # re-raised by services/gateway/main.py after uvicorn gives up
         app.state.refused = e
         raise
-    freeze_startup_heap()
+    if app.state.freeze_heap:  # the gateway's own process (services/gateway/main.py)
+        freeze_startup_heap()
     try:
         yield
     finally:
         await state.stop()
 
 
-def create_app(settings: Settings, bus: Bus | None = None) -> FastAPI:
+def create_app(settings: Settings, bus: Bus | None = None, freeze_heap: bool = False) -> FastAPI:
     """The app; its lifespan connects to NATS (unless ``bus`` is given) and subscribes to this
-    gateway's inbox. ``app.state.gateway`` is the GatewayState (routes and tests read it)."""
+    gateway's inbox, then (``freeze_heap``: the process is the gateway's alone) freezes the
+    start-up heap (shared/heap.py). ``app.state.gateway`` is the GatewayState (routes and tests
+    read it)."""
     app = FastAPI(
         title="kvflow gateway",
         lifespan=lifespan,
@@ -51,6 +54,7 @@ def create_app(settings: Settings, bus: Bus | None = None) -> FastAPI:
         **_no_fastapi_telemetry(),
     )
     app.state.gateway = GatewayState(settings, bus)
+    app.state.freeze_heap = freeze_heap
     install_error_handlers(app)
     for router in ROUTERS:
         app.include_router(router)
