@@ -8,6 +8,7 @@ deltas) to reference counting instead of promoting it."""
 
 from __future__ import annotations
 
+import atexit
 import gc
 import logging
 
@@ -22,6 +23,10 @@ def freeze_startup_heap() -> None:
     collection scans; call it when the service is ready, before serving."""
     gc.collect()
     gc.freeze()
+    # back to a generation the collector sees before the interpreter tears modules down: left
+    # frozen, native objects (tokenizers, the tracer's exporters) were released after the
+    # modules they need, and two services exited with SIGSEGV after a clean drain
+    atexit.register(gc.unfreeze)
     young, middle, old = gc.get_threshold()
     gc.set_threshold(max(young, YOUNG_THRESHOLD), middle, old)
     log.debug("heap frozen: %d objects", gc.get_freeze_count())

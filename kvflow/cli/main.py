@@ -4,6 +4,7 @@ service against given NATS/Redis URLs, as compose and Kubernetes run it)."""
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import importlib
 import sys
 
@@ -47,6 +48,7 @@ def _run_service(name: str, settings: Settings) -> int:
         return EXIT_REFUSED
     setup_logging(name, settings.ops.log_level, settings.ops.log_format)
     setup_tracing(name)
+    faulthandler.enable()  # a crash in native code still leaves the Python stacks in the log
     try:
         if name == "gateway":
             from services.gateway.main import main as gateway_main
