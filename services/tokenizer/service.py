@@ -35,7 +35,7 @@ from shared.access.connect import nats_auth
 from shared.bus import Bus
 from shared.chat_template import read_chat_template
 from shared.config import Settings
-from shared.heap import freeze_startup_heap
+from shared.heap import tune_collector
 from shared.logs import request_scope
 from shared.messages import (
     DetokenizeRequest,
@@ -237,7 +237,7 @@ async def run(settings: Settings) -> None:
         settings, tok, max_len, list(cfg.eos_token_ids), cfg.vocab_size, served
     )
     await service.start()
-    freeze_startup_heap()
+    tune_collector()
     ops.registry.register(service.metrics.registry)
     ops.set_ready(lambda: service.bus.client.is_connected, service.bus)
     stop = asyncio.Event()
