@@ -3,8 +3,9 @@ step (decoded messages, deltas, plans) that reference counting frees at once; CP
 collects its youngest generation every 700 net allocations, and the collections those steps set
 off (and the full ones they lead to, which scan every object the service built at start-up:
 torch, transformers, the tokenizer, the app) were a sixth of the gateway's time at 256 streams.
-Once the service is ready, the youngest generation is collected every ``YOUNG_THRESHOLD``
-allocations instead: the per-step garbage dies by reference count before a collection sees it.
+Every service process (kvflow/cli/main.py, before the service starts) collects the youngest
+generation every ``YOUNG_THRESHOLD`` allocations instead: the per-step garbage dies by reference
+count before a collection sees it.
 
 The start-up heap is not frozen (``gc.freeze``): with it, two services of the compose stack
 exited with SIGSEGV after a clean drain, three runs of four."""
@@ -18,8 +19,7 @@ YOUNG_THRESHOLD = 10_000
 
 
 def tune_collector() -> None:
-    """Collect once (what start-up left behind), then collect the youngest generation every
-    ``YOUNG_THRESHOLD`` allocations; call it when the service is ready, before serving."""
-    gc.collect()
+    """Collect the youngest generation every ``YOUNG_THRESHOLD`` allocations (never more
+    often than the interpreter was set to)."""
     young, middle, old = gc.get_threshold()
     gc.set_threshold(max(young, YOUNG_THRESHOLD), middle, old)

@@ -11,6 +11,7 @@ import sys
 from shared import event_loop
 from shared.access.connect import EXIT_REFUSED, AccessError
 from shared.config import Settings
+from shared.heap import tune_collector
 from shared.logs import setup_logging
 from shared.lora import LoRAError
 from shared.speculative import SpeculativeConfigError
@@ -49,6 +50,7 @@ def _run_service(name: str, settings: Settings) -> int:
     setup_logging(name, settings.ops.log_level, settings.ops.log_format)
     setup_tracing(name)
     faulthandler.enable()  # a crash in native code still leaves the Python stacks in the log
+    tune_collector()
     try:
         if name == "gateway":
             from services.gateway.main import main as gateway_main

@@ -36,7 +36,6 @@ from shared import subjects
 from shared.access.connect import nats_auth
 from shared.bus import Bus
 from shared.config import Settings
-from shared.heap import tune_collector
 from shared.in_order import InOrder, lost_in_transit
 from shared.logs import request_scope
 from shared.messages import (
@@ -352,7 +351,6 @@ async def run(settings: Settings) -> None:
     tok = load_tokenizer(resolve_model(settings.model.path, settings.model.served_model_name))
     service = DetokenizerService(settings, tok)
     await service.start()
-    tune_collector()
     ops.registry.register(service.metrics.registry)
     ops.set_ready(lambda: service.bus.client.is_connected and not service.draining, service.bus)
     asyncio.get_running_loop().add_signal_handler(

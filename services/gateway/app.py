@@ -21,7 +21,6 @@ from services.gateway.state import GatewayState
 from shared.access.connect import AccessError
 from shared.bus import Bus
 from shared.config import Settings
-from shared.heap import tune_collector
 
 
 @asynccontextmanager
@@ -33,19 +32,15 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
     except AccessError as e:  # re-raised by services/gateway/main.py after uvicorn gives up
         app.state.refused = e
         raise
-    if app.state.tune_gc:  # the gateway's own process (services/gateway/main.py)
-        tune_collector()
     try:
         yield
     finally:
         await state.stop()
 
 
-def create_app(settings: Settings, bus: Bus | None = None, tune_gc: bool = False) -> FastAPI:
+def create_app(settings: Settings, bus: Bus | None = None) -> FastAPI:
     """The app; its lifespan connects to NATS (unless ``bus`` is given) and subscribes to this
-    gateway's inbox, then (``tune_gc``: the process is the gateway's alone) tunes the
-    garbage collector (shared/heap.py). ``app.state.gateway`` is the GatewayState (routes and tests
-    read it)."""
+    gateway's inbox. ``app.state.gateway`` is the GatewayState (routes and tests read it)."""
     app = FastAPI(
         title="kvflow gateway",
         lifespan=lifespan,
@@ -54,7 +49,6 @@ def create_app(settings: Settings, bus: Bus | None = None, tune_gc: bool = False
         **_no_fastapi_telemetry(),
     )
     app.state.gateway = GatewayState(settings, bus)
-    app.state.tune_gc = tune_gc
     install_error_handlers(app)
     for router in ROUTERS:
         app.include_router(router)

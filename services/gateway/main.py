@@ -20,7 +20,7 @@ from shared.telemetry import setup_tracing
 
 def server(settings: Settings) -> uvicorn.Server:
     config = uvicorn.Config(
-        create_app(settings, tune_gc=True),
+        create_app(settings),
         host=settings.gateway.host,
         port=settings.gateway.port,
         log_level=settings.ops.log_level,

@@ -31,11 +31,11 @@ class RequestHandle:
     ) -> None:
         self.request_id = request_id
         self.queue = queue
-        self.deadline = deadline  # in loop.time() terms
         self.timeout_s = timeout_s
         self.finished = False  # the final delta arrived: nothing to abort
         self.closed = False
         self._on_close = on_close
+        # the deadline, in loop.time() terms
         self._timer = asyncio.get_running_loop().call_at(deadline, self._time_out)
 
     def _time_out(self) -> None:

@@ -43,7 +43,6 @@ from shared import subjects
 from shared.access.connect import nats_auth, redis_client, verify_redis
 from shared.bus import Bus
 from shared.config import Settings
-from shared.heap import tune_collector
 from shared.kv_connectors import create_scheduler_connector
 from shared.kv_tier import leading_present
 from shared.lora import adapter_salt, parse_lora_modules
@@ -589,7 +588,6 @@ async def run(settings: Settings) -> None:
     lease = await lease_for(settings, src.name)
     service = SchedulerService(settings, src.name, max_len, lease, settings.scheduler.scheduler_id)
     await service.start()
-    tune_collector()
     # a standby is ready too (healthy, just not planning); whether it leads is in its logs/stats
     ops.registry.register(service.telemetry.registry)
     ops.set_ready(lambda: service.bus.client.is_connected, service.bus)

@@ -35,7 +35,6 @@ from shared.access.connect import nats_auth
 from shared.bus import Bus
 from shared.chat_template import read_chat_template
 from shared.config import Settings
-from shared.heap import tune_collector
 from shared.logs import request_scope
 from shared.messages import (
     DetokenizeRequest,
@@ -237,7 +236,6 @@ async def run(settings: Settings) -> None:
         settings, tok, max_len, list(cfg.eos_token_ids), cfg.vocab_size, served
     )
     await service.start()
-    tune_collector()
     ops.registry.register(service.metrics.registry)
     ops.set_ready(lambda: service.bus.client.is_connected, service.bus)
     stop = asyncio.Event()

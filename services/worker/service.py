@@ -33,7 +33,6 @@ from shared import subjects
 from shared.access.connect import nats_auth, redis_options, verify_redis
 from shared.bus import Bus
 from shared.config import Settings
-from shared.heap import tune_collector
 from shared.kv_connectors import connector_spec
 from shared.lora import LoRAError, read_adapter_config
 from shared.messages import (
@@ -342,7 +341,6 @@ async def run(settings: Settings) -> None:
     runner = await model_thread.run(lambda: load_runner(settings, src))
     service = WorkerService(settings, runner, src.name, model_thread)
     await service.start()
-    tune_collector()
     ops.registry.register(service.telemetry.registry)
     ops.set_ready(lambda: service.bus.client.is_connected and not service.draining, service.bus)
     loop = asyncio.get_running_loop()
