@@ -150,7 +150,7 @@ def st_modes(src, texts: list[str], rounds: int) -> list[Mode]:  # noqa: ANN001
 
 def main(args: argparse.Namespace) -> int:
     from benchmarks.serving import start_stack
-    from shared.model_loader import load_config
+    from shared.model_config import load_config
 
     src = resolve_model(args.model)
     tok = load_tokenizer(src)

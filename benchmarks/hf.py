@@ -85,7 +85,8 @@ def export_hf_dir(src: ModelSource, dest: Path) -> Path:
         return dest
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from shared.model_loader import load_config, load_weights
+    from shared.model_config import load_config
+    from shared.model_loader import load_weights
     from shared.model_source import load_tokenizer
 
     c = load_config(src)

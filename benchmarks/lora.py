@@ -20,7 +20,7 @@ from pathlib import Path
 import httpx
 
 from benchmarks.client import RunSummary, one_request, summarize
-from shared.model_loader import load_config
+from shared.model_config import load_config
 from shared.model_source import resolve_model
 
 TARGETS = {

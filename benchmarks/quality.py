@@ -113,7 +113,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def main(args: argparse.Namespace) -> int:
     from services.worker.runner import ModelRunner
-    from shared.model_loader import load_config, load_weights
+    from shared.model_config import load_config
+    from shared.model_loader import load_weights
     from shared.model_source import load_tokenizer, resolve_model
 
     src = resolve_model(args.model)

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from shared.model_loader import ModelConfig
+from shared.models.config import ModelConfig
 
 
 @dataclass(frozen=True)

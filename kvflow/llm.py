@@ -102,7 +102,7 @@ class LLM:
         ms = self.settings.model
         check_lora_settings(ms.enable_lora, ms.lora_modules, ms.max_loras, ms.max_lora_rank)
         check_parallel_settings(self.settings)
-        from shared.model_loader import check_settings_model
+        from shared.model_config import check_settings_model
         from shared.models.tasks import served_task
 
         try:

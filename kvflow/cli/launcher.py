@@ -40,7 +40,7 @@ from shared.infra import (
     start_redis_sentinel,
 )
 from shared.lora import check_lora_settings
-from shared.model_loader import check_settings_model
+from shared.model_config import check_settings_model
 from shared.model_source import ModelNotFoundError
 from shared.parallel import check_parallel_settings
 from shared.processes import spawn_service, stop_processes

@@ -72,7 +72,7 @@ def _check_model(name: str, settings: Settings) -> str:
     service connects or loads anything (restarting would not help)."""
     if name == "gateway":
         return ""
-    from shared.model_loader import check_settings_model
+    from shared.model_config import check_settings_model
     from shared.model_source import ModelNotFoundError
 
     try:

@@ -208,7 +208,7 @@ async def _beam(
 @functools.cache
 def _eos_token_ids(model: str, served_name: str) -> list[int]:
     """The model's end-of-sequence ids (its config; read once)."""
-    from shared.model_loader import load_config
+    from shared.model_config import load_config
     from shared.model_source import resolve_model
 
     return list(load_config(resolve_model(model, served_name)).eos_token_ids)

@@ -577,7 +577,7 @@ class SchedulerService:
 
 
 async def run(settings: Settings) -> None:
-    from shared.model_loader import load_config
+    from shared.model_config import load_config
     from shared.model_source import resolve_model
     from shared.ops_http import start_ops_server
 

@@ -219,7 +219,7 @@ def check_embedding_length(
 
 
 async def run(settings: Settings) -> None:
-    from shared.model_loader import load_config
+    from shared.model_config import load_config
     from shared.model_source import load_tokenizer, resolve_model
     from shared.ops_http import start_ops_server
 

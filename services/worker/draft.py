@@ -30,8 +30,10 @@ from services.worker.model_setup import CpuPathSpec, DeviceSpec, LoadedModel, lo
 from services.worker.step_inputs import HostStep, Staging, pack
 from services.worker.step_rows import StepRows, host_batch, lay_out
 from shared.messages import ScheduledSeq
-from shared.model_loader import ModelConfig, load_config, load_weights
+from shared.model_config import load_config
+from shared.model_loader import load_weights
 from shared.model_source import resolve_model
+from shared.models.config import ModelConfig
 from shared.speculative import SpeculativeConfig
 
 log = logging.getLogger("kvflow.worker")

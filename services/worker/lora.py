@@ -32,7 +32,7 @@ from kernels.ops import KernelBackend
 from services.worker.lora_weights import GROUPS, LoRAWeights, load_adapter, module_shapes
 from shared.lora import LoRAError
 from shared.messages import LoRARef, ScheduledSeq
-from shared.model_loader import ModelConfig
+from shared.models.config import ModelConfig
 
 if TYPE_CHECKING:
     from services.worker.tensor_parallel import LoRAShard

@@ -17,7 +17,7 @@ import torch
 
 from shared.lora import ADAPTER_WEIGHTS, LoRAError, check_rank, read_adapter_config
 from shared.messages import LoRARef
-from shared.model_loader import ModelConfig
+from shared.models.config import ModelConfig
 
 if TYPE_CHECKING:
     from services.worker.tensor_parallel import LoRAShard

@@ -23,8 +23,10 @@ from services.worker.device import kernel_backend as default_backend
 from services.worker.model import DecoderModel
 from services.worker.step_inputs import DeviceBatch
 from shared.config import KV_CACHE_DTYPES, CacheSettings, ModelSettings, WorkerSettings
-from shared.model_loader import ModelConfig, load_config, load_weights
+from shared.model_config import load_config
+from shared.model_loader import load_weights
 from shared.model_source import ModelSource
+from shared.models.config import ModelConfig
 from shared.quantized_checkpoints import METHODS, checkpoint_method
 
 log = logging.getLogger("kvflow.worker")

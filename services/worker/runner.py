@@ -60,8 +60,8 @@ from shared.messages import (
     StepPlan,
     StepResult,
 )
-from shared.model_loader import ModelConfig
 from shared.model_source import ModelSource
+from shared.models.config import ModelConfig
 from shared.sampling import (
     LogitsProcessor,
     active_processors,

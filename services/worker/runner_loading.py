@@ -18,7 +18,7 @@ from services.worker.tp_group import TPLeader, start_group
 from shared.config import Settings
 from shared.cpu_budget import cpu_budget
 from shared.lora import parse_lora_modules
-from shared.model_loader import load_config
+from shared.model_config import load_config
 from shared.model_source import ModelNotFoundError, ModelSource
 from shared.speculative import parse_speculative_config
 

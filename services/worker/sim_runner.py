@@ -297,7 +297,7 @@ class SimRunner:
 def vocab_for(src: ModelSource) -> tuple[list[int], list[int]]:
     """(ordinary token ids, EOS ids) of a model, from its tokenizer and config: the simulator
     generates only tokens that are neither special nor added."""
-    from shared.model_loader import load_config
+    from shared.model_config import load_config
     from shared.model_source import load_tokenizer
 
     cfg = load_config(src)

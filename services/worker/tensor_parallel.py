@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from shared.model_loader import ModelConfig
+from shared.models.config import ModelConfig
 
 if TYPE_CHECKING:
     from services.worker.tp_shm import ShmComm

@@ -49,8 +49,10 @@ from services.worker.tp_shm import ShmComm
 from shared.config import Settings
 from shared.cpu_budget import usable_cpus
 from shared.messages import StepPlan, StepResult
-from shared.model_loader import ModelConfig, load_config, load_weights, round_weights
+from shared.model_config import load_config
+from shared.model_loader import load_weights, round_weights
 from shared.model_source import ModelSource
+from shared.models.config import ModelConfig
 from shared.speculative import SpeculativeConfig
 
 log = logging.getLogger("kvflow.worker")

@@ -18,7 +18,8 @@ import torch
 
 from services.worker.runner import ModelRunner
 from shared.messages import FinishReason, NewRequest, SamplingParams, ScheduledSeq, StepPlan
-from shared.model_loader import load_config, load_weights
+from shared.model_config import load_config
+from shared.model_loader import load_weights
 from shared.model_source import load_tokenizer, resolve_model
 from tests.gguf_without_vocabulary import transformers_model
 

@@ -22,7 +22,7 @@ if not HAS_CUDA:
 
 from services.worker.runner import ModelRunner  # noqa: E402
 from shared.messages import NewRequest, SamplingParams, ScheduledSeq, StepPlan  # noqa: E402
-from shared.model_loader import ModelConfig  # noqa: E402
+from shared.models.config import ModelConfig  # noqa: E402
 
 BLOCK = 4
 NUM_BLOCKS = 48

@@ -16,7 +16,8 @@ from kernels import cpu_quant
 from services.worker.lora import LoRASpec
 from services.worker.runner import ModelRunner
 from shared.messages import LoRARef, SamplingParams
-from shared.model_loader import load_config, load_weights
+from shared.model_config import load_config
+from shared.model_loader import load_weights
 from shared.model_source import ModelSource
 from tests.models.test_model_families import NEW, PROMPTS
 from tests.unit.engine_support import new_core, run

@@ -14,7 +14,7 @@ import torch
 
 from services.worker.runner import ModelRunner
 from shared.messages import SamplingParams
-from shared.model_loader import load_config
+from shared.model_config import load_config
 from shared.model_source import ModelSource
 from tests.unit.engine_support import (
     check_alone,

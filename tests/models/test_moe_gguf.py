@@ -166,7 +166,8 @@ def test_int8_experts_equal_transformers_on_the_rounded_weights(tmp_path: Path) 
     is a multiple of 32); transformers then runs the rounded values."""
     from transformers import AutoModelForCausalLM
 
-    from shared.model_loader import load_config, load_weights
+    from shared.model_config import load_config
+    from shared.model_loader import load_weights
 
     _save("qwen2_moe", tmp_path, moe_intermediate_size=64)
     src = ModelSource("hf", tmp_path, "m")

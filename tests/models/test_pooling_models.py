@@ -31,7 +31,7 @@ from transformers import (
 from services.tokenizer.pooling_inputs import pooling_input
 from services.worker.runner import ModelRunner
 from shared.messages import GenerateRequest, PoolingParams, SamplingParams, TokenizedRequest
-from shared.model_loader import load_config
+from shared.model_config import load_config
 from shared.model_source import ModelSource
 from shared.models.config import ModelConfigError
 from shared.models.tasks import served_task

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from shared.model_loader import _gguf_gemma
+from shared.model_config import _gguf_gemma
 from shared.models.registry import hf_config
 
 SLIDE, FULL = "sliding_attention", "full_attention"

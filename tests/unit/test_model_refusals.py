@@ -13,7 +13,7 @@ import pytest
 from kvflow import LLM
 from kvflow.cli.main import main
 from shared.access.connect import EXIT_REFUSED
-from shared.model_loader import check_model, load_config
+from shared.model_config import check_model, load_config
 from shared.model_source import ModelSource
 from shared.models.registry import supported_architectures
 from tests.unit.family_models import CONFIGS, family_of

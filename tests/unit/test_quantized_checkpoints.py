@@ -183,7 +183,7 @@ def test_a_quantized_checkpoint_is_served_in_place_and_computes_its_weights(
 ) -> None:
     from services.worker.model_setup import check_quantization
     from services.worker.runner import ModelRunner
-    from shared.model_loader import load_config
+    from shared.model_config import load_config
     from shared.model_source import resolve_model
 
     path, want = _tiny_checkpoint(tmp_path, method)

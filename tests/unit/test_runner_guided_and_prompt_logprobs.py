@@ -19,7 +19,7 @@ from shared.messages import (
     StepPlan,
     StructuredOutput,
 )
-from shared.model_loader import ModelConfig
+from shared.models.config import ModelConfig
 from shared.structured_output import GrammarCompiler
 
 BLOCK = 4

@@ -13,8 +13,10 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from kernels.batch_invariance import GemmRows
 from services.worker.runner import ModelRunner
 from shared.messages import FinishReason, NewRequest, SamplingParams, ScheduledSeq, StepPlan
-from shared.model_loader import ModelConfig, load_config, load_weights
+from shared.model_config import load_config
+from shared.model_loader import load_weights
 from shared.model_source import ModelSource
+from shared.models.config import ModelConfig
 
 BLOCK = 4
 NUM_BLOCKS = 64

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from shared.model_loader import ModelConfig
+from shared.models.config import ModelConfig
 
 # SmolLM2's ratios, small: 9 heads over 3 KV heads (GQA 3), head_dim 8
 CFG = ModelConfig(

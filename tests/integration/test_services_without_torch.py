@@ -1,0 +1,57 @@
+"""The services that never run the model start without torch: the scheduler, the tokenizer, the
+detokenizer, the gateway and ``kvflow serve``'s launcher read the model's config from its header
+(shared/model_config.py) and load its saved tokenizer by class (shared/model_source.py). torch
+costs each such process ~2 s of CPU and ~200 MB at start; a stack starts five of them."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from shared.model_source import load_tokenizer, resolve_model
+
+pytestmark = pytest.mark.integration
+ROOT = Path(__file__).resolve().parents[2]
+
+_PROBE = """
+import json, sys
+import kvflow.cli.launcher, services.gateway.app
+import services.scheduler.service, services.tokenizer.service, services.detokenizer.service
+from shared.model_config import check_model
+from shared.model_source import load_tokenizer, resolve_model
+
+cfg = check_model("")
+tok = load_tokenizer(resolve_model())
+print(json.dumps({
+    "torch": "torch" in sys.modules,
+    "layers": cfg.num_layers,
+    "ids": tok("Hello, world!")["input_ids"],
+    "chat": tok.apply_chat_template(
+        [{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True
+    ),
+}))
+"""
+
+
+def test_config_and_saved_tokenizer_load_without_torch() -> None:
+    from transformers import AutoTokenizer
+
+    src = resolve_model()
+    load_tokenizer(src)  # converts the GGUF's tokenizer once and saves it, if not yet
+    tok = AutoTokenizer.from_pretrained(str(src.directory), gguf_file=src.path.name)
+    out = subprocess.run(
+        [sys.executable, "-c", _PROBE], cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert got["torch"] is False, "a torch import crept into a service that does not run the model"
+    assert got["layers"] == 30  # SmolLM2-135M
+    # the same tokenizer as transformers' own conversion of the GGUF's
+    assert got["ids"] == tok("Hello, world!")["input_ids"]
+    assert got["chat"] == tok.apply_chat_template(
+        [{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True
+    )
