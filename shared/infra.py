@@ -46,8 +46,11 @@ def wait_for_port(port: int, proc: subprocess.Popen, what: str, timeout: float =
     raise TimeoutError(f"{what} did not open port {port} within {timeout:.0f}s")
 
 
-def wait_for_http(url: str, proc: subprocess.Popen, what: str, timeout: float = 300.0) -> None:
-    """Wait until GET ``url`` answers 200 (a server's health check), or raise saying why."""
+def wait_for_http(
+    url: str, proc: subprocess.Popen, what: str, timeout: float = 300.0, interval: float = 0.5
+) -> None:
+    """Wait until GET ``url`` answers 200 (a server's health check, asked every ``interval``
+    seconds), or raise saying why."""
     import urllib.error
     import urllib.request
 
@@ -63,7 +66,7 @@ def wait_for_http(url: str, proc: subprocess.Popen, what: str, timeout: float = 
                     return
         except (urllib.error.URLError, OSError):
             pass
-        time.sleep(0.5)
+        time.sleep(interval)
     raise RuntimeError(f"{what} was not ready after {timeout:.0f} s")
 
 
