@@ -3,11 +3,13 @@ directory (config.json + safetensors + tokenizer). Nothing is ever fetched from 
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib.util
 import json
 import os
 import re
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -76,42 +78,83 @@ def resolve_model(model: str = "", served_name: str = "") -> ModelSource:
     )
 
 
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".h5", ".msgpack", ".ckpt")
+
+
 def _tokenizer_cache_dir(src: ModelSource) -> Path:
-    st = src.path.stat()
-    key = hashlib.sha1(f"{src.path.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[
-        :16
-    ]
-    return cache_root() / "tokenizers" / key
+    """Where the model's tokenizer is saved once loaded: keyed by the GGUF file, or by a
+    directory's files other than weights (names, sizes and modification times), so an edited
+    tokenizer or chat template is loaded anew."""
+    if src.kind == "gguf":
+        st = src.path.stat()
+        ident = f"{src.path.resolve()}:{st.st_size}:{st.st_mtime_ns}"
+    else:
+        files = sorted(
+            (p.name, p.stat().st_size, p.stat().st_mtime_ns)
+            for p in src.path.iterdir()
+            if p.is_file() and not p.name.endswith(_WEIGHT_SUFFIXES)
+        )
+        ident = f"{src.path.resolve()}:{files}"
+    return cache_root() / "tokenizers" / hashlib.sha1(ident.encode()).hexdigest()[:16]
 
 
 def load_tokenizer(src: ModelSource):  # -> transformers.PreTrainedTokenizerBase
-    """The model's own tokenizer (with its chat template). A GGUF tokenizer is converted once by
-    transformers (seconds) and cached as tokenizer.json for the next start."""
+    """The model's own tokenizer (with its chat template). transformers' AutoTokenizer loads it
+    the first time (a GGUF's is converted: seconds) and it is saved (``tokenizer.json`` and
+    its config, ~/.cache/kvflow/tokenizers); later starts load the saved one by its class."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    cache = _tokenizer_cache_dir(src) if src.kind == "gguf" else None
-    if cache is not None and (cache / "tokenizer.json").is_file():
+    cache = _tokenizer_cache_dir(src)
+    if (cache / "tokenizer.json").is_file():
         try:
-            return _load_saved_tokenizer(cache)
+            saved = _load_saved_tokenizer(cache)
         except Exception:  # a damaged cache is rebuilt below
-            pass
+            saved = None
+        if saved is not None:
+            with contextlib.suppress(OSError):
+                os.utime(cache)  # recently used: kept by _prune
+            return saved
     from transformers import AutoTokenizer
 
-    if cache is None:
-        return AutoTokenizer.from_pretrained(str(src.path))
-    tok = AutoTokenizer.from_pretrained(str(src.directory), gguf_file=src.path.name)
-    try:
-        cache.mkdir(parents=True, exist_ok=True)
-        tok.save_pretrained(str(cache))
-    except OSError:
-        pass
+    if src.kind == "hf":
+        tok = AutoTokenizer.from_pretrained(str(src.path))
+    else:
+        tok = AutoTokenizer.from_pretrained(str(src.directory), gguf_file=src.path.name)
+    _save(tok, cache)
     return tok
 
 
-def _load_saved_tokenizer(directory: Path):  # -> transformers.PreTrainedTokenizerBase
-    """A tokenizer kvflow saved, loaded as the class it was saved as. That is the class
-    AutoTokenizer picks for a directory holding only tokenizer files, but AutoTokenizer imports
-    transformers' model configs and with them torch: ~2 s and ~200 MB more in each process that
-    only tokenizes (the tokenizer, the detokenizer)."""
+def _save(tok, cache: Path) -> None:  # noqa: ANN001 - a transformers tokenizer
+    """Saved whole or not at all: written beside, then renamed into place (the tokenizer and
+    the detokenizer convert at the same time on a first start; one rename wins)."""
+    part = cache.with_name(f"{cache.name}.part{os.getpid()}")
+    try:
+        tok.save_pretrained(str(part))
+        part.rename(cache)
+        _prune(cache.parent, keep=TOKENIZERS_KEPT)
+    except OSError:  # another process saved it first, or the cache is read-only
+        shutil.rmtree(part, ignore_errors=True)
+
+
+TOKENIZERS_KEPT = 32
+"""Saved tokenizers kept on a machine (the most recently used): each is one model's, 1-30 MB."""
+
+
+def _prune(parent: Path, keep: int) -> None:
+    """Remove all but the ``keep`` most recently used saved tokenizers (a load touches its
+    directory), so models served once (or test checkpoints) do not pile up."""
+    entries = sorted(
+        (p for p in parent.iterdir() if p.is_dir()), key=lambda p: p.stat().st_mtime, reverse=True
+    )
+    for old in entries[keep:]:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def _load_saved_tokenizer(directory: Path):  # -> transformers.PreTrainedTokenizerBase | None
+    """A tokenizer kvflow saved, loaded as the class AutoTokenizer had picked for the model
+    (``tokenizer_class`` in the saved config): the same tokenizer, without what AutoTokenizer
+    imports to choose the class (transformers' model configs, and with them torch: ~2 s and
+    ~200 MB more in each process that only tokenizes). None when transformers has no such
+    class (a model's own code): AutoTokenizer loads it from the model."""
     import transformers
 
     saved = json.loads((directory / "tokenizer_config.json").read_text())
@@ -119,6 +162,4 @@ def _load_saved_tokenizer(directory: Path):  # -> transformers.PreTrainedTokeniz
     cls = getattr(transformers, name, None) or getattr(
         transformers, name.removesuffix("Fast"), None
     )
-    if cls is None:
-        return transformers.AutoTokenizer.from_pretrained(str(directory))
-    return cls.from_pretrained(str(directory))
+    return None if cls is None else cls.from_pretrained(str(directory))

@@ -24,8 +24,8 @@ import services.scheduler.service, services.tokenizer.service, services.detokeni
 from shared.model_config import check_model
 from shared.model_source import load_tokenizer, resolve_model
 
-cfg = check_model("")
-tok = load_tokenizer(resolve_model())
+cfg = check_model(sys.argv[1])
+tok = load_tokenizer(resolve_model(sys.argv[1]))
 print(json.dumps({
     "torch": "torch" in sys.modules,
     "layers": cfg.num_layers,
@@ -37,21 +37,49 @@ print(json.dumps({
 """
 
 
-def test_config_and_saved_tokenizer_load_without_torch() -> None:
-    from transformers import AutoTokenizer
-
-    src = resolve_model()
-    load_tokenizer(src)  # converts the GGUF's tokenizer once and saves it, if not yet
-    tok = AutoTokenizer.from_pretrained(str(src.directory), gguf_file=src.path.name)
+def _probe(model: str) -> dict:
     out = subprocess.run(
-        [sys.executable, "-c", _PROBE], cwd=ROOT, capture_output=True, text=True, timeout=120
+        [sys.executable, "-c", _PROBE, model], cwd=ROOT, capture_output=True, text=True, timeout=120
     )
     assert out.returncode == 0, out.stderr[-3000:]
     got = json.loads(out.stdout.strip().splitlines()[-1])
     assert got["torch"] is False, "a torch import crept into a service that does not run the model"
-    assert got["layers"] == 30  # SmolLM2-135M
-    # the same tokenizer as transformers' own conversion of the GGUF's
+    return got
+
+
+def _assert_same_tokenizer(got: dict, tok) -> None:  # noqa: ANN001 - a transformers tokenizer
     assert got["ids"] == tok("Hello, world!")["input_ids"]
     assert got["chat"] == tok.apply_chat_template(
         [{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True
     )
+
+
+def test_a_gguf_s_config_and_saved_tokenizer_load_without_torch() -> None:
+    from transformers import AutoTokenizer
+
+    src = resolve_model()
+    load_tokenizer(src)  # converts the GGUF's tokenizer once and saves it, if not yet
+    got = _probe("")
+    assert got["layers"] == 30  # SmolLM2-135M
+    # the same tokenizer as transformers' own conversion of the GGUF's
+    _assert_same_tokenizer(
+        got, AutoTokenizer.from_pretrained(str(src.directory), gguf_file=src.path.name)
+    )
+
+
+def test_a_directory_s_config_and_saved_tokenizer_load_without_torch(
+    tokenizer, tmp_path: Path
+) -> None:
+    from transformers import AutoTokenizer
+
+    from tests.unit.family_models import CONFIGS
+
+    path = tmp_path / "qwen2"
+    CONFIGS["qwen2"]().save_pretrained(
+        path
+    )  # a model type whose tokenizer class AutoTokenizer picks
+    tokenizer.save_pretrained(path)
+    load_tokenizer(resolve_model(str(path)))  # AutoTokenizer, then saved
+    got = _probe(str(path))
+    assert got["layers"] == 2
+    _assert_same_tokenizer(got, AutoTokenizer.from_pretrained(str(path)))
