@@ -232,7 +232,7 @@ def cut(text: str, points: list[int]) -> list[str]:
     return [text[a:b] for a, b in zip([0, *at], [*at, len(text)], strict=True)]
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=100, deadline=None)
 @given(
     args=st.lists(ARG_OBJECTS, min_size=1, max_size=3),
     before=st.text(alphabet="<tool_ca>/ \n{}é", max_size=14).filter(lambda s: START not in s),
@@ -252,7 +252,7 @@ def test_hermes_random_calls_and_splits(args, before, ascii_only, indent, points
     assert [json.loads(r) for _, r in calls] == args
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=75, deadline=None)
 @given(args=st.lists(ARG_OBJECTS, min_size=1, max_size=3), points=st.lists(st.integers(0)))
 def test_required_and_llama_random_calls_and_splits(args, points) -> None:
     objs = [{"name": f"f{i}", "parameters": a} for i, a in enumerate(args)]
@@ -263,7 +263,7 @@ def test_required_and_llama_random_calls_and_splits(args, points) -> None:
     assert run(LLAMA, cut(text, points))[:2] == ("", expected)
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=150, deadline=None)
 @given(value=JSON_VALUES, drop=st.integers(min_value=0), points=st.lists(st.integers(0)))
 def test_json_scanner_agrees_with_json_loads(value, drop, points) -> None:
     text = "[" + json.dumps(value, ensure_ascii=False) + "] "
