@@ -20,7 +20,7 @@ import math
 import re
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import torch
@@ -34,9 +34,6 @@ from shared.models.config import ModelConfig
 from shared.models.family import LINEARS, Family
 from shared.models.registry import family
 from shared.quantized_checkpoints import checkpoint_method, quantization_config, read_layer
-
-if TYPE_CHECKING:
-    pass
 
 __all__ = ["load_weights", "round_weights"]
 
