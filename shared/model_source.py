@@ -90,9 +90,10 @@ def _tokenizer_cache_dir(src: ModelSource) -> Path:
         ident = f"{src.path.resolve()}:{st.st_size}:{st.st_mtime_ns}"
     else:
         files = sorted(
-            (p.name, p.stat().st_size, p.stat().st_mtime_ns)
+            (p.name, st.st_size, st.st_mtime_ns)
             for p in src.path.iterdir()
             if p.is_file() and not p.name.endswith(_WEIGHT_SUFFIXES)
+            for st in (p.stat(),)
         )
         ident = f"{src.path.resolve()}:{files}"
     return cache_root() / "tokenizers" / hashlib.sha1(ident.encode()).hexdigest()[:16]
