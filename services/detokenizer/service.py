@@ -239,7 +239,7 @@ class DetokenizerService:
             if st is None:
                 self._keep_early(0, rid, tok, reason, lp)
                 continue
-            delta, by_stop = st.add_token(self.backend, tok, FinishReason(reason), lp)
+            delta, by_stop = st.add_token(self.backend, tok, FinishReason.of(reason), lp)
             mine += 1
             if st.completion_tokens == 1 and rid in self.spans:
                 self.spans[rid].add_event("first_token")

@@ -11,12 +11,14 @@ serves them too, gathered over NATS (shared/metrics.py), unless asked for ``?sco
 
 from __future__ import annotations
 
+import bisect
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.core import GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
+from prometheus_client.utils import floatToGoString
 
 # vLLM's buckets (vllm/v1/metrics/loggers.py), so dashboards' quantiles read the same
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
@@ -50,6 +52,46 @@ class _OpenRequests(Collector):
         yield g
 
 
+class LoopHistogram(Collector):
+    """A histogram observed on one thread (the event loop) and read at scrape time, exported
+    under each of ``names`` with the same samples.
+
+    prometheus_client's ``Histogram.observe`` walks the buckets and makes two locked increments
+    (~1.4 us). Inter-token latency is observed once per delta of every stream, under two names,
+    which cost the gateway ~2.8 us per streamed token. Here an observation is a bisect and two
+    additions (~0.3 us) and both names share them. A scrape from another thread may read the
+    counts and the sum one observation apart, which a histogram tolerates."""
+
+    def __init__(
+        self,
+        names: Sequence[tuple[str, str]],
+        label_names: Sequence[str],
+        label_values: Sequence[str],
+        buckets: Sequence[float],
+    ) -> None:
+        self.names = list(names)
+        self.label_names, self.label_values = list(label_names), list(label_values)
+        self.bounds = [float(b) for b in buckets]
+        self.counts = [0] * (len(self.bounds) + 1)  # the last one is +Inf
+        self.sum = 0.0
+
+    def observe(self, value: float) -> None:
+        # a value equal to a bound belongs to that bucket (``le``): the first bound >= value
+        self.counts[bisect.bisect_left(self.bounds, value)] += 1
+        self.sum += value
+
+    def collect(self) -> Iterator[Metric]:
+        counts, total = list(self.counts), self.sum
+        cumulative, buckets = 0, []
+        for bound, n in zip([*self.bounds, float("inf")], counts, strict=True):
+            cumulative += n
+            buckets.append((floatToGoString(bound), cumulative))
+        for name, doc in self.names:
+            h = HistogramMetricFamily(name, doc, labels=self.label_names)
+            h.add_metric(self.label_values, buckets, sum_value=total)
+            yield h
+
+
 class GatewayMetrics:
     def __init__(self, model_name: str, max_model_len: int = 8192) -> None:
         self.registry = CollectorRegistry()
@@ -62,21 +104,21 @@ class GatewayMetrics:
             buckets=TTFT_BUCKETS,
             registry=r,
         )
-        self.itl = Histogram(
-            "vllm:inter_token_latency_seconds",
-            "Time between output deltas",
+        # observed per delta, so without a lock; exported under vLLM's name and the one it used
+        # before 0.11 (older dashboards read it)
+        self.itl = LoopHistogram(
+            [
+                ("vllm:inter_token_latency_seconds", "Time between output deltas"),
+                (
+                    "vllm:time_per_output_token_seconds",
+                    "Time between output deltas (vLLM's older name for inter-token latency)",
+                ),
+            ],
             m,
-            buckets=ITL_BUCKETS,
-            registry=r,
+            [model_name],
+            ITL_BUCKETS,
         )
-        # the name vLLM used for inter-token latency before 0.11; older dashboards read it
-        self.tpot = Histogram(
-            "vllm:time_per_output_token_seconds",
-            "Time between output deltas (vLLM's older name for inter-token latency)",
-            m,
-            buckets=ITL_BUCKETS,
-            registry=r,
-        )
+        r.register(self.itl)
         self.e2e = Histogram(
             "vllm:e2e_request_latency_seconds",
             "End-to-end request latency",
@@ -115,8 +157,6 @@ class GatewayMetrics:
 
         # the per-delta series, labelled once (labels() takes a lock and a dict lookup)
         self.ttft_of_model = self.ttft.labels(model_name)
-        self.itl_of_model = self.itl.labels(model_name)
-        self.tpot_of_model = self.tpot.labels(model_name)
 
     def track_open_requests(self, count: Callable[[], int]) -> None:
         """``kvflow:gateway_open_requests`` reads ``count()`` at scrape time."""
@@ -144,9 +184,7 @@ class RequestTimer:
         if self.last is None:
             self.m.ttft_of_model.observe(now - self.start)
         elif num_new_tokens:
-            gap = now - self.last
-            self.m.itl_of_model.observe(gap)
-            self.m.tpot_of_model.observe(gap)
+            self.m.itl.observe(now - self.last)
         self.last = now
 
     def finished(self, reason: str | None, prompt_tokens: int, completion_tokens: int) -> None:

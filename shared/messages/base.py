@@ -17,7 +17,19 @@ class FinishReason(enum.IntEnum):
     ERROR = 4
 
     def openai(self) -> str | None:
-        return {1: "stop", 2: "length", 3: "abort", 4: "error"}.get(int(self))
+        return _OPENAI_NAMES[self]
+
+    @staticmethod
+    def of(value: int) -> FinishReason:
+        """``FinishReason(value)`` without the enum machinery (a tuple lookup): it runs once per
+        generated token in the detokenizer. A value out of range raises ValueError as the enum
+        would."""
+        return _BY_VALUE[value] if 0 <= value < len(_BY_VALUE) else FinishReason(value)
+
+
+_OPENAI_NAMES = (None, "stop", "length", "abort", "error")
+_BY_VALUE = tuple(FinishReason)
+assert [int(r) for r in _BY_VALUE] == list(range(len(_BY_VALUE))) == list(range(len(_OPENAI_NAMES)))
 
 
 class _Msg(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, tag_field="k"):

@@ -14,10 +14,10 @@ from opentelemetry import trace
 from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
-from prometheus_client import CollectorRegistry, Counter, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from services.gateway.metrics import GatewayMetrics, buckets_1_2_5
+from services.gateway.metrics import ITL_BUCKETS, GatewayMetrics, LoopHistogram, buckets_1_2_5
 from services.gateway.tracing import RequestTrace
 from services.scheduler.core import SchedulerCore
 from services.scheduler.lora_registry import LoraRegistry
@@ -434,6 +434,30 @@ def test_gateway_counts_a_prompt_once_and_uses_vllm_buckets() -> None:
     assert _sample(r, "vllm:request_prompt_tokens_count", model_name="m") == 1
     assert _sample(r, "vllm:time_per_output_token_seconds_count", model_name="m") == 2
     assert buckets_1_2_5(100) == [1, 2, 5, 10, 20, 50, 100]
+
+
+def test_the_loop_histogram_exports_what_prometheus_client_s_histogram_does() -> None:
+    """Same buckets (a value equal to a bound counted in it, beyond the last in +Inf), count and
+    sum as prometheus_client's Histogram, under every name it is given."""
+    ours, theirs = CollectorRegistry(), CollectorRegistry()
+    names = [("a_seconds", "A"), ("b_seconds", "B")]
+    loop = LoopHistogram(names, ["model_name"], ["m"], ITL_BUCKETS)
+    ours.register(loop)
+    ref = [
+        Histogram(n, doc, ["model_name"], buckets=ITL_BUCKETS, registry=theirs).labels("m")
+        for n, doc in names
+    ]
+    for v in (0.0, 0.004, 0.01, 0.0100001, 0.3, 80.0, 80.5, 1e9):
+        loop.observe(v)
+        for h in ref:
+            h.observe(v)
+
+    def lines(r: CollectorRegistry) -> list[str]:
+        return [x for x in generate_latest(r).decode().splitlines() if "_created" not in x]
+
+    assert lines(ours) == lines(theirs)
+    assert _sample(ours, "b_seconds_bucket", le="0.01") == 3
+    assert _sample(ours, "a_seconds_count", model_name="m") == 8
 
 
 def test_lora_requests_info_names_running_and_waiting_adapters(spans) -> None:
