@@ -14,9 +14,9 @@ greedy decoding must not change when requests are batched together. So:
 * ``silu_and_mul`` is written with ``exp`` (whose vector and scalar paths agreed in our checks),
   not ``F.silu`` (whose scalar tail path differs in the last bit from its vector body).
 
-The batch-invariance tests (tests/unit/test_kernels_reference.py, test_runner_tiny.py and the
-SmolLM2 integration test) compare logits bit for bit, so a BLAS or torch change that breaks this
-shows up there.
+The batch-invariance tests (tests/kernels/test_kernels_reference.py, tests/models/
+test_runner_tiny.py and the SmolLM2 integration test) compare logits bit for bit, so a BLAS or
+torch change that breaks this shows up there.
 """
 
 from __future__ import annotations

@@ -25,7 +25,7 @@ from tests.models.test_lora_engine import (  # noqa: E402
     new_core,
     run,
 )
-from tests.unit.test_runner_tiny import hf_model, make_runner  # noqa: E402, F401
+from tests.models.test_runner_tiny import hf_model, make_runner  # noqa: E402, F401
 
 
 def device_runner(hf, **kw) -> ModelRunner:

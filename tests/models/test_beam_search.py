@@ -12,7 +12,7 @@ import torch
 from transformers import LlamaForCausalLM
 
 from shared.beam_search import beam_search, score
-from tests.unit.test_runner_tiny import PROMPTS, hf_model  # noqa: F401 - fixture
+from tests.models.test_runner_tiny import PROMPTS, hf_model  # noqa: F401 - fixture
 
 EOS = 127
 

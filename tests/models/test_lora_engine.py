@@ -21,9 +21,9 @@ from services.worker.lora_weights import load_adapter
 from services.worker.runner import ModelRunner
 from shared.lora import LoRAError, adapter_salt, check_lora_settings, parse_lora_modules
 from shared.messages import FinishReason, LoRARef, SamplingParams
+from tests.models.test_runner_tiny import hf_model, make_runner  # noqa: F401
 from tests.unit.engine_support import new_core
 from tests.unit.engine_support import run as engine_run
-from tests.unit.test_runner_tiny import hf_model, make_runner  # noqa: F401
 
 ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 PROMPTS = [

@@ -24,7 +24,7 @@ from shared.messages import (
     TokenizedRequest,
 )
 from shared.speculative import SpeculativeConfig
-from tests.unit.test_runner_tiny import hf_model, make_runner  # noqa: F401
+from tests.models.test_runner_tiny import hf_model, make_runner  # noqa: F401
 
 NGRAM = SpeculativeConfig("ngram", num_speculative_tokens=4, prompt_lookup_min=1,
                           prompt_lookup_max=3)  # fmt: skip

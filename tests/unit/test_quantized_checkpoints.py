@@ -206,7 +206,7 @@ def test_a_quantized_checkpoint_is_served_in_place_and_computes_its_weights(
 def _greedy_logits(runner, prompt: list[int], steps: int = 4) -> torch.Tensor:  # noqa: ANN001
     """The logits a greedy request samples from: after its prompt, then after each token."""
     from shared.messages import NewRequest, SamplingParams, ScheduledSeq, StepPlan
-    from tests.unit.test_runner_tiny import capture_logits
+    from tests.logits_spy import capture_logits
 
     rows = capture_logits(runner, "r")
     params = SamplingParams(max_tokens=steps + 1, temperature=0.0, ignore_eos=True)

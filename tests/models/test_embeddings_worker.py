@@ -22,7 +22,7 @@ from shared.messages import (
     decode,
     encode,
 )
-from tests.unit.test_runner_tiny import hf_model, make_runner  # noqa: F401 - a fixture
+from tests.models.test_runner_tiny import hf_model, make_runner  # noqa: F401 - a fixture
 
 PROMPT = [5, 17, 99, 3, 42, 8, 64, 21, 77, 1, 33]  # 11 tokens, not a multiple of the block
 

@@ -17,6 +17,7 @@ from shared.model_config import load_config
 from shared.model_loader import load_weights
 from shared.model_source import ModelSource
 from shared.models.config import ModelConfig
+from tests.logits_spy import capture_logits
 
 BLOCK = 4
 NUM_BLOCKS = 64
@@ -125,21 +126,6 @@ class Driver:
                     assert fr == FinishReason.LENGTH
                     self.done[r] = True
         return {r: t[self.prompt_len[r] :] for r, t in self.tokens.items()}
-
-
-def capture_logits(runner: ModelRunner, request_id: str) -> list[torch.Tensor]:
-    """Record the logits row ``request_id`` samples from at every step."""
-    rows: list[torch.Tensor] = []
-    sample = runner._sample
-
-    def spy(logits: torch.Tensor, sampled: list[ScheduledSeq]) -> torch.Tensor:
-        ids = [s.request_id for s in sampled]
-        if request_id in ids:
-            rows.append(logits[ids.index(request_id)].clone())
-        return sample(logits, sampled)
-
-    runner._sample = spy
-    return rows
 
 
 @pytest.mark.parametrize("split", [False, True])
