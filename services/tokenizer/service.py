@@ -5,14 +5,24 @@ compiled here first (cached per constraint), so a bad schema is a 400, not a fai
 On a second subject it answers TokenizeRequest / DetokenizeRequest (request/reply).
 
 Each GenerateRequest gets a ``tokenize`` span, the child of the gateway's (its context comes in
-the NATS headers and goes on in the TokenizedRequest's headers)."""
+the NATS headers and goes on in the TokenizedRequest's headers).
+
+A request over ``BIG_INPUT_BYTES`` on the wire (a long document, a long conversation) is
+tokenized on a thread of its own, with its own copy of the tokenizer, one such request at a
+time: the smaller requests behind it go on being tokenized meanwhile instead of waiting for it
+(a 100k-token prompt takes ~0.4 s to encode; the tokenizers library releases the GIL while it
+encodes, so the two run on two cores). The subscription hands messages over in arrival order,
+one at a time, so without this one long prompt held up every request after it."""
 
 from __future__ import annotations
 
 import asyncio
+import copy
 import logging
 import signal
 import time
+from collections.abc import Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import msgspec
@@ -42,6 +52,7 @@ from shared.messages import (
     Message,
     ModelInfo,
     ModelInfoRequest,
+    PoolingParams,
     RequestError,
     SamplingParams,
     StructuredOutput,
@@ -54,6 +65,12 @@ from shared.telemetry import extract, inject, tracer
 
 log = logging.getLogger("kvflow.tokenizer")
 _tracer = tracer("tokenizer")
+
+# a request larger than this on the wire (~15 ms of encoding) goes to the big inputs' thread
+BIG_INPUT_BYTES = 16 * 1024
+
+Prepared = tuple[list[int], SamplingParams, PoolingParams | None]
+Prepare = Callable[[GenerateRequest], Awaitable[Prepared]]
 
 
 class TokenizerMetrics:
@@ -92,18 +109,40 @@ class TokenizerService:
         self.bus = Bus("tokenizer")
         self.metrics = TokenizerMetrics()
         self._grammar: GrammarCompiler | None = None
+        self._subscriptions: list[Any] = []
+        # big inputs: queued here in arrival order, tokenized on their own thread
+        self._big: asyncio.Queue[tuple[GenerateRequest, Msg]] = asyncio.Queue()
+        self._big_thread = ThreadPoolExecutor(1, thread_name_prefix="tokenizer-big-inputs")
+        self._big_tokenizer: Any = None  # the thread's copy, made on its first input
+        self._big_task: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
         await self.bus.connect(
             self.settings.bus.nats_url, auth=nats_auth(self.settings.bus, "tokenizer")
         )
-        await self.bus.subscribe(
-            subjects.TOKENIZE, self._on_message, queue=subjects.TOKENIZER_QUEUE
-        )
-        await self.bus.subscribe(
-            subjects.TOKENIZER_RPC, self._on_rpc, queue=subjects.TOKENIZER_QUEUE
-        )
+        self._big_task = asyncio.create_task(self._big_inputs())
+        self._subscriptions = [
+            await self.bus.subscribe(
+                subjects.TOKENIZE, self._on_message, queue=subjects.TOKENIZER_QUEUE
+            ),
+            await self.bus.subscribe(
+                subjects.TOKENIZER_RPC, self._on_rpc, queue=subjects.TOKENIZER_QUEUE
+            ),
+        ]
         log.info("tokenizer ready")
+
+    async def drain(self) -> None:
+        """No new deliveries; the requests in hand, big inputs included, are finished. Then the
+        bus can close (it still serves large replies' bytes until then)."""
+        for sub in self._subscriptions:
+            try:
+                await sub.drain()
+            except Exception as e:  # noqa: BLE001 - a connection already gone: nothing to wait for
+                log.warning("tokenizer: draining a subscription failed: %s", e)
+        await self._big.join()
+        if self._big_task is not None:
+            self._big_task.cancel()
+        self._big_thread.shutdown(wait=False)
 
     def check_structured_output(self, so: StructuredOutput) -> None:
         """Compile the constraint as the worker will (the compiler caches it); PromptError if
@@ -138,6 +177,23 @@ class TokenizerService:
         if not isinstance(msg, GenerateRequest):
             log.warning("tokenizer: unexpected %s", type(msg).__name__)
             return
+        if len(raw.data) > BIG_INPUT_BYTES:
+            self._big.put_nowait((msg, raw))
+            return
+        await self._serve(msg, raw, self._prepare_here)
+
+    async def _big_inputs(self) -> None:
+        """The big inputs, one at a time, tokenized on their thread."""
+        while True:
+            msg, raw = await self._big.get()
+            try:
+                await self._serve(msg, raw, self._prepare_on_thread)
+            except Exception:  # noqa: BLE001 - _serve answers every request; this is a bug
+                log.exception("tokenizer: big input %s failed", msg.request_id)
+            finally:
+                self._big.task_done()
+
+    async def _serve(self, msg: GenerateRequest, raw: Msg, prepare: Prepare) -> None:
         t0 = time.perf_counter()
         with (
             _tracer.start_as_current_span(
@@ -148,26 +204,46 @@ class TokenizerService:
             ) as span,
             request_scope(msg.request_id),
         ):
-            outcome = await self._tokenize(msg, span)
+            outcome = await self._tokenize(msg, span, prepare)
         self.metrics.requests.labels(outcome).inc()
         self.metrics.seconds.observe(time.perf_counter() - t0)
 
-    async def _tokenize(self, msg: GenerateRequest, span: Span) -> str:
+    def _prepare(self, tokenizer: Any, msg: GenerateRequest) -> Prepared:
+        """The request's token ids and checked parameters (PromptError: what is wrong)."""
+        pooling = msg.pooling
+        if pooling is not None:  # a pooling input: the whole context, no output token
+            ids, pooling = pooling_input(tokenizer, msg, self.served, self.max_model_len)
+            params = check_embedding_length(ids, msg.params, self.max_model_len)
+        else:
+            check_task(self.served, "generate")
+            ids = prompt_token_ids(tokenizer, msg)
+            ids = truncate(ids, msg.truncate_prompt_tokens, self.max_model_len)
+            params = check_length(ids, msg.params, self.max_model_len)
+        check_logit_bias(params, len(tokenizer))
+        if params.bad_words:
+            words = bad_words_token_ids(tokenizer, params.bad_words)
+            params = msgspec.structs.replace(params, bad_words_token_ids=words)
+        return ids, params, pooling
+
+    async def _prepare_here(self, msg: GenerateRequest) -> Prepared:
+        return self._prepare(self.tokenizer, msg)
+
+    async def _prepare_on_thread(self, msg: GenerateRequest) -> Prepared:
+        def work() -> Prepared:
+            # its own copy: a fast tokenizer used from two threads at once may fail with
+            # "Already borrowed" (it changes its truncation settings in place)
+            if self._big_tokenizer is None:
+                self._big_tokenizer = copy.deepcopy(self.tokenizer)
+            return self._prepare(self._big_tokenizer, msg)
+
+        return await asyncio.get_running_loop().run_in_executor(self._big_thread, work)
+
+    async def _tokenize(
+        self, msg: GenerateRequest, span: Span, prepare: Prepare | None = None
+    ) -> str:
         """Tokenize and check ``msg``; publish the result or the error. Returns the outcome."""
         try:
-            pooling = msg.pooling
-            if pooling is not None:  # a pooling input: the whole context, no output token
-                ids, pooling = pooling_input(self.tokenizer, msg, self.served, self.max_model_len)
-                params = check_embedding_length(ids, msg.params, self.max_model_len)
-            else:
-                check_task(self.served, "generate")
-                ids = prompt_token_ids(self.tokenizer, msg)
-                ids = truncate(ids, msg.truncate_prompt_tokens, self.max_model_len)
-                params = check_length(ids, msg.params, self.max_model_len)
-            check_logit_bias(params, len(self.tokenizer))
-            if params.bad_words:
-                words = bad_words_token_ids(self.tokenizer, params.bad_words)
-                params = msgspec.structs.replace(params, bad_words_token_ids=words)
+            ids, params, pooling = await (prepare or self._prepare_here)(msg)
             if params.structured_output is not None:
                 await asyncio.to_thread(self.check_structured_output, params.structured_output)
         except PromptError as e:
@@ -241,6 +317,7 @@ async def run(settings: Settings) -> None:
     stop = asyncio.Event()
     asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)
     await stop.wait()
-    # SIGTERM: NATS drain stops new deliveries and lets the requests in hand finish
+    # SIGTERM: no new deliveries; the requests in hand finish
     log.info("tokenizer draining")
+    await service.drain()
     await service.bus.close()

@@ -1,0 +1,126 @@
+"""The tokenizer service over a real NATS server: a long prompt is tokenized on its own thread,
+so the short requests published after it are not held up behind it; and SIGTERM's drain
+finishes the long prompt in hand before the service closes."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+from services.tokenizer.service import BIG_INPUT_BYTES, TokenizerService
+from shared import subjects
+from shared.bus import Bus
+from shared.config import Settings
+from shared.messages import GenerateRequest, SamplingParams, TokenizedRequest
+
+# ~600 KB (under NATS's 1 MiB max_payload): ~0.3-0.6 s of encoding, against ~1 ms for "hi"
+LONG = "The river bends past the old mill, " * 17_000
+INBOX = "test.tokenizer.replies"
+
+
+async def _service(nats_url: str, tokenizer: Any) -> TokenizerService:
+    svc = TokenizerService(Settings.of(nats_url=nats_url), tokenizer, 200_000, [2])
+    await svc.start()
+    return svc
+
+
+async def _listen(nats_url: str) -> tuple[Bus, list[tuple[str, float]]]:
+    """(a client, the request ids of the tokenized requests and errors in arrival order)."""
+    bus, seen = Bus("test"), []
+    await bus.connect(nats_url)
+
+    async def on(msg: Any, _raw: Any) -> None:
+        seen.append((msg.request_id, time.monotonic()))
+
+    await bus.subscribe(subjects.REQUESTS, on)
+    await bus.subscribe(INBOX, on)
+    return bus, seen
+
+
+def _request(rid: str, prompt: str) -> GenerateRequest:
+    return GenerateRequest(rid, INBOX, SamplingParams(max_tokens=4), prompt)
+
+
+async def _until(seen: list, n: int, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while len(seen) < n:
+        assert time.monotonic() < deadline, f"only {len(seen)} of {n} replies: {seen}"
+        await asyncio.sleep(0.01)
+
+
+def test_short_requests_are_not_held_up_by_a_long_prompt(nats_url, tokenizer) -> None:
+    async def main() -> list[str]:
+        svc = await _service(nats_url, tokenizer)
+        client, seen = await _listen(nats_url)
+        try:
+            assert len(LONG.encode()) > 30 * BIG_INPUT_BYTES
+            await client.publish(subjects.TOKENIZE, _request("long-1", LONG))
+            await client.publish(subjects.TOKENIZE, _request("long-2", LONG))
+            for i in range(5):
+                await client.publish(subjects.TOKENIZE, _request(f"short-{i}", "hi"))
+            await _until(seen, 7)
+            return [rid for rid, _ in seen]
+        finally:
+            await svc.drain()
+            await svc.bus.close()
+            await client.close()
+
+    order = asyncio.run(main())
+    # before: one at a time in arrival order (long-1, long-2, short-0 ...): the short ones
+    # waited ~1 s for both long prompts. The long ones keep their order between them.
+    assert order[:5] == [f"short-{i}" for i in range(5)], order
+    assert order[5:] == ["long-1", "long-2"], order
+
+
+def test_the_long_prompt_tokenized_on_its_thread_equals_the_tokenizer_s_own(
+    nats_url, tokenizer
+) -> None:
+    async def main() -> TokenizedRequest:
+        svc = await _service(nats_url, tokenizer)
+        bus, got = Bus("test"), []
+        await bus.connect(nats_url)
+
+        async def on(msg: Any, _raw: Any) -> None:
+            got.append(msg)
+
+        await bus.subscribe(subjects.REQUESTS, on)
+        try:
+            await bus.publish(subjects.TOKENIZE, _request("long", LONG))
+            await _until(got, 1)
+            return got[0]
+        finally:
+            await svc.drain()
+            await svc.bus.close()
+            await bus.close()
+
+    out = asyncio.run(main())
+    assert isinstance(out, TokenizedRequest)
+    assert out.prompt_token_ids == list(tokenizer(LONG)["input_ids"])
+    assert out.params.max_tokens == 4
+
+
+def test_drain_finishes_the_long_prompt_in_hand(nats_url, tokenizer) -> None:
+    """SIGTERM: the long prompt already taken is tokenized and published before the service
+    closes; what is published after the drain is not taken (it waits for another tokenizer)."""
+
+    async def main() -> list[str]:
+        svc = await _service(nats_url, tokenizer)
+        client, seen = await _listen(nats_url)
+        try:
+            await client.publish(subjects.TOKENIZE, _request("long", LONG))
+            # the service has it (queued for its thread) before the drain starts
+            deadline = time.monotonic() + 30
+            while svc._big.empty() and not seen:
+                assert time.monotonic() < deadline, "the long prompt never arrived"
+                await asyncio.sleep(0.005)
+            await svc.drain()
+            await svc.bus.close()
+            await client.publish(subjects.TOKENIZE, _request("after", "hi"))
+            await _until(seen, 1)
+            await asyncio.sleep(0.3)  # time for a wrong delivery of "after"
+            return [rid for rid, _ in seen]
+        finally:
+            await client.close()
+
+    assert asyncio.run(main()) == ["long"]
