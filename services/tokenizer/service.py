@@ -114,6 +114,7 @@ class TokenizerService:
         self._big: asyncio.Queue[tuple[GenerateRequest, Msg]] = asyncio.Queue()
         self._big_thread = ThreadPoolExecutor(1, thread_name_prefix="tokenizer-big-inputs")
         self._big_tokenizer: Any = None  # the thread's copy, made on its first input
+        self._no_big_copy = False  # the copy failed: big inputs are tokenized in line
         self._big_task: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
@@ -229,14 +230,19 @@ class TokenizerService:
         return self._prepare(self.tokenizer, msg)
 
     async def _prepare_on_thread(self, msg: GenerateRequest) -> Prepared:
-        def work() -> Prepared:
+        loop = asyncio.get_running_loop()
+        if self._big_tokenizer is None and not self._no_big_copy:
             # its own copy: a fast tokenizer used from two threads at once may fail with
             # "Already borrowed" (it changes its truncation settings in place)
-            if self._big_tokenizer is None:
-                self._big_tokenizer = copy.deepcopy(self.tokenizer)
-            return self._prepare(self._big_tokenizer, msg)
-
-        return await asyncio.get_running_loop().run_in_executor(self._big_thread, work)
+            try:
+                copied = await loop.run_in_executor(self._big_thread, copy.deepcopy, self.tokenizer)
+                self._big_tokenizer = copied
+            except Exception as e:  # noqa: BLE001 - a tokenizer that cannot be copied
+                log.warning("tokenizer: cannot copy the tokenizer (%s); big inputs in line", e)
+                self._no_big_copy = True
+        if self._big_tokenizer is None:
+            return self._prepare(self.tokenizer, msg)
+        return await loop.run_in_executor(self._big_thread, self._prepare, self._big_tokenizer, msg)
 
     async def _tokenize(
         self, msg: GenerateRequest, span: Span, prepare: Prepare | None = None

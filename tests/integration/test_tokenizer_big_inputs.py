@@ -124,3 +124,53 @@ def test_drain_finishes_the_long_prompt_in_hand(nats_url, tokenizer) -> None:
             await client.close()
 
     assert asyncio.run(main()) == ["long"]
+
+
+class _Uncopyable:
+    """A tokenizer that refuses to be copied (as one holding an unpicklable handle might)."""
+
+    def __init__(self, tok: Any) -> None:
+        self._tok = tok
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._tok, name)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self._tok(*args, **kwargs)
+
+    def __len__(self) -> int:
+        return len(self._tok)
+
+    def __deepcopy__(self, memo: dict) -> Any:
+        raise TypeError("this tokenizer cannot be copied")
+
+
+def test_a_tokenizer_that_cannot_be_copied_tokenizes_big_inputs_in_line(
+    nats_url, tokenizer
+) -> None:
+    async def main() -> tuple[list[Any], bool]:
+        svc = await _service(nats_url, _Uncopyable(tokenizer))
+        bus, got = Bus("test"), []
+        await bus.connect(nats_url)
+
+        async def on(msg: Any, _raw: Any) -> None:
+            got.append(msg)
+
+        await bus.subscribe(subjects.REQUESTS, on)
+        try:
+            for rid in ("long-1", "long-2"):
+                await bus.publish(subjects.TOKENIZE, _request(rid, LONG))
+            await _until(got, 2)
+            return got, svc._no_big_copy
+        finally:
+            await svc.drain()
+            await svc.bus.close()
+            await bus.close()
+
+    got, fell_back = asyncio.run(main())
+    assert fell_back
+    want = list(tokenizer(LONG)["input_ids"])
+    assert [(m.request_id, m.prompt_token_ids == want) for m in got] == [
+        ("long-1", True),
+        ("long-2", True),
+    ]
