@@ -16,16 +16,15 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import shlex
 import signal
-import subprocess
-import sys
 import time
 
 import httpx
 
 from benchmarks.client import one_request, percentile
-from shared.infra import free_port, wait_for_http
+from benchmarks.serving import start_stack
 
 LONG_TEXT = "The river bends past the old mill, and the water runs slow and brown. "
 
@@ -86,18 +85,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = ap.parse_args(argv)
 
-    port = free_port()
-    base = f"http://127.0.0.1:{port}"
-    serve = [sys.executable, "-m", "kvflow.cli.main", "serve", "--port", str(port)]
     print(f"starting kvflow serve {args.serve_args} ...", flush=True)
-    proc = subprocess.Popen(
-        [*serve, *shlex.split(args.serve_args)],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        start_new_session=True,
-    )
+    proc, base = start_stack(shlex.split(args.serve_args))
     try:
-        wait_for_http(f"{base}/health", proc, "kvflow serve", 300)
         model = httpx.get(f"{base}/v1/models", timeout=10).json()["data"][0]["id"]
         print(f"  short requests alone ({args.seconds:g} s) ...", flush=True)
         alone = asyncio.run(_phase(base, model, args.seconds, args.rate, 0, args.long_kib))
@@ -106,12 +96,8 @@ def main(argv: list[str] | None = None) -> int:
             _phase(base, model, args.seconds, args.rate, args.long_every, args.long_kib)
         )
     finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(60)
     print(f"\n{'ms':28s} {'n':>5s} {'p50':>9s} {'p99':>9s} {'max':>9s}")
     print(_row("short TTFT, alone", alone["short"]))
     print(_row("short TTFT, beside long", mixed["short"]))

@@ -25,13 +25,13 @@ async def _service(nats_url: str, tokenizer: Any) -> TokenizerService:
     return svc
 
 
-async def _listen(nats_url: str) -> tuple[Bus, list[tuple[str, float]]]:
-    """(a client, the request ids of the tokenized requests and errors in arrival order)."""
+async def _listen(nats_url: str) -> tuple[Bus, list[Any]]:
+    """(a client, the tokenized requests and errors in arrival order)."""
     bus, seen = Bus("test"), []
     await bus.connect(nats_url)
 
     async def on(msg: Any, _raw: Any) -> None:
-        seen.append((msg.request_id, time.monotonic()))
+        seen.append(msg)
 
     await bus.subscribe(subjects.REQUESTS, on)
     await bus.subscribe(INBOX, on)
@@ -49,24 +49,33 @@ async def _until(seen: list, n: int, timeout: float = 60.0) -> None:
         await asyncio.sleep(0.01)
 
 
-def test_short_requests_are_not_held_up_by_a_long_prompt(nats_url, tokenizer) -> None:
-    async def main() -> list[str]:
+def _tokenized(
+    nats_url: str, tokenizer: Any, requests: list[GenerateRequest]
+) -> tuple[list[Any], TokenizerService]:
+    """Publish ``requests`` to a tokenizer service; its replies in arrival order, and it."""
+
+    async def main() -> tuple[list[Any], TokenizerService]:
         svc = await _service(nats_url, tokenizer)
         client, seen = await _listen(nats_url)
         try:
-            assert len(LONG.encode()) > 30 * BIG_INPUT_BYTES
-            await client.publish(subjects.TOKENIZE, _request("long-1", LONG))
-            await client.publish(subjects.TOKENIZE, _request("long-2", LONG))
-            for i in range(5):
-                await client.publish(subjects.TOKENIZE, _request(f"short-{i}", "hi"))
-            await _until(seen, 7)
-            return [rid for rid, _ in seen]
+            for r in requests:
+                await client.publish(subjects.TOKENIZE, r)
+            await _until(seen, len(requests))
+            return seen, svc
         finally:
             await svc.drain()
             await svc.bus.close()
             await client.close()
 
-    order = asyncio.run(main())
+    return asyncio.run(main())
+
+
+def test_short_requests_are_not_held_up_by_a_long_prompt(nats_url, tokenizer) -> None:
+    assert len(LONG.encode()) > 30 * BIG_INPUT_BYTES
+    requests = [_request("long-1", LONG), _request("long-2", LONG)]
+    requests += [_request(f"short-{i}", "hi") for i in range(5)]
+    seen, _ = _tokenized(nats_url, tokenizer, requests)
+    order = [m.request_id for m in seen]
     # before: one at a time in arrival order (long-1, long-2, short-0 ...): the short ones
     # waited ~1 s for both long prompts. The long ones keep their order between them.
     assert order[:5] == [f"short-{i}" for i in range(5)], order
@@ -76,25 +85,7 @@ def test_short_requests_are_not_held_up_by_a_long_prompt(nats_url, tokenizer) ->
 def test_the_long_prompt_tokenized_on_its_thread_equals_the_tokenizer_s_own(
     nats_url, tokenizer
 ) -> None:
-    async def main() -> TokenizedRequest:
-        svc = await _service(nats_url, tokenizer)
-        bus, got = Bus("test"), []
-        await bus.connect(nats_url)
-
-        async def on(msg: Any, _raw: Any) -> None:
-            got.append(msg)
-
-        await bus.subscribe(subjects.REQUESTS, on)
-        try:
-            await bus.publish(subjects.TOKENIZE, _request("long", LONG))
-            await _until(got, 1)
-            return got[0]
-        finally:
-            await svc.drain()
-            await svc.bus.close()
-            await bus.close()
-
-    out = asyncio.run(main())
+    [out], _ = _tokenized(nats_url, tokenizer, [_request("long", LONG)])
     assert isinstance(out, TokenizedRequest)
     assert out.prompt_token_ids == list(tokenizer(LONG)["input_ids"])
     assert out.params.max_tokens == 4
@@ -119,7 +110,7 @@ def test_drain_finishes_the_long_prompt_in_hand(nats_url, tokenizer) -> None:
             await client.publish(subjects.TOKENIZE, _request("after", "hi"))
             await _until(seen, 1)
             await asyncio.sleep(0.3)  # time for a wrong delivery of "after"
-            return [rid for rid, _ in seen]
+            return [m.request_id for m in seen]
         finally:
             await client.close()
 
@@ -148,27 +139,9 @@ class _Uncopyable:
 def test_a_tokenizer_that_cannot_be_copied_tokenizes_big_inputs_in_line(
     nats_url, tokenizer
 ) -> None:
-    async def main() -> tuple[list[Any], bool]:
-        svc = await _service(nats_url, _Uncopyable(tokenizer))
-        bus, got = Bus("test"), []
-        await bus.connect(nats_url)
-
-        async def on(msg: Any, _raw: Any) -> None:
-            got.append(msg)
-
-        await bus.subscribe(subjects.REQUESTS, on)
-        try:
-            for rid in ("long-1", "long-2"):
-                await bus.publish(subjects.TOKENIZE, _request(rid, LONG))
-            await _until(got, 2)
-            return got, svc._no_big_copy
-        finally:
-            await svc.drain()
-            await svc.bus.close()
-            await bus.close()
-
-    got, fell_back = asyncio.run(main())
-    assert fell_back
+    requests = [_request("long-1", LONG), _request("long-2", LONG)]
+    got, svc = _tokenized(nats_url, _Uncopyable(tokenizer), requests)
+    assert svc._no_big_copy
     want = list(tokenizer(LONG)["input_ids"])
     assert [(m.request_id, m.prompt_token_ids == want) for m in got] == [
         ("long-1", True),
