@@ -7,12 +7,13 @@ On a second subject it answers TokenizeRequest / DetokenizeRequest (request/repl
 Each GenerateRequest gets a ``tokenize`` span, the child of the gateway's (its context comes in
 the NATS headers and goes on in the TokenizedRequest's headers).
 
-A request over ``BIG_INPUT_BYTES`` on the wire (a long document, a long conversation) is
-tokenized on a thread of its own, with its own copy of the tokenizer, one such request at a
-time: the smaller requests behind it go on being tokenized meanwhile instead of waiting for it
-(a 100k-token prompt takes ~0.4 s to encode; the tokenizers library releases the GIL while it
-encodes, so the two run on two cores). The subscription hands messages over in arrival order,
-one at a time, so without this one long prompt held up every request after it."""
+A request or RPC over ``BIG_INPUT_BYTES`` on the wire (a long document, a long conversation, a
+long text to ``/tokenize``) is tokenized on a thread of its own, with its own copy of the
+tokenizer, one such input at a time: the smaller requests behind it go on being tokenized
+meanwhile instead of waiting for it (a 100k-token prompt takes ~0.4 s to encode; the tokenizers
+library releases the GIL while it encodes, so the two run on two cores). A subscription hands
+messages over in arrival order, one at a time, and both subjects share the event loop, so
+without this one long input held up every request after it."""
 
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ import signal
 import time
 from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import Any, TypeVar
 
 import msgspec
 from nats.aio.msg import Msg
@@ -69,8 +70,10 @@ _tracer = tracer("tokenizer")
 # a request larger than this on the wire (~15 ms of encoding) goes to the big inputs' thread
 BIG_INPUT_BYTES = 16 * 1024
 
+T = TypeVar("T")
 Prepared = tuple[list[int], SamplingParams, PoolingParams | None]
-Prepare = Callable[[GenerateRequest], Awaitable[Prepared]]
+# how a piece of tokenizer work runs: given a function of the tokenizer, its result
+Run = Callable[[Callable[[Any], T]], Awaitable[T]]
 
 
 class TokenizerMetrics:
@@ -110,8 +113,8 @@ class TokenizerService:
         self.metrics = TokenizerMetrics()
         self._grammar: GrammarCompiler | None = None
         self._subscriptions: list[Any] = []
-        # big inputs: queued here in arrival order, tokenized on their own thread
-        self._big: asyncio.Queue[tuple[GenerateRequest, Msg]] = asyncio.Queue()
+        # big inputs' work (requests and RPCs), in arrival order, tokenized on their own thread
+        self._big: asyncio.Queue[Callable[[], Awaitable[None]]] = asyncio.Queue()
         self._big_thread = ThreadPoolExecutor(1, thread_name_prefix="tokenizer-big-inputs")
         self._big_tokenizer: Any = None  # the thread's copy, made on its first input
         self._no_big_copy = False  # the copy failed: big inputs are tokenized in line
@@ -157,11 +160,18 @@ class TokenizerService:
             raise PromptError(f"invalid {so.param}: {e}", so.param) from e
 
     async def _on_rpc(self, msg: Message, raw: Msg) -> None:
+        if len(raw.data) > BIG_INPUT_BYTES:
+            self._big.put_nowait(lambda: self._answer(msg, raw, self._on_thread))
+            return
+        await self._answer(msg, raw, self._in_line)
+
+    async def _answer(self, msg: Message, raw: Msg, run: Run) -> None:
+        """Reply to one RPC (errors too: the caller waits for an answer)."""
         try:
             if isinstance(msg, TokenizeRequest):
-                reply: Any = tokenize(self.tokenizer, msg, self.max_model_len)
+                reply: Any = await run(lambda tok: tokenize(tok, msg, self.max_model_len))
             elif isinstance(msg, DetokenizeRequest):
-                reply = detokenize(self.tokenizer, msg)
+                reply = await run(lambda tok: detokenize(tok, msg))
             elif isinstance(msg, ModelInfoRequest):
                 sv = self.served
                 reply = ModelInfo(sv.task, self.max_model_len, list(sv.labels))
@@ -179,22 +189,22 @@ class TokenizerService:
             log.warning("tokenizer: unexpected %s", type(msg).__name__)
             return
         if len(raw.data) > BIG_INPUT_BYTES:
-            self._big.put_nowait((msg, raw))
+            self._big.put_nowait(lambda: self._serve(msg, raw, self._on_thread))
             return
-        await self._serve(msg, raw, self._prepare_here)
+        await self._serve(msg, raw, self._in_line)
 
     async def _big_inputs(self) -> None:
-        """The big inputs, one at a time, tokenized on their thread."""
+        """The big inputs' work, one at a time (its tokenizing on their thread)."""
         while True:
-            msg, raw = await self._big.get()
+            job = await self._big.get()
             try:
-                await self._serve(msg, raw, self._prepare_on_thread)
-            except Exception:  # noqa: BLE001 - _serve answers every request; this is a bug
-                log.exception("tokenizer: big input %s failed", msg.request_id)
+                await job()
+            except Exception:  # noqa: BLE001 - every job answers its request; this is a bug
+                log.exception("tokenizer: a big input failed")
             finally:
                 self._big.task_done()
 
-    async def _serve(self, msg: GenerateRequest, raw: Msg, prepare: Prepare) -> None:
+    async def _serve(self, msg: GenerateRequest, raw: Msg, run: Run) -> None:
         t0 = time.perf_counter()
         with (
             _tracer.start_as_current_span(
@@ -205,7 +215,7 @@ class TokenizerService:
             ) as span,
             request_scope(msg.request_id),
         ):
-            outcome = await self._tokenize(msg, span, prepare)
+            outcome = await self._tokenize(msg, span, run)
         self.metrics.requests.labels(outcome).inc()
         self.metrics.seconds.observe(time.perf_counter() - t0)
 
@@ -226,10 +236,11 @@ class TokenizerService:
             params = msgspec.structs.replace(params, bad_words_token_ids=words)
         return ids, params, pooling
 
-    async def _prepare_here(self, msg: GenerateRequest) -> Prepared:
-        return self._prepare(self.tokenizer, msg)
+    async def _in_line(self, work: Callable[[Any], T]) -> T:
+        return work(self.tokenizer)
 
-    async def _prepare_on_thread(self, msg: GenerateRequest) -> Prepared:
+    async def _on_thread(self, work: Callable[[Any], T]) -> T:
+        """``work`` on the big inputs' thread, with its copy of the tokenizer."""
         loop = asyncio.get_running_loop()
         if self._big_tokenizer is None and not self._no_big_copy:
             # its own copy: a fast tokenizer used from two threads at once may fail with
@@ -241,15 +252,14 @@ class TokenizerService:
                 log.warning("tokenizer: cannot copy the tokenizer (%s); big inputs in line", e)
                 self._no_big_copy = True
         if self._big_tokenizer is None:
-            return self._prepare(self.tokenizer, msg)
-        return await loop.run_in_executor(self._big_thread, self._prepare, self._big_tokenizer, msg)
+            return work(self.tokenizer)
+        return await loop.run_in_executor(self._big_thread, work, self._big_tokenizer)
 
-    async def _tokenize(
-        self, msg: GenerateRequest, span: Span, prepare: Prepare | None = None
-    ) -> str:
-        """Tokenize and check ``msg``; publish the result or the error. Returns the outcome."""
+    async def _tokenize(self, msg: GenerateRequest, span: Span, run: Run | None = None) -> str:
+        """Tokenize and check ``msg`` (``run``: where; default in line); publish the result or
+        the error. Returns the outcome."""
         try:
-            ids, params, pooling = await (prepare or self._prepare_here)(msg)
+            ids, params, pooling = await (run or self._in_line)(lambda t: self._prepare(t, msg))
             if params.structured_output is not None:
                 await asyncio.to_thread(self.check_structured_output, params.structured_output)
         except PromptError as e:

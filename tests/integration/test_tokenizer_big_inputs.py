@@ -12,7 +12,13 @@ from services.tokenizer.service import BIG_INPUT_BYTES, TokenizerService
 from shared import subjects
 from shared.bus import Bus
 from shared.config import Settings
-from shared.messages import GenerateRequest, SamplingParams, TokenizedRequest
+from shared.messages import (
+    GenerateRequest,
+    SamplingParams,
+    TokenizedRequest,
+    TokenizeRequest,
+    TokenizeResult,
+)
 
 # ~600 KB (under NATS's 1 MiB max_payload): ~0.3-0.6 s of encoding, against ~1 ms for "hi"
 LONG = "The river bends past the old mill, " * 17_000
@@ -89,6 +95,35 @@ def test_the_long_prompt_tokenized_on_its_thread_equals_the_tokenizer_s_own(
     assert isinstance(out, TokenizedRequest)
     assert out.prompt_token_ids == list(tokenizer(LONG)["input_ids"])
     assert out.params.max_tokens == 4
+
+
+def test_a_long_text_to_tokenize_does_not_hold_up_the_requests(nats_url, tokenizer) -> None:
+    """/tokenize (an RPC on the service's second subject) of a long text goes to the same
+    thread: the event loop, which serves both subjects, goes on with the short requests."""
+
+    async def main() -> tuple[list[str], bool, object]:
+        svc = await _service(nats_url, tokenizer)
+        client, seen = await _listen(nats_url)
+        try:
+            rpc = asyncio.create_task(
+                client.request(subjects.TOKENIZER_RPC, TokenizeRequest(prompt=LONG), timeout=60)
+            )
+            await asyncio.sleep(0.05)  # the RPC is out first
+            for i in range(5):
+                await client.publish(subjects.TOKENIZE, _request(f"short-{i}", "hi"))
+            await _until(seen, 5)
+            answered_before_the_short_ones = rpc.done()
+            return [m.request_id for m in seen], answered_before_the_short_ones, await rpc
+        finally:
+            await svc.drain()
+            await svc.bus.close()
+            await client.close()
+
+    order, rpc_first, result = asyncio.run(main())
+    assert order == [f"short-{i}" for i in range(5)]
+    assert not rpc_first  # before: the RPC's encoding held the loop, the short ones after it
+    assert isinstance(result, TokenizeResult)
+    assert result.tokens == list(tokenizer(LONG)["input_ids"])
 
 
 def test_drain_finishes_the_long_prompt_in_hand(nats_url, tokenizer) -> None:
