@@ -159,11 +159,16 @@ class TokenizerService:
         except GrammarError as e:
             raise PromptError(f"invalid {so.param}: {e}", so.param) from e
 
-    async def _on_rpc(self, msg: Message, raw: Msg) -> None:
+    async def _by_size(self, raw: Msg, handle: Callable[[Run], Awaitable[None]]) -> None:
+        """``handle`` a message now, tokenizing in line, or, over ``BIG_INPUT_BYTES``, queue it
+        for the big inputs' thread."""
         if len(raw.data) > BIG_INPUT_BYTES:
-            self._big.put_nowait(lambda: self._answer(msg, raw, self._on_thread))
-            return
-        await self._answer(msg, raw, self._in_line)
+            self._big.put_nowait(lambda: handle(self._on_thread))
+        else:
+            await handle(self._in_line)
+
+    async def _on_rpc(self, msg: Message, raw: Msg) -> None:
+        await self._by_size(raw, lambda run: self._answer(msg, raw, run))
 
     async def _answer(self, msg: Message, raw: Msg, run: Run) -> None:
         """Reply to one RPC (errors too: the caller waits for an answer)."""
@@ -188,10 +193,7 @@ class TokenizerService:
         if not isinstance(msg, GenerateRequest):
             log.warning("tokenizer: unexpected %s", type(msg).__name__)
             return
-        if len(raw.data) > BIG_INPUT_BYTES:
-            self._big.put_nowait(lambda: self._serve(msg, raw, self._on_thread))
-            return
-        await self._serve(msg, raw, self._in_line)
+        await self._by_size(raw, lambda run: self._serve(msg, raw, run))
 
     async def _big_inputs(self) -> None:
         """The big inputs' work, one at a time (its tokenizing on their thread)."""
