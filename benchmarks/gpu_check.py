@@ -319,17 +319,43 @@ def _requests_for(c: int, args: argparse.Namespace) -> int:
     return max(c * args.waves, 4)
 
 
-def _kvflow_runs(base: str, model: str, vocab: int, args: argparse.Namespace) -> list[dict]:
-    from benchmarks.client import percentile
-    from benchmarks.pipeline import random_prompts, run_streams
+def _busy_seconds(base: str) -> float:
+    """The workers' ``kvflow:worker_busy_seconds_total`` summed, from the gateway's whole-stack
+    ``/metrics``: its change over a run divided by the run's wall time is the busy fraction."""
+    import urllib.request
 
+    with urllib.request.urlopen(f"{base}/metrics", timeout=10) as r:
+        text = r.read().decode()
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith("kvflow:worker_busy_seconds_total")
+    )
+
+
+def _kvflow_runs(
+    base: str, proc: subprocess.Popen, model: str, vocab: int, args: argparse.Namespace
+) -> list[dict]:
+    from benchmarks.client import percentile
+    from benchmarks.pipeline import (
+        SERVICES,
+        cpu_seconds,
+        random_prompts,
+        run_streams,
+        stack_processes,
+    )
+
+    procs = stack_processes(proc.pid)
     rows = []
     for c in args.streams:
         prompts = random_prompts(_requests_for(c, args), args.input_len, c, (100, vocab - 100))
         # a short round of this concurrency first: its prefill shapes compiled before timing
         asyncio.run(run_streams(base, model, prompts[:c], 4, c))
+        busy0, cpu0 = _busy_seconds(base), {n: cpu_seconds(pid) for n, pid in procs.items()}
         stats, dur = asyncio.run(run_streams(base, model, prompts, args.output_len, c))
+        busy1, cpu1 = _busy_seconds(base), {n: cpu_seconds(pid) for n, pid in procs.items()}
         tokens = sum(s.output_tokens for s in stats)
+        cpu_us = {n: (cpu1[n] - cpu0[n]) * 1e6 / max(1, tokens) for n in procs}
         row = {
             "system": "kvflow",
             "streams": c,
@@ -341,6 +367,13 @@ def _kvflow_runs(base: str, model: str, vocab: int, args: argparse.Namespace) ->
             "ttft_p99_ms": percentile([s.ttft_s for s in stats], 99) * 1e3,
             "tpot_p50_ms": percentile([s.tpot_s for s in stats], 50) * 1e3,
             "tpot_p99_ms": percentile([s.tpot_s for s in stats], 99) * 1e3,
+            # the worker's time in steps over the run's wall time (the figure a GPU operator
+            # watches), and each process's CPU per output token (the stack's host cost)
+            "worker_busy_fraction": (busy1 - busy0) / dur,
+            "kvflow_cpu_us_per_token": sum(
+                v for n, v in cpu_us.items() if n.split("-")[0] in SERVICES
+            ),
+            "cpu_us_per_token": cpu_us,
         }
         print(json.dumps(row), flush=True)
         rows.append(row)
@@ -441,7 +474,7 @@ def step_stack(args: argparse.Namespace) -> int:
         proc, base, ready_s = _start_stack(model_dir, dev, args, args.out / "stack-serve.log")
         result["stack_ready_s"] = ready_s
         try:
-            result["runs"] += _kvflow_runs(base, model_dir.name, len(tok), args)
+            result["runs"] += _kvflow_runs(base, proc, model_dir.name, len(tok), args)
         finally:
             _stop(proc)
         _write(args.out, "stack", result)  # what is measured so far survives a later hang
@@ -450,6 +483,39 @@ def step_stack(args: argparse.Namespace) -> int:
             _write(args.out, "stack", result)
             result["runs"].append(_hf_continuous(model, len(tok), args))
     _write(args.out, "stack", result)
+    return 0
+
+
+def step_pipeline(args: argparse.Namespace) -> int:
+    """``kvflow bench pipeline`` on this machine (the stack with a simulated worker at
+    ``--sim-step-ms`` 5 and 0, 32 random tokens in, 256 out, ignore_eos): the pipeline's own
+    cost where it does not share two cores with the client, against the async-scheduling
+    issue's targets. The stack serves a tiny random Llama (only its config and tokenizer are
+    read by the simulated worker)."""
+    import tempfile
+
+    from benchmarks import pipeline
+
+    tok = _tokenizer()
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = Path(tmp) / "random-llama"
+        _save_random_model(model_dir, tok, True, torch.device("cpu"), torch.float32)
+        ns = argparse.Namespace(
+            model=str(model_dir),
+            serve_args=f"--model {model_dir} --device cpu",
+            concurrency=",".join(str(c) for c in args.streams),
+            sim_step_ms="5,0",
+            input_len=32,
+            output_len=8 if args.tiny else 256,
+            nats_tls="off",
+            requests_per_stream=1.0 if args.tiny else 2.0,
+            seed=0,
+            out=str(Path(tmp) / "out"),
+        )
+        pipeline.main(ns)
+        (written,) = (Path(tmp) / "out").glob("pipeline-*.json")
+        data = json.loads(written.read_text())
+    _write(args.out, "pipeline", data)
     return 0
 
 
@@ -533,9 +599,10 @@ def _load(out: Path, name: str) -> dict | None:
 
 
 def _targets(out: Path) -> list[tuple[str, str, bool | None]]:
-    """(target, measured, met: None where the figures are missing) for the GPU issue's four."""
-    env, kernels, decode, greedy, stack = (
-        _load(out, n) for n in ("env", "kernels", "decode", "greedy", "stack")
+    """(target, measured, met: None where the figures are missing): the GPU issue's four, and the
+    async-scheduling issue's pipeline targets where the pipeline step ran."""
+    env, kernels, decode, greedy, stack, pipeline = (
+        _load(out, n) for n in ("env", "kernels", "decode", "greedy", "stack", "pipeline")
     )
     rows: list[tuple[str, str, bool | None]] = []
     attn = [r for r in (kernels or {}).get("kernels", []) if r["kernel"].startswith("decode")]
@@ -569,6 +636,18 @@ def _targets(out: Path) -> list[tuple[str, str, bool | None]]:
         rows.append((f"stack at {top} streams >= 2x transformers' best", what, ratio >= 2.0))
     else:
         rows.append(("stack >= 2x transformers' best", "not measured", None))
+    sim = {
+        r["concurrency"]: r for r in (pipeline or {}).get("results", {}).get("sim_step_ms=5", [])
+    }
+    for c, limit in ((1, 5.5), (32, 6.0), (256, 9.0)):
+        what = f"TPOT p50 with --sim-step-ms 5 at {c} streams <= {limit} ms"
+        if c in sim:
+            rows.append((what, f"{sim[c]['tpot_p50_ms']:.2f} ms", sim[c]["tpot_p50_ms"] <= limit))
+    if 256 in sim:
+        us = sim[256]["kvflow_us_per_token"]
+        rows.append(
+            ("kvflow CPU per token at 256 streams (sim) <= 50 us", f"{us:.0f} us", us <= 50)
+        )
     if greedy is not None:
         rows.append(("greedy equality with transformers", f"equal: {greedy['equal']}", greedy["equal"]))  # fmt: skip
     else:
@@ -619,7 +698,16 @@ def step_summary(args: argparse.Namespace) -> int:
     tests = _junit(out)
     if tests is not None:
         data["tests"] = tests
-    for name in ("env", "greedy", "kernels", "decode", "decode-eager", "sampling", "stack"):
+    for name in (
+        "env",
+        "greedy",
+        "kernels",
+        "decode",
+        "decode-eager",
+        "sampling",
+        "stack",
+        "pipeline",
+    ):
         part = _load(out, name)
         if part is not None:
             part.pop("nvidia_smi", None) if name == "env" else None
@@ -670,19 +758,33 @@ def step_summary(args: argparse.Namespace) -> int:
             f"random tokens, {stack['output_len']} output tokens (ignore_eos); ready in "
             f"{stack.get('stack_ready_s', 0):.0f} s.",
             "",
-            "| system | streams | requests | tok/s | TTFT p50 ms | TPOT p50 ms | note |",
-            "|---|---:|---:|---:|---:|---:|---|",
+            "| system | streams | requests | tok/s | TTFT p50 ms | TPOT p50 ms | worker busy | kvflow CPU us/tok | note |",  # fmt: skip
+            "|---|---:|---:|---:|---:|---:|---:|---:|---|",
         ]
         for r in stack["runs"]:
             if "error" in r:
-                md.append(f"| {r['system']} | | | | | | {r['error'][:120]} |")
+                md.append(f"| {r['system']} | | | | | | | | {r['error'][:120]} |")
                 continue
             ttft = r.get("ttft_p50_ms", r.get("batch_latency_ms"))
-            tpot = r.get("tpot_p50_ms")
+            tpot, busy = r.get("tpot_p50_ms"), r.get("worker_busy_fraction")
+            cpu = r.get("kvflow_cpu_us_per_token")
             md.append(
                 f"| {r['system']} | {r['streams']} | {r['requests']} | {r['tokens_per_s']:.0f} | "
-                f"{'' if ttft is None else f'{ttft:.0f}'} | {'' if tpot is None else f'{tpot:.1f}'} | |"  # fmt: skip
+                f"{'' if ttft is None else f'{ttft:.0f}'} | {'' if tpot is None else f'{tpot:.1f}'} | "  # fmt: skip
+                f"{'' if busy is None else f'{busy:.0%}'} | {'' if cpu is None else f'{cpu:.0f}'} | |"  # fmt: skip
             )
+    pipe = data.get("pipeline")
+    if pipe and pipe.get("results"):
+        md += ["", f"Simulated worker (kvflow bench pipeline, {pipe.get('cpus')} CPUs):", ""]
+        md += ["| step ms | streams | tok/s | TPOT p50 ms | kvflow CPU us/tok | client us/tok |"]
+        md += ["|---|---:|---:|---:|---:|---:|"]
+        for key, runs in pipe["results"].items():
+            for r in runs:
+                md.append(
+                    f"| {key.split('=')[1]} | {r['concurrency']} | {r['output_tokens_per_s']:.0f} | "
+                    f"{r['tpot_p50_ms']:.2f} | {r['kvflow_us_per_token']:.0f} | "
+                    f"{r['cpu_us_per_token'].get('client', 0):.0f} |"
+                )
     (out / "summary.md").write_text("\n".join(md) + "\n")
     print("\n".join(md))
     return 0
@@ -693,7 +795,8 @@ def step_summary(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("step", choices=["env", "greedy", "stack", "splits", "profile", "summary"])
+    steps = ["env", "greedy", "stack", "pipeline", "splits", "profile", "summary"]
+    ap.add_argument("step", choices=steps)
     ap.add_argument("--out", type=Path, required=True, help="folder for STEP.json")
     ap.add_argument("--tiny", action="store_true", help="tiny models and workloads (CPU dry run)")
     ap.add_argument("--streams", type=int, nargs="+", default=[1, 32, 256])
@@ -710,7 +813,7 @@ def main(argv: list[str] | None = None) -> int:
 
     signal.signal(signal.SIGTERM, _term)
     step = {"env": step_env, "greedy": step_greedy, "stack": step_stack, "summary": step_summary}
-    step |= {"splits": step_splits, "profile": step_profile}
+    step |= {"splits": step_splits, "profile": step_profile, "pipeline": step_pipeline}
     return step[args.step](args)
 
 

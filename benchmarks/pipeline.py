@@ -56,7 +56,7 @@ class PipelineRun:
     kvflow_us_per_token: float  # the kvflow services together (not NATS, Redis or the client)
 
 
-def _cpu_seconds(pid: int) -> float:
+def cpu_seconds(pid: int) -> float:
     """utime + stime of a process, in seconds (0 if it is gone)."""
     try:
         with open(f"/proc/{pid}/stat") as f:
@@ -171,11 +171,11 @@ def measure(
     seed: int,
 ) -> PipelineRun:
     prompts = random_prompts(num_requests, prompt_len, seed, (1000, 40000))
-    before = {name: _cpu_seconds(pid) for name, pid in procs.items()}
+    before = {name: cpu_seconds(pid) for name, pid in procs.items()}
     me0 = resource.getrusage(resource.RUSAGE_SELF)
     stats, dur = asyncio.run(run_streams(base, model, prompts, max_tokens, concurrency))
     me1 = resource.getrusage(resource.RUSAGE_SELF)
-    after = {name: _cpu_seconds(pid) for name, pid in procs.items()}
+    after = {name: cpu_seconds(pid) for name, pid in procs.items()}
     tokens = sum(s.output_tokens for s in stats)
     per = {n: (after[n] - before[n]) * 1e6 / max(1, tokens) for n in procs}
     client = (me1.ru_utime + me1.ru_stime - me0.ru_utime - me0.ru_stime) * 1e6 / max(1, tokens)

@@ -11,7 +11,9 @@
 #   decode   python -m benchmarks.decode --device cuda --random-llama, graphs then eager
 #   sampling python -m benchmarks.sampling: one step's sampling on the GPU vs copied to the host
 #   profile  cProfile of the worker's decode steps at batch 64 (where the host's time goes)
-#   stack    kvflow serve --device cuda at 1/32/256 streams, then transformers on the same weights
+#   stack    kvflow serve --device cuda at 1/32/256 streams (TPOT, the worker's busy fraction, CPU
+#            per token), then transformers on the same weights
+#   pipeline kvflow bench pipeline (simulated worker, 5 and 0 ms steps) on this machine's cores
 #   summary  summary.md + summary.json (the issue's targets checked), results.tar.gz of the rest
 # On the GPU machine the Python packages its image lacks come from .gpu/wheels (made here by
 # scripts/gpu-wheels.sh) and SmolLM2's tokenizer from .gpu/tokenizer. --cpu: the same steps with
@@ -113,6 +115,7 @@ step decode-eager 30 "$PY" -m benchmarks.decode "${DECODE[@]}" --enforce-eager -
 step sampling 25 "$PY" -m benchmarks.sampling "${SAMPLING[@]}" --json "$OUTDIR/sampling.json"
 step profile 30 "$PY" -m benchmarks.gpu_check profile $TINY --out "$OUTDIR"
 step stack 150 "$PY" -m benchmarks.gpu_check stack $TINY "${STREAMS[@]}" ${GPU_CHECK_STACK_ARGS:-} --out "$OUTDIR"
+step pipeline 100 "$PY" -m benchmarks.gpu_check pipeline $TINY "${STREAMS[@]}" --out "$OUTDIR"
 "$PY" -m benchmarks.gpu_check summary --out "$OUTDIR" >"$LOGS/summary.log" 2>&1
 echo "total: $(($(date +%s) - START))s" >>"$OUTDIR/summary.md"
 cp "$OUTDIR/summary.md" "$OUTDIR/summary.json" "$DEST"/

@@ -32,7 +32,7 @@ def test_the_dry_run_runs_every_step(tmp_path: Path) -> None:
     rc = {s["step"]: s["rc"] for s in summary["steps"]}
     names = ["env", "tests", "greedy", "kernels", "splits", "decode", "decode-eager", "sampling"]
     names += ["profile"]
-    assert list(rc) == [*names, "stack"]
+    assert list(rc) == [*names, "stack", "pipeline"]
     # benchmarks.kernels times CUDA events: without a GPU it refuses, saying what to run instead
     assert rc.pop("kernels") == 2
     failed = [name for name, v in rc.items() if v != 0]
@@ -44,6 +44,15 @@ def test_the_dry_run_runs_every_step(tmp_path: Path) -> None:
     assert [r["streams"] for r in runs if r["system"] == "kvflow"] == [1, 4]
     assert all(r["output_tokens"] == r["requests"] * 8 for r in runs if "output_tokens" in r)
     assert any(r["system"].startswith("transformers generate (static") for r in runs)
+    ours = [r for r in runs if r["system"] == "kvflow"]
+    # the worker's busy seconds were read from the whole stack's /metrics and rose in the run
+    # (not bounded by 1 here: the runs last tens of ms, a step straddling an end counts whole)
+    assert all(r["worker_busy_fraction"] > 0 for r in ours), ours
+    assert all(r["kvflow_cpu_us_per_token"] > 0 and "worker" in r["cpu_us_per_token"] for r in ours)
+    pipe = summary["pipeline"]["results"]
+    assert sorted(pipe) == ["sim_step_ms=0", "sim_step_ms=5"]
+    assert all([r["concurrency"] for r in runs] == [1, 4] for runs in pipe.values())
+    assert all(r["output_tokens"] == r["requests"] * 8 for runs in pipe.values() for r in runs)
     assert [r["batch"] for r in summary["decode"]["rows"]] == [1, 8]
     assert [(r["rows"], r["mix"]) for r in summary["sampling"]["results"]][:3] == [
         (1, "greedy"),
