@@ -436,8 +436,11 @@ def _hf_continuous(model, vocab: int, args: argparse.Namespace) -> dict:
     if "continuous_batching_config" in takes:
         from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
+        # the page's name: block_size in transformers 5.17, page_size in 5.24
+        named = inspect.signature(ContinuousBatchingConfig.__init__).parameters
+        size = "page_size" if "page_size" in named else "block_size"
         kw["continuous_batching_config"] = ContinuousBatchingConfig(
-            page_size=page, num_blocks=blocks
+            **{size: page}, num_blocks=blocks
         )
     else:  # older transformers read it from the generation config
         gen.update(block_size=page, num_blocks=blocks)

@@ -319,6 +319,8 @@ def kv_cache_dtype(
             f"--kv-cache-dtype must be one of {', '.join(KV_CACHE_DTYPES)}, not {asked!r}"
         )
     want = {"auto": dtype, "bfloat16": torch.bfloat16, "float32": torch.float32}[asked]
+    if ops is not None and asked == "auto":
+        return None  # the device path: auto is the model's dtype, whatever --dtype asked
     if ops is not None and want != model_dtype:
         raise ValueError(
             f"--kv-cache-dtype {asked}: the device path keeps the KV cache in the model's dtype "

@@ -32,6 +32,9 @@ def test_the_cpu_path_holds_either_dtype(asked: str, dtype: torch.dtype, want: o
 
 def test_the_device_path_keeps_the_models_dtype_and_says_what_to_pass() -> None:
     assert kv_cache_dtype("auto", F16, F16, DEVICE_OPS) is None
+    # weights given in bf16 with --dtype left at its default: auto is the model's dtype there
+    # (a bf16 model on the H200 was refused "pass --dtype auto or leave --kv-cache-dtype auto")
+    assert kv_cache_dtype("auto", BF16, F32, DEVICE_OPS) is None
     assert kv_cache_dtype("bfloat16", BF16, BF16, DEVICE_OPS) is None
     with pytest.raises(ValueError, match="pass --dtype bfloat16 or leave --kv-cache-dtype auto"):
         kv_cache_dtype("bfloat16", F16, F16, DEVICE_OPS)
