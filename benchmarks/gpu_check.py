@@ -319,18 +319,50 @@ def _requests_for(c: int, args: argparse.Namespace) -> int:
     return max(c * args.waves, 4)
 
 
-def _busy_seconds(base: str) -> float:
-    """The workers' ``kvflow:worker_busy_seconds_total`` summed, from the gateway's whole-stack
-    ``/metrics``: its change over a run divided by the run's wall time is the busy fraction."""
+WORKER_SERIES = (
+    "kvflow:worker_busy_seconds_total",
+    "kvflow:worker_step_seconds_sum",
+    "kvflow:worker_step_seconds_count",
+    "kvflow:worker_batch_seqs_sum",
+    "kvflow:worker_step_tokens_sum",
+)
+
+
+def _worker_series(base: str) -> dict[str, float]:
+    """The workers' step series (``WORKER_SERIES``, summed over workers) from the gateway's
+    whole-stack ``/metrics``; their change over a run gives the busy fraction (busy seconds over
+    wall time), the runner's own mean step time, batch and tokens per step."""
     import urllib.request
 
     with urllib.request.urlopen(f"{base}/metrics", timeout=10) as r:
         text = r.read().decode()
-    return sum(
-        float(line.rsplit(" ", 1)[1])
-        for line in text.splitlines()
-        if line.startswith("kvflow:worker_busy_seconds_total")
-    )
+    out = dict.fromkeys(WORKER_SERIES, 0.0)
+    for line in text.splitlines():
+        name = line.split("{", 1)[0].split(" ", 1)[0]
+        if name in out:
+            out[name] += float(line.rsplit(" ", 1)[1])
+    return out
+
+
+def _py_spy(pid: int | None, out: Path) -> subprocess.Popen | None:
+    """With ``GPU_CHECK_PY_SPY=SECONDS`` and py-spy on the PATH (scripts/gpu-wheels.sh carries
+    it): the worker's stacks, every thread, sampled for that long from the timed run's start
+    into ``out`` (py-spy's raw format: one line per stack with its sample count)."""
+    import shutil
+
+    seconds = os.environ.get("GPU_CHECK_PY_SPY")
+    if not seconds or pid is None or shutil.which("py-spy") is None:
+        return None
+    cmd = ["py-spy", "record", "--pid", str(pid), "--duration", seconds, "--rate", "200"]
+    cmd += ["--threads", "--nonblocking", "--format", "raw", "--output", str(out)]
+    return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+
+
+def _triton_compiled() -> int:
+    """Kernels in Triton's cache folder (one folder per compiled variant): its growth over a
+    run is the kernels compiled while requests waited (the stack's children share the cache)."""
+    root = Path(os.environ.get("TRITON_CACHE_DIR") or Path.home() / ".triton" / "cache")
+    return sum(1 for _ in root.glob("*/*.json")) if root.is_dir() else 0
 
 
 def _kvflow_runs(
@@ -351,9 +383,16 @@ def _kvflow_runs(
         prompts = random_prompts(_requests_for(c, args), args.input_len, c, (100, vocab - 100))
         # a short round of this concurrency first: its prefill shapes compiled before timing
         asyncio.run(run_streams(base, model, prompts[:c], 4, c))
-        busy0, cpu0 = _busy_seconds(base), {n: cpu_seconds(pid) for n, pid in procs.items()}
+        w0, k0 = _worker_series(base), _triton_compiled()
+        cpu0 = {n: cpu_seconds(pid) for n, pid in procs.items()}
+        spy = _py_spy(procs.get("worker"), args.out / f"py-spy-worker-{c}.txt")
         stats, dur = asyncio.run(run_streams(base, model, prompts, args.output_len, c))
-        busy1, cpu1 = _busy_seconds(base), {n: cpu_seconds(pid) for n, pid in procs.items()}
+        if spy is not None:
+            spy.wait(30)
+        w1, k1 = _worker_series(base), _triton_compiled()
+        cpu1 = {n: cpu_seconds(pid) for n, pid in procs.items()}
+        w = {n: w1[n] - w0[n] for n in WORKER_SERIES}
+        steps = max(1.0, w["kvflow:worker_step_seconds_count"])
         tokens = sum(s.output_tokens for s in stats)
         cpu_us = {n: (cpu1[n] - cpu0[n]) * 1e6 / max(1, tokens) for n in procs}
         row = {
@@ -369,7 +408,14 @@ def _kvflow_runs(
             "tpot_p99_ms": percentile([s.tpot_s for s in stats], 99) * 1e3,
             # the worker's time in steps over the run's wall time (the figure a GPU operator
             # watches), and each process's CPU per output token (the stack's host cost)
-            "worker_busy_fraction": (busy1 - busy0) / dur,
+            "worker_busy_fraction": w["kvflow:worker_busy_seconds_total"] / dur,
+            # the runner's own measure of its steps (StepResult.step_time_s), their batch and
+            # tokens: TPOT far above the step time is time between steps
+            "worker_steps": w["kvflow:worker_step_seconds_count"],
+            "worker_step_ms": w["kvflow:worker_step_seconds_sum"] / steps * 1e3,
+            "worker_batch_mean": w["kvflow:worker_batch_seqs_sum"] / steps,
+            "worker_tokens_per_step": w["kvflow:worker_step_tokens_sum"] / steps,
+            "triton_compiled": k1 - k0,
             "kvflow_cpu_us_per_token": sum(
                 v for n, v in cpu_us.items() if n.split("-")[0] in SERVICES
             ),
@@ -658,6 +704,10 @@ def _targets(out: Path) -> list[tuple[str, str, bool | None]]:
     return rows
 
 
+def _num(v: float | None, digits: int) -> str:
+    return "" if v is None else f"{v:.{digits}f}"
+
+
 def _steps(out: Path) -> list[dict]:
     rows = []
     path = out / "steps.tsv"
@@ -761,12 +811,12 @@ def step_summary(args: argparse.Namespace) -> int:
             f"random tokens, {stack['output_len']} output tokens (ignore_eos); ready in "
             f"{stack.get('stack_ready_s', 0):.0f} s.",
             "",
-            "| system | streams | requests | tok/s | TTFT p50 ms | TPOT p50 ms | worker busy | kvflow CPU us/tok | note |",  # fmt: skip
-            "|---|---:|---:|---:|---:|---:|---:|---:|---|",
+            "| system | streams | requests | tok/s | TTFT p50 ms | TPOT p50 ms | worker busy | step ms | batch | kvflow CPU us/tok | note |",  # fmt: skip
+            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
         ]
         for r in stack["runs"]:
             if "error" in r:
-                md.append(f"| {r['system']} | | | | | | | | {r['error'][:120]} |")
+                md.append(f"| {r['system']} | | | | | | | | | | {r['error'][:120]} |")
                 continue
             ttft = r.get("ttft_p50_ms", r.get("batch_latency_ms"))
             tpot, busy = r.get("tpot_p50_ms"), r.get("worker_busy_fraction")
@@ -774,7 +824,13 @@ def step_summary(args: argparse.Namespace) -> int:
             md.append(
                 f"| {r['system']} | {r['streams']} | {r['requests']} | {r['tokens_per_s']:.0f} | "
                 f"{'' if ttft is None else f'{ttft:.0f}'} | {'' if tpot is None else f'{tpot:.1f}'} | "  # fmt: skip
-                f"{'' if busy is None else f'{busy:.0%}'} | {'' if cpu is None else f'{cpu:.0f}'} | |"  # fmt: skip
+                f"{'' if busy is None else f'{busy:.0%}'} | {_num(r.get('worker_step_ms'), 2)} | "
+                f"{_num(r.get('worker_batch_mean'), 1)} | {'' if cpu is None else f'{cpu:.0f}'} | "
+                + (
+                    f"{r['triton_compiled']} kernels compiled in the run |"
+                    if r.get("triton_compiled")
+                    else "|"
+                )  # fmt: skip
             )
     pipe = data.get("pipeline")
     if pipe and pipe.get("results"):

@@ -15,6 +15,7 @@
 #            per token), then transformers on the same weights
 #   pipeline kvflow bench pipeline (simulated worker, 5 and 0 ms steps) on this machine's cores
 #   summary  summary.md + summary.json (the issue's targets checked), results.tar.gz of the rest
+# GPU_CHECK_PY_SPY=SECONDS: py-spy samples the stack's worker for that long in each timed run.
 # On the GPU machine the Python packages its image lacks come from .gpu/wheels (made here by
 # scripts/gpu-wheels.sh) and SmolLM2's tokenizer from .gpu/tokenizer. --cpu: the same steps with
 # tiny models and workloads on this machine's venv (the test suite runs it, so it cannot rot).

