@@ -57,7 +57,9 @@ def _num_keys(seq_len, window, USE_WINDOW: tl.constexpr):
     return n
 
 
-@triton.jit
+# the block table's row stride is its width, which changes from step to step: left
+# unspecialized (Triton would compile a variant for widths of 1 and multiples of 16)
+@triton.jit(do_not_specialize=["stride_bt"])
 def _decode_split_kernel(
     Q,  # [B, H, D]
     K_cache,  # [num_blocks, block_size, Hkv, D]

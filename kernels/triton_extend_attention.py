@@ -31,7 +31,9 @@ from kernels.triton_decode_attention import _tanh
 _LOG2E = 1.4426950408889634
 
 
-@triton.jit
+# the block table's row stride is its width, which changes from step to step: left
+# unspecialized (Triton would compile a variant for widths of 1 and multiples of 16)
+@triton.jit(do_not_specialize=["stride_bt"])
 def _extend_kernel(
     Q,  # [T, H, D]
     K_cache,  # [num_blocks, block_size, Hkv, D]

@@ -42,6 +42,7 @@ from services.worker.model_setup import (
     make_decode_graphs,
     max_model_len,
     specs_from_keywords,
+    warm_up_prefill,
     weight_bytes,
 )
 from services.worker.pooling import PoolState, pooled_output
@@ -167,6 +168,15 @@ class ModelRunner:
         ):
             self.graphs = make_decode_graphs(
                 loaded, self.kv_caches, self._max_model_len, kv.block_size, device.max_num_seqs
+            )
+        if self.ops is not None and self.on_cuda and not self.config.encoder:
+            warm_up_prefill(
+                self.ops,
+                self.model,
+                self.kv_caches,
+                self.staging,
+                self._max_model_len,
+                kv.block_size,
             )
         log_ready(loaded, self._num_blocks, kv.block_size, self._max_model_len, self.graphs, t0)
 

@@ -211,6 +211,26 @@ def test_triton_worker_path_matches_the_cpu_path(model, reference, graphs: bool)
 
 
 @requires_interpreter
+def test_the_prefill_warm_up_writes_no_kv_and_changes_no_output(model, reference) -> None:
+    """The start-up prefill forwards (run on CUDA so that Triton compiles there, not in a step
+    while requests wait) go through the device path as padding: the KV cache is unchanged and
+    the runner's tokens are the CPU path's afterwards."""
+    from services.worker.model_setup import warm_up_prefill
+
+    runner = make(model, backend="triton", cuda_graphs=False)
+    for k, v in runner.kv_caches:  # something to read in block 0, and to see overwritten
+        k.normal_()
+        v.normal_()
+    before = [torch.stack([k, v]).clone() for k, v in runner.kv_caches]
+    seconds = warm_up_prefill(runner.ops, runner.model, runner.kv_caches, runner.staging, 32, BLOCK)
+    assert seconds > 0
+    for was, (k, v) in zip(before, runner.kv_caches, strict=True):
+        assert torch.equal(was, torch.stack([k, v]))
+    tokens, _ = drive(runner)
+    assert tokens == reference[0]
+
+
+@requires_interpreter
 def test_triton_worker_prompt_logprobs_and_sampling_params(model) -> None:
     """Rows sampled on the device with logprobs, temperature with a seed, penalties, and prompt
     logprobs give what the CPU path gives."""
