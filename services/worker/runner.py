@@ -97,6 +97,7 @@ class RequestState:
     lora: LoRARef | None = None  # its LoRA adapter (None: the base model)
     # what the parameters decide for sampling, once (shared/sampling/derived.py)
     processors: tuple[LogitsProcessor, ...] = field(init=False, default=())
+    history_memo: Any = field(init=False, default=None)  # processors.TokenHistory
 
     def __post_init__(self) -> None:
         self.processors = active_processors(self.params)

@@ -117,6 +117,24 @@ class LogitBias(LogitsProcessor):
         assert st.params.logit_bias is not None
         apply_logit_bias(logits, row, st.params.logit_bias)
 
+    def apply(self, logits: torch.Tensor, states: Sequence[RowState]) -> None:
+        """Every row's bias in one ``index_add_`` over the flat logits (two copies to the
+        device for the batch, not two per row): the same values as ``apply_logit_bias``."""
+        if not logits.is_contiguous():
+            super().apply(logits, states)
+            return
+        vocab = logits.shape[-1]
+        at: list[int] = []
+        by: list[float] = []
+        for r, st in enumerate(states):
+            if self.applies(st):
+                for t, b in (st.params.logit_bias or {}).items():
+                    if 0 <= int(t) < vocab:
+                        at.append(r * vocab + int(t))
+                        by.append(float(b))
+        if at:
+            logits.view(-1).index_add_(0, _on(logits, at), _on(logits, by, logits.dtype))
+
 
 class AllowedTokens(LogitsProcessor):
     def active(self, p: WireParams) -> bool:
@@ -137,45 +155,126 @@ class Penalties(LogitsProcessor):
 
     def apply(self, logits: torch.Tensor, states: Sequence[RowState]) -> None:
         """Every row at once, touching only the penalised entries (a few tensor ops for the
-        batch, not a few per row): the same values as ``apply_penalties`` row by row."""
+        batch, not a few per row): the same values as ``apply_penalties`` row by row. What each
+        request's tokens give is kept between its steps (``TokenHistory``, on the state's
+        ``history_memo``): a step reads only the outputs since the last, not the prompt again."""
+        import numpy as np
         import torch
 
         if not logits.is_contiguous():  # the flat indices below need one row after another
             super().apply(logits, states)
             return
         vocab = logits.shape[-1]
-        seen: list[int] = []  # flat [row, token] of prompt or output tokens (repetition)
-        seen_pen: list[float] = []
-        said: list[int] = []  # flat [row, token] of output tokens, each once
-        said_n: list[float] = []  # how many times
-        said_f: list[float] = []
-        said_p: list[float] = []
+        seen: list[np.ndarray] = []  # per row: distinct prompt or output tokens (repetition)
+        seen_at: list[tuple[int, float]] = []  # (row's offset, penalty)
+        said: list[np.ndarray] = []  # per row: distinct output tokens (presence, frequency)
+        said_n: list[np.ndarray] = []  # how many times each
+        said_at: list[tuple[int, float, float]] = []  # (row's offset, frequency, presence)
         for r, st in enumerate(states):
             if not self.applies(st):
                 continue
+            h = TokenHistory.of(st, vocab)
             p, base = st.params, r * vocab
-            out = [t for t in st.output_tokens if 0 <= t < vocab]
-            if p.repetition_penalty != 1.0:
-                toks = sorted({t for t in st.prompt_tokens if 0 <= t < vocab} | set(out))
-                seen += [base + t for t in toks]
-                seen_pen += [float(p.repetition_penalty)] * len(toks)
-            if out and (p.presence_penalty or p.frequency_penalty):
-                counts: dict[int, int] = {}
-                for t in out:
-                    counts[t] = counts.get(t, 0) + 1
-                said += [base + t for t in counts]
-                said_n += [float(n) for n in counts.values()]
-                said_f += [float(p.frequency_penalty)] * len(counts)
-                said_p += [float(p.presence_penalty)] * len(counts)
-        flat = logits.view(-1)
+            if p.repetition_penalty != 1.0 and len(h.seen):
+                seen.append(h.seen.view())
+                seen_at.append((base, float(p.repetition_penalty)))
+            if len(h.said) and (p.presence_penalty or p.frequency_penalty):
+                said.append(h.said.view())
+                said_n.append(h.counts.view())
+                said_at.append((base, float(p.frequency_penalty), float(p.presence_penalty)))
+        flat, dtype = logits.view(-1), logits.dtype
+
+        def on(a: np.ndarray) -> torch.Tensor:
+            return torch.from_numpy(a).to(logits.device, non_blocking=True)
+
+        def spread(parts: list[np.ndarray], values: list) -> list[np.ndarray]:
+            lens = [len(a) for a in parts]
+            return [np.repeat(np.asarray(v, np.float64), lens) for v in zip(*values, strict=True)]
+
         if seen:
-            at, pen = _on(logits, seen), _on(logits, seen_pen, logits.dtype)
+            base, pen = spread(seen, seen_at)
+            at = on(np.concatenate(seen) + base.astype(np.int64))
+            pen_t = on(pen).to(dtype)
             v = flat[at]
-            flat[at] = torch.where(v > 0, v / pen, v * pen)
+            flat[at] = torch.where(v > 0, v / pen_t, v * pen_t)
         if said:
-            at = _on(logits, said)
-            n, f, q = (_on(logits, a, logits.dtype) for a in (said_n, said_f, said_p))
-            flat[at] = flat[at] - (f * n + q * (n > 0).to(logits.dtype))
+            base, f, q = spread(said, said_at)
+            at = on(np.concatenate(said) + base.astype(np.int64))
+            n = on(np.concatenate(said_n)).to(dtype)
+            f_t, q_t = on(f).to(dtype), on(q).to(dtype)
+            flat[at] = flat[at] - (f_t * n + q_t * (n > 0).to(dtype))
+
+
+class _Grown:
+    """An int64 numpy array appended to in place (capacity doubled when full)."""
+
+    def __init__(self, values: Sequence[int] = ()) -> None:
+        import numpy as np
+
+        self._buf = np.zeros(max(16, 2 * len(values)), np.int64)
+        self._buf[: len(values)] = values
+        self._n = len(values)
+
+    def __len__(self) -> int:
+        return self._n
+
+    def append(self, value: int) -> None:
+        import numpy as np
+
+        if self._n == len(self._buf):
+            self._buf = np.concatenate([self._buf, np.zeros_like(self._buf)])
+        self._buf[self._n] = value
+        self._n += 1
+
+    def add(self, i: int, value: int) -> None:
+        self._buf[i] += value
+
+    def view(self):  # -> np.ndarray
+        return self._buf[: self._n]
+
+
+class TokenHistory:
+    """What the penalties read of one request's tokens, kept between its steps (the state's
+    ``history_memo``): the distinct prompt and output tokens (repetition), and the distinct
+    output tokens with their counts (presence, frequency), all inside the vocabulary. The
+    prompt is read once; each step folds in only the outputs since the last (outputs only
+    grow; a state whose outputs shrank or whose vocabulary differs is read again whole)."""
+
+    def __init__(self, prompt: Sequence[int], vocab: int) -> None:
+        self.vocab = vocab
+        distinct = sorted({t for t in prompt if 0 <= t < vocab})
+        self._seen_set = set(distinct)
+        self.seen = _Grown(distinct)
+        self._said_index: dict[int, int] = {}
+        self.said = _Grown()
+        self.counts = _Grown()
+        self.folded = 0  # outputs read so far
+
+    @classmethod
+    def of(cls, st: RowState, vocab: int) -> TokenHistory:
+        h = getattr(st, "history_memo", None)
+        if not isinstance(h, cls) or h.vocab != vocab or h.folded > len(st.output_tokens):
+            h = cls(st.prompt_tokens, vocab)
+            st.history_memo = h
+        h.fold(st.output_tokens)
+        return h
+
+    def fold(self, output: Sequence[int]) -> None:
+        for i in range(self.folded, len(output)):
+            t = output[i]
+            if not 0 <= t < self.vocab:
+                continue
+            if t not in self._seen_set:
+                self._seen_set.add(t)
+                self.seen.append(t)
+            j = self._said_index.get(t)
+            if j is None:
+                self._said_index[t] = len(self.said)
+                self.said.append(t)
+                self.counts.append(1)
+            else:
+                self.counts.add(j, 1)
+        self.folded = len(output)
 
 
 class BadWords(LogitsProcessor):

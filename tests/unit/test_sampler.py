@@ -266,3 +266,50 @@ def test_batched_penalties_equal_each_row_alone() -> None:
     assert torch.equal(got, want)
     assert not torch.equal(got, logits)  # the penalties changed something
     assert torch.equal(got[3], logits[3])
+
+
+def test_penalties_kept_between_steps_equal_each_row_alone() -> None:
+    """Over steps whose outputs grow (repeats, new tokens, tokens of the prompt, ids past the
+    vocabulary), the batched penalties that read only the new outputs each step
+    (``TokenHistory``) give the bits ``apply_penalties`` gives from the whole history; so does
+    a state read again after its outputs were cut or the vocabulary changed. Logit bias
+    batched equals it row by row too."""
+    import random
+
+    from services.worker.runner import RequestState
+
+    rnd = random.Random(3)
+    g = torch.Generator().manual_seed(4)
+
+    def state(prompt, **kw) -> RequestState:
+        p = SamplingParams(**kw)
+        return RequestState(p, len(prompt), 0, frozenset(), frozenset(), None, True,
+                            list(prompt), [])  # fmt: skip
+
+    states = [
+        state([1, 2, 3, 60, 3], repetition_penalty=1.7, logit_bias={4: 2.5, 99: 1.0}),
+        state([5], frequency_penalty=0.6, presence_penalty=-0.3),
+        state([7, 8], repetition_penalty=0.8, presence_penalty=1.0, logit_bias={7: -3.0}),
+        state([3], temperature=0.7),
+        state([0, 49], repetition_penalty=1.2, frequency_penalty=-1.5),
+    ]
+    for step in range(12):
+        vocab = 50 if step < 8 else 40  # a vocabulary change: every history read again
+        if step == 10:
+            del states[1].output_tokens[2:]  # outputs cut: read again
+        logits = torch.randn(len(states), vocab, generator=g) * 3
+        want = logits.clone()
+        for r, st in enumerate(states):
+            if processors.Penalties().applies(st):
+                processors.apply_penalties(want, r, st.params, st.prompt_tokens, st.output_tokens)
+            if processors.LogitBias().applies(st):
+                processors.apply_logit_bias(want, r, st.params.logit_bias)
+        got = logits.clone()
+        processors.Penalties().apply(got, states)
+        processors.LogitBias().apply(got, states)
+        assert torch.equal(got, want), step
+        for st in states:  # this step's outputs: a repeat, a prompt token or a new one
+            pool = [*st.output_tokens[-2:], *st.prompt_tokens, rnd.randrange(60)]
+            st.output_tokens.append(rnd.choice(pool))
+    assert isinstance(states[0].history_memo, processors.TokenHistory)
+    assert states[0].history_memo.folded == 11  # the outputs before the last step's append
