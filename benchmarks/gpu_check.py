@@ -740,6 +740,57 @@ def _junit(out: Path) -> dict | None:
     return counts | {"failed": failed}
 
 
+def _stack_md(stack: dict | None) -> list[str]:
+    """The stack step's table for summary.md."""
+    if not stack:
+        return []
+    md = [
+        "",
+        f"Stack: {stack.get('model')}, {stack.get('dtype')}, prompts of {stack['input_len']} "
+        f"random tokens, {stack['output_len']} output tokens (ignore_eos); ready in "
+        f"{stack.get('stack_ready_s', 0):.0f} s.",
+        "",
+        "| system | streams | requests | tok/s | TTFT p50 ms | TPOT p50 ms | worker busy | step ms | batch | kvflow CPU us/tok | note |",  # fmt: skip
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+    ]
+    for r in stack["runs"]:
+        if "error" in r:
+            md.append(f"| {r['system']} | | | | | | | | | | {r['error'][:120]} |")
+            continue
+        ttft = r.get("ttft_p50_ms", r.get("batch_latency_ms"))
+        tpot, busy = r.get("tpot_p50_ms"), r.get("worker_busy_fraction")
+        cpu = r.get("kvflow_cpu_us_per_token")
+        md.append(
+            f"| {r['system']} | {r['streams']} | {r['requests']} | {r['tokens_per_s']:.0f} | "
+            f"{'' if ttft is None else f'{ttft:.0f}'} | {'' if tpot is None else f'{tpot:.1f}'} | "  # fmt: skip
+            f"{'' if busy is None else f'{busy:.0%}'} | {_num(r.get('worker_step_ms'), 2)} | "
+            f"{_num(r.get('worker_batch_mean'), 1)} | {'' if cpu is None else f'{cpu:.0f}'} | "
+            + (
+                f"{r['triton_compiled']} kernels compiled in the run |"
+                if r.get("triton_compiled")
+                else "|"
+            )  # fmt: skip
+        )
+    return md
+
+
+def _pipeline_md(pipe: dict | None) -> list[str]:
+    """The pipeline step's table for summary.md."""
+    if not pipe or not pipe.get("results"):
+        return []
+    md = ["", f"Simulated worker (kvflow bench pipeline, {pipe.get('cpus')} CPUs):", ""]
+    md += ["| step ms | streams | tok/s | TPOT p50 ms | kvflow CPU us/tok | client us/tok |"]
+    md += ["|---|---:|---:|---:|---:|---:|"]
+    for key, runs in pipe["results"].items():
+        for r in runs:
+            md.append(
+                f"| {key.split('=')[1]} | {r['concurrency']} | {r['output_tokens_per_s']:.0f} | "
+                f"{r['tpot_p50_ms']:.2f} | {r['kvflow_us_per_token']:.0f} | "
+                f"{r['cpu_us_per_token'].get('client', 0):.0f} |"
+            )
+    return md
+
+
 def step_summary(args: argparse.Namespace) -> int:
     out = args.out
     steps = _steps(out)
@@ -803,47 +854,7 @@ def step_summary(args: argparse.Namespace) -> int:
             + ", ".join(f"{k[:-3]} {v:.3f}" for k, v in r.items() if k.endswith("_ms"))
             for r in sampling["results"]
         ]
-    stack = data.get("stack")
-    if stack:
-        md += [
-            "",
-            f"Stack: {stack.get('model')}, {stack.get('dtype')}, prompts of {stack['input_len']} "
-            f"random tokens, {stack['output_len']} output tokens (ignore_eos); ready in "
-            f"{stack.get('stack_ready_s', 0):.0f} s.",
-            "",
-            "| system | streams | requests | tok/s | TTFT p50 ms | TPOT p50 ms | worker busy | step ms | batch | kvflow CPU us/tok | note |",  # fmt: skip
-            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
-        ]
-        for r in stack["runs"]:
-            if "error" in r:
-                md.append(f"| {r['system']} | | | | | | | | | | {r['error'][:120]} |")
-                continue
-            ttft = r.get("ttft_p50_ms", r.get("batch_latency_ms"))
-            tpot, busy = r.get("tpot_p50_ms"), r.get("worker_busy_fraction")
-            cpu = r.get("kvflow_cpu_us_per_token")
-            md.append(
-                f"| {r['system']} | {r['streams']} | {r['requests']} | {r['tokens_per_s']:.0f} | "
-                f"{'' if ttft is None else f'{ttft:.0f}'} | {'' if tpot is None else f'{tpot:.1f}'} | "  # fmt: skip
-                f"{'' if busy is None else f'{busy:.0%}'} | {_num(r.get('worker_step_ms'), 2)} | "
-                f"{_num(r.get('worker_batch_mean'), 1)} | {'' if cpu is None else f'{cpu:.0f}'} | "
-                + (
-                    f"{r['triton_compiled']} kernels compiled in the run |"
-                    if r.get("triton_compiled")
-                    else "|"
-                )  # fmt: skip
-            )
-    pipe = data.get("pipeline")
-    if pipe and pipe.get("results"):
-        md += ["", f"Simulated worker (kvflow bench pipeline, {pipe.get('cpus')} CPUs):", ""]
-        md += ["| step ms | streams | tok/s | TPOT p50 ms | kvflow CPU us/tok | client us/tok |"]
-        md += ["|---|---:|---:|---:|---:|---:|"]
-        for key, runs in pipe["results"].items():
-            for r in runs:
-                md.append(
-                    f"| {key.split('=')[1]} | {r['concurrency']} | {r['output_tokens_per_s']:.0f} | "
-                    f"{r['tpot_p50_ms']:.2f} | {r['kvflow_us_per_token']:.0f} | "
-                    f"{r['cpu_us_per_token'].get('client', 0):.0f} |"
-                )
+    md += _stack_md(data.get("stack")) + _pipeline_md(data.get("pipeline"))
     (out / "summary.md").write_text("\n".join(md) + "\n")
     print("\n".join(md))
     return 0

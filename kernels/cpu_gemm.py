@@ -156,7 +156,8 @@ class Bf16PanelWeight:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         lib = _bf16_kernel()
-        if lib is None:
+        if lib is None:  # a wrong x is refused as such first, on any CPU
+            cpu_quant.product_operands(x, self.shape)
             raise RuntimeError("the bf16 panel kernel is not available on this CPU")
         return _panel_product(lib.kvf_bf16_panel_matmul, self.panels, self.shape, x)
 
