@@ -45,28 +45,40 @@ MIXES: dict[str, dict] = {
 }
 
 
-def _states(mix: str, rows: int, vocab: int, device: torch.device) -> list[RequestState]:
+def _states(
+    mix: str, rows: int, vocab: int, device: torch.device, prompt_len: int = 128
+) -> list[RequestState]:
     rnd = random.Random(rows)
     out = []
     for i in range(rows):
         seeded = mix == "full"
         p = SamplingParams(max_tokens=64, seed=i if seeded else None, **MIXES[mix])
         gen = torch.Generator(device).manual_seed(i) if seeded else None
-        st = RequestState(p, 128, 32, frozenset([2]), frozenset(), gen, p.needs_token_history())
+        st = RequestState(
+            p, prompt_len, 32, frozenset([2]), frozenset(), gen, p.needs_token_history()
+        )
         if st.keeps_history:
-            st.prompt_tokens = [rnd.randrange(vocab) for _ in range(128)]
+            st.prompt_tokens = [rnd.randrange(vocab) for _ in range(prompt_len)]
             st.output_tokens = [rnd.randrange(vocab) for _ in range(32)]
         out.append(st)
     return out
 
 
 def time_step(
-    rows: int, vocab: int, mix: str, device: torch.device, host: bool, steps: int, warmup: int
+    rows: int,
+    vocab: int,
+    mix: str,
+    device: torch.device,
+    host: bool,
+    steps: int,
+    warmup: int,
+    prompt_len: int = 128,
 ) -> float:
     """Median milliseconds of one step's sampling (logits made on ``device``; ``host``:
-    copied to the CPU first and sampled there)."""
+    copied to the CPU first and sampled there). Each step's tokens join the outputs of the
+    requests that keep their history (penalties), as on the worker."""
     where = torch.device("cpu") if host else device
-    states = _states(mix, rows, vocab, where)
+    states = _states(mix, rows, vocab, where, prompt_len)
     base = torch.randn(rows, vocab, device=device, generator=None) * 3
     times = []
     for k in range(warmup + steps):
@@ -80,6 +92,10 @@ def time_step(
         if k >= warmup:
             times.append((time.perf_counter() - t0) * 1e3)
         assert len(tokens) == rows
+        for st, t in zip(states, tokens, strict=True):
+            st.num_output_tokens += 1
+            if st.keeps_history:
+                st.output_tokens.append(t)
     return statistics.median(times)
 
 
@@ -89,6 +105,9 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 64, 256])
     ap.add_argument("--vocab", type=int, default=49152)
     ap.add_argument("--mix", nargs="+", default=list(MIXES), choices=list(MIXES))
+    ap.add_argument(
+        "--prompt-len", type=int, default=128, help="prompt tokens of the penalised rows' history"
+    )
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--json", default="", help="also write the figures to this JSON file")
@@ -101,13 +120,25 @@ def main(argv: list[str] | None = None) -> int:
 
     device = resolve_device(args.device)
     modes = ["device", "host"] if device.type == "cuda" else ["device"]
-    print(f"sampling one step, {args.vocab} vocab, on {device} (torch {torch.__version__})")
+    print(
+        f"sampling one step, {args.vocab} vocab, prompts of {args.prompt_len} tokens, on "
+        f"{device} (torch {torch.__version__})"
+    )
     print(f"{'rows':>5} {'mix':>7} " + " ".join(f"{m + ' ms':>10}" for m in modes))
     results = []
     for rows in args.rows:
         for mix in args.mix:
             ms = {
-                m: time_step(rows, args.vocab, mix, device, m == "host", args.steps, args.warmup)
+                m: time_step(
+                    rows,
+                    args.vocab,
+                    mix,
+                    device,
+                    m == "host",
+                    args.steps,
+                    args.warmup,
+                    args.prompt_len,
+                )  # fmt: skip
                 for m in modes
             }
             print(f"{rows:>5} {mix:>7} " + " ".join(f"{ms[m]:>10.3f}" for m in modes), flush=True)
