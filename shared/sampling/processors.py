@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 from shared.sampling.spec import LogitsProcessor, RowState
 
 if TYPE_CHECKING:
+    import numpy as np
     import torch
 
     from shared.messages import SamplingParams as WireParams
@@ -229,7 +230,7 @@ class _Grown:
     def add(self, i: int, value: int) -> None:
         self._buf[i] += value
 
-    def view(self):  # -> np.ndarray
+    def view(self) -> np.ndarray:
         return self._buf[: self._n]
 
 
