@@ -8,7 +8,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from services.scheduler.sequence import Sequence
-from services.scheduler.speculation import MAX_COOLDOWN, Drafts, NgramIndex, Speculator
+from services.scheduler.speculation import (
+    MAX_CANDIDATES,
+    MAX_COOLDOWN,
+    Drafts,
+    NgramIndex,
+    Speculator,
+)
 from services.worker.speculation import accept, expand
 from shared.messages import SamplingParams, ScheduledSeq, StructuredOutput
 from shared.speculative import (
@@ -199,17 +205,25 @@ def test_llm_takes_vllms_dict_and_refuses_what_it_cannot_serve(monkeypatch) -> N
 
 
 def _naive_propose(tokens: list[int], lo: int, hi: int, k: int) -> list[int]:
-    """The longest suffix (hi down to lo tokens) seen before, its latest occurrence's
-    continuation, copied LZ77-style past the end."""
+    """Among the latest ``MAX_CANDIDATES`` earlier occurrences of the suffix's last ``lo``
+    tokens (the index bounds a lookup's work so), the one whose match reaches furthest back
+    (at most ``hi`` tokens; the latest among equally long); its continuation, copied
+    LZ77-style past the end."""
     end = len(tokens)
-    for n in range(hi, lo - 1, -1):
-        for e in range(end - 1, n - 1, -1):
-            if tokens[e - n : e] == tokens[end - n :]:
-                out: list[int] = []
-                for j in range(e, e + k):
-                    out.append(tokens[j] if j < end else out[j - end])
-                return out
-    return []
+    if end < lo:
+        return []
+    cands = [e for e in range(lo, end) if tokens[e - lo : e] == tokens[end - lo :]]
+    best, best_n = -1, 0
+    for e in reversed(cands[-MAX_CANDIDATES:]):
+        n = max(m for m in range(lo, hi + 1) if m <= e and tokens[e - m : e] == tokens[end - m :])
+        if n > best_n:
+            best, best_n = e, n
+    if best < 0:
+        return []
+    out: list[int] = []
+    for j in range(best, best + k):
+        out.append(tokens[j] if j < end else out[j - end])
+    return out
 
 
 @settings(max_examples=300, deadline=None)
