@@ -189,18 +189,19 @@ class Penalties(LogitsProcessor):
             return torch.from_numpy(a).to(logits.device, non_blocking=True)
 
         def spread(parts: list[np.ndarray], values: list) -> list[np.ndarray]:
+            """Each row's values repeated over its entries (offsets int64, penalties float64)."""
             lens = [len(a) for a in parts]
-            return [np.repeat(np.asarray(v, np.float64), lens) for v in zip(*values, strict=True)]
+            return [np.repeat(np.asarray(v), lens) for v in zip(*values, strict=True)]
 
         if seen:
             base, pen = spread(seen, seen_at)
-            at = on(np.concatenate(seen) + base.astype(np.int64))
+            at = on(np.concatenate(seen) + base)
             pen_t = on(pen).to(dtype)
             v = flat[at]
             flat[at] = torch.where(v > 0, v / pen_t, v * pen_t)
         if said:
             base, f, q = spread(said, said_at)
-            at = on(np.concatenate(said) + base.astype(np.int64))
+            at = on(np.concatenate(said) + base)
             n = on(np.concatenate(said_n)).to(dtype)
             f_t, q_t = on(f).to(dtype), on(q).to(dtype)
             flat[at] = flat[at] - (f_t * n + q_t * (n > 0).to(dtype))
