@@ -2,7 +2,9 @@
 publishes one StepResult per step (to the scheduler and the detokenizer).
 
 All model work (loading, calibration, every step) runs on one dedicated thread, so the event loop
-keeps sending heartbeats during long steps. One thread, always the same: OpenMP keeps a thread
+keeps sending heartbeats during long steps. A plan goes to that thread as it arrives, and the
+thread runs queued plans back to back (the next step starts when the last ends, with no round
+trip through the event loop); the loop only publishes the results. One thread, always the same: OpenMP keeps a thread
 team per calling thread, and using torch from two threads (say, loading on the main thread and
 stepping on an executor's) made every step about 35 % slower here (docs/benchmarks.md)."""
 
@@ -60,13 +62,19 @@ T = TypeVar("T")
 
 
 class ModelThread:
-    """The one thread that touches the model (see the module docstring)."""
+    """The one thread that touches the model (see the module docstring). Its work runs in the
+    order it was handed over: steps (``post``) and other calls (``run``) alike."""
 
     def __init__(self) -> None:
         self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="model")
 
     async def run(self, fn: Callable[..., T], *args: object) -> T:
+        """``fn(*args)`` on the model thread, awaited."""
         return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
+
+    def post(self, fn: Callable[..., object], *args: object) -> None:
+        """``fn(*args)`` on the model thread, not awaited: ``fn`` reports its own outcome."""
+        self._pool.submit(fn, *args)
 
 
 class WorkerService:
@@ -86,10 +94,17 @@ class WorkerService:
         self.worker_id = settings.worker.worker_id or f"worker-{uuid.uuid4().hex[:8]}"
         self.step_subject = subjects.worker_step(self.worker_id)
         self.bus = Bus(self.worker_id)
-        self.plans: asyncio.Queue[StepPlan] = asyncio.Queue()
+        # Plans go straight to the model thread as they arrive, and it runs them back to back:
+        # a step starts when the one before it ends, not after a round trip through the event
+        # loop. Only the model thread touches what a step reads or writes (the runner, the
+        # placeholders' tokens, the term, the step's telemetry); the loop publishes results.
+        self.plans_received = 0  # counted on the event loop
+        self.plans_started = 0  # counted on the model thread
+        self.finished: asyncio.Queue[tuple[StepPlan, StepResult, list[tuple[bytes, bytes]]]]
+        self.finished = asyncio.Queue()  # steps done, their results to publish in order
         # async scheduling: the tokens of the last step, for the next plan's placeholders
         self.step_tokens = StepTokens()
-        self.telemetry = WorkerTelemetry(self.worker_id, self.plans.qsize)  # metrics and spans
+        self.telemetry = WorkerTelemetry(self.worker_id, self.queued_plans)  # metrics and spans
         self.telemetry.weight_bytes.labels(self.worker_id).set(runner.weight_bytes())
         self.kv_io = KvBlockIO(runner.kv_caches, runner.kv_shards())  # every rank's blocks
         # the transport between workers, by name (services/worker/kv_connectors)
@@ -110,9 +125,9 @@ class WorkerService:
         self.step_started = 0.0
         self.epoch = 0  # the newest scheduler term seen in a plan
         self.last_done = (0, 0)  # (epoch, step id) of the last step finished here
-        self.starting = False  # a plan taken from the queue is being prepared
         self.instance = uuid.uuid4().hex
         self.stopped = asyncio.Event()  # set when released (or the drain timed out)
+        self._loop: asyncio.AbstractEventLoop  # the event loop, set by start()
         self._beat = asyncio.Event()  # wakes the heartbeat loop early
 
     async def start(self) -> None:
@@ -123,7 +138,8 @@ class WorkerService:
             await verify_redis(self.tiers.redis.redis, "worker", self.settings.bus.redis_url)
         await self.bus.subscribe(self.step_subject, self._on_message)
         await self.kv.start()
-        self.bus.spawn(self._run_steps())
+        self._loop = asyncio.get_running_loop()
+        self.bus.spawn(self._publish_results())
         self.bus.spawn(self._heartbeat())
         if self.settings.worker.tensor_parallel_size > 1:
             self.bus.spawn(self._keep_group_alive())
@@ -140,7 +156,8 @@ class WorkerService:
         self.last_heard = time.monotonic()
         match msg:
             case StepPlan():
-                self.plans.put_nowait(msg)
+                self.plans_received += 1
+                self.model_thread.post(self._run_plan, msg)
             case KvPull():
                 if msg.epoch and msg.epoch < self.epoch:
                     log.warning("worker: KvPull of an old scheduler term %d ignored", msg.epoch)
@@ -199,46 +216,65 @@ class WorkerService:
             self.draining = True
             self._beat.set()
 
-    async def _run_steps(self) -> None:
-        while True:
-            plan = await self.plans.get()
-            self.starting = True  # counted as queued until it runs (heartbeats)
+    def queued_plans(self) -> int:
+        """Plans received and not yet begun."""
+        return self.plans_received - self.plans_started
+
+    def idle(self) -> bool:
+        """No step runs here and none waits to."""
+        return not self.stepping and self.queued_plans() == 0
+
+    def _run_plan(self, plan: StepPlan) -> None:
+        """On the model thread, for each plan in the order received: run it (or refuse a
+        deposed scheduler's) and hand the result to the event loop, which publishes it."""
+        self.stepping = True
+        self.plans_started += 1
+        try:
             if plan.epoch < self.epoch:
                 # a deposed scheduler leader: tell it, so it stops; do not run its plan
                 log.warning("worker: plan of old scheduler term %d ignored", plan.epoch)
                 why = f"{STALE_EPOCH_ERROR} {plan.epoch} (now {self.epoch})"
-                await self.bus.publish(
-                    subjects.RESULTS, step_result(self.worker_id, plan, error=why)
-                )
-                self.starting = False
-                continue
+                self._hand_over(plan, step_result(self.worker_id, plan, error=why), [])
+                return
             if plan.epoch > self.epoch:
                 if self.epoch:
                     log.info("worker: scheduler term %d starts; dropping old state", plan.epoch)
-                    await self.model_thread.run(self.runner.reset)
+                    self.runner.reset()
                 self.step_tokens.clear()
                 self.epoch = plan.epoch
-            stored: list[tuple[bytes, bytes]] = []
             t0 = self.telemetry.step_started(plan)
-            self.stepping = True
-            self.step, self.step_started = plan, time.monotonic()  # heartbeats report it
-            self.starting = False
+            self.step_started, self.step = time.monotonic(), plan  # heartbeats report it
+            stored: list[tuple[bytes, bytes]] = []
             try:
-                result, stored = await self.model_thread.run(self._step, plan)
+                result, stored = self._step(plan)
             except Exception as e:  # noqa: BLE001 - execute reports its own errors; belt and braces
                 log.exception("worker: step %d crashed", plan.step_id)
                 result = step_result(self.worker_id, plan, error=str(e))
-            finally:
-                self.stepping = False
-                self.step = None
+            self.step = None
             self.step_tokens.record(result)
             result.worker_id = self.worker_id
             result.host_tier_evicted = self.tiers.take_evicted()
-            await self.bus.publish(subjects.RESULTS, result)
-            self.last_done = (plan.epoch, plan.step_id)
-            self.last_heard = time.monotonic()  # a step's time is not the scheduler's silence
             self.telemetry.step_done(plan, result, t0)
             self.telemetry.expert_load(self.runner.take_expert_load())
+            self._hand_over(plan, result, stored)
+        finally:
+            self.stepping = False
+
+    def _hand_over(
+        self, plan: StepPlan, result: StepResult, stored: list[tuple[bytes, bytes]]
+    ) -> None:
+        self._loop.call_soon_threadsafe(self.finished.put_nowait, (plan, result, stored))
+
+    async def _publish_results(self) -> None:
+        """On the event loop: publish each step's result, in the order the steps ran."""
+        while True:
+            plan, result, stored = await self.finished.get()
+            try:
+                await self.bus.publish(subjects.RESULTS, result)
+            except Exception:  # noqa: BLE001 - NATS down: the scheduler recomputes the step
+                log.exception("worker: the result of step %d was not sent", plan.step_id)
+            self.last_done = (plan.epoch, plan.step_id)
+            self.last_heard = time.monotonic()  # a step's time is not the scheduler's silence
             if stored:
                 self.bus.spawn(self.tiers.store(stored))
 
@@ -294,7 +330,7 @@ class WorkerService:
             step_id=step.step_id if step is not None else 0,
             step_epoch=step.epoch if step is not None else 0,
             step_seconds=time.monotonic() - self.step_started if step is not None else 0.0,
-            queued_plans=self.plans.qsize() + self.starting,
+            queued_plans=self.queued_plans(),
             last_step_id=self.last_done[1],
             last_step_epoch=self.last_done[0],
         )
@@ -304,7 +340,7 @@ class WorkerService:
         never inside a step)."""
         while True:
             await asyncio.sleep(KEEPALIVE_S / 4)
-            if self.plans.empty() and not self.stepping:
+            if self.idle():
                 await self.model_thread.run(self.runner.keepalive)
 
     async def _heartbeat(self) -> None:
@@ -365,8 +401,7 @@ async def _until_released(service: WorkerService, settings: Settings) -> None:
             service.last_heard = max(service.last_heard, time.monotonic())
             while not service.stopped.is_set():
                 now = time.monotonic()
-                idle = service.plans.empty() and not service.stepping
-                if idle and now - service.last_heard > DRAIN_SILENCE_S:
+                if service.idle() and now - service.last_heard > DRAIN_SILENCE_S:
                     log.info(
                         "worker %s: no scheduler heard for %.0fs while draining; exiting",
                         service.worker_id,

@@ -1,5 +1,5 @@
-"""The worker's metrics and spans, fed by three hooks around each step and one around each
-KV pull. Cheap when nothing is traced: a request is followed only when the scheduler sent a
+"""The worker's metrics and spans, fed by three hooks around each step (on the model thread)
+and one around each KV pull (on the event loop). Cheap when nothing is traced: a request is followed only when the scheduler sent a
 sampled ``NewRequest.traceparent`` (which it does only while tracing records), so an untraced
 step costs two dict look-ups and three histogram observations.
 
@@ -16,6 +16,7 @@ docs/benchmarks.md)."""
 
 from __future__ import annotations
 
+import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
@@ -74,31 +75,37 @@ class BusyClock(Collector):
     """The worker's busy fraction: the time it spends in steps over wall time, the figure a GPU
     operator watches (idle time between steps is the pipeline's, not the device's). Exposed as
     ``kvflow:worker_busy_fraction`` (the last ``BUSY_WINDOW_S`` seconds, a running step counted
-    up to now) and ``kvflow:worker_busy_seconds_total`` (for ``rate()`` over any window)."""
+    up to now) and ``kvflow:worker_busy_seconds_total`` (for ``rate()`` over any window). The
+    model thread starts and stops it, a scrape reads it from another thread: a lock keeps the
+    two consistent."""
 
     def __init__(self, worker_id: str, window_s: float = BUSY_WINDOW_S) -> None:
         self.worker_id, self.window_s = worker_id, window_s
         self.total_s = 0.0
         self._since: float | None = None  # the running step's start
         self._done: deque[tuple[float, float]] = deque()  # (start, end) of finished steps
+        self._lock = threading.Lock()
 
     def start(self, now: float) -> None:
-        self._since = now
+        with self._lock:
+            self._since = now
 
     def stop(self, now: float) -> None:
-        if self._since is None:
-            return
-        self.total_s += now - self._since
-        self._done.append((self._since, now))
-        self._since = None
+        with self._lock:
+            if self._since is None:
+                return
+            self.total_s += now - self._since
+            self._done.append((self._since, now))
+            self._since = None
 
     def fraction(self, now: float) -> float:
         lo = now - self.window_s
-        while self._done and self._done[0][1] <= lo:
-            self._done.popleft()
-        busy = sum(end - max(start, lo) for start, end in self._done)
-        if self._since is not None:
-            busy += now - max(self._since, lo)
+        with self._lock:
+            while self._done and self._done[0][1] <= lo:
+                self._done.popleft()
+            busy = sum(end - max(start, lo) for start, end in self._done)
+            if self._since is not None:
+                busy += now - max(self._since, lo)
         return min(1.0, busy / self.window_s)
 
     def collect(self) -> Iterator[Metric]:
@@ -110,11 +117,13 @@ class BusyClock(Collector):
         )
         g.add_metric([self.worker_id], self.fraction(now))
         yield g
-        running = now - self._since if self._since is not None else 0.0
+        with self._lock:
+            since, total = self._since, self.total_s
+        running = now - since if since is not None else 0.0
         c = CounterMetricFamily(
             "kvflow:worker_busy_seconds", "Seconds spent in steps", labels=["worker"]
         )
-        c.add_metric([self.worker_id], self.total_s + running)
+        c.add_metric([self.worker_id], total + running)
         yield c
 
 
@@ -257,8 +266,8 @@ class WorkerTelemetry:
                 h.observe(n)
 
     def step_done(self, plan: StepPlan, result: StepResult, t0: float) -> None:
-        """After ``plan`` ran and its ``result`` was sent (the step's time is the worker's own
-        measure in ``result.step_time_s``, else the time since ``t0``)."""
+        """After ``plan`` ran, before its ``result`` is sent (the step's time is the worker's
+        own measure in ``result.step_time_s``, else the time since ``t0``)."""
         w = self.worker_id
         self.busy.stop(time.monotonic())
         self.step_seconds.labels(w).observe(result.step_time_s or time.monotonic() - t0)

@@ -14,16 +14,14 @@ from services.worker import service as worker_service
 from shared.config import Settings
 
 
-def _worker(**kw: object) -> SimpleNamespace:
-    base = dict(
+def _worker(stepping: bool = False, queued: int = 0) -> SimpleNamespace:
+    return SimpleNamespace(
         worker_id="w",
         draining=True,
         stopped=asyncio.Event(),
-        plans=asyncio.Queue(),
-        stepping=False,
+        idle=lambda: not stepping and queued == 0,
         last_heard=time.monotonic(),
     )
-    return SimpleNamespace(**{**base, **kw})
 
 
 @pytest.fixture(autouse=True)
@@ -54,6 +52,4 @@ async def test_a_step_in_progress_is_not_silence() -> None:
 
 
 async def test_queued_plans_are_not_silence() -> None:
-    worker = _worker()
-    worker.plans.put_nowait(object())
-    assert await _elapsed(worker, drain_timeout=0.8) >= 0.8
+    assert await _elapsed(_worker(queued=1), drain_timeout=0.8) >= 0.8
