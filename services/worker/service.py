@@ -73,8 +73,14 @@ class ModelThread:
         return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
 
     def post(self, fn: Callable[..., object], *args: object) -> None:
-        """``fn(*args)`` on the model thread, not awaited: ``fn`` reports its own outcome."""
-        self._pool.submit(fn, *args)
+        """``fn(*args)`` on the model thread, not awaited: ``fn`` reports its own outcome (an
+        exception it lets out is logged)."""
+        self._pool.submit(fn, *args).add_done_callback(_log_failure)
+
+
+def _log_failure(done: concurrent.futures.Future[object]) -> None:
+    if (e := done.exception()) is not None:
+        log.error("worker: work on the model thread failed", exc_info=e)
 
 
 class WorkerService:
