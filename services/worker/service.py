@@ -4,9 +4,10 @@ publishes one StepResult per step (to the scheduler and the detokenizer).
 All model work (loading, calibration, every step) runs on one dedicated thread, so the event loop
 keeps sending heartbeats during long steps. A plan goes to that thread as it arrives, and the
 thread runs queued plans back to back (the next step starts when the last ends, with no round
-trip through the event loop); the loop only publishes the results. One thread, always the same: OpenMP keeps a thread
-team per calling thread, and using torch from two threads (say, loading on the main thread and
-stepping on an executor's) made every step about 35 % slower here (docs/benchmarks.md)."""
+trip through the event loop); the loop only publishes the results. One thread, always the
+same: OpenMP keeps a thread team per calling thread, and using torch from two threads (say,
+loading on the main thread and stepping on an executor's) made every step about 35 % slower
+here (docs/benchmarks.md)."""
 
 from __future__ import annotations
 

@@ -1,7 +1,8 @@
 """The worker's metrics and spans, fed by three hooks around each step (on the model thread)
-and one around each KV pull (on the event loop). Cheap when nothing is traced: a request is followed only when the scheduler sent a
-sampled ``NewRequest.traceparent`` (which it does only while tracing records), so an untraced
-step costs two dict look-ups and three histogram observations.
+and one around each KV pull (on the event loop). Cheap when nothing is traced: a request is
+followed only when the scheduler sent a sampled ``NewRequest.traceparent`` (which it does only
+while tracing records), so an untraced step costs two dict look-ups and three histogram
+observations.
 
 Spans, for a traced request on this worker: ``prefill`` (first chunk to first sampled token,
 an event per chunk with the batch it shared) and ``decode`` (first decode step to the end or
