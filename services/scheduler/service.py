@@ -181,6 +181,9 @@ class SchedulerService:
 
     async def _lead(self, epoch: int) -> None:
         """Become the leader of a new epoch: resume every live request the shadow knows of."""
+        # adapters loaded under the previous leader, known before any request is led (a request
+        # naming one, arriving once ``leading`` is set, must find it)
+        await lora_control.restore(self)
         self.epoch = epoch
         self.core = self._new_core()
         self.heartbeats_known.clear()
@@ -196,7 +199,6 @@ class SchedulerService:
         self.leading = True
         self.took_over_at = time.monotonic()
         await self.bus.subscribe(subjects.SCHEDULER_STATS, self._on_message)
-        await lora_control.restore(self)  # adapters loaded under the previous leader
         await self.bus.subscribe(subjects.SCHEDULER_LORA, self._on_message)
         timeout = self.settings.scheduler.worker_timeout
         for hb in list(self.heartbeats.values()):  # the workers alive now join the new core
