@@ -47,7 +47,7 @@ class Completion:
     """Everything the pipeline sent for one request."""
 
     text: str = ""
-    token_ids: list[int] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)  # when the request's return_token_ids
     logprobs: list[TokenLogprob] = field(default_factory=list)
     prompt_logprobs: list[PromptTokenLogprob] = field(default_factory=list)
     finish_reason: str | None = None

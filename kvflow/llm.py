@@ -348,6 +348,7 @@ class LLM:
             truncate_prompt_tokens=sp.truncate_prompt_tokens,
             cache_salt=salt,
             lora=lora,
+            return_token_ids=True,
         )
         seqs = expand([req], sequences_per_prompt(sp.n, sp.best_of))
         done = await asyncio.gather(*(self._client.generate(r) for r in seqs))

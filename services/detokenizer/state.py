@@ -50,6 +50,7 @@ class DetokState:
     prompt_lps: dict[int, PromptTokenLogprob] = field(default_factory=dict)
     prompt_lps_sent: bool = False
     pending_ids: list[int] = field(default_factory=list)  # generated, not yet in a delta
+    return_token_ids: bool = False  # the client reads the deltas' token ids (else left out)
     tool_parsing: ToolParsing | None = None
     tools: GuardedParser | None = field(init=False, default=None)
 
@@ -110,7 +111,8 @@ class DetokState:
         whether this detokenizer ended the request by a stop string (the scheduler must be
         told)."""
         self.completion_tokens += 1
-        self.pending_ids.append(token_id)
+        if self.return_token_ids:
+            self.pending_ids.append(token_id)
         lps = [token_logprob(tokenizer, token_id, logprobs)] if logprobs is not None else []
         piece = self.stream.step(tokenizer, token_id)
         if piece:

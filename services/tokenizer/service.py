@@ -291,6 +291,7 @@ class TokenizerService:
             tool_parsing=msg.tool_parsing,
             pooling=pooling,
             lora=msg.lora,
+            return_token_ids=msg.return_token_ids,
         )
         await self.bus.publish(subjects.REQUESTS, out, inject())
         return "ok"

@@ -44,6 +44,9 @@ class GenerateRequest(_Msg, tag=1):
     # a cross-encoder's text pair (/score, /rerank): ``prompt`` and this, tokenized as one input
     # the way the model's tokenizer joins two texts (token type 1 for the second)
     prompt_pair: str | None = None
+    # the client reads each delta's ``token_ids`` (the Python API does; the HTTP API has no use
+    # for them): without it the detokenizer leaves them out, per-token bytes saved on every hop
+    return_token_ids: bool = False
 
 
 # ---------------------------------------------------------------------------------------------
@@ -62,6 +65,7 @@ class TokenizedRequest(_Msg, tag=2):
     tool_parsing: ToolParsing | None = None  # GenerateRequest's, for the detokenizer
     pooling: PoolingParams | None = None  # GenerateRequest's: an embedding request
     lora: LoRARef | None = None  # GenerateRequest's
+    return_token_ids: bool = False  # GenerateRequest's, for the detokenizer
 
 
 # ---------------------------------------------------------------------------------------------

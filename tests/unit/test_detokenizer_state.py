@@ -68,12 +68,14 @@ def test_every_token_id_reaches_exactly_one_sent_delta(tokenizer) -> None:
     character) have no delta of their own; their ids ride on the next delta sent."""
     text = "caf\u00e9 \U0001f642 END? no, ENDING here"
     ids = tokenizer(text)["input_ids"]
-    st = DetokState("r", "inbox", SamplingParams(stop=["END!"]), prompt_tokens=1)
-    sent: list[int] = []
-    for i, t in enumerate(ids):
-        last = FinishReason.LENGTH if i == len(ids) - 1 else N
-        d, _ = st.add_token(tokenizer.backend_tokenizer, t, last)
-        if d.text or d.finish_reason:  # what the service sends
-            sent += d.token_ids
-            st.sent_delta()
-    assert sent == ids
+    for wanted in (True, False):
+        st = DetokState("r", "inbox", SamplingParams(stop=["END!"]), 1, return_token_ids=wanted)
+        sent: list[int] = []
+        for i, t in enumerate(ids):
+            last = FinishReason.LENGTH if i == len(ids) - 1 else N
+            d, _ = st.add_token(tokenizer.backend_tokenizer, t, last)
+            if d.text or d.finish_reason:  # what the service sends
+                sent += d.token_ids
+                st.sent_delta()
+        # a client that did not ask for them (the HTTP API) gets none: bytes saved per token
+        assert sent == (ids if wanted else [])

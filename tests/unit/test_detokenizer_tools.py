@@ -38,7 +38,8 @@ def feed(
     """Feed the text's tokens (and EOS) to a DetokState; returns the deltas the service would
     send, every token id they carry, and the state."""
     ids = tokenizer(text)["input_ids"] + ([tokenizer.eos_token_id] if eos else [])
-    st = DetokState("r", "inbox", params or SamplingParams(), prompt_tokens=5, tool_parsing=tp)
+    p = params or SamplingParams()
+    st = DetokState("r", "inbox", p, prompt_tokens=5, tool_parsing=tp, return_token_ids=True)
     sent, sent_ids = [], []
     for i, t in enumerate(ids):
         lp = SampleLogprobs(-0.5, [t], [-0.5]) if logprobs else None

@@ -24,8 +24,10 @@ from services.gateway.state import GatewayState
 from shared.models.tasks import task_error
 
 
-def gateway_state(request: Request) -> GatewayState:
-    """The GatewayState that create_app put on the app (one per app, so tests can run several)."""
+async def gateway_state(request: Request) -> GatewayState:
+    """The GatewayState that create_app put on the app (one per app, so tests can run several).
+    A coroutine: FastAPI runs a plain function dependency in its thread pool, a thread hop per
+    request."""
     return request.app.state.gateway
 
 
