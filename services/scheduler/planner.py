@@ -89,40 +89,43 @@ def _schedule_running(
     are short (with plans in flight: leaving the sequence for a plan built after their
     results). Returns the budget left and whether anything was preempted."""
     preempted = False
+    bm = ws.bm
+    speculating = ws.speculator is not None
     for seq in list(ws.running):
         if budget <= 0:
             break
         if seq.status is not SeqStatus.RUNNING:  # preempted in this loop, or K/V in flight
             continue
         ahead, pending = ws.ahead(seq)
-        if not ws.may_run_ahead(seq, pending):
+        if pending and not ws.may_run_ahead(seq, pending):
             continue
         start = seq.num_computed + ahead
-        end_known = seq.num_tokens + pending
+        end_known = len(seq.token_ids) + pending
         num_new = min(end_known - start, budget)
         if num_new <= 0:
             continue
-        drafts = ws.propose(seq, budget - 1) if num_new == 1 and not ahead else None
+        drafts = ws.propose(seq, budget - 1) if speculating and num_new == 1 and not ahead else None
         extra = drafts.count if drafts else 0
-        need = ws.bm.blocks_needed(start + num_new + extra) - len(seq.blocks)
-        if drafts and need > ws.bm.num_free_blocks:  # drafts never cost a preemption
-            drafts, extra = None, 0
-            need = ws.bm.blocks_needed(start + num_new) - len(seq.blocks)
-        if need > ws.bm.num_free_blocks and ws.in_flight:
-            ws.must_sync = True  # preempt only once the plans in flight are done
-            continue
-        while need > ws.bm.num_free_blocks:
-            victim = ws.policy.choose_victim(ws.running)
-            if victim is None:
-                break
-            budget += _unschedule(ws, chosen, victim)
-            ws.requeue(victim, RequeueReason.PREEMPTED)
-            preempted = True
-            if victim is seq:
-                break
-        if seq.status is not SeqStatus.RUNNING or need > ws.bm.num_free_blocks:
-            continue
-        seq.blocks += ws.bm.allocate(max(need, 0))
+        need = bm.blocks_needed(start + num_new + extra) - len(seq.blocks)
+        if need > 0:  # (most decode steps fill a block already held: nothing to allocate)
+            if drafts and need > bm.num_free_blocks:  # drafts never cost a preemption
+                drafts, extra = None, 0
+                need = bm.blocks_needed(start + num_new) - len(seq.blocks)
+            if need > bm.num_free_blocks and ws.in_flight:
+                ws.must_sync = True  # preempt only once the plans in flight are done
+                continue
+            while need > bm.num_free_blocks:
+                victim = ws.policy.choose_victim(ws.running)
+                if victim is None:
+                    break
+                budget += _unschedule(ws, chosen, victim)
+                ws.requeue(victim, RequeueReason.PREEMPTED)
+                preempted = True
+                if victim is seq:
+                    break
+            if seq.status is not SeqStatus.RUNNING or need > bm.num_free_blocks:
+                continue
+            seq.blocks += bm.allocate(max(need, 0))
         end = start + num_new
         chosen[seq] = _Chosen(start, num_new, end == end_known, ws.register(seq, end), drafts)
         budget -= num_new + extra
