@@ -148,7 +148,8 @@ class RequestStreams:
         if ev is None:
             return True
         try:
-            await asyncio.wait_for(ev.wait(), timeout)
+            async with asyncio.timeout(timeout):  # (wait_for costs a task more per request)
+                await ev.wait()
         except TimeoutError:
             return request_id not in self._accepted
         return True
