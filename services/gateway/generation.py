@@ -173,16 +173,24 @@ async def sse_events(
 ) -> AsyncIterator[bytes]:
     """The SSE body: opening chunks, one chunk per delta, the finishes, usage, ``[DONE]``. An
     error after the stream started can only be told in the stream: an ``error`` event. When
-    streaming, best_of == n, so sequence i is choice i."""
+    streaming, best_of == n, so sequence i is choice i. The events ready together (the opening
+    chunks and the first deltas; a final delta's chunks, the usage and ``[DONE]``) go out as one
+    piece of the body: one socket write, not one per event."""
+    out: list[bytes] = []  # events not yielded yet: yielded before waiting for the next delta
     try:
         for i in range(len(choices.handles)):
-            for chunk in fmt.opening_chunks(i):
-                yield fmt.encode(chunk)
+            out += [fmt.encode(chunk) for chunk in fmt.opening_chunks(i)]
         finals: dict[int, Delta] = {}
         started: set[int] = set()
         queue = list(first)
         while len(finals) < len(choices.handles):
-            i, delta = queue.pop(0) if queue else await choices.next()
+            if queue:
+                i, delta = queue.pop(0)
+            else:
+                if out:
+                    yield b"".join(out)
+                    out = []
+                i, delta = await choices.next()
             echo, plps = None, None
             if i not in started:
                 started.add(i)
@@ -197,20 +205,22 @@ async def sse_events(
             for chunk in chunks:
                 if job.continuous_usage:
                     chunk["usage"] = usage(*choices.usage_so_far())
-                yield fmt.encode(chunk)
+                out.append(fmt.encode(chunk))
             if delta.finish_reason is not None:
                 finals[i] = delta
         if fmt.include_usage:
             prompt = sum(finals[i].prompt_tokens for i in range(0, len(finals), job.best_of))
             completion = sum(d.completion_tokens for d in finals.values())
-            yield fmt.encode(fmt.usage_chunk(prompt, completion))
+            out.append(fmt.encode(fmt.usage_chunk(prompt, completion)))
     except APIError as e:
         log.info("request %s failed mid-stream: %s", choices.request_id, e.message)
-        yield sse(e.body())
+        out.append(sse(e.body()))
     finally:
         choices.close()  # aborts what did not finish (also on cancellation)
     if fmt.done:
-        yield fmt.done
+        out.append(fmt.done)
+    if out:
+        yield b"".join(out)
 
 
 def full_response(job: Job, outs: list[Outcome], fmt: Format, echo_texts: list[str] | None) -> dict:
