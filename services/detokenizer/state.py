@@ -40,8 +40,12 @@ class DetokState:
     params: SamplingParams
     prompt_tokens: int
     stream: DecodeStream = field(init=False)
+    # the text not sent yet, after the last characters sent that ``_find_stop`` looks back
+    # over (the longest stop string's length - 1): what came before is dropped once sent, so a
+    # token costs the same at the end of a long output as at its start
     text: str = ""
     sent: int = 0  # characters of ``text`` already sent
+    keep: int = field(init=False, default=0)  # sent characters kept: longest stop string - 1
     completion_tokens: int = 0
     delivered_tokens: int = 0  # ``completion_tokens`` of the last delta sent
     finished: bool = False
@@ -56,6 +60,7 @@ class DetokState:
 
     def __post_init__(self) -> None:
         self.stream = DecodeStream(skip_special_tokens=self.params.skip_special_tokens)
+        self.keep = max([len(s) - 1 for s in self.params.stop if s], default=0)
         if self.tool_parsing is not None:
             try:
                 self.tools = GuardedParser(make_parser(self.tool_parsing), self.request_id)
@@ -133,6 +138,9 @@ class DetokState:
         self.finished = finish != FinishReason.NONE
         if self.finished:
             self.text = self.text[:end]
+        elif self.sent > self.keep:
+            cut = self.sent - self.keep
+            self.text, self.sent = self.text[cut:], self.keep
         delta = self._delta(out, finish)
         if self.tools is not None:
             self._parse_tools(delta, finish)

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as hs
+
 from services.detokenizer.state import DetokState
 from shared.messages import FinishReason, SamplingParams
 
@@ -79,3 +82,36 @@ def test_every_token_id_reaches_exactly_one_sent_delta(tokenizer) -> None:
                 st.sent_delta()
         # a client that did not ask for them (the HTTP API) gets none: bytes saved per token
         assert sent == (ids if wanted else [])
+
+
+STOP_PARTS = ["END", "EN", "D!", "é", "\n\n", "🙂", " x"]
+
+
+@given(
+    words=hs.lists(
+        hs.sampled_from(["END", "EN", "D", "!", "é", "\n", "🙂", " x", "ab", " "]), max_size=40
+    ),
+    stops=hs.lists(hs.sampled_from(STOP_PARTS), max_size=3),
+    include=hs.booleans(),
+)
+@settings(
+    max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+def test_sent_text_is_dropped_without_changing_any_delta(tokenizer, words, stops, include) -> None:
+    """The state keeps only the unsent text and the longest stop string's length - 1 before
+    it; every delta (text, finish, stop) equals a state's that keeps the whole text."""
+    text = "".join(words) or "a"
+    params = SamplingParams(stop=stops, include_stop_str_in_output=include)
+    ids = tokenizer(text)["input_ids"]
+    trimmed = DetokState("r", "inbox", params, prompt_tokens=1)
+    whole = DetokState("r", "inbox", params, prompt_tokens=1)
+    whole.keep = 10**9  # never drops what it sent: the text as it was before trimming existed
+    for i, t in enumerate(ids):
+        last = FinishReason.LENGTH if i == len(ids) - 1 else N
+        a, stop_a = trimmed.add_token(tokenizer.backend_tokenizer, t, last)
+        b, stop_b = whole.add_token(tokenizer.backend_tokenizer, t, last)
+        assert (a.text, a.finish_reason, stop_a) == (b.text, b.finish_reason, stop_b)
+        assert len(trimmed.text) <= len(whole.text)
+        if whole.finished:
+            assert trimmed.finished
+            break
