@@ -193,10 +193,8 @@ class WorkerState:
             return False
         if seq.pooling is not None:
             return False
-        return (
-            seq.num_output_tokens + pending < seq.params.max_tokens
-            and seq.num_tokens + pending < self.limits.max_model_len
-        )
+        after = len(seq.token_ids) + pending  # the sequence's length once they are known
+        return after - seq.prompt_len < seq.params.max_tokens and after < self.limits.max_model_len
 
     def sent(self, step: InFlightStep) -> None:
         """The plan built last is on its way to the worker."""
