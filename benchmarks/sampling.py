@@ -45,18 +45,13 @@ MIXES: dict[str, dict] = {
 }
 
 
-def _states(
-    mix: str, rows: int, vocab: int, device: torch.device, prompt_len: int = 128
-) -> list[RequestState]:
+def _states(mix: str, rows: int, vocab: int, prompt_len: int = 128) -> list[RequestState]:
     rnd = random.Random(rows)
     out = []
     for i in range(rows):
         seeded = mix == "full"
         p = SamplingParams(max_tokens=64, seed=i if seeded else None, **MIXES[mix])
-        gen = torch.Generator(device).manual_seed(i) if seeded else None
-        st = RequestState(
-            p, prompt_len, 32, frozenset([2]), frozenset(), gen, p.needs_token_history()
-        )
+        st = RequestState(p, prompt_len, 32, frozenset([2]), frozenset(), p.needs_token_history())
         if st.keeps_history:
             st.prompt_tokens = [rnd.randrange(vocab) for _ in range(prompt_len)]
             st.output_tokens = [rnd.randrange(vocab) for _ in range(32)]
@@ -77,8 +72,7 @@ def time_step(
     """Median milliseconds of one step's sampling (logits made on ``device``; ``host``:
     copied to the CPU first and sampled there). Each step's tokens join the outputs of the
     requests that keep their history (penalties), as on the worker."""
-    where = torch.device("cpu") if host else device
-    states = _states(mix, rows, vocab, where, prompt_len)
+    states = _states(mix, rows, vocab, prompt_len)
     base = torch.randn(rows, vocab, device=device, generator=None) * 3
     times = []
     for k in range(warmup + steps):
@@ -88,7 +82,8 @@ def time_step(
         t0 = time.perf_counter()
         if host:
             logits = logits.cpu()
-        tokens, _ = sample_rows(logits, states)  # ends with the ids' copy (a sync on a GPU)
+        positions = [st.num_output_tokens for st in states]
+        tokens, _ = sample_rows(logits, states, positions)  # ends with the ids' copy (a sync)
         if k >= warmup:
             times.append((time.perf_counter() - t0) * 1e3)
         assert len(tokens) == rows

@@ -80,7 +80,6 @@ class RequestState:
     num_output_tokens: int
     eos_token_ids: frozenset[int]
     stop_token_ids: frozenset[int]
-    generator: torch.Generator | None
     keeps_history: bool  # sampling depends on the tokens so far (penalties, bad words)
     # the request's prompt and output tokens, kept only when ``keeps_history``:
     # NewRequest.token_history, then every token sampled here
@@ -289,9 +288,6 @@ class ModelRunner:
 
     def _add_request(self, r: NewRequest) -> None:
         p = r.params
-        gen = None
-        if p.seed is not None:
-            gen = torch.Generator(self.device).manual_seed(int(p.seed))
         eos = r.eos_token_ids or list(self.config.eos_token_ids)
         st = self.requests[r.request_id] = RequestState(
             params=p,
@@ -299,7 +295,6 @@ class ModelRunner:
             num_output_tokens=r.num_output_tokens,
             eos_token_ids=frozenset(eos),
             stop_token_ids=frozenset(p.stop_token_ids),
-            generator=gen,
             keeps_history=p.needs_token_history(),
             # sent with the first token already when resumed after a preemption
             prompt_logprobs_k=p.prompt_logprobs if r.num_output_tokens == 0 else None,
@@ -442,8 +437,17 @@ class ModelRunner:
     def _sample(
         self, logits: torch.Tensor, sampled: list[ScheduledSeq]
     ) -> tuple[list[int], list[SampleLogprobs | None]]:
-        """The sampled rows' tokens and logprobs (services/worker/sampler.py)."""
-        return sampler.sample_rows(logits, [self.requests[s.request_id] for s in sampled])
+        """The sampled rows' tokens and logprobs (services/worker/sampler.py). A request's rows
+        are in position order (several when it verifies drafts): its k-th row samples its output
+        token ``num_output_tokens + k``."""
+        states, positions, seen = [], [], {}
+        for s in sampled:
+            st = self.requests[s.request_id]
+            k = seen.get(s.request_id, 0)
+            seen[s.request_id] = k + 1
+            states.append(st)
+            positions.append(st.num_output_tokens + k)
+        return sampler.sample_rows(logits, states, positions)
 
     def _finish(self, st: RequestState, token: int) -> FinishReason:
         """Count the new token and say whether the request ends with it."""

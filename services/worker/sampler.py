@@ -5,10 +5,13 @@ one row of logits per sequence that samples this step, after the features' logit
 Nothing here reads a value back from a GPU: the batch's settings are tensors made on the
 logits' device from the requests' parameters (Python values), every branch is decided from
 those parameters, and only the sampled ids (and the logprobs asked for) leave the device, once
-per step (on the CPU one check looks at values: ``_best``). Every transform works row by row (sorts, cumsums and softmaxes along the vocab of one
-row), and a seeded request draws its noise from its own ``torch.Generator`` (on the logits'
-device) with a fixed-size draw per step, so a seeded request gets the same tokens whatever else
-is in the batch. The draw is by inverse CDF, one uniform per row (exact sampling from the
+per step (on the CPU one check looks at values: ``_best``). Every transform works row by row
+(sorts, cumsums and softmaxes along the vocab of one row). A seeded request's uniform for its
+n-th output token is a function of (seed, n) alone (``counter_uniform``, computed on the host
+with the batch's settings): the same tokens whatever else is in the batch, after a preemption,
+on another worker (migration, a disaggregated hand-off) and with speculative decoding (a
+rejected draft's row consumes nothing), and no per-row generator call on the device. The draw
+is by inverse CDF, one uniform per row (exact sampling from the
 filtered distribution; an exponential race would draw a vocabulary of noise per row, which on
 the CPU cost more than the step's sort). Top-k and top-p work on each row's best tokens only
 (``topk``, not a sort of the vocabulary, when the rows' top-k bound them). Greedy rows skip
@@ -29,9 +32,8 @@ from shared.sampling import GREEDY_EPS, RowState, apply_processors
 
 
 class SampledRow(RowState, Protocol):
-    """What sampling reads of a request on the worker (runner.RequestState)."""
-
-    generator: torch.Generator | None  # seeded requests' own, on the logits' device
+    """What sampling reads of a request on the worker (runner.RequestState): its parameters
+    (``params.seed``) and its tokens so far."""
 
 
 NUCLEUS_GUESS = 2048  # CPU: candidates taken by top-k before falling back to a whole-row sort
@@ -46,7 +48,8 @@ class SamplingBatch:
     top_p: torch.Tensor  # [S] float, 1.0 = off
     top_k: torch.Tensor  # [S] long, 0 = off
     min_p: torch.Tensor  # [S] float, 0.0 = off
-    generators: list[torch.Generator | None]  # per row; None = the device's default RNG
+    seeded: torch.Tensor | None  # [R] long: the sampled rows with a seed (None: no such row)
+    seeded_u: torch.Tensor | None  # [R] float64: their uniforms (``counter_uniform``)
     plain: list[int]  # sampled rows drawn from the whole vocabulary
     filtered: list[int]  # sampled rows with top-k or top-p
     width: int  # candidates the filtered rows need (their largest top-k); 0: no bound
@@ -54,15 +57,39 @@ class SamplingBatch:
     needs_min_p: bool
 
 
+_MASK = (1 << 64) - 1
+_GOLDEN = 0x9E3779B97F4A7C15  # splitmix64's increment
+
+
+def _mix64(z: int) -> int:
+    """splitmix64's finalizer: a bijection of 64-bit integers whose outputs pass as random."""
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK
+    return z ^ (z >> 31)
+
+
+def counter_uniform(seed: int, position: int) -> float:
+    """The U[0, 1) a request seeded with ``seed`` draws for its ``position``-th output token
+    (0-based): the ``position``-th output of splitmix64 started from the mixed seed, 53 bits."""
+    state = _mix64((seed + _GOLDEN) & _MASK)
+    z = _mix64((state + (position + 1) * _GOLDEN) & _MASK)
+    return (z >> 11) * (1.0 / (1 << 53))
+
+
 def make_batch(
     params: Sequence[SamplingParams],
-    generators: Sequence[torch.Generator | None] | None = None,
+    positions: Sequence[int] | None = None,
     device: torch.device | str = "cpu",
 ) -> SamplingBatch:
-    """The rows' settings on ``device`` (where the logits are); a seeded row's generator must
-    live on that device too."""
+    """The rows' settings on ``device`` (where the logits are). ``positions``: each row's
+    output token index (what a seeded row's uniform is drawn for); needed when a sampled row
+    has a seed."""
     greedy = [float(p.temperature) < GREEDY_EPS for p in params]
     rows = [i for i, g in enumerate(greedy) if not g]
+    seeded = [i for i in rows if params[i].seed is not None]
+    if seeded and positions is None:
+        raise ValueError("a seeded row needs its output position")
+    seeded_u = [counter_uniform(int(params[i].seed or 0), positions[i]) for i in seeded]
     filtered = [i for i in rows if params[i].top_k > 0 or params[i].top_p < 1.0]
     bounded = all(params[i].top_k > 0 for i in filtered)
     filtered_set = set(filtered)
@@ -76,7 +103,8 @@ def make_batch(
         top_p=on([float(p.top_p) for p in params], torch.float32),
         top_k=on([max(int(p.top_k), 0) for p in params], torch.long),
         min_p=on([float(p.min_p) for p in params], torch.float32),
-        generators=list(generators) if generators is not None else [None] * len(params),
+        seeded=on(seeded, torch.long) if seeded else None,
+        seeded_u=on(seeded_u, torch.float64) if seeded else None,
         plain=[i for i in rows if i not in filtered_set],
         filtered=filtered,
         width=max((params[i].top_k for i in filtered), default=0) if bounded else 0,
@@ -136,12 +164,11 @@ def _candidates(
 
 
 def _uniforms(batch: SamplingBatch, rows: int, device: torch.device) -> torch.Tensor:
-    """One U[0, 1) per row: a seeded row's from its own generator (one draw per step, whatever
-    the batch), the others' from the device's default RNG."""
-    u = torch.rand(rows, device=device)
-    for i, g in enumerate(batch.generators):
-        if g is not None:
-            u[i] = torch.rand((), device=device, generator=g)
+    """One U[0, 1) per row: a seeded row's from ``counter_uniform`` (made with the batch), the
+    others' from the device's default RNG."""
+    u = torch.rand(rows, device=device, dtype=torch.float64)
+    if batch.seeded is not None:
+        u.index_copy_(0, batch.seeded, batch.seeded_u)
     return u
 
 
@@ -205,16 +232,17 @@ def logprobs_of(raw: torch.Tensor, tokens: torch.Tensor, ks: Sequence[int]) -> l
 
 
 def sample_rows(
-    logits: torch.Tensor, states: Sequence[SampledRow]
+    logits: torch.Tensor, states: Sequence[SampledRow], positions: Sequence[int]
 ) -> tuple[list[int], list[SampleLogprobs | None]]:
-    """A step's sampled rows (row i is ``states[i]``'s) where the logits are: the raw rows of
-    the requests that asked for logprobs kept aside, every feature's processor, one batched draw;
-    then the ids (and logprobs) copied to the host. Changes ``logits`` in place."""
+    """A step's sampled rows (row i is ``states[i]``'s, for its output token ``positions[i]``)
+    where the logits are: the raw rows of the requests that asked for logprobs kept aside, every
+    feature's processor, one batched draw; then the ids (and logprobs) copied to the host.
+    Changes ``logits`` in place."""
     asking = [i for i, st in enumerate(states) if st.params.logprobs is not None]
     where = logits.device
     raw = logits.index_select(0, torch.tensor(asking).to(where)) if asking else None
     apply_processors(logits, states)
-    batch = make_batch([st.params for st in states], [st.generator for st in states], where)
+    batch = make_batch([st.params for st in states], positions, where)
     drawn = sample(logits, batch)
     lps: list[SampleLogprobs | None] = [None] * len(states)
     if raw is not None:

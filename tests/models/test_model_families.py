@@ -92,3 +92,15 @@ def test_preempted_and_prefix_hit_equal_transformers(family_case) -> None:
     check_preempted_and_prefix_hit(
         runner, PROMPTS, want, GREEDY, blocks=20
     )  # 80 token slots for 4 sequences of up to 33 tokens
+
+
+def test_seeded_sampling_survives_preemption_and_batching(family_case) -> None:
+    """A seeded request's n-th token is drawn from (seed, n) alone: preempted and recomputed
+    (its state on the worker dropped and made again), batched under chunked prefill, or alone,
+    every prompt gets the same hot-sampled tokens."""
+    _, _, runner, _ = family_case
+    hot = SamplingParams(max_tokens=NEW, temperature=1.2, top_p=0.95, seed=77, ignore_eos=True)
+    alone = [run(new_core(), runner, [(p, None)], hot)[0][0] for p in PROMPTS]
+    assert any(len(set(a)) > 2 for a in alone)  # really sampled, not one repeated token
+    check_batched_chunked(runner, PROMPTS, alone, hot)
+    check_preempted_and_prefix_hit(runner, PROMPTS, alone, hot, blocks=20)

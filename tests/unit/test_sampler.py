@@ -13,14 +13,9 @@ from shared.messages import SamplingParams
 from shared.sampling import PROCESSORS, apply_processors, processors
 
 
-def batch(
-    params: list[SamplingParams], seeds: list[int | None] | None = None
-) -> sampler.SamplingBatch:
-    gens = [
-        None if s is None else torch.Generator().manual_seed(s)
-        for s in seeds or [None] * len(params)
-    ]
-    return sampler.make_batch(params, gens)
+def batch(params: list[SamplingParams], position: int = 0) -> sampler.SamplingBatch:
+    """Every row drawing its output token ``position`` (what a seeded row's uniform is for)."""
+    return sampler.make_batch(params, [position] * len(params))
 
 
 def test_greedy_is_argmax() -> None:
@@ -40,10 +35,10 @@ def test_greedy_and_random_rows_mix() -> None:
     logits = torch.randn(3, 300, generator=torch.Generator().manual_seed(2))
     p = [
         SamplingParams(temperature=0.0),
-        SamplingParams(temperature=1.0),
+        SamplingParams(temperature=1.0, seed=7),
         SamplingParams(temperature=0.0),
     ]
-    out = sampler.sample(logits, batch(p, [None, 7, None]))
+    out = sampler.sample(logits, batch(p))
     assert out[0] == logits[0].argmax() and out[2] == logits[2].argmax()
 
 
@@ -53,21 +48,23 @@ def test_seeded_is_reproducible_and_batch_independent() -> None:
     others = torch.randn(5, 2000, generator=g)
     hot = SamplingParams(temperature=1.3, top_p=0.9, top_k=50, seed=42)
 
-    def draws(
-        logits: torch.Tensor, row_idx: int, params: list[SamplingParams], seeds: list
-    ) -> list[int]:
-        b = batch(params, seeds)  # generators live across steps, as in the runner
-        return [int(sampler.sample(logits, b)[row_idx]) for _ in range(20)]
+    def draws(logits: torch.Tensor, row_idx: int, params: list[SamplingParams]) -> list[int]:
+        """The row's tokens for output positions 0..19, one step each."""
+        return [int(sampler.sample(logits, batch(params, n))[row_idx]) for n in range(20)]
 
-    alone = draws(row, 0, [hot], [42])
-    assert alone == draws(row, 0, [hot], [42])
+    alone = draws(row, 0, [hot])
+    assert alone == draws(row, 0, [hot])
     mixed = torch.cat([others[:2], row, others[2:]])
     params = [SamplingParams(temperature=0.7, seed=9), SamplingParams(temperature=0.0), hot]
     params += [SamplingParams(temperature=1.0), SamplingParams(temperature=2.0, min_p=0.1, seed=1)]
     params += [SamplingParams()]
-    assert draws(mixed, 2, params, [9, None, 42, None, 1, None]) == alone
+    assert draws(mixed, 2, params) == alone
     assert len(set(alone)) > 1  # really random, not stuck on the argmax
-    assert draws(row, 0, [hot], [43]) != alone
+    other_seed = SamplingParams(temperature=1.3, top_p=0.9, top_k=50, seed=43)
+    assert draws(row, 0, [other_seed]) != alone
+    # a position's draw depends on (seed, position) alone: resumed at position 7 (after a
+    # preemption, on another worker, after drafts were rejected) it goes on as it would have
+    assert [int(sampler.sample(row, batch([hot], n))[0]) for n in range(7, 20)] == alone[7:]
 
 
 def kept(logits: torch.Tensor, top_k: list[int], top_p: list[float], width: int = 0):
@@ -214,7 +211,7 @@ def test_sampling_and_processors_stay_on_the_logits_device() -> None:
     def state(**kw) -> RequestState:
         p = SamplingParams(**kw)
         return RequestState(
-            p, 3, 1, frozenset([1]), frozenset([2]), None, p.needs_token_history(), [5, 6], [7]
+            p, 3, 1, frozenset([1]), frozenset([2]), p.needs_token_history(), [5, 6], [7]
         )
 
     states = [
@@ -246,7 +243,7 @@ def test_batched_penalties_equal_each_row_alone() -> None:
 
     def state(prompt, output, **kw) -> RequestState:
         p = SamplingParams(**kw)
-        return RequestState(p, len(prompt), len(output), frozenset(), frozenset(), None, True,
+        return RequestState(p, len(prompt), len(output), frozenset(), frozenset(), True,
                             list(prompt), list(output))  # fmt: skip
 
     states = [
@@ -283,7 +280,7 @@ def test_penalties_kept_between_steps_equal_each_row_alone() -> None:
 
     def state(prompt, **kw) -> RequestState:
         p = SamplingParams(**kw)
-        return RequestState(p, len(prompt), 0, frozenset(), frozenset(), None, True,
+        return RequestState(p, len(prompt), 0, frozenset(), frozenset(), True,
                             list(prompt), [])  # fmt: skip
 
     states = [

@@ -27,9 +27,7 @@ from shared.sampling.processors import AllowedTokens, BadWords, LogitBias, MinTo
 
 def _state(**params) -> RequestState:
     p = SamplingParams(**params)
-    return RequestState(
-        p, 3, 0, frozenset([1]), frozenset([2]), None, p.needs_token_history(), [5], []
-    )
+    return RequestState(p, 3, 0, frozenset([1]), frozenset([2]), p.needs_token_history(), [5], [])
 
 
 def test_every_layer_declares_the_table_fields() -> None:
