@@ -92,6 +92,21 @@ def test_penalties_and_bad_words_see_the_prompt_on_the_decode_worker(stack, disa
     assert text(disagg_stack) == text(stack)
 
 
+def test_seeded_sampling_continues_on_the_decode_worker(stack, disagg_stack) -> None:
+    """The prefill worker samples a seeded request's first token, a decode worker the rest: the
+    text is the aggregated stack's (each token's draw depends on the seed and its position
+    only, not on which worker, or how many draws it made before)."""
+    kw = {"temperature": 0.9, "top_p": 0.95, "seed": 1234, "extra_body": {"ignore_eos": True}}
+
+    def text(base: str) -> str:
+        r = openai_client(base).completions.create(
+            model=MODEL, prompt="Write a short poem about the sea.", max_tokens=16, **kw
+        )
+        return r.choices[0].text
+
+    assert text(disagg_stack) == text(stack)
+
+
 def test_shared_prefixes_follow_their_blocks_and_others_spread(disagg_stack, tokenizer) -> None:
     prefix = long_prompt(tokenizer, 320, seed=2)  # 20 full blocks
     complete(disagg_stack, prefix + tokenizer(" Summary:")["input_ids"], 2)
