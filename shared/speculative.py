@@ -15,7 +15,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from shared.messages.params import SamplingParams
-from shared.sampling.spec import GREEDY_EPS
 
 METHODS = ("ngram", "draft_model")
 _KNOWN_KEYS = {
@@ -143,15 +142,12 @@ def can_speculate(p: SamplingParams, num_output_tokens: int) -> bool:
     """Whether a request's next tokens may be drafted and verified in one step. Requests whose
     sampling depends on the tokens before each position (penalties, bad words: the history;
     grammars: the matcher's state; min_tokens still holding back EOS) are decoded one token a
-    step: they work as without speculation, only not faster. So is seeded random sampling: how
-    many drafts a step verifies can depend on the batch (the step's token budget, free
-    blocks), and with it how much of the request's random stream each token uses, while a
-    seed promises the same text in any batch. Greedy requests (seeded or not), unseeded
-    temperature/top-k/top-p/min-p, logit bias, allowed tokens and logprobs all speculate."""
-    seeded_random = p.seed is not None and p.temperature >= GREEDY_EPS
+    step: they work as without speculation, only not faster. Greedy and sampled requests
+    (seeded or not: a seeded token's draw depends on the seed and its position only,
+    services/worker/sampler.py ``counter_uniform``, so a rejected draft's row uses nothing up),
+    logit bias, allowed tokens and logprobs all speculate."""
     return (
         p.structured_output is None
-        and not seeded_random
         and not p.needs_token_history()
         and num_output_tokens >= p.min_tokens
     )

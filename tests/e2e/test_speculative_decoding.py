@@ -93,19 +93,29 @@ def test_greedy_equals_hf_in_a_shared_batch(spec_stack, hf_texts) -> None:
     assert stats["num_free_blocks"] == stats["num_total_blocks"]
 
 
+def test_seeded_sampling_speculates_and_keeps_its_text(spec_stack, stack) -> None:
+    """A seeded sampled request speculates (drafts verified, some accepted) and its text is
+    the stack's without speculation: each token's draw depends on the seed and its position,
+    not on how many rows a step verified or rejected."""
+    kw = {"max_tokens": 24, "temperature": 0.3, "seed": 7, "extra_body": {"ignore_eos": True}}
+    before = _spec_counters(spec_stack)
+    got = [
+        openai_client(spec_stack).completions.create(model=MODEL, prompt=p, **kw).choices[0].text
+        for p in QUOTING
+    ]
+    after = _spec_counters(spec_stack)
+    plain = [
+        openai_client(stack).completions.create(model=MODEL, prompt=p, **kw).choices[0].text
+        for p in QUOTING
+    ]
+    assert got == plain
+    accepted = "vllm:spec_decode_num_accepted_tokens_total"
+    assert after[accepted] > before.get(accepted, 0)
+
+
 def test_other_features_keep_working(spec_stack) -> None:
     client = openai_client(spec_stack)
     prompt = QUOTING[0]
-    # sampled, seeded: the same seed gives the same text (seeded sampling does not speculate)
-    a, b = (
-        client.completions.create(
-            model=MODEL, prompt=prompt, max_tokens=24, temperature=0.8, seed=7
-        )
-        .choices[0]
-        .text
-        for _ in range(2)
-    )
-    assert a == b and a
     # sampled, unseeded: speculates, and every token is there
     r = client.completions.create(
         model=MODEL, prompt=prompt, max_tokens=24, temperature=0.8, extra_body={"ignore_eos": True}

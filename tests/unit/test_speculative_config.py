@@ -74,8 +74,8 @@ def test_parse_errors_name_the_problem(raw: str, says: str) -> None:
 def test_which_requests_speculate() -> None:
     assert can_speculate(SamplingParams(temperature=0.7, top_p=0.9, logprobs=2), 0)
     assert can_speculate(SamplingParams(temperature=0.0, seed=3), 0)  # greedy: exact anyway
-    # seeded random sampling keeps its batch-independent stream: one token a step
-    assert not can_speculate(SamplingParams(temperature=0.7, seed=3), 0)
+    # seeded random sampling too: a token's draw is (seed, position)'s, whatever was verified
+    assert can_speculate(SamplingParams(temperature=0.7, seed=3), 0)
     assert can_speculate(SamplingParams(logit_bias={5: 1.0}, allowed_token_ids=[1, 2]), 0)
     assert not can_speculate(SamplingParams(repetition_penalty=1.2), 5)
     assert not can_speculate(SamplingParams(presence_penalty=0.5), 5)
