@@ -90,21 +90,20 @@ def _schedule_running(
     results). Returns the budget left and whether anything was preempted."""
     preempted = False
     bm = ws.bm
-    speculating = ws.speculator is not None
     for seq in list(ws.running):
         if budget <= 0:
             break
         if seq.status is not SeqStatus.RUNNING:  # preempted in this loop, or K/V in flight
             continue
         ahead, pending = ws.ahead(seq)
-        if pending and not ws.may_run_ahead(seq, pending):
+        if not ws.may_run_ahead(seq, pending):
             continue
         start = seq.num_computed + ahead
         end_known = len(seq.token_ids) + pending
         num_new = min(end_known - start, budget)
         if num_new <= 0:
             continue
-        drafts = ws.propose(seq, budget - 1) if speculating and num_new == 1 and not ahead else None
+        drafts = ws.propose(seq, budget - 1) if num_new == 1 and not ahead else None
         extra = drafts.count if drafts else 0
         need = bm.blocks_needed(start + num_new + extra) - len(seq.blocks)
         if need > 0:  # (most decode steps fill a block already held: nothing to allocate)

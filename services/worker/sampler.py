@@ -23,18 +23,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol
 
 import torch
 
 from shared.messages import SampleLogprobs, SamplingParams
 from shared.sampling import GREEDY_EPS, RowState, apply_processors
-
-
-class SampledRow(RowState, Protocol):
-    """What sampling reads of a request on the worker (runner.RequestState): its parameters
-    (``params.seed``) and its tokens so far."""
-
 
 NUCLEUS_GUESS = 2048  # CPU: candidates taken by top-k before falling back to a whole-row sort
 
@@ -232,7 +225,7 @@ def logprobs_of(raw: torch.Tensor, tokens: torch.Tensor, ks: Sequence[int]) -> l
 
 
 def sample_rows(
-    logits: torch.Tensor, states: Sequence[SampledRow], positions: Sequence[int]
+    logits: torch.Tensor, states: Sequence[RowState], positions: Sequence[int]
 ) -> tuple[list[int], list[SampleLogprobs | None]]:
     """A step's sampled rows (row i is ``states[i]``'s, for its output token ``positions[i]``)
     where the logits are: the raw rows of the requests that asked for logprobs kept aside, every
