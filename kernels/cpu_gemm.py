@@ -130,6 +130,16 @@ def bf16_panel_available() -> bool:
     return _bf16_kernel() is not None
 
 
+def _zero_padded(weight: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
+    """``weight`` contiguous and zero-padded to ``[rows, cols]``: itself when it already is
+    (the panels' transposing copy is then the only one made; a zero-filled buffer written
+    over was a second pass over every weight at start-up)."""
+    n, k = weight.shape
+    if (n, k) != (rows, cols):
+        return F.pad(weight, (0, cols - k, 0, rows - n))
+    return weight.contiguous()
+
+
 class Bf16PanelWeight:
     """A linear weight ``[N, K]`` in bfloat16 panels ``[ceil(N / 32), ceil(K / 2), 32, 2]`` (zero
     past N and K) for ``--dtype bfloat16`` on the CPU: ``w(x)`` rounds fp32 ``x`` ``[M, K]`` to
@@ -144,8 +154,7 @@ class Bf16PanelWeight:
             raise ValueError("Bf16PanelWeight takes a 2-D floating-point weight")
         n, k = weight.shape
         tiles, pairs = -(-n // BF16_PANEL), -(-k // 2)
-        padded = torch.zeros(tiles * BF16_PANEL, pairs * 2, dtype=torch.bfloat16)
-        padded[:n, :k] = weight
+        padded = _zero_padded(weight.to(torch.bfloat16), tiles * BF16_PANEL, pairs * 2)
         self.panels = padded.view(tiles, BF16_PANEL, pairs, 2).transpose(1, 2).contiguous()
         self.shape = (n, k)
 
@@ -228,8 +237,7 @@ class PanelWeight:
             raise ValueError("PanelWeight takes a 2-D fp32 weight")
         n, k = weight.shape
         tiles = -(-n // PANEL)
-        padded = torch.zeros(tiles * PANEL, k, dtype=torch.float32)
-        padded[:n] = weight
+        padded = _zero_padded(weight, tiles * PANEL, k)
         self.panels = padded.view(tiles, PANEL, k).transpose(1, 2).contiguous()
         self.shape = (n, k)
 
