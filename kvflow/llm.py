@@ -55,7 +55,7 @@ from shared.beam_search import beam_search as run_beam_search
 from shared.beam_search import ended_by_eos, top_pairs
 from shared.beam_search import step_params as beam_step_params
 from shared.chat_template import from_openai, read_chat_template, render_chat
-from shared.config import Settings
+from shared.config import Settings, check_stream_interval
 from shared.fan_out import best, expand, ranks, sequences_per_prompt
 from shared.lora import check_lora_settings
 from shared.messages import GenerateRequest, LoraLoad, LoRARef
@@ -102,6 +102,7 @@ class LLM:
         ms = self.settings.model
         check_lora_settings(ms.enable_lora, ms.lora_modules, ms.max_loras, ms.max_lora_rank)
         check_parallel_settings(self.settings)
+        check_stream_interval(self.settings)
         from shared.model_config import check_settings_model
         from shared.models.tasks import served_task
 

@@ -29,7 +29,7 @@ from typing import IO, TextIO
 
 from shared.access.connect import EXIT_REFUSED
 from shared.access.credentials import Credentials, generate
-from shared.config import Settings
+from shared.config import Settings, check_stream_interval
 from shared.cpu_budget import usable_cpus
 from shared.infra import (
     Server,
@@ -162,6 +162,7 @@ class Stack:
         ms = settings.model
         check_lora_settings(ms.enable_lora, ms.lora_modules, ms.max_loras, ms.max_lora_rank)
         check_parallel_settings(settings)
+        check_stream_interval(settings)
         self.topology = topology
         self.plan = plan(topology, settings.ops.ops_port)
         self.settings = share_cores(settings, topology.num_workers)

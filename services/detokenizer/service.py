@@ -35,7 +35,7 @@ from services.detokenizer.tool_parsers import ToolParserErrors
 from shared import subjects
 from shared.access.connect import nats_auth
 from shared.bus import Bus
-from shared.config import Settings
+from shared.config import Settings, check_stream_interval
 from shared.in_order import InOrder, lost_in_transit
 from shared.logs import request_scope
 from shared.messages import (
@@ -63,7 +63,9 @@ EARLY_RESULT_TTL_S = 10.0  # results that arrive before their request's registra
 
 class DetokenizerService:
     def __init__(self, settings: Settings, tokenizer: Any) -> None:
+        check_stream_interval(settings)
         self.settings = settings
+        self.stream_interval = settings.gateway.stream_interval
         self.tokenizer = tokenizer
         self.backend = getattr(tokenizer, "backend_tokenizer", tokenizer)
         self.bus = Bus("detokenizer")
@@ -244,15 +246,9 @@ class DetokenizerService:
             mine += 1
             if st.completion_tokens == 1 and rid in self.spans:
                 self.spans[rid].add_event("first_token")
-            if (
-                delta.text
-                or delta.finish_reason
-                or delta.logprobs
-                or delta.prompt_logprobs
-                or delta.tool_calls
-            ):
-                out[st.reply_to].append(delta)
-                st.sent_delta()
+            ready = st.release(delta, self.stream_interval)
+            if ready is not None:
+                out[st.reply_to].append(ready)
             if st.finished:
                 del self.states[rid]
                 self.order.forget(rid)

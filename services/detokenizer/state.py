@@ -29,6 +29,7 @@ from shared.messages import (
     TokenLogprob,
     ToolParsing,
 )
+from shared.request_streams import merge_delta
 
 log = logging.getLogger("kvflow.detokenizer")
 
@@ -48,12 +49,12 @@ class DetokState:
     keep: int = field(init=False, default=0)  # sent characters kept: longest stop string - 1
     completion_tokens: int = 0
     delivered_tokens: int = 0  # ``completion_tokens`` of the last delta sent
+    held: Delta | None = None  # what ``release`` kept back, merged: sent with the next delta
     finished: bool = False
     first_prompt_token: int = -1  # kept when prompt logprobs are asked (it has no logprob)
     # prompt logprobs by position, sent with the request's first delta
     prompt_lps: dict[int, PromptTokenLogprob] = field(default_factory=dict)
     prompt_lps_sent: bool = False
-    pending_ids: list[int] = field(default_factory=list)  # generated, not yet in a delta
     return_token_ids: bool = False  # the client reads the deltas' token ids (else left out)
     tool_parsing: ToolParsing | None = None
     tools: GuardedParser | None = field(init=False, default=None)
@@ -116,8 +117,6 @@ class DetokState:
         whether this detokenizer ended the request by a stop string (the scheduler must be
         told)."""
         self.completion_tokens += 1
-        if self.return_token_ids:
-            self.pending_ids.append(token_id)
         lps = [token_logprob(tokenizer, token_id, logprobs)] if logprobs is not None else []
         piece = self.stream.step(tokenizer, token_id)
         if piece:
@@ -141,7 +140,7 @@ class DetokState:
         elif self.sent > self.keep:
             cut = self.sent - self.keep
             self.text, self.sent = self.text[cut:], self.keep
-        delta = self._delta(out, finish)
+        delta = self._delta(out, finish, token_id)
         if self.tools is not None:
             self._parse_tools(delta, finish)
         delta.logprobs = lps
@@ -175,7 +174,7 @@ class DetokState:
                     break
         return hold
 
-    def _delta(self, text: str, finish: FinishReason) -> Delta:
+    def _delta(self, text: str, finish: FinishReason, token_id: int) -> Delta:
         return Delta(
             request_id=self.request_id,
             text=text,
@@ -183,9 +182,37 @@ class DetokState:
             finish_reason=finish.openai(),
             prompt_tokens=self.prompt_tokens,
             completion_tokens=self.completion_tokens,
-            token_ids=self.pending_ids,
-            after_tokens=self.delivered_tokens,
+            token_ids=[token_id] if self.return_token_ids else [],
+            after_tokens=self.completion_tokens - 1,
         )
+
+    def release(self, delta: Delta, stream_interval: int = 1) -> Delta | None:
+        """What goes to the client now: ``delta`` after what was held back before it (merged
+        into one delta), or None while it is held. Held: a delta with nothing to tell (a token
+        whose text is not decided yet: part of a UTF-8 character, a possible stop string) and,
+        with ``stream_interval`` N > 1 (vLLM's ``--stream-interval``), every delta after the
+        first sent until N tokens have come since the last one sent. The final delta always
+        goes."""
+        if self.held is not None:
+            merge_delta(self.held, delta)
+            delta = self.held
+        telling = (
+            delta.text
+            or delta.finish_reason
+            or delta.logprobs
+            or delta.prompt_logprobs
+            or delta.tool_calls
+        )
+        early = (
+            self.delivered_tokens > 0
+            and self.completion_tokens - self.delivered_tokens < stream_interval
+        )
+        if not self.finished and (not telling or early):
+            self.held = delta
+            return None
+        self.held = None
+        self.delivered_tokens = self.completion_tokens
+        return delta
 
     def _parse_tools(self, delta: Delta, finish: FinishReason) -> None:
         """The delta's text through the tool-call parser (flushed on the final delta)."""
@@ -198,11 +225,6 @@ class DetokState:
                 self.tool_parsing.mode, self.tools.tools_called, finish
             )
         delta.text, delta.tool_calls = content, calls
-
-    def sent_delta(self) -> None:
-        """The last delta went out: its token ids are delivered."""
-        self.pending_ids = []
-        self.delivered_tokens = self.completion_tokens
 
 
 def tool_finish_reason(mode: str, called: bool, finish: FinishReason) -> str | None:

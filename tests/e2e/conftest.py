@@ -88,8 +88,11 @@ def stack():
 @pytest.fixture(scope="session")
 def small_stack():
     """A constrained configuration: 256-token step budget (chunked prefill) and a KV cache of
-    160 blocks x 16 tokens, too small for many long sequences at once (preemption)."""
+    160 blocks x 16 tokens, too small for many long sequences at once (preemption); streamed
+    output goes 3 tokens per delta (--stream-interval 3), so every output compared with the
+    default stack's also checks that nothing is lost or repeated in the merged deltas."""
     args = ["--max-num-batched-tokens", "256", "--num-kv-blocks", "160", "--max-model-len", "2048"]
+    args += ["--stream-interval", "3"]
     with running_stack("small", *args) as base:
         yield base
 

@@ -178,3 +178,36 @@ def test_n_choices_stream_with_indexes(stack) -> None:
     assert set(finishes) == {0, 1}
     assert texts[0] == texts[1] and texts[0]  # greedy: both choices agree
     assert usage.completion_tokens == 2 * (usage.completion_tokens // 2)
+
+
+def streamed_token_counts(base: str, prompt: str, max_tokens: int) -> tuple[str, list[int]]:
+    """A streamed completion's text and the tokens each chunk carried (by its logprobs)."""
+    stream = openai_client(base).completions.create(
+        model=MODEL,
+        prompt=prompt,
+        max_tokens=max_tokens,
+        temperature=0,
+        logprobs=1,
+        stream=True,
+        extra_body={"ignore_eos": True},
+    )
+    text, counts = "", []
+    for chunk in stream:
+        choice = chunk.choices[0]
+        text += choice.text
+        if choice.logprobs and choice.logprobs.tokens:
+            counts.append(len(choice.logprobs.tokens))
+    return text, counts
+
+
+def test_stream_interval_sends_the_same_text_in_fewer_chunks(stack, small_stack) -> None:
+    """--stream-interval 3 (small_stack): the first token at once, then 3 or more tokens per
+    chunk, the last one whatever is left; the text equals the default stack's (chunks of a
+    token each, or more where a client reads slower than they come: the gateway merges what
+    waits, so only lower bounds hold)."""
+    prompt = "Write a short story about a lighthouse keeper."
+    want, ones = streamed_token_counts(stack, prompt, 25)
+    got, counts = streamed_token_counts(small_stack, prompt, 25)
+    assert got == want and sum(counts) == sum(ones) == 25
+    assert all(c >= 3 for c in counts[1:-1]), counts
+    assert len(counts) <= 2 + 24 // 3

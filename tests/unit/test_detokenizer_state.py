@@ -6,7 +6,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as hs
 
 from services.detokenizer.state import DetokState
-from shared.messages import FinishReason, SamplingParams
+from shared.messages import FinishReason, SampleLogprobs, SamplingParams
 
 N = FinishReason.NONE
 
@@ -77,9 +77,9 @@ def test_every_token_id_reaches_exactly_one_sent_delta(tokenizer) -> None:
         for i, t in enumerate(ids):
             last = FinishReason.LENGTH if i == len(ids) - 1 else N
             d, _ = st.add_token(tokenizer.backend_tokenizer, t, last)
-            if d.text or d.finish_reason:  # what the service sends
-                sent += d.token_ids
-                st.sent_delta()
+            ready = st.release(d)  # what the service sends
+            if ready is not None:
+                sent += ready.token_ids
         # a client that did not ask for them (the HTTP API) gets none: bytes saved per token
         assert sent == (ids if wanted else [])
 
@@ -115,3 +115,55 @@ def test_sent_text_is_dropped_without_changing_any_delta(tokenizer, words, stops
         if whole.finished:
             assert trimmed.finished
             break
+
+
+def released(tokenizer, ids: list[int], params: SamplingParams, interval: int) -> list:
+    """The deltas the service sends for ``ids`` (the last ends by length) at ``interval``."""
+    st = DetokState("r", "inbox", params, prompt_tokens=2, return_token_ids=True)
+    out = []
+    for i, t in enumerate(ids):
+        last = FinishReason.LENGTH if i == len(ids) - 1 else N
+        lp = SampleLogprobs(-float(i), [t], [-float(i)])
+        d, _ = st.add_token(tokenizer.backend_tokenizer, t, last, lp)
+        ready = st.release(d, interval)
+        if ready is not None:
+            out.append(ready)
+        if st.finished:
+            break
+    assert st.held is None  # nothing is left behind once the request ends
+    return out
+
+
+def test_stream_interval_sends_the_first_token_then_every_n_and_the_last(tokenizer) -> None:
+    """vLLM's --stream-interval: the same text, token ids and logprobs in fewer deltas, each
+    starting where the one before ended (the gateway orders deltas by those counts)."""
+    text = "caf\u00e9 \U0001f642 END? no, ENDING here, then a few more words to stream out"
+    ids = tokenizer(text)["input_ids"]
+    params = SamplingParams(stop=["END!"], logprobs=1)
+    every = released(tokenizer, ids, params, 1)
+    for n in (1, 2, 3, 4, 7, 100):
+        deltas = released(tokenizer, ids, params, n)
+        assert "".join(d.text for d in deltas) == "".join(d.text for d in every) == text
+        assert [t for d in deltas for t in d.token_ids] == ids
+        assert [lp.logprob for d in deltas for lp in d.logprobs] == [
+            -float(i) for i in range(len(ids))
+        ]
+        assert sum(d.num_new_tokens for d in deltas) == len(ids)
+        ends = [d.completion_tokens for d in deltas]
+        assert [d.after_tokens for d in deltas] == [0, *ends[:-1]]
+        assert deltas[-1].finish_reason == "length" and ends[-1] == len(ids)
+        assert all(d.finish_reason is None for d in deltas[:-1])
+        # the first delta with text goes at once; then none before n more tokens came
+        assert deltas[0].completion_tokens == every[0].completion_tokens
+        assert all(b - a >= n for a, b in zip(ends[:-2], ends[1:-1], strict=True))
+        if n == 1:
+            assert len(deltas) == len(every)
+        else:
+            assert len(deltas) <= 2 + (len(ids) - 1) // n < len(every)
+
+
+def test_a_stop_string_ends_a_held_interval_at_once(tokenizer) -> None:
+    ids = tokenizer("one two three four five six seven")["input_ids"]
+    deltas = released(tokenizer, ids, SamplingParams(stop=[" four"]), 50)
+    assert "".join(d.text for d in deltas) == "one two three"
+    assert deltas[-1].finish_reason == "stop" and len(deltas) == 2

@@ -44,10 +44,10 @@ def feed(
     for i, t in enumerate(ids):
         lp = SampleLogprobs(-0.5, [t], [-0.5]) if logprobs else None
         d, _ = st.add_token(tokenizer.backend_tokenizer, t, last if i == len(ids) - 1 else N, lp)
-        if d.text or d.finish_reason or d.logprobs or d.tool_calls:  # what the service sends
-            sent.append(d)
-            sent_ids += d.token_ids
-            st.sent_delta()
+        ready = st.release(d)  # what the service sends
+        if ready is not None:
+            sent.append(ready)
+            sent_ids += ready.token_ids
         if st.finished:
             break
     return sent, sent_ids, ids, st

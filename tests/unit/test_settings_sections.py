@@ -94,6 +94,8 @@ OLD_FLAT = {
     # added with tensor parallelism (issue 20)
     "tensor_parallel_size": ("worker.tensor_parallel_size", "2", 2, 1),
     "pipeline_parallel_size": ("worker.pipeline_parallel_size", "2", 2, 1),
+    # added with the stream interval (issue 37)
+    "stream_interval": ("gateway.stream_interval", "4", 4, 1),
 }
 
 
@@ -166,3 +168,11 @@ def test_a_setting_with_choices_refuses_others_as_flag_and_as_variable() -> None
         parser.parse_args(["run", "scheduler", "--scheduling-policy", "lifo"])
     with pytest.raises(ValueError, match="KVFLOW_SCHEDULING_POLICY='lifo' is not one of"):
         Settings.from_env({"KVFLOW_SCHEDULING_POLICY": "lifo"})
+
+
+def test_a_stream_interval_below_1_is_refused_saying_what_it_means() -> None:
+    from shared.config import check_stream_interval
+
+    check_stream_interval(Settings.of(stream_interval=1))
+    with pytest.raises(ValueError, match="--stream-interval must be at least 1"):
+        check_stream_interval(Settings.of(stream_interval=0))
