@@ -104,17 +104,26 @@ def random_prompts(num: int, length: int, seed: int, vocab: tuple[int, int]) -> 
     return [[rng.randrange(*vocab) for _ in range(length)] for _ in range(num)]
 
 
-async def _stream(session, url: str, model: str, prompt: list[int], max_tokens: int) -> StreamStats:  # noqa: ANN001
+async def _stream(
+    session, url: str, model: str, prompt: list[int], max_tokens: int, stream: bool = True
+) -> StreamStats:  # noqa: ANN001
     body = {
         "model": model,
         "prompt": prompt,
         "max_tokens": max_tokens,
         "temperature": 0,
         "ignore_eos": True,
-        "stream": True,
-        "stream_options": {"include_usage": True},
+        "stream": stream,
     }
     start = time.perf_counter()
+    if not stream:  # one JSON answer: its latency stands for the first token's and the last's
+        async with session.post(url, json=body) as r:
+            if r.status != 200:
+                raise RuntimeError(f"HTTP {r.status}: {await r.text()}")
+            tokens = (await r.json())["usage"]["completion_tokens"]
+        end = time.perf_counter() - start
+        return StreamStats(end, end, tokens, [])
+    body["stream_options"] = {"include_usage": True}
     ttft = None
     last = start
     itls: list[float] = []
@@ -141,9 +150,15 @@ async def _stream(session, url: str, model: str, prompt: list[int], max_tokens: 
 
 
 async def run_streams(
-    base: str, model: str, prompts: list[list[int]], max_tokens: int, concurrency: int
+    base: str,
+    model: str,
+    prompts: list[list[int]],
+    max_tokens: int,
+    concurrency: int,
+    stream: bool = True,
 ) -> tuple[list[StreamStats], float]:
-    """Send every prompt with at most ``concurrency`` in flight; (per-request stats, seconds)."""
+    """Send every prompt with at most ``concurrency`` in flight; (per-request stats, seconds).
+    ``stream`` False: requests not streamed (their latency in place of TTFT)."""
     url = f"{base}/v1/completions"
     sem = asyncio.Semaphore(concurrency)
     conn = aiohttp.TCPConnector(limit=0)
@@ -153,7 +168,7 @@ async def run_streams(
 
         async def one(p: list[int]) -> StreamStats:
             async with sem:
-                return await _stream(session, url, model, p, max_tokens)
+                return await _stream(session, url, model, p, max_tokens, stream)
 
         t0 = time.perf_counter()
         stats = await asyncio.gather(*(one(p) for p in prompts))
@@ -169,11 +184,12 @@ def measure(
     prompt_len: int,
     max_tokens: int,
     seed: int,
+    stream: bool = True,
 ) -> PipelineRun:
     prompts = random_prompts(num_requests, prompt_len, seed, (1000, 40000))
     before = {name: cpu_seconds(pid) for name, pid in procs.items()}
     me0 = resource.getrusage(resource.RUSAGE_SELF)
-    stats, dur = asyncio.run(run_streams(base, model, prompts, max_tokens, concurrency))
+    stats, dur = asyncio.run(run_streams(base, model, prompts, max_tokens, concurrency, stream))
     me1 = resource.getrusage(resource.RUSAGE_SELF)
     after = {name: cpu_seconds(pid) for name, pid in procs.items()}
     tokens = sum(s.output_tokens for s in stats)
@@ -235,6 +251,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default="off",
         help="TLS on every bus connection (a throwaway CA and server certificate made with "
         "trustme, a dev dependency); both: each stack without, then with, as peers",
+    )
+    p.add_argument(
+        "--no-stream",
+        action="store_true",
+        help="requests not streamed (one JSON answer each; TTFT columns: request latency)",
     )
     p.add_argument(
         "--requests-per-stream",
@@ -310,6 +331,7 @@ def main(args: argparse.Namespace) -> int:
                         args.input_len,
                         args.output_len,
                         args.seed,
+                        not args.no_stream,
                     )
                 )
         finally:

@@ -350,6 +350,7 @@ class LLM:
             cache_salt=salt,
             lora=lora,
             return_token_ids=True,
+            final_only=True,
         )
         seqs = expand([req], sequences_per_prompt(sp.n, sp.best_of))
         done = await asyncio.gather(*(self._client.generate(r) for r in seqs))

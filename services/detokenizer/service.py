@@ -161,6 +161,7 @@ class DetokenizerService:
             len(req.prompt_token_ids),
             tool_parsing=req.tool_parsing,
             return_token_ids=req.return_token_ids,
+            final_only=req.final_only,
         )
         if req.params.prompt_logprobs is not None and req.prompt_token_ids:
             st.first_prompt_token = req.prompt_token_ids[0]

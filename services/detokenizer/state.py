@@ -56,6 +56,7 @@ class DetokState:
     prompt_lps: dict[int, PromptTokenLogprob] = field(default_factory=dict)
     prompt_lps_sent: bool = False
     return_token_ids: bool = False  # the client reads the deltas' token ids (else left out)
+    final_only: bool = False  # the client reads only the whole output: first and final deltas
     tool_parsing: ToolParsing | None = None
     tools: GuardedParser | None = field(init=False, default=None)
 
@@ -191,8 +192,8 @@ class DetokState:
         into one delta), or None while it is held. Held: a delta with nothing to tell (a token
         whose text is not decided yet: part of a UTF-8 character, a possible stop string) and,
         with ``stream_interval`` N > 1 (vLLM's ``--stream-interval``), every delta after the
-        first sent until N tokens have come since the last one sent. The final delta always
-        goes."""
+        first sent until N tokens have come since the last one sent; with ``final_only``,
+        every delta after the first sent. The final delta always goes."""
         if self.held is not None:
             merge_delta(self.held, delta)
             delta = self.held
@@ -203,9 +204,8 @@ class DetokState:
             or delta.prompt_logprobs
             or delta.tool_calls
         )
-        early = (
-            self.delivered_tokens > 0
-            and self.completion_tokens - self.delivered_tokens < stream_interval
+        early = self.delivered_tokens > 0 and (
+            self.final_only or self.completion_tokens - self.delivered_tokens < stream_interval
         )
         if not self.finished and (not telling or early):
             self.held = delta

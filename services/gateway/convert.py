@@ -245,6 +245,7 @@ def chat_job(
         cache_salt=req.cache_salt,
         tools=tools.specs,
         tool_parsing=tools.parsing,
+        final_only=not req.stream,
     )
     return Job(
         [gen],
@@ -351,6 +352,7 @@ def completion_job(
             priority=req.priority or 0,
             truncate_prompt_tokens=req.truncate_prompt_tokens,
             cache_salt=req.cache_salt,
+            final_only=not req.stream,
         )
         for text, ids in prompts
     ]

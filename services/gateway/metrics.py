@@ -75,10 +75,11 @@ class LoopHistogram(Collector):
         self.counts = [0] * (len(self.bounds) + 1)  # the last one is +Inf
         self.sum = 0.0
 
-    def observe(self, value: float) -> None:
+    def observe(self, value: float, times: int = 1) -> None:
+        """``value`` observed ``times`` times."""
         # a value equal to a bound belongs to that bucket (``le``): the first bound >= value
-        self.counts[bisect.bisect_left(self.bounds, value)] += 1
-        self.sum += value
+        self.counts[bisect.bisect_left(self.bounds, value)] += times
+        self.sum += value * times
 
     def collect(self) -> Iterator[Metric]:
         counts, total = list(self.counts), self.sum
@@ -104,14 +105,14 @@ class GatewayMetrics:
             buckets=TTFT_BUCKETS,
             registry=r,
         )
-        # observed per delta, so without a lock; exported under vLLM's name and the one it used
-        # before 0.11 (older dashboards read it)
+        # observed per delta (per token: a delta of n tokens counts n), so without a lock;
+        # exported under vLLM's name and the one it used before 0.11 (older dashboards read it)
         self.itl = LoopHistogram(
             [
-                ("vllm:inter_token_latency_seconds", "Time between output deltas"),
+                ("vllm:inter_token_latency_seconds", "Time between output tokens"),
                 (
                     "vllm:time_per_output_token_seconds",
-                    "Time between output deltas (vLLM's older name for inter-token latency)",
+                    "Time between output tokens (vLLM's older name for inter-token latency)",
                 ),
             ],
             m,
@@ -183,8 +184,8 @@ class RequestTimer:
         now = time.perf_counter()
         if self.last is None:
             self.m.ttft_of_model.observe(now - self.start)
-        elif num_new_tokens:
-            self.m.itl.observe(now - self.last)
+        elif num_new_tokens:  # a delta of n tokens: n latencies of a nth of its wait each
+            self.m.itl.observe((now - self.last) / num_new_tokens, num_new_tokens)
         self.last = now
 
     def finished(self, reason: str | None, prompt_tokens: int, completion_tokens: int) -> None:

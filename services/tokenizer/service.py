@@ -292,6 +292,7 @@ class TokenizerService:
             pooling=pooling,
             lora=msg.lora,
             return_token_ids=msg.return_token_ids,
+            final_only=msg.final_only,
         )
         await self.bus.publish(subjects.REQUESTS, out, inject())
         return "ok"

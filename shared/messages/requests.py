@@ -47,6 +47,10 @@ class GenerateRequest(_Msg, tag=1):
     # the client reads each delta's ``token_ids`` (the Python API does; the HTTP API has no use
     # for them): without it the detokenizer leaves them out, per-token bytes saved on every hop
     return_token_ids: bool = False
+    # the client reads only the whole output (a request not streamed, the Python API): the
+    # detokenizer sends its first delta (the time to the first token) and then only the final
+    # one, as vLLM's RequestOutputKind.FINAL_ONLY (no message, wake-up or merge per token)
+    final_only: bool = False
 
 
 # ---------------------------------------------------------------------------------------------
@@ -66,6 +70,7 @@ class TokenizedRequest(_Msg, tag=2):
     pooling: PoolingParams | None = None  # GenerateRequest's: an embedding request
     lora: LoRARef | None = None  # GenerateRequest's
     return_token_ids: bool = False  # GenerateRequest's, for the detokenizer
+    final_only: bool = False  # GenerateRequest's, for the detokenizer
 
 
 # ---------------------------------------------------------------------------------------------

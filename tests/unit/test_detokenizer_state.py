@@ -117,9 +117,13 @@ def test_sent_text_is_dropped_without_changing_any_delta(tokenizer, words, stops
             break
 
 
-def released(tokenizer, ids: list[int], params: SamplingParams, interval: int) -> list:
+def released(
+    tokenizer, ids: list[int], params: SamplingParams, interval: int, final_only: bool = False
+) -> list:
     """The deltas the service sends for ``ids`` (the last ends by length) at ``interval``."""
-    st = DetokState("r", "inbox", params, prompt_tokens=2, return_token_ids=True)
+    st = DetokState(
+        "r", "inbox", params, prompt_tokens=2, return_token_ids=True, final_only=final_only
+    )
     out = []
     for i, t in enumerate(ids):
         last = FinishReason.LENGTH if i == len(ids) - 1 else N
@@ -167,3 +171,15 @@ def test_a_stop_string_ends_a_held_interval_at_once(tokenizer) -> None:
     deltas = released(tokenizer, ids, SamplingParams(stop=[" four"]), 50)
     assert "".join(d.text for d in deltas) == "one two three"
     assert deltas[-1].finish_reason == "stop" and len(deltas) == 2
+
+
+def test_a_request_not_streamed_gets_its_first_and_final_deltas_only(tokenizer) -> None:
+    """final_only (vLLM's FINAL_ONLY output kind, for requests not streamed): the first delta
+    (the gateway's time to first token), then the rest of the output in the final one."""
+    ids = tokenizer("caf\u00e9 \U0001f642 and a few more words, then the end")["input_ids"]
+    params = SamplingParams(logprobs=1)
+    first, final = released(tokenizer, ids, params, 1, final_only=True)
+    assert first.completion_tokens == 1 and final.after_tokens == 1
+    assert first.text + final.text == "".join(d.text for d in released(tokenizer, ids, params, 1))
+    assert first.token_ids + final.token_ids == ids and final.finish_reason == "length"
+    assert len(first.logprobs) + len(final.logprobs) == len(ids) == final.completion_tokens

@@ -436,6 +436,21 @@ def test_gateway_counts_a_prompt_once_and_uses_vllm_buckets() -> None:
     assert buckets_1_2_5(100) == [1, 2, 5, 10, 20, 50, 100]
 
 
+def test_a_delta_of_n_tokens_is_n_inter_token_latencies() -> None:
+    """A delta carrying n tokens (--stream-interval, speculative decoding, a request not
+    streamed) counts n latencies of a nth of the wait each: the histogram is per token."""
+    gm = GatewayMetrics("m")
+    t = gm.request_timer()
+    t.delta(1)
+    t.last -= 0.4  # the next delta came 0.4 s after the first
+    t.delta(4)
+    r = gm.registry
+    assert _sample(r, "vllm:inter_token_latency_seconds_count", model_name="m") == 4
+    assert abs(_sample(r, "vllm:inter_token_latency_seconds_sum", model_name="m") - 0.4) < 0.01
+    assert _sample(r, "vllm:inter_token_latency_seconds_bucket", model_name="m", le="0.1") == 0
+    assert _sample(r, "vllm:inter_token_latency_seconds_bucket", model_name="m", le="0.15") == 4
+
+
 def test_the_loop_histogram_exports_what_prometheus_client_s_histogram_does() -> None:
     """Same buckets (a value equal to a bound counted in it, beyond the last in +Inf), count and
     sum as prometheus_client's Histogram, under every name it is given."""
