@@ -255,7 +255,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--no-stream",
         action="store_true",
-        help="requests not streamed (one JSON answer each; TTFT columns: request latency)",
+        help="requests not streamed (one JSON answer each; TTFT columns: request latency, TPOT and ITL: none)",
     )
     p.add_argument(
         "--requests-per-stream",
