@@ -558,6 +558,7 @@ def step_pipeline(args: argparse.Namespace) -> int:
             output_len=8 if args.tiny else 256,
             nats_tls="off",
             requests_per_stream=1.0 if args.tiny else 2.0,
+            no_stream=False,
             seed=0,
             out=str(Path(tmp) / "out"),
         )
