@@ -175,6 +175,10 @@ class Stack:
         self.nats_cluster = nats_cluster
         self.credentials: Credentials | None = None
         self._log: IO[bytes] | None = None
+        # a log in a folder of its own that ``stop`` removes when nothing failed (the Python
+        # API's); kept, and its path said, when a child died or the start-up failed
+        self.temporary_log = False
+        self.failed = False
 
     @property
     def nats_url(self) -> str:
@@ -243,8 +247,10 @@ class Stack:
         while not ready():
             gone = self.exited()
             if gone is not None:
+                self.failed = True
                 raise RuntimeError(self._exit_message(gone[1].name, gone[2]))
             if time.monotonic() - start > STARTUP_TIMEOUT_S:
+                self.failed = True
                 where = f"; log: {self.log_path}" if self.log_path else ""
                 raise RuntimeError(f"the stack was not ready after {STARTUP_TIMEOUT_S:.0f}s{where}")
             if time.monotonic() - last_note > 10:
@@ -272,6 +278,7 @@ class Stack:
         credentials always go too (a second SIGTERM used to leave the children running)."""
         with _ignoring_stop_signals():
             try:
+                self.failed = self.failed or self.exited() is not None
                 self._stop_children(graceful)
             finally:
                 for s in reversed(self.servers):
@@ -283,6 +290,16 @@ class Stack:
                 if self._log is not None:
                     self._log.close()
                     self._log = None
+                self._remove_temporary_log()
+
+    def _remove_temporary_log(self) -> None:
+        if not (self.temporary_log and self.log_path):
+            return
+        if self.failed:
+            self.note(f"a process failed: its log is kept at {self.log_path}")
+        else:
+            shutil.rmtree(self.log_path.parent, ignore_errors=True)
+        self.temporary_log = False
 
     def _stop_children(self, graceful: bool) -> None:
         rest = [popen for _p, popen in self.procs]
@@ -445,11 +462,13 @@ def start_pipeline(settings: Settings, workers: int = 1) -> Stack:
         raise ValueError("workers must be at least 1")
     log_path = Path(tempfile.mkdtemp(prefix="kvflow-llm-")) / "pipeline.log"
     stack = Stack(settings, Topology(workers=workers, gateway=False), log_path, sys.stderr)
+    stack.temporary_log = True
     stack.note("starting the pipeline (nats-server, tokenizer, scheduler, detokenizer, worker)")
     try:
         stack.start(redis=False)
     except BaseException:
+        stack.failed = True
         stack.stop()
         raise
-    stack.note(f"loading the model in every process; logs: {log_path}")
+    stack.note(f"loading the model in every process; logs: {log_path} (removed at close)")
     return stack

@@ -200,6 +200,8 @@ def test_an_llm_starts_its_own_pipeline_and_stops_it() -> None:
     t0 = time.monotonic()
     llm = LLM(max_model_len=512, kv_cache_memory=0.25)
     nats_url = llm._stack.nats_url
+    log_dir = llm._stack.log_path.parent
+    assert "tokenizer ready" in llm._stack.log_path.read_text()
     try:
         assert service_pids(nats_url)  # tokenizer, scheduler, detokenizer, worker
         outs = llm.generate(
@@ -219,6 +221,7 @@ def test_an_llm_starts_its_own_pipeline_and_stops_it() -> None:
     while service_pids(nats_url) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert service_pids(nats_url) == {}
+    assert not log_dir.exists()  # the pipeline's log goes with it when nothing failed
 
 
 def test_chat_with_tools_renders_them_and_equals_the_http_api(llm, stack) -> None:

@@ -117,3 +117,19 @@ def test_a_cluster_nodes_configuration_includes_the_users_and_joins_every_route(
     assert 'include "nats.conf"' in text and 'server_name: "kvflow-1"' in text
     assert 'listen: "127.0.0.1:6223"' in text
     assert '"nats-route://route:pw@127.0.0.1:6222", "nats-route://route:pw@127.0.0.1:6223"' in text
+
+
+@pytest.mark.parametrize("failed", [False, True])
+def test_a_temporary_log_is_removed_at_stop_unless_something_failed(tmp_path, capsys, failed):
+    log = tmp_path / "kvflow-llm-x" / "pipeline.log"
+    log.parent.mkdir()
+    log.write_text("worker: Traceback ...\n")
+    stack = Stack(Settings(), Topology(workers=1, gateway=False), log, console=None)
+    stack.temporary_log = True
+    stack.failed = failed
+    stack.stop()
+    assert log.exists() == failed
+    said = capsys.readouterr().out
+    assert (f"its log is kept at {log}" in said) == failed
+    stack.stop()  # a second stop says nothing more
+    assert "kept" not in capsys.readouterr().out
