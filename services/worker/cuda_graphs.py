@@ -80,7 +80,8 @@ class DecodeBuffers:
         self._np = self.host.numpy()
         # the copy of the previous step must be done before the staging buffer is rewritten
         self._copied: torch.cuda.Event | None = None
-        self.fill([], [], [], [], [], max_batch)  # every row padding until a step runs
+        no_tables = np.zeros((0, 0), dtype=np.int32)
+        self.fill([], [], [], [], no_tables, max_batch)  # every row padding until a step runs
         self.upload(max_batch)
 
     def _seg(self, buf: torch.Tensor | np.ndarray, i: int, n: int) -> torch.Tensor | np.ndarray:
@@ -96,7 +97,7 @@ class DecodeBuffers:
         positions: Sequence[int],
         slots: Sequence[int],
         seq_lens: Sequence[int],
-        block_tables: Sequence[Sequence[int]],
+        block_tables: np.ndarray,
         padded: int,
     ) -> None:
         """Write n sequences' decode inputs into rows ``[0, n)`` of the staging buffer and
@@ -105,7 +106,7 @@ class DecodeBuffers:
         n = len(token_ids)
         if not n <= padded <= self.max_batch:
             raise ValueError(f"{n} rows padded to {padded} (at most {self.max_batch})")
-        if any(len(t) > self.max_blocks for t in block_tables):
+        if block_tables.shape[1] > self.max_blocks:
             raise ValueError(f"a block table is wider than {self.max_blocks} blocks")
         if self._copied is not None:
             self._copied.synchronize()
@@ -218,7 +219,7 @@ class DecodeGraphs:
         positions: Sequence[int],
         slots: Sequence[int],
         seq_lens: Sequence[int],
-        block_tables: Sequence[Sequence[int]],
+        block_tables: np.ndarray,
     ) -> torch.Tensor:
         """One decode step of n sequences padded to the next captured size; returns logits
         [n, vocab] (a view of the static buffer: use it before the next step)."""

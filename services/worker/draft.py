@@ -26,6 +26,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from services.worker.block_tables import BlockTables
 from services.worker.model_setup import CpuPathSpec, DeviceSpec, LoadedModel, load_model
 from services.worker.step_inputs import HostStep, Staging, pack
 from services.worker.step_rows import StepRows, host_batch, lay_out
@@ -76,13 +77,16 @@ def load_draft(cfg: SpeculativeConfig, device: DeviceSpec, target: ModelConfig) 
 
 
 class DraftProposer:
-    """A draft model and its KV cache (``num_blocks`` x ``block_size``, the target's)."""
+    """A draft model and its KV cache (``num_blocks`` x ``block_size``, the target's), read
+    through the target runner's block ``tables``."""
 
-    def __init__(self, loaded: LoadedModel, num_blocks: int, block_size: int) -> None:
+    def __init__(
+        self, loaded: LoadedModel, num_blocks: int, block_size: int, tables: BlockTables
+    ) -> None:
         self.loaded = loaded
+        self.tables = tables
         self.model = loaded.model
         self.block_size = block_size
-        self.num_blocks = num_blocks
         self.kv_caches = self.model.make_kv_caches(num_blocks, block_size)
         self.staging = Staging(loaded.device)  # its own: the target's is in use meanwhile
         # request id -> (position, tokens): known tokens the target has computed and the draft
@@ -161,7 +165,6 @@ class DraftProposer:
             seqs,
             {s.request_id: _BARE for s in seqs},
             self.block_size,
-            self.num_blocks,
             self.model.cfg.max_position_embeddings,
         )
         logits = self._forward(step)
@@ -172,12 +175,12 @@ class DraftProposer:
     def _forward(self, step: StepRows) -> torch.Tensor:
         ld = self.loaded
         if ld.ops is None:
-            batch = host_batch(step, self.block_size, ld.decode_fn, ld.gemm_rows)
+            batch = host_batch(step, self.tables, self.block_size, ld.decode_fn, ld.gemm_rows)
             ids, pos = torch.tensor(step.ids), torch.tensor(step.pos)
             return self.model(ids, pos, batch, self.kv_caches)
         bs = self.block_size
         ends = [s.start_pos + len(s.token_ids) for s in step.seqs]
-        tables = [s.block_table[: -(-e // bs)] for s, e in zip(step.seqs, ends, strict=True)]
+        tables = self.tables.used(step.seqs, ends, bs)
         qlens = [len(s.token_ids) for s in step.seqs]
         host = HostStep(step.ids, step.pos, step.slots, tables, ends, qlens, step.logits_rows)
         batch = pack(host, self.staging)

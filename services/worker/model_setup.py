@@ -11,6 +11,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 
 from kernels import batch_invariance, cpu_gemm, cpu_native, cpu_quant
@@ -385,7 +386,7 @@ def warm_up_prefill(
             token_ids=[0] * n,
             positions=list(range(n)),
             slots=[-1] * n,
-            block_tables=[[0] * -(-n // block_size)],
+            block_tables=np.zeros((1, -(-n // block_size)), dtype=np.int32),
             seq_lens=[n],
             query_lens=[n],
             sample_rows=[n - 1],

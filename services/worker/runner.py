@@ -139,7 +139,10 @@ class ModelRunner:
         self._num_blocks = kv_cache_blocks(self.model, kv)
         self.kv_caches = self.model.make_kv_caches(self._num_blocks, kv.block_size)
         self._max_model_len = max_model_len(self.config, self._num_blocks, kv)
-        self.draft = DraftProposer(draft, self._num_blocks, kv.block_size) if draft else None
+        self.tables = BlockTables(self._num_blocks)  # each request's (plans send differences)
+        self.draft = (
+            DraftProposer(draft, self._num_blocks, kv.block_size, self.tables) if draft else None
+        )
         if lora is not None and self.config.num_experts:
             raise ValueError(f"{self.config.family}: LoRA adapters on experts are not served yet")
         self.loras = (
@@ -156,7 +159,6 @@ class ModelRunner:
             else None
         )
         self.requests: dict[str, RequestState] = {}
-        self.tables = BlockTables()  # each request's block table (plans send differences)
         self.total_computed_tokens = 0
         self.graphs: DecodeGraphs | None = None
         graphs = device.cuda_graphs
@@ -338,7 +340,6 @@ class ModelRunner:
             speculation.expand(plan_seqs),
             self.requests,
             self._block_size,
-            self._num_blocks,
             self.config.max_position_embeddings,
         )
         seqs, prompt_rows, sample_rows = step.seqs, step.prompt_rows, step.sample_rows
@@ -348,7 +349,7 @@ class ModelRunner:
             # sampled (and prompt-logprob rows) where they are: only ids and logprobs leave
             logits, hidden = self._forward_device(step, lora)
         else:
-            batch = host_batch(step, self._block_size, self.decode_fn, self.gemm_rows)
+            batch = host_batch(step, self.tables, self._block_size, self.decode_fn, self.gemm_rows)
             batch.lora = lora
             ids, pos = torch.tensor(step.ids), torch.tensor(step.pos)
             if step.pool_rows:
@@ -394,14 +395,14 @@ class ModelRunner:
         seqs, ids, pos, slots, rows = step.seqs, step.ids, step.pos, step.slots, step.logits_rows
         bs = self._block_size
         ends = [s.start_pos + len(s.token_ids) for s in seqs]
-        tables = [s.block_table[: -(-e // bs)] for s, e in zip(seqs, ends, strict=True)]
+        tables = self.tables.used(seqs, ends, bs)
         g = self.graphs
         if (
             g is not None
             and not step.pool_rows
             and lora is None
             and len(ids) == len(seqs)
-            and g.fits(len(seqs), max(len(t) for t in tables))
+            and g.fits(len(seqs), tables.shape[1])
         ):
             logits = g.run(ids, pos, slots, ends, tables)
             if rows == list(range(len(seqs))):

@@ -119,7 +119,7 @@ class SimRunner:
         self._k = k.numpy().reshape(-1)
         self._v = v.numpy().reshape(-1)
         self.requests: dict[str, SimRequest] = {}
-        self.tables = BlockTables()  # each request's block table (plans send differences)
+        self.tables = BlockTables(num_blocks)  # each request's (plans send differences)
         self.loras = None  # no weights: requests with an adapter run as without one
         self.total_computed_tokens = 0
         log.info(

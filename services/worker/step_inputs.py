@@ -46,7 +46,7 @@ class HostStep:
     token_ids: Sequence[int]
     positions: Sequence[int]
     slots: Sequence[int]
-    block_tables: Sequence[Sequence[int]]  # each sequence's used blocks
+    block_tables: np.ndarray  # [B, W] int32: each sequence's used blocks (BlockTables.rows)
     seq_lens: Sequence[int]
     query_lens: Sequence[int]
     sample_rows: Sequence[int]
@@ -56,12 +56,12 @@ class HostStep:
         return all(n == 1 for n in self.query_lens)
 
 
-def fill_tables(out: np.ndarray, tables: Sequence[Sequence[int]]) -> None:
-    """Write each block table into a row of ``out`` [>= B, W]; everything else in ``out``
-    (the rest of each row, rows past B) becomes 0."""
+def fill_tables(out: np.ndarray, tables: np.ndarray) -> None:
+    """Write ``tables`` [B, W] into ``out`` [>= B, >= W]; everything else in ``out`` (the rest
+    of each row, rows past B) becomes 0."""
     out[:] = 0
-    for i, t in enumerate(tables):
-        out[i, : len(t)] = t
+    b, w = tables.shape
+    out[:b, :w] = tables
 
 
 class Staging:
@@ -101,7 +101,7 @@ def pack(step: HostStep, staging: Staging) -> DeviceBatch:
     """Every int of ``step`` in ``staging``'s host buffer, one copy to its device, and views
     of it. A decode step has no ``query_start_loc``."""
     t, b, s = len(step.token_ids), len(step.seq_lens), len(step.sample_rows)
-    w = max((len(x) for x in step.block_tables), default=0)
+    w = step.block_tables.shape[1]
     decode = step.is_decode
     sizes = [t, t, t, b, 0 if decode else b + 1, s, b * w]
     offs = np.cumsum([0, *sizes]).tolist()

@@ -13,6 +13,7 @@ import torch
 
 from kernels import reference as K
 from kernels.batch_invariance import GemmRows
+from services.worker.block_tables import BlockTables
 from services.worker.model import ForwardBatch
 from services.worker.prompt_logprobs import PromptRows
 from shared.messages import ScheduledSeq
@@ -45,11 +46,11 @@ def lay_out(
     plan_seqs: list[ScheduledSeq],
     requests: Mapping[str, Any],
     block_size: int,
-    num_blocks: int,
     max_positions: int,
 ) -> StepRows:
-    """Check each chunk against the cache and the model, and lay its tokens out as rows;
-    ``requests`` maps request ids to the runner's RequestState."""
+    """Check each chunk against its block table and the model, and lay its tokens out as rows;
+    ``requests`` maps request ids to the runner's RequestState. The tables are the ones
+    ``BlockTables.apply`` gave the plan (their block ids checked there)."""
     bs = block_size
     order = sorted(range(len(plan_seqs)), key=lambda i: len(plan_seqs[i].token_ids) > 1)
     step = StepRows([plan_seqs[i] for i in order])
@@ -58,9 +59,9 @@ def lay_out(
         if n == 0:
             raise ValueError(f"{s.request_id}: empty chunk")
         end = s.start_pos + n
-        used = s.block_table[: -(-end // bs)]
-        if len(used) * bs < end or min(used) < 0 or max(used) >= num_blocks:
-            raise ValueError(f"{s.request_id}: bad block table for {end} tokens: {used}")
+        if len(s.block_table) * bs < end:  # (its block ids were checked as they arrived)
+            held = len(s.block_table)
+            raise ValueError(f"{s.request_id}: bad block table for {end} tokens: {held} blocks")
         if end > max_positions:
             raise ValueError(f"{s.request_id}: {end} tokens exceed the model's positions")
         if s.sample and s.request_id not in requests:
@@ -90,14 +91,16 @@ def lay_out(
 
 def host_batch(
     step: StepRows,
+    block_tables: BlockTables,
     block_size: int,
     decode_fn: Callable[..., Any] | None,
     gemm_rows: GemmRows | None,
 ) -> ForwardBatch:
-    """The CPU path's ForwardBatch: attention plan, batch-invariant row layout, logits rows."""
+    """The CPU path's ForwardBatch: attention plan, batch-invariant row layout, logits rows;
+    ``block_tables`` holds the step's tables."""
     seqs = step.seqs
-    max_blocks = max(len(s.block_table) for s in seqs)
-    tables = torch.tensor([s.block_table + [0] * (max_blocks - len(s.block_table)) for s in seqs])
+    width = max(len(s.block_table) for s in seqs)
+    tables = torch.from_numpy(block_tables.rows([s.request_id for s in seqs], width)).long()
     qlens = torch.tensor([len(s.token_ids) for s in seqs])
     seq_lens = torch.tensor([s.start_pos + len(s.token_ids) for s in seqs])
     num_single = len(seqs) - len(step.segments)

@@ -45,7 +45,7 @@ class FakeWorker:
 
     worker_id: str = "w"
     tokens: StepTokens = field(default_factory=StepTokens)
-    tables: BlockTables = field(default_factory=BlockTables)
+    tables: BlockTables = field(default_factory=lambda: BlockTables(num_blocks=1 << 20))
     outputs: dict[str, list[int]] = field(default_factory=dict)  # what a client is streamed
     ended: set[str] = field(default_factory=set)
     counts: dict[str, int] = field(default_factory=dict)

@@ -3,6 +3,7 @@ batch-size ladder and padding into static buffers, and the one-copy step metadat
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -12,6 +13,14 @@ from services.worker.step_inputs import HostStep, Staging, pack
 from shared.config import Settings
 
 CPU = torch.device("cpu")
+
+
+def rows(tables: list[list[int]]) -> np.ndarray:
+    """Ragged block tables as the runner's BlockTables.rows gives them: [B, W] int32, 0-padded."""
+    out = np.zeros((len(tables), max((len(t) for t in tables), default=0)), dtype=np.int32)
+    for i, t in enumerate(tables):
+        out[i, : len(t)] = t
+    return out
 
 
 def test_capture_sizes_ladder() -> None:
@@ -38,7 +47,7 @@ def test_decode_buffers_pad_rows_and_views() -> None:
     # before any step every row is padding
     b8 = buf.batch(8, num_splits=3)
     assert b8.slot_mapping.tolist() == [-1] * 8 and b8.seq_lens.tolist() == [0] * 8
-    tables = [[7, 2, 9], [4], [1, 3, 5, 6, 8]]
+    tables = rows([[7, 2, 9], [4], [1, 3, 5, 6, 8]])
     buf.fill([11, 12, 13], [9, 0, 17], [37, 16, 34], [10, 1, 18], tables, padded=4)
     buf.upload(4)
     b = buf.batch(4, num_splits=3)
@@ -55,15 +64,15 @@ def test_decode_buffers_pad_rows_and_views() -> None:
     assert b.input_ids.data_ptr() == buf.device_buf.data_ptr()
     assert buf.batch(2, None).block_tables.data_ptr() == b.block_tables.data_ptr()
     # a smaller step overwrites what the rows it pads held before
-    buf.fill([5], [3], [40], [4], [[2]], padded=2)
+    buf.fill([5], [3], [40], [4], rows([[2]]), padded=2)
     buf.upload(2)
     b = buf.batch(2, None)
     assert b.slot_mapping.tolist() == [40, -1] and b.seq_lens.tolist() == [4, 0]
     assert b.block_tables.tolist() == [[2, 0, 0, 0, 0], [0, 0, 0, 0, 0]]
     with pytest.raises(ValueError):
-        buf.fill([1, 2, 3], [0] * 3, [0] * 3, [1] * 3, [[0]] * 3, padded=2)
+        buf.fill([1, 2, 3], [0] * 3, [0] * 3, [1] * 3, rows([[0]] * 3), padded=2)
     with pytest.raises(ValueError):
-        buf.fill([1], [0], [0], [1], [[0] * 6], padded=1)  # wider than max_blocks
+        buf.fill([1], [0], [0], [1], rows([[0] * 6]), padded=1)  # wider than max_blocks
 
 
 def test_decode_graphs_eager_stand_in_pads_and_returns_the_real_rows() -> None:
@@ -77,12 +86,12 @@ def test_decode_graphs_eager_stand_in_pads_and_returns_the_real_rows() -> None:
 
     g = DecodeGraphs(forward, [1, 2, 4], 3, 3, CPU, lambda b: 10 + b, capture=False)
     assert g.capture() == 0.0 and not g.graphs
-    out = g.run([5, 6, 7], [1, 2, 3], [8, 9, 10], [2, 3, 4], [[0], [1], [2]])
+    out = g.run([5, 6, 7], [1, 2, 3], [8, 9, 10], [2, 3, 4], rows([[0], [1], [2]]))
     assert seen[-1] == ([5, 6, 7, 0], [8, 9, 10, -1], 14)
     assert out.tolist() == [[5, 10, 15], [6, 12, 18], [7, 14, 21]]
     assert g.fits(4, 3) and not g.fits(5, 3) and not g.fits(2, 4) and not g.fits(0, 1)
     with pytest.raises(ValueError):
-        g.run([1] * 5, [0] * 5, [0] * 5, [1] * 5, [[0]] * 5)
+        g.run([1] * 5, [0] * 5, [0] * 5, [1] * 5, rows([[0]] * 5))
     with pytest.raises(ValueError, match="CUDA"):
         DecodeGraphs(forward, [1], 1, 3, CPU, lambda b: None, capture=True)
 
@@ -92,7 +101,7 @@ def test_pack_mixed_and_decode_steps() -> None:
         token_ids=[1, 2, 3, 4, 5, 6],
         positions=[7, 0, 1, 2, 8, 9],
         slots=[31, 4, 5, 6, 40, 41],
-        block_tables=[[7, 3], [1], [9, 10, 11]],
+        block_tables=rows([[7, 3], [1], [9, 10, 11]]),
         seq_lens=[8, 3, 10],
         query_lens=[1, 3, 2],
         sample_rows=[0, 3, 5],
@@ -112,13 +121,13 @@ def test_pack_mixed_and_decode_steps() -> None:
         t.untyped_storage().data_ptr() == base
         for t in (b.positions, b.slot_mapping, b.seq_lens, b.block_tables, b.sample_rows)
     )
-    d = pack(HostStep([3, 4], [5, 0], [21, 2], [[5, 2], [0]], [6, 1], [1, 1], [1]), staging)
+    d = pack(HostStep([3, 4], [5, 0], [21, 2], rows([[5, 2], [0]]), [6, 1], [1, 1], [1]), staging)
     assert d.query_start_loc is None and d.max_query_len == 1
     assert d.sample_rows.tolist() == [1] and d.block_tables.tolist() == [[5, 2], [0, 0]]
     # the host buffer is the staging's, reused: the first step's batch is not overwritten
     assert b.input_ids.tolist() == [1, 2, 3, 4, 5, 6] and staging.allocations == 1
     big = 5000  # more than the buffer holds: it grows once, then serves smaller steps again
-    wide = HostStep([1] * big, [0] * big, [0] * big, [[1]], [big], [big], [big - 1])
+    wide = HostStep([1] * big, [0] * big, [0] * big, rows([[1]]), [big], [big], [big - 1])
     assert pack(wide, staging).input_ids.numel() == big and staging.allocations == 2
     first = staging.take(8).data_ptr()
     assert staging.take(16).data_ptr() == first and staging.allocations == 2

@@ -24,6 +24,7 @@ def test_a_second_signal_during_stop_is_ignored(sig) -> None:
     stack = object.__new__(launcher.Stack)
     server = Server()
     stack.servers, stack.credentials, stack._log, stack.procs = [server], None, None, []
+    stack.temporary_log, stack.failed, stack.log_path = False, False, None
     stopped = []
 
     def stop_children(graceful: bool) -> None:

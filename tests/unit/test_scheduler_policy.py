@@ -21,7 +21,7 @@ class FakeWorker:
         self.params: dict[str, tuple[int, int]] = {}  # rid -> (max_tokens, outputs so far)
         self.computed = 0
         self.history: dict[str, list[int]] = {}  # rid -> NewRequest.token_history + sampled
-        self.tables = BlockTables()
+        self.tables = BlockTables(num_blocks=1 << 20)
 
     def _slot(self, table: list[int], pos: int) -> int:
         return table[pos // self.block_size] * self.block_size + pos % self.block_size

@@ -137,7 +137,7 @@ def test_bad_plans_are_step_errors() -> None:
     r = runner(num_blocks=8)
     assert "bad block table" in (r.execute(prefill("a", [1] * 9, [0, 1])).error or "")
     assert "bad block table" in (r.execute(prefill("a", [1] * 3, [8])).error or "")
-    assert "outside" in (r.execute(prefill("a", [1], [8])).error or "")
+    assert "outside [0, 8)" in (r.execute(prefill("a", [1], [8])).error or "")
     assert "unknown request" in (r.execute(decode("zz", 5, 3, [0])).error or "")
     # still serving afterwards
     assert r.execute(prefill("b", [1, 2], [0])).error is None
