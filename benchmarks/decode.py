@@ -42,7 +42,9 @@ def decode_steps(
     runner: ModelRunner, batch: int, context: int, steps: int, warmup: int, first_block: int
 ) -> tuple[list[float], list[float]]:
     """Run ``warmup + steps`` greedy decode steps of ``batch`` sequences from ``context``
-    tokens on; returns the timed steps' wall and process CPU seconds."""
+    tokens on; returns the timed steps' wall and process CPU seconds. As a scheduler's plans,
+    the first step sends each block table whole and the later ones only what changed
+    (nothing: the tables hold every step's blocks from the start)."""
     bs = runner.block_size
     nblk = -(-(context + warmup + steps + 1) // bs)
     blocks = list(range(first_block, first_block + batch * nblk))
@@ -56,6 +58,8 @@ def decode_steps(
     for k in range(warmup + steps):
         seqs = [
             ScheduledSeq(r, [t], context + k, table)
+            if k == 0
+            else ScheduledSeq(r, [t], context + k, [], block_table_from=len(table))
             for r, t, table in zip(rids, tokens, tables, strict=True)
         ]
         plan = StepPlan(k, seqs, new)

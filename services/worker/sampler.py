@@ -21,6 +21,7 @@ vLLM's sampler does.
 
 from __future__ import annotations
 
+import array
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -35,12 +36,13 @@ NUCLEUS_GUESS = 2048  # CPU: candidates taken by top-k before falling back to a 
 @dataclass
 class SamplingBatch:
     """Per-row sampling settings as tensors on the logits' device, built once per step by
-    ``make_batch``; the row lists and widths are decided from the parameters (host values)."""
+    ``make_batch`` (one copy to the device; none when every row is greedy: the settings are
+    then None); the row lists and widths are decided from the parameters (host values)."""
 
-    temperature: torch.Tensor  # [S] float; 1.0 for greedy rows
-    top_p: torch.Tensor  # [S] float, 1.0 = off
-    top_k: torch.Tensor  # [S] long, 0 = off
-    min_p: torch.Tensor  # [S] float, 0.0 = off
+    temperature: torch.Tensor | None  # [S] float; 1.0 for greedy rows
+    top_p: torch.Tensor | None  # [S] float, 1.0 = off
+    top_k: torch.Tensor | None  # [S] long, 0 = off
+    min_p: torch.Tensor | None  # [S] float, 0.0 = off
     seeded: torch.Tensor | None  # [R] long: the sampled rows with a seed (None: no such row)
     seeded_u: torch.Tensor | None  # [R] float64: their uniforms (``counter_uniform``)
     plain: list[int]  # sampled rows drawn from the whole vocabulary
@@ -79,6 +81,8 @@ def make_batch(
     has a seed."""
     greedy = [float(p.temperature) < GREEDY_EPS for p in params]
     rows = [i for i, g in enumerate(greedy) if not g]
+    if not rows:  # argmax only: no settings built or copied
+        return SamplingBatch(None, None, None, None, None, None, [], [], 0, True, False)
     seeded = [i for i in rows if params[i].seed is not None]
     if seeded and positions is None:
         raise ValueError("a seeded row needs its output position")
@@ -86,16 +90,26 @@ def make_batch(
     filtered = [i for i in rows if params[i].top_k > 0 or params[i].top_p < 1.0]
     bounded = all(params[i].top_k > 0 for i in filtered)
     filtered_set = set(filtered)
-    temperature = [1.0 if g else float(p.temperature) for p, g in zip(params, greedy, strict=True)]
+    # one [S, 4] copy: temperature (1.0 for greedy rows), top-p, top-k (exact in float32: any
+    # vocabulary is under 2^24), min-p; through an array (torch.tensor of a list is slower)
+    values = array.array(
+        "f",
+        [
+            x
+            for p, g in zip(params, greedy, strict=True)
+            for x in (1.0 if g else p.temperature, p.top_p, max(p.top_k, 0), p.min_p)
+        ],
+    )
+    settings = torch.frombuffer(values, dtype=torch.float32).view(-1, 4).to(device)
 
     def on(values: list, dtype: torch.dtype) -> torch.Tensor:
         return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
 
     return SamplingBatch(
-        temperature=on(temperature, torch.float32),
-        top_p=on([float(p.top_p) for p in params], torch.float32),
-        top_k=on([max(int(p.top_k), 0) for p in params], torch.long),
-        min_p=on([float(p.min_p) for p in params], torch.float32),
+        temperature=settings[:, 0],
+        top_p=settings[:, 1],
+        top_k=settings[:, 2].long(),
+        min_p=settings[:, 3],
         seeded=on(seeded, torch.long) if seeded else None,
         seeded_u=on(seeded_u, torch.float64) if seeded else None,
         plain=[i for i in rows if i not in filtered_set],
