@@ -52,36 +52,44 @@ def lay_out(
     ``requests`` maps request ids to the runner's RequestState. The tables are the ones
     ``BlockTables.apply`` gave the plan (their block ids checked there)."""
     bs = block_size
-    order = sorted(range(len(plan_seqs)), key=lambda i: len(plan_seqs[i].token_ids) > 1)
-    step = StepRows([plan_seqs[i] for i in order])
+    singles = [s for s in plan_seqs if len(s.token_ids) <= 1]  # (an empty one is refused)
+    step = StepRows(singles + [s for s in plan_seqs if len(s.token_ids) > 1])
+    ids, pos, slots, prompt_lens = step.ids, step.pos, step.slots, step.prompt_lens
     for s in step.seqs:
         n = len(s.token_ids)
         if n == 0:
             raise ValueError(f"{s.request_id}: empty chunk")
-        end = s.start_pos + n
-        if len(s.block_table) * bs < end:  # (its block ids were checked as they arrived)
-            held = len(s.block_table)
-            raise ValueError(f"{s.request_id}: bad block table for {end} tokens: {held} blocks")
+        start = s.start_pos
+        end = start + n
+        table = s.block_table
+        if len(table) * bs < end:  # (its block ids were checked as they arrived)
+            raise ValueError(
+                f"{s.request_id}: bad block table for {end} tokens: {len(table)} blocks"
+            )
         if end > max_positions:
             raise ValueError(f"{s.request_id}: {end} tokens exceed the model's positions")
-        if s.sample and s.request_id not in requests:
-            raise KeyError(f"{s.request_id}: unknown request (no NewRequest)")
-        start_row = len(step.ids)
-        step.ids += s.token_ids
-        for p in range(s.start_pos, end):
-            step.slots.append(s.block_table[p // bs] * bs + p % bs)
-        step.pos += range(s.start_pos, end)
         st = requests.get(s.request_id)
-        step.prompt_lens += [getattr(st, "prompt_len", None) or end] * n
-        if n > 1:
-            step.segments.append((start_row, len(step.ids)))
+        if s.sample and st is None:
+            raise KeyError(f"{s.request_id}: unknown request (no NewRequest)")
+        start_row = len(ids)
+        if n == 1:  # a decode row (most rows of most steps)
+            ids.append(s.token_ids[0])
+            pos.append(start)
+            slots.append(table[start // bs] * bs + start % bs)
+            prompt_lens.append(getattr(st, "prompt_len", None) or end)
+        else:
+            ids += s.token_ids
+            pos += range(start, end)
+            slots += [table[p // bs] * bs + p % bs for p in range(start, end)]
+            prompt_lens += [getattr(st, "prompt_len", None) or end] * n
+            step.segments.append((start_row, len(ids)))
         pool = getattr(st, "pool", None)
         if pool is not None:  # an embedding request: pooled rows, nothing sampled
             rows = pool.rows_of(s)
             step.pool_rows += [start_row + r for r in rows]
             step.pool_pieces.append((s.request_id, len(rows)))
         elif s.sample:
-            step.sample_rows.append(len(step.ids) - 1)
+            step.sample_rows.append(len(ids) - 1)
         if st is not None:
             if st.guide is not None:  # tokens generated before a preemption
                 st.guide.replay(s, st.prompt_len)
