@@ -82,7 +82,19 @@ def make_batch(
     greedy = [float(p.temperature) < GREEDY_EPS for p in params]
     rows = [i for i, g in enumerate(greedy) if not g]
     if not rows:  # argmax only: no settings built or copied
-        return SamplingBatch(None, None, None, None, None, None, [], [], 0, True, False)
+        return SamplingBatch(
+            temperature=None,
+            top_p=None,
+            top_k=None,
+            min_p=None,
+            seeded=None,
+            seeded_u=None,
+            plain=[],
+            filtered=[],
+            width=0,
+            all_greedy=True,
+            needs_min_p=False,
+        )
     seeded = [i for i in rows if params[i].seed is not None]
     if seeded and positions is None:
         raise ValueError("a seeded row needs its output position")
