@@ -8,6 +8,7 @@ it ran finish on the other worker with the same text (migration)."""
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import threading
 import time
@@ -142,6 +143,9 @@ def test_a_killed_rank_takes_its_worker_down_and_requests_finish_elsewhere() -> 
     assert "tensor-parallel rank 1 exited" in log
     assert f"{victim}: no heartbeat" in log  # the scheduler gave it up and moved its work
     assert [w.worker_id for w in remaining] == [other]  # the LLM's pipeline restarts nothing
+    kept = Path(stack.log_path)  # type: ignore[arg-type]
+    assert kept.exists()  # a process failed: the pipeline's log stays for the user to read
+    shutil.rmtree(kept.parent)
 
 
 def test_int8_weights_over_2_ranks_equal_int8_on_one(model_src, tokenizer) -> None:
