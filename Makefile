@@ -7,7 +7,7 @@ STAMP := $(VENV)/.kvflow-installed
 SERVE_ARGS ?=
 PYTEST_ARGS ?=
 # two pytest processes: one runs every whole-stack test (tests/e2e) in order, the other the rest
-# (tests/conftest.py groups them); TEST_WORKERS=0 runs everything in this one process
+# (tests/conftest.py's scheduler); TEST_WORKERS=0 runs everything in this one process
 TEST_WORKERS ?= 2
 
 .PHONY: install serve test lint format bench clean
@@ -47,7 +47,7 @@ format: install
 	$(VENV)/bin/ruff format .
 
 test: lint
-	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadgroup $(PYTEST_ARGS)
+	$(PY) -m pytest -n $(TEST_WORKERS) $(PYTEST_ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis

