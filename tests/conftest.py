@@ -48,21 +48,17 @@ def gemma3_gguf() -> Path:
 @pytest.hookimpl(optionalhook=True)
 def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
     """`make test` runs two pytest-xdist workers: the whole-stack tests (tests/e2e) are one unit
-    of work, so they run one after another in one worker, in file order, as they do alone (two
-    stacks of processes at once would share the 2 cores that each test's timing assumes), and
+    of work, so they run one after another in one worker, in file order, as they do alone, and
     every other module is a unit of its own (its module fixtures built once) that the other
-    worker takes in turn. tests/e2e/test_compose.py, the longest module (the image build, then
-    the stack in containers, whose checks are of failures and recovery, not of time), is one of
-    those: with it the two workers end together (~25 min, against ~36 for one worker).
-    (``--dist loadgroup`` would group by markers, but pytest-xdist 3.8 renames the tests through
-    a field that pytest 9 no longer reads.)"""
+    worker takes in turn: ~28 min on 2 cores, against ~36 in one process. Never two stacks of
+    processes at once: beside another stack, tests/e2e/test_compose.py's image build and start
+    took over its 600 s. (``--dist loadgroup`` would group by markers, but pytest-xdist 3.8
+    renames the tests through a field that pytest 9 no longer reads.)"""
     from xdist.scheduler import LoadScopeScheduling
 
     class WholeStackTestsTogether(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
             module = nodeid.split("::", 1)[0]
-            if module.startswith("tests/e2e/") and module != "tests/e2e/test_compose.py":
-                return "tests/e2e"
-            return module
+            return "tests/e2e" if module.startswith("tests/e2e/") else module
 
     return WholeStackTestsTogether(config, log)
