@@ -96,10 +96,12 @@ class RequestState:
     lora: LoRARef | None = None  # its LoRA adapter (None: the base model)
     # what the parameters decide for sampling, once (shared/sampling/derived.py)
     processors: tuple[LogitsProcessor, ...] = field(init=False, default=())
+    draw: sampler.DrawRow = field(init=False)  # what they decide for the draw (sampler.py)
     history_memo: Any = field(init=False, default=None)  # processors.TokenHistory
 
     def __post_init__(self) -> None:
         self.processors = active_processors(self.params)
+        self.draw = sampler.draw_row(self.params)
 
 
 class ModelRunner:

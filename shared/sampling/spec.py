@@ -65,6 +65,7 @@ class RowState(Protocol):
     guide_failed: bool
     # decided once per request from its parameters (derived.active_processors)
     processors: tuple[LogitsProcessor, ...]
+    draw: Any  # and for the draw (services/worker/sampler.py DrawRow)
     # what processors derive from the token history, kept between steps (processors.py
     # TokenHistory; None until a processor first needs it)
     history_memo: Any

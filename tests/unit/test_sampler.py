@@ -7,6 +7,8 @@ import math
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as hs
 
 from services.worker import sampler
 from shared.messages import SamplingParams
@@ -15,7 +17,7 @@ from shared.sampling import PROCESSORS, apply_processors, processors
 
 def batch(params: list[SamplingParams], position: int = 0) -> sampler.SamplingBatch:
     """Every row drawing its output token ``position`` (what a seeded row's uniform is for)."""
-    return sampler.make_batch(params, [position] * len(params))
+    return sampler.make_batch([sampler.draw_row(p) for p in params], [position] * len(params))
 
 
 def test_greedy_is_argmax() -> None:
@@ -65,6 +67,28 @@ def test_seeded_is_reproducible_and_batch_independent() -> None:
     # a position's draw depends on (seed, position) alone: resumed at position 7 (after a
     # preemption, on another worker, after drafts were rejected) it goes on as it would have
     assert [int(sampler.sample(row, batch([hot], n))[0]) for n in range(7, 20)] == alone[7:]
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    hs.lists(
+        hs.tuples(hs.integers(-(2**70), 2**70), hs.integers(0, 2**40)), min_size=1, max_size=40
+    )
+)
+def test_a_batch_s_uniforms_are_counter_uniform_bit_for_bit(rows: list[tuple[int, int]]) -> None:
+    """make_batch computes the seeded rows' uniforms together (numpy's wrapping uint64): the
+    same bits as ``counter_uniform`` one row at a time, for any seed (negative, past 64 bits)
+    and position, with unseeded and greedy rows between them."""
+    params, positions = [], []
+    for seed, pos in rows:
+        params += [SamplingParams(temperature=0.9, seed=seed), SamplingParams(temperature=0.5)]
+        params.append(SamplingParams(temperature=0.0, seed=seed))  # greedy: draws nothing
+        positions += [pos, pos, pos]
+    b = sampler.make_batch([sampler.draw_row(p) for p in params], positions)
+    assert b.seeded is not None and b.seeded_u is not None
+    assert b.seeded.tolist() == [3 * i for i in range(len(rows))]
+    want = [sampler.counter_uniform(seed, pos) for seed, pos in rows]
+    assert b.seeded_u.dtype == torch.float64 and b.seeded_u.tolist() == want
 
 
 def kept(logits: torch.Tensor, top_k: list[int], top_p: list[float], width: int = 0):
@@ -226,7 +250,7 @@ def test_sampling_and_processors_stay_on_the_logits_device() -> None:
     }
     logits = torch.empty(len(states), 16, device="meta")
     apply_processors(logits, states)
-    b = sampler.make_batch([st.params for st in states], device="meta")
+    b = sampler.make_batch([st.draw for st in states], device="meta")
     tokens = sampler.sample(logits, b)
     assert tokens.device.type == "meta" and tokens.shape == (len(states),)
     with pytest.raises(RuntimeError):  # the test's premise: meta refuses host tensors
