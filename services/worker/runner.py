@@ -338,8 +338,9 @@ class ModelRunner:
             return out
         # a draft model runs the step's tokens and appends its drafts (services/worker/draft.py)
         plan_seqs = self.draft.step(plan.seqs) if self.draft is not None else plan.seqs
+        rows_of_plan = speculation.expand(plan_seqs)  # plan_seqs itself when nothing has drafts
         step = lay_out(
-            speculation.expand(plan_seqs),
+            rows_of_plan,
             self.requests,
             self._block_size,
             self.config.max_position_embeddings,
@@ -367,6 +368,17 @@ class ModelRunner:
         logits = logits[: len(sample_rows)]
         sampled = [s for s in seqs if s.sample and self.requests[s.request_id].pool is None]
         tokens, row_lps = self._sample(logits, sampled) if sampled else ([], [])
+        if (
+            self.draft is None
+            and rows_of_plan is plan_seqs
+            and len(sampled) == len(plan_seqs)
+            and not step.segments
+        ):  # every chunk one token and sampled, in the plan's order (most steps): no drafts
+            requests, finish, add = self.requests, self._finish, out.add
+            for s, tok, lp in zip(sampled, tokens, row_lps, strict=True):
+                st = requests[s.request_id]
+                add(s.request_id, tok, int(finish(st, tok)), st.num_output_tokens, lp)
+            return out
         # each request's sampled rows in position order (several when it verifies drafts)
         rows: dict[str, list[tuple[int, SampleLogprobs | None]]] = {}
         for s, tok, lp in zip(sampled, tokens, row_lps, strict=True):
