@@ -191,34 +191,43 @@ class SimRunner:
         for r in plan.new_requests:
             self._add_request(r)
         out = StepOut()
-        sampled, written = self._write_chunks(speculation.expand(plan.seqs))
-        rows: dict[str, list[int]] = {}  # each request's sampled rows' tokens, in order
-        for s in sampled:
-            rows.setdefault(s.request_id, []).append(
-                self._next_token(s, self.requests[s.request_id].salt)
-            )
-        for s in plan.seqs:
-            got = rows.get(s.request_id)
-            if got is None:
-                continue
-            st = self.requests[s.request_id]
-            if st.embedding:  # a vector from the same context hash: no token
-                rng = np.random.default_rng(got[0])
-                v = torch.from_numpy(rng.standard_normal(SIM_EMBEDDING_DIM))
-                out.embeddings.append(pooled_output(s.request_id, v / v.norm()))
-                continue
-            for tok in speculation.kept(s, got):
-                reason = self._finish(st, tok)
-                lp = None
-                if st.params.logprobs is not None:
-                    k_top = min(int(st.params.logprobs), 1)
-                    lp = SampleLogprobs(0.0, [tok] * k_top, [0.0] * k_top)
-                out.add(s.request_id, tok, int(reason), st.num_output_tokens, lp)
-                if reason != FinishReason.NONE:
-                    break
+        rows_of_plan = speculation.expand(plan.seqs)  # plan.seqs itself when nothing has drafts
+        sampled, written = self._write_chunks(rows_of_plan)
+        if rows_of_plan is plan.seqs:  # one row per sampled chunk, in the plan's order
+            for s in sampled:
+                st = self.requests[s.request_id]
+                self._emit(out, s, st, [self._next_token(s, st.salt)])
+        else:
+            rows: dict[str, list[int]] = {}  # each request's sampled rows' tokens, in order
+            for s in sampled:
+                rows.setdefault(s.request_id, []).append(
+                    self._next_token(s, self.requests[s.request_id].salt)
+                )
+            for s in plan.seqs:
+                got = rows.get(s.request_id)
+                if got is not None:
+                    self._emit(out, s, self.requests[s.request_id], got)
         self.total_computed_tokens += written
         out.num_computed = written
         return out
+
+    def _emit(self, out: StepOut, s: ScheduledSeq, st: SimRequest, got: list[int]) -> None:
+        """Chunk ``s``'s outcome from the tokens sampled after its rows: the tokens it keeps
+        (up to the one that ends the request), or an embedding request's vector."""
+        if st.embedding:  # a vector from the same context hash: no token
+            rng = np.random.default_rng(got[0])
+            v = torch.from_numpy(rng.standard_normal(SIM_EMBEDDING_DIM))
+            out.embeddings.append(pooled_output(s.request_id, v / v.norm()))
+            return
+        for tok in speculation.kept(s, got):
+            reason = self._finish(st, tok)
+            lp = None
+            if st.params.logprobs is not None:
+                k_top = min(int(st.params.logprobs), 1)
+                lp = SampleLogprobs(0.0, [tok] * k_top, [0.0] * k_top)
+            out.add(s.request_id, tok, int(reason), st.num_output_tokens, lp)
+            if reason != FinishReason.NONE:
+                break
 
     def _finish(self, st: SimRequest, tok: int) -> FinishReason:
         """Count the token and say whether the request ends with it (as the model runner)."""
