@@ -63,6 +63,36 @@ def test_tokens_are_deterministic_and_a_function_of_the_context() -> None:
     assert other != a
 
 
+def test_drafts_are_verified_as_the_model_runner_verifies_them() -> None:
+    """A chunk with drafts (speculative decoding) yields the drafts that equal what the step
+    samples after each of them, then the next sampled token: the same text as without drafts;
+    a chunk without drafts in the same step yields its one token."""
+    prompt = [5, 6, 7, 8, 9, 10]
+    want = generate(runner(), "a", prompt, [0, 1, 2, 3], 7)
+    other = generate(runner(), "b", [9, 9, 9], [4, 5], 3)
+    r = runner()
+    first = r.execute(
+        StepPlan(
+            1,
+            [ScheduledSeq("a", prompt, 0, [0, 1, 2, 3]), ScheduledSeq("b", [9, 9, 9], 0, [4, 5])],
+            new_requests=[
+                NewRequest("a", SamplingParams(temperature=0.0, max_tokens=7), len(prompt)),
+                NewRequest("b", SamplingParams(temperature=0.0, max_tokens=3), 3),
+            ],
+        )
+    )
+    assert first.token_ids == [want[0], other[0]]
+    # "a": its last token and three drafts, the first two right and the third wrong
+    drafts = [want[1], want[2], want[3] + 1]
+    a = ScheduledSeq("a", [want[0], *drafts], len(prompt), [0, 1, 2, 3], num_draft=3)
+    b = ScheduledSeq("b", [other[0]], 3, [4, 5])
+    res = r.execute(StepPlan(2, [a, b]))
+    assert res.error is None
+    assert res.request_ids == ["a", "a", "a", "b"]
+    assert res.token_ids == [want[1], want[2], want[3], other[1]]
+    assert res.num_output_tokens == [2, 3, 4, 2]
+
+
 def test_random_sampling_depends_on_the_seed() -> None:
     prompt = [5, 6, 7, 8]
 
