@@ -99,7 +99,7 @@ class DrawRow:
 
     greedy: bool
     settings: bytes  # temperature (1.0 when greedy), top-p, top-k, min-p: 4 float32
-    seed: int | None
+    seeded: bool  # a seed given: its uniforms are counter_uniform's
     stream: int  # seed_stream(seed) (0 without a seed)
     filtered: bool  # top-k or top-p on
     top_k: int  # 0: off
@@ -115,7 +115,7 @@ def draw_row(p: SamplingParams) -> DrawRow:
     return DrawRow(
         greedy=greedy,
         settings=values.tobytes(),
-        seed=None if p.seed is None else int(p.seed),
+        seeded=p.seed is not None,
         stream=0 if p.seed is None else seed_stream(int(p.seed)),
         filtered=top_k > 0 or p.top_p < 1.0,
         top_k=top_k,
@@ -134,7 +134,7 @@ def make_batch(
     rows = [i for i, d in enumerate(draws) if not d.greedy]
     if not rows:  # argmax only: no settings built or copied
         return SamplingBatch(None, None, None, None, None, None, [], [], 0, True, False)
-    seeded = [i for i in rows if draws[i].seed is not None]
+    seeded = [i for i in rows if draws[i].seeded]
     if seeded and positions is None:
         raise ValueError("a seeded row needs its output position")
     filtered = [i for i in rows if draws[i].filtered]
