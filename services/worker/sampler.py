@@ -58,7 +58,8 @@ _GOLDEN = 0x9E3779B97F4A7C15  # splitmix64's increment
 
 
 def _mix64(z: int) -> int:
-    """splitmix64's finalizer: a bijection of 64-bit integers whose outputs pass as random."""
+    """splitmix64's finalizer: a bijection of 64-bit integers whose outputs pass as random. Also
+    of a numpy uint64 array, element by element (its products wrap as ``& _MASK`` does)."""
     z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK
     z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK
     return z ^ (z >> 31)
@@ -76,18 +77,12 @@ def counter_uniform(seed: int, position: int) -> float:
     return (z >> 11) * (1.0 / (1 << 53))
 
 
-_U64 = np.uint64
-
-
 def counter_uniforms(streams: Sequence[int], positions: Sequence[int]) -> np.ndarray:
-    """``counter_uniform`` of many rows at once (float64 [R]): ``streams`` are the rows'
-    ``seed_stream``s. numpy's uint64 products and sums wrap as ``& _MASK`` does, so the values
-    are the same bits (256 rows: ~45 us, against ~0.6 ms one by one in Python)."""
-    z = np.array(streams, dtype=_U64) + (np.array(positions, dtype=_U64) + _U64(1)) * _U64(_GOLDEN)
-    z = (z ^ (z >> _U64(30))) * _U64(0xBF58476D1CE4E5B9)
-    z = (z ^ (z >> _U64(27))) * _U64(0x94D049BB133111EB)
-    z ^= z >> _U64(31)
-    return (z >> _U64(11)).astype(np.float64) * (1.0 / (1 << 53))
+    """``counter_uniform`` of many rows at once (float64 [R]), the same bits: ``streams`` are the
+    rows' ``seed_stream``s (256 rows: ~45 us, against ~0.6 ms one by one in Python)."""
+    pos = np.array(positions, dtype=np.uint64)
+    z = _mix64(np.array(streams, dtype=np.uint64) + (pos + 1) * np.uint64(_GOLDEN))
+    return (z >> 11).astype(np.float64) * (1.0 / (1 << 53))
 
 
 @dataclass(frozen=True, slots=True)
