@@ -38,7 +38,10 @@ from shared.infra import free_port
 from tests.e2e.conftest import ROOT, openai_client
 from tests.e2e.faults import MODEL, Stream
 
-pytestmark = pytest.mark.e2e
+# The stack's setup (on a fresh machine: Docker's install, the stand-in images, the image build,
+# 17 containers to healthy) is bounded by each step's own deadline below; the suite's 600 s
+# bounds each test's own work.
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600, func_only=True)]
 
 COMPOSE_FILE = ROOT / "compose" / "docker-compose.yml"
 OFFLINE_SCRIPT = ROOT.parent / "shared" / "scripts" / "docker-offline.sh"
