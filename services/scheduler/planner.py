@@ -55,7 +55,7 @@ class InFlightStep:
     cached: list[int]  # blocks whose hashes it registered
 
 
-@dataclass
+@dataclass(slots=True)
 class _Chosen:
     """Tokens a sequence computes in the plan being built, from position ``start`` (known
     ones, then placeholders, then ``drafts``), whether it samples after them, and the blocks
@@ -126,7 +126,9 @@ def _schedule_running(
                 continue
             seq.blocks += bm.allocate(max(need, 0))
         end = start + num_new
-        chosen[seq] = _Chosen(start, num_new, end == end_known, ws.register(seq, end), drafts)
+        # (most decode steps fill no block: nothing to register, no call)
+        registered = ws.register(seq, end) if end // bm.block_size > len(seq.hashes) else []
+        chosen[seq] = _Chosen(start, num_new, end == end_known, registered, drafts)
         budget -= num_new + extra
     return budget, preempted
 
@@ -223,27 +225,36 @@ def _build_plan(ws: WorkerState, chosen: dict[Sequence, _Chosen]) -> StepPlan:
         if ws.store_enabled
         else []
     )
+    seqs: list[ScheduledSeq] = []
+    new_requests: list[NewRequest] = []
+    scheduled: dict[str, int] = {}
+    samples: set[str] = set()
+    drafts: dict[str, Drafts] = {}
+    loras: list[str] = []
+    for s, c in chosen.items():  # one pass: the plan's entries and what the flight keeps
+        seqs.append(_scheduled(s, c))
+        rid = s.request_id
+        scheduled[rid] = c.num_new
+        if c.sample:
+            samples.add(rid)
+        if c.drafts:
+            drafts[rid] = c.drafts
+        if not s.announced:
+            new_requests.append(_announce(s))
+            s.announced = True
+        if s.lora is not None:
+            loras.append(s.lora.name)
     plan = StepPlan(
         step_id=ws.step_id,
-        seqs=[_scheduled(s, c) for s, c in chosen.items()],
-        new_requests=[_announce(s) for s in chosen if not s.announced],
+        seqs=seqs,
+        new_requests=new_requests,
         finished_request_ids=ws.to_forget,
         offload=offload,
         store=store,
     )
-    for s in chosen:
-        s.announced = True
-    ws.used_loras([s.lora.name for s in chosen if s.lora is not None])
+    ws.used_loras(loras)
     ws.to_forget = []
-    ws.sent(
-        InFlightStep(
-            step_id=ws.step_id,
-            scheduled={s.request_id: c.num_new for s, c in chosen.items()},
-            samples={s.request_id for s, c in chosen.items() if c.sample},
-            drafts={s.request_id: c.drafts for s, c in chosen.items() if c.drafts},
-            cached=ws.plan_cached,
-        )
-    )
+    ws.sent(InFlightStep(ws.step_id, scheduled, samples, drafts, ws.plan_cached))
     return plan
 
 
@@ -251,20 +262,27 @@ def _scheduled(s: Sequence, c: _Chosen) -> ScheduledSeq:
     """A sequence's share of the plan: its next known tokens, a placeholder for each token
     a plan in flight samples, then its drafts; its block table whole when the worker is new
     to it (its NewRequest goes in this plan), else only the blocks added since the last plan."""
-    end = c.start + c.num_new
-    known = s.token_ids[c.start : end]
-    tokens, num_worker = c.drafts if c.drafts else ([], 0)
-    table_from = min(s.sent_blocks, len(s.blocks)) if s.announced else -1
-    s.sent_blocks = len(s.blocks)
+    start, end = c.start, c.start + c.num_new
+    have = len(s.token_ids)
+    if end <= have:
+        token_ids = s.token_ids[start:end]
+    elif start >= have:  # a decode step on top of a plan in flight: its token is not known
+        token_ids = [PLACEHOLDER] * c.num_new
+    else:
+        token_ids = s.token_ids[start:] + [PLACEHOLDER] * (end - have)
+    num_draft = num_worker = 0
+    if c.drafts:
+        tokens, num_worker = c.drafts
+        token_ids += tokens
+        num_draft = len(tokens)
+    held = len(s.blocks)
+    table_from = min(s.sent_blocks, held) if s.announced else -1
+    s.sent_blocks = held
+    table = s.blocks[table_from:] if table_from > 0 else list(s.blocks)
+    # (positional: request_id, token_ids, start_pos, block_table, sample, num_draft,
+    # num_propose, block_table_from)
     return ScheduledSeq(
-        request_id=s.request_id,
-        token_ids=known + [PLACEHOLDER] * (c.num_new - len(known)) + tokens,
-        start_pos=c.start,
-        block_table=s.blocks[max(table_from, 0) :],
-        sample=c.sample,
-        num_draft=len(tokens),
-        num_propose=num_worker,
-        block_table_from=table_from,
+        s.request_id, token_ids, start, table, c.sample, num_draft, num_worker, table_from
     )
 
 

@@ -226,7 +226,8 @@ class SchedulerService:
                         "a result of voided step %d of %s dropped", msg.step_id, msg.worker_id
                     )
                     return
-                self.shadow.apply(msg)
+                if not self.leading:  # the leader's core holds the tokens (a deposed leader
+                    self.shadow.apply(msg)  # stops, never to lead from its shadow again)
                 fut = self.pending.pop((msg.worker_id, msg.epoch, msg.step_id), None)
                 if fut is not None and not fut.done():
                     fut.set_result(msg)
