@@ -1,8 +1,9 @@
 """What a scheduler can rebuild from the bus alone: every live request with all the tokens it has
 so far, and the ids of recently finished ones.
 
-Every scheduler keeps one, leader and standby alike, from the same messages the detokenizer sees
-(TokenizedRequest, StepResult, Abort). When a standby takes over, the live requests resume from
+A standby keeps one from the same messages the detokenizer sees (TokenizedRequest, StepResult,
+Abort); the leader's has the requests and finished ids but not their tokens (its core holds them,
+and a deposed leader stops: it never leads from its shadow). When a standby takes over, the live requests resume from
 their prompt plus the tokens already generated (recompute), so a client's stream goes on with no
 token repeated or missing. The recently finished ids make a resubmitted request (the gateway
 retries until the scheduler acknowledges) run once, not twice. A step's tokens are taken in
