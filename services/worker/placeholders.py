@@ -33,8 +33,16 @@ class StepTokens:
         the sequences of requests that step ended. Raises PlaceholderError for a placeholder
         with no such token."""
         seqs = []
+        sampled, ended = self._sampled, self._ended
         for s in plan.seqs:
-            num = _trailing_placeholders(s.token_ids, s.num_draft)
+            t = s.token_ids
+            if len(t) == 1 and t[0] == PLACEHOLDER and not s.num_draft:  # most decode steps
+                got = sampled.get(s.request_id)
+                if got is not None and s.request_id not in ended:
+                    t[0] = got[-1]
+                    seqs.append(s)
+                    continue
+            num = _trailing_placeholders(t, s.num_draft)
             if not num:
                 seqs.append(s)
                 continue
@@ -54,15 +62,19 @@ class StepTokens:
     def record(self, result: StepResult) -> None:
         """Keep what ``result``'s step sampled (only that step's: a placeholder never refers
         further back); a failed step leaves nothing to fill in."""
-        self._sampled, self._ended = {}, set()
+        self._sampled, self._ended = sampled, ended = {}, set()
         if result.error:
             return
         for rid, tok, reason in zip(
             result.request_ids, result.token_ids, result.finish_reasons, strict=True
         ):
-            self._sampled.setdefault(rid, []).append(tok)
+            got = sampled.get(rid)
+            if got is None:
+                sampled[rid] = [tok]
+            else:  # a chunk with drafts: several tokens
+                got.append(tok)
             if reason != FinishReason.NONE:
-                self._ended.add(rid)
+                ended.add(rid)
 
     def clear(self) -> None:
         """Forget everything (a new scheduler term: its plans start from known tokens)."""

@@ -194,9 +194,18 @@ class SimRunner:
         rows_of_plan = speculation.expand(plan.seqs)  # plan.seqs itself when nothing has drafts
         sampled, written = self._write_chunks(rows_of_plan)
         if rows_of_plan is plan.seqs:  # one row per sampled chunk, in the plan's order
-            for s in sampled:
-                st = self.requests[s.request_id]
-                self._emit(out, s, st, [self._next_token(s, st.salt)])
+            states = [self.requests[s.request_id] for s in sampled]
+            tokens = self._next_tokens(sampled, [st.salt for st in states])
+            for s, st, tok in zip(sampled, states, tokens, strict=True):
+                if st.embedding:
+                    self._emit(out, s, st, [tok])
+                    continue
+                reason = self._finish(st, tok)
+                lp = None
+                if st.params.logprobs is not None:
+                    k_top = min(int(st.params.logprobs), 1)
+                    lp = SampleLogprobs(0.0, [tok] * k_top, [0.0] * k_top)
+                out.add(s.request_id, tok, int(reason), st.num_output_tokens, lp)
         else:
             rows: dict[str, list[int]] = {}  # each request's sampled rows' tokens, in order
             for s in sampled:
@@ -279,6 +288,23 @@ class SimRunner:
             self._k[slots] = write_tokens
             self._v[slots] = write_pos
         return sampled, len(write_tokens)
+
+    def _next_tokens(self, seqs: list[ScheduledSeq], salts: list[int]) -> list[int]:
+        """``_next_token`` of each chunk, the cache read once for all of them."""
+        bs, n = self.block_size, len(seqs)
+        ends = [s.start_pos + len(s.token_ids) for s in seqs]
+        slots = []  # each chunk's last two positions' slots (-1: none before position 0)
+        for s, end in zip(seqs, ends, strict=True):
+            table = s.block_table
+            p1, p2 = end - 1, end - 2
+            slots.append(table[p1 // bs] * bs + p1 % bs)
+            slots.append(table[p2 // bs] * bs + p2 % bs if p2 >= 0 else -1)
+        at = np.asarray(slots, dtype=np.int64)
+        read = np.where(at >= 0, self._k[np.maximum(at, 0)], -1).tolist()
+        vocab, size = self.vocab, len(self.vocab)
+        return [
+            vocab[hash((read[2 * i], read[2 * i + 1], ends[i], salts[i])) % size] for i in range(n)
+        ]
 
     def _next_token(self, s: ScheduledSeq, salt: int) -> int:
         """The chunk's next token: a hash of the last two tokens in the cache (read back

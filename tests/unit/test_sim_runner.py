@@ -93,6 +93,28 @@ def test_drafts_are_verified_as_the_model_runner_verifies_them() -> None:
     assert res.num_output_tokens == [2, 3, 4, 2]
 
 
+def test_a_step_s_tokens_read_together_equal_each_chunk_s_own() -> None:
+    """The one-loop path reads every chunk's last two cache slots at once; each token equals
+    what the chunk alone gives (the path chunks with drafts take), a one-token prompt (no token
+    before it) and random sampling's salt included."""
+    r = runner()
+    chunks = [
+        ScheduledSeq("a", [5, 6, 7, 8, 9], 0, [0, 1]),
+        ScheduledSeq("b", [42], 0, [2]),
+        ScheduledSeq("c", [7, 7, 7, 7], 0, [3, 4]),
+    ]
+    params = [SamplingParams(temperature=0.0), SamplingParams(), SamplingParams(seed=3)]
+    new = [
+        NewRequest(s.request_id, p, len(s.token_ids)) for s, p in zip(chunks, params, strict=True)
+    ]
+    res = r.execute(StepPlan(1, chunks, new_requests=new))
+    assert res.error is None
+    salts = [r.requests[s.request_id].salt for s in chunks]
+    assert salts[0] == 0 and len(set(salts)) == 3
+    alone = [r._next_token(s, salt) for s, salt in zip(chunks, salts, strict=True)]
+    assert res.token_ids == alone == r._next_tokens(chunks, salts)
+
+
 def test_random_sampling_depends_on_the_seed() -> None:
     prompt = [5, 6, 7, 8]
 
