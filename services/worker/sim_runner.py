@@ -193,25 +193,18 @@ class SimRunner:
         out = StepOut()
         rows_of_plan = speculation.expand(plan.seqs)  # plan.seqs itself when nothing has drafts
         sampled, written = self._write_chunks(rows_of_plan)
+        states = [self.requests[s.request_id] for s in sampled]
+        tokens = self._next_tokens(sampled, [st.salt for st in states])
         if rows_of_plan is plan.seqs:  # one row per sampled chunk, in the plan's order
-            states = [self.requests[s.request_id] for s in sampled]
-            tokens = self._next_tokens(sampled, [st.salt for st in states])
             for s, st, tok in zip(sampled, states, tokens, strict=True):
                 if st.embedding:
                     self._emit(out, s, st, [tok])
-                    continue
-                reason = self._finish(st, tok)
-                lp = None
-                if st.params.logprobs is not None:
-                    k_top = min(int(st.params.logprobs), 1)
-                    lp = SampleLogprobs(0.0, [tok] * k_top, [0.0] * k_top)
-                out.add(s.request_id, tok, int(reason), st.num_output_tokens, lp)
+                else:
+                    self._add(out, s.request_id, st, tok)
         else:
             rows: dict[str, list[int]] = {}  # each request's sampled rows' tokens, in order
-            for s in sampled:
-                rows.setdefault(s.request_id, []).append(
-                    self._next_token(s, self.requests[s.request_id].salt)
-                )
+            for s, tok in zip(sampled, tokens, strict=True):
+                rows.setdefault(s.request_id, []).append(tok)
             for s in plan.seqs:
                 got = rows.get(s.request_id)
                 if got is not None:
@@ -229,14 +222,19 @@ class SimRunner:
             out.embeddings.append(pooled_output(s.request_id, v / v.norm()))
             return
         for tok in speculation.kept(s, got):
-            reason = self._finish(st, tok)
-            lp = None
-            if st.params.logprobs is not None:
-                k_top = min(int(st.params.logprobs), 1)
-                lp = SampleLogprobs(0.0, [tok] * k_top, [0.0] * k_top)
-            out.add(s.request_id, tok, int(reason), st.num_output_tokens, lp)
-            if reason != FinishReason.NONE:
+            if self._add(out, s.request_id, st, tok) != FinishReason.NONE:
                 break
+
+    def _add(self, out: StepOut, rid: str, st: SimRequest, tok: int) -> FinishReason:
+        """One token of ``rid`` into the step's output (with a point-mass logprob when asked);
+        returns whether the request ends with it."""
+        reason = self._finish(st, tok)
+        lp = None
+        if st.params.logprobs is not None:
+            k_top = min(int(st.params.logprobs), 1)
+            lp = SampleLogprobs(0.0, [tok] * k_top, [0.0] * k_top)
+        out.add(rid, tok, int(reason), st.num_output_tokens, lp)
+        return reason
 
     def _finish(self, st: SimRequest, tok: int) -> FinishReason:
         """Count the token and say whether the request ends with it (as the model runner)."""
@@ -290,7 +288,9 @@ class SimRunner:
         return sampled, len(write_tokens)
 
     def _next_tokens(self, seqs: list[ScheduledSeq], salts: list[int]) -> list[int]:
-        """``_next_token`` of each chunk, the cache read once for all of them."""
+        """Each chunk's next token: a hash of the last two tokens in the cache (read back through
+        its block table; -1 before position 0), its length and its request's salt. The cache is
+        read once for the whole step."""
         bs, n = self.block_size, len(seqs)
         ends = [s.start_pos + len(s.token_ids) for s in seqs]
         slots = []  # each chunk's last two positions' slots (-1: none before position 0)
@@ -305,20 +305,6 @@ class SimRunner:
         return [
             vocab[hash((read[2 * i], read[2 * i + 1], ends[i], salts[i])) % size] for i in range(n)
         ]
-
-    def _next_token(self, s: ScheduledSeq, salt: int) -> int:
-        """The chunk's next token: a hash of the last two tokens in the cache (read back
-        through the block table), the length and the request's salt."""
-        bs, k = self.block_size, self._k
-        end = s.start_pos + len(s.token_ids)
-        table = s.block_table
-        p1 = end - 1
-        a = int(k[table[p1 // bs] * bs + p1 % bs])
-        b = -1
-        if end >= 2:
-            p2 = end - 2
-            b = int(k[table[p2 // bs] * bs + p2 % bs])
-        return self.vocab[hash((a, b, end, salt)) % len(self.vocab)]
 
 
 def vocab_for(src: ModelSource) -> tuple[list[int], list[int]]:

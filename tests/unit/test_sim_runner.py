@@ -94,9 +94,9 @@ def test_drafts_are_verified_as_the_model_runner_verifies_them() -> None:
 
 
 def test_a_step_s_tokens_read_together_equal_each_chunk_s_own() -> None:
-    """The one-loop path reads every chunk's last two cache slots at once; each token equals
-    what the chunk alone gives (the path chunks with drafts take), a one-token prompt (no token
-    before it) and random sampling's salt included."""
+    """A step reads every chunk's last two cache slots at once; each token equals what the
+    chunk alone gives, a one-token prompt (no token before it: -1) and random sampling's salt
+    included."""
     r = runner()
     chunks = [
         ScheduledSeq("a", [5, 6, 7, 8, 9], 0, [0, 1]),
@@ -111,8 +111,10 @@ def test_a_step_s_tokens_read_together_equal_each_chunk_s_own() -> None:
     assert res.error is None
     salts = [r.requests[s.request_id].salt for s in chunks]
     assert salts[0] == 0 and len(set(salts)) == 3
-    alone = [r._next_token(s, salt) for s, salt in zip(chunks, salts, strict=True)]
+    alone = [r._next_tokens([s], [salt])[0] for s, salt in zip(chunks, salts, strict=True)]
     assert res.token_ids == alone == r._next_tokens(chunks, salts)
+    vocab = sorted(VOCAB)
+    assert res.token_ids[1] == vocab[hash((42, -1, 1, salts[1])) % len(vocab)]
 
 
 def test_random_sampling_depends_on_the_seed() -> None:
