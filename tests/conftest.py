@@ -62,7 +62,7 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
     """`make test` runs two pytest-xdist workers: the whole-stack tests (tests/e2e) are one unit
     of work, so they run one after another in one worker, in file order, as they do alone, and
     every other module is a unit of its own (its module fixtures built once) that the other
-    worker takes in turn: 28-33 min on 2 cores, against 34-37 in one process. Two whole-stack tests
+    worker takes in turn: 26-33 min on 2 cores, against 34-37 in one process. Two whole-stack tests
     never run at once: beside another one, tests/e2e/test_compose.py's image build and start
     took over 600 s. (``--dist loadgroup`` would group by markers, but pytest-xdist 3.8
     renames the tests through a field that pytest 9 no longer reads.)"""
