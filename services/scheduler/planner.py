@@ -279,10 +279,15 @@ def _scheduled(s: Sequence, c: _Chosen) -> ScheduledSeq:
     table_from = min(s.sent_blocks, held) if s.announced else -1
     s.sent_blocks = held
     table = s.blocks[table_from:] if table_from > 0 else list(s.blocks)
-    # (positional: request_id, token_ids, start_pos, block_table, sample, num_draft,
-    # num_propose, block_table_from)
     return ScheduledSeq(
-        s.request_id, token_ids, start, table, c.sample, num_draft, num_worker, table_from
+        request_id=s.request_id,
+        token_ids=token_ids,
+        start_pos=start,
+        block_table=table,
+        sample=c.sample,
+        num_draft=num_draft,
+        num_propose=num_worker,
+        block_table_from=table_from,
     )
 
 

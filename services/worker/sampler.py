@@ -128,7 +128,19 @@ def make_batch(
     needed when a sampled row has a seed."""
     rows = [i for i, d in enumerate(draws) if not d.greedy]
     if not rows:  # argmax only: no settings built or copied
-        return SamplingBatch(None, None, None, None, None, None, [], [], 0, True, False)
+        return SamplingBatch(
+            temperature=None,
+            top_p=None,
+            top_k=None,
+            min_p=None,
+            seeded=None,
+            seeded_u=None,
+            plain=[],
+            filtered=[],
+            width=0,
+            all_greedy=True,
+            needs_min_p=False,
+        )
     seeded = [i for i in rows if draws[i].seeded]
     if seeded and positions is None:
         raise ValueError("a seeded row needs its output position")

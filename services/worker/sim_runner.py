@@ -197,10 +197,7 @@ class SimRunner:
         tokens = self._next_tokens(sampled, [st.salt for st in states])
         if rows_of_plan is plan.seqs:  # one row per sampled chunk, in the plan's order
             for s, st, tok in zip(sampled, states, tokens, strict=True):
-                if st.embedding:
-                    self._emit(out, s, st, [tok])
-                else:
-                    self._add(out, s.request_id, st, tok)
+                self._emit(out, s, st, [tok])
         else:
             rows: dict[str, list[int]] = {}  # each request's sampled rows' tokens, in order
             for s, tok in zip(sampled, tokens, strict=True):
@@ -222,19 +219,14 @@ class SimRunner:
             out.embeddings.append(pooled_output(s.request_id, v / v.norm()))
             return
         for tok in speculation.kept(s, got):
-            if self._add(out, s.request_id, st, tok) != FinishReason.NONE:
+            reason = self._finish(st, tok)
+            lp = None
+            if st.params.logprobs is not None:
+                k_top = min(int(st.params.logprobs), 1)
+                lp = SampleLogprobs(0.0, [tok] * k_top, [0.0] * k_top)
+            out.add(s.request_id, tok, int(reason), st.num_output_tokens, lp)
+            if reason != FinishReason.NONE:
                 break
-
-    def _add(self, out: StepOut, rid: str, st: SimRequest, tok: int) -> FinishReason:
-        """One token of ``rid`` into the step's output (with a point-mass logprob when asked);
-        returns whether the request ends with it."""
-        reason = self._finish(st, tok)
-        lp = None
-        if st.params.logprobs is not None:
-            k_top = min(int(st.params.logprobs), 1)
-            lp = SampleLogprobs(0.0, [tok] * k_top, [0.0] * k_top)
-        out.add(rid, tok, int(reason), st.num_output_tokens, lp)
-        return reason
 
     def _finish(self, st: SimRequest, tok: int) -> FinishReason:
         """Count the token and say whether the request ends with it (as the model runner)."""
