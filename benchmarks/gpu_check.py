@@ -319,31 +319,6 @@ def _requests_for(c: int, args: argparse.Namespace) -> int:
     return max(c * args.waves, 4)
 
 
-WORKER_SERIES = (
-    "kvflow:worker_busy_seconds_total",
-    "kvflow:worker_step_seconds_sum",
-    "kvflow:worker_step_seconds_count",
-    "kvflow:worker_batch_seqs_sum",
-    "kvflow:worker_step_tokens_sum",
-)
-
-
-def _worker_series(base: str) -> dict[str, float]:
-    """The workers' step series (``WORKER_SERIES``, summed over workers) from the gateway's
-    whole-stack ``/metrics``; their change over a run gives the busy fraction (busy seconds over
-    wall time), the runner's own mean step time, batch and tokens per step."""
-    import urllib.request
-
-    with urllib.request.urlopen(f"{base}/metrics", timeout=10) as r:
-        text = r.read().decode()
-    out = dict.fromkeys(WORKER_SERIES, 0.0)
-    for line in text.splitlines():
-        name = line.split("{", 1)[0].split(" ", 1)[0]
-        if name in out:
-            out[name] += float(line.rsplit(" ", 1)[1])
-    return out
-
-
 def _py_spy(pid: int | None, out: Path) -> subprocess.Popen | None:
     """With ``GPU_CHECK_PY_SPY=SECONDS`` and py-spy on the PATH (scripts/gpu-wheels.sh carries
     it): the worker's stacks, every thread, sampled for that long from the timed run's start
@@ -371,10 +346,12 @@ def _kvflow_runs(
     from benchmarks.client import percentile
     from benchmarks.pipeline import (
         SERVICES,
+        WORKER_SERIES,
         cpu_seconds,
         random_prompts,
         run_streams,
         stack_processes,
+        worker_series,
     )
 
     procs = stack_processes(proc.pid)
@@ -383,13 +360,13 @@ def _kvflow_runs(
         prompts = random_prompts(_requests_for(c, args), args.input_len, c, (100, vocab - 100))
         # a short round of this concurrency first: its prefill shapes compiled before timing
         asyncio.run(run_streams(base, model, prompts[:c], 4, c))
-        w0, k0 = _worker_series(base), _triton_compiled()
+        w0, k0 = worker_series(base), _triton_compiled()
         cpu0 = {n: cpu_seconds(pid) for n, pid in procs.items()}
         spy = _py_spy(procs.get("worker"), args.out / f"py-spy-worker-{c}.txt")
         stats, dur = asyncio.run(run_streams(base, model, prompts, args.output_len, c))
         if spy is not None:
             spy.wait(30)
-        w1, k1 = _worker_series(base), _triton_compiled()
+        w1, k1 = worker_series(base), _triton_compiled()
         cpu1 = {n: cpu_seconds(pid) for n, pid in procs.items()}
         w = {n: w1[n] - w0[n] for n in WORKER_SERIES}
         steps = max(1.0, w["kvflow:worker_step_seconds_count"])

@@ -54,6 +54,10 @@ class PipelineRun:
     itl_p50_ms: float
     cpu_us_per_token: dict[str, float]  # process name -> CPU us per output token
     kvflow_us_per_token: float  # the kvflow services together (not NATS, Redis or the client)
+    # the workers' time in steps over the run's wall time (``kvflow:worker_busy_seconds_total``:
+    # the figure a GPU operator watches) and the runner's own mean step
+    worker_busy_fraction: float
+    worker_step_ms: float
 
 
 def cpu_seconds(pid: int) -> float:
@@ -96,6 +100,33 @@ def stack_processes(root: int) -> dict[str, int]:
             i += 1
             key = f"{name}-{i}"
         out[key] = int(entry)
+    return out
+
+
+WORKER_SERIES = (
+    "kvflow:worker_busy_seconds_total",
+    "kvflow:worker_step_seconds_sum",
+    "kvflow:worker_step_seconds_count",
+    "kvflow:worker_batch_seqs_sum",
+    "kvflow:worker_step_tokens_sum",
+)
+
+
+def worker_series(base: str) -> dict[str, float]:
+    """The workers' step series (``WORKER_SERIES``, summed over workers) from the gateway's
+    whole-stack ``/metrics``; their change over a run gives the busy fraction (busy seconds over
+    wall time), the runner's own mean step time, batch and tokens per step."""
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(f"{base}/metrics", timeout=10) as r:
+        text = r.read().decode()
+    out = dict.fromkeys(WORKER_SERIES, 0.0)
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name in out:
+                out[sample.name] += sample.value
     return out
 
 
@@ -187,11 +218,13 @@ def measure(
     stream: bool = True,
 ) -> PipelineRun:
     prompts = random_prompts(num_requests, prompt_len, seed, (1000, 40000))
+    w0 = worker_series(base)
     before = {name: cpu_seconds(pid) for name, pid in procs.items()}
     me0 = resource.getrusage(resource.RUSAGE_SELF)
     stats, dur = asyncio.run(run_streams(base, model, prompts, max_tokens, concurrency, stream))
     me1 = resource.getrusage(resource.RUSAGE_SELF)
     after = {name: cpu_seconds(pid) for name, pid in procs.items()}
+    w = {n: v - w0[n] for n, v in worker_series(base).items()}
     tokens = sum(s.output_tokens for s in stats)
     per = {n: (after[n] - before[n]) * 1e6 / max(1, tokens) for n in procs}
     client = (me1.ru_utime + me1.ru_stime - me0.ru_utime - me0.ru_stime) * 1e6 / max(1, tokens)
@@ -211,6 +244,10 @@ def measure(
         itl_p50_ms=percentile(itls, 50) * 1e3,
         cpu_us_per_token=per,
         kvflow_us_per_token=kvflow,
+        worker_busy_fraction=w["kvflow:worker_busy_seconds_total"] / dur,
+        worker_step_ms=w["kvflow:worker_step_seconds_sum"]
+        / max(1.0, w["kvflow:worker_step_seconds_count"])
+        * 1e3,
     )
 
 
@@ -218,13 +255,15 @@ def print_runs(title: str, runs: list[PipelineRun]) -> None:
     print(f"\n{title}")
     print(
         f"{'streams':>7} {'tok/s':>9} {'TTFT p50':>9} {'TTFT p99':>9} {'TPOT p50':>9} "
-        f"{'TPOT p99':>9} {'ITL p50':>8} {'kvflow us/tok':>13}"
+        f"{'TPOT p99':>9} {'ITL p50':>8} {'kvflow us/tok':>13} {'worker busy':>11} "
+        f"{'step':>7}"
     )
     for r in runs:
         print(
             f"{r.concurrency:>7} {r.output_tokens_per_s:>9.0f} {r.ttft_p50_ms:>7.1f}ms "
             f"{r.ttft_p99_ms:>7.1f}ms {r.tpot_p50_ms:>7.2f}ms {r.tpot_p99_ms:>7.2f}ms "
-            f"{r.itl_p50_ms:>6.2f}ms {r.kvflow_us_per_token:>13.0f}"
+            f"{r.itl_p50_ms:>6.2f}ms {r.kvflow_us_per_token:>13.0f} "
+            f"{r.worker_busy_fraction:>11.0%} {r.worker_step_ms:>5.2f}ms"
         )
     names = sorted({n for r in runs for n in r.cpu_us_per_token})
     print("CPU us per output token, by process:")
