@@ -363,7 +363,8 @@ def _kvflow_runs(
         w0, k0 = worker_series(base), _triton_compiled()
         cpu0 = {n: cpu_seconds(pid) for n, pid in procs.items()}
         spy = _py_spy(procs.get("worker"), args.out / f"py-spy-worker-{c}.txt")
-        stats, dur = asyncio.run(run_streams(base, model, prompts, args.output_len, c))
+        run = run_streams(base, model, prompts, args.output_len, c, warm_up=False)
+        stats, dur = asyncio.run(run)
         if spy is not None:
             spy.wait(30)
         w1, k1 = worker_series(base), _triton_compiled()

@@ -187,15 +187,19 @@ async def run_streams(
     max_tokens: int,
     concurrency: int,
     stream: bool = True,
+    warm_up: bool = True,
 ) -> tuple[list[StreamStats], float]:
     """Send every prompt with at most ``concurrency`` in flight; (per-request stats, seconds).
-    ``stream`` False: requests not streamed (their latency in place of TTFT)."""
+    ``stream`` False: requests not streamed (their latency in place of TTFT). ``warm_up``: one
+    4-token request first, not timed (a caller that reads the stack's counters around the run
+    warms up with a call of its own instead, so its counters cover the timed run only)."""
     url = f"{base}/v1/completions"
     sem = asyncio.Semaphore(concurrency)
     conn = aiohttp.TCPConnector(limit=0)
     timeout = aiohttp.ClientTimeout(total=3600)
     async with aiohttp.ClientSession(connector=conn, timeout=timeout) as session:
-        await _stream(session, url, model, prompts[0], 4)  # warm-up
+        if warm_up:
+            await _stream(session, url, model, prompts[0], 4)
 
         async def one(p: list[int]) -> StreamStats:
             async with sem:
@@ -218,10 +222,12 @@ def measure(
     stream: bool = True,
 ) -> PipelineRun:
     prompts = random_prompts(num_requests, prompt_len, seed, (1000, 40000))
+    asyncio.run(run_streams(base, model, prompts[:1], 4, 1))  # warm-up, outside the counters
     w0 = worker_series(base)
     before = {name: cpu_seconds(pid) for name, pid in procs.items()}
     me0 = resource.getrusage(resource.RUSAGE_SELF)
-    stats, dur = asyncio.run(run_streams(base, model, prompts, max_tokens, concurrency, stream))
+    run = run_streams(base, model, prompts, max_tokens, concurrency, stream, warm_up=False)
+    stats, dur = asyncio.run(run)
     me1 = resource.getrusage(resource.RUSAGE_SELF)
     after = {name: cpu_seconds(pid) for name, pid in procs.items()}
     w = {n: v - w0[n] for n, v in worker_series(base).items()}
