@@ -222,7 +222,8 @@ def measure(
     stream: bool = True,
 ) -> PipelineRun:
     prompts = random_prompts(num_requests, prompt_len, seed, (1000, 40000))
-    asyncio.run(run_streams(base, model, prompts[:1], 4, 1))  # warm-up, outside the counters
+    # one 4-token request first, outside the counters read around the timed run
+    asyncio.run(run_streams(base, model, prompts[:1], 4, 1, warm_up=False))
     w0 = worker_series(base)
     before = {name: cpu_seconds(pid) for name, pid in procs.items()}
     me0 = resource.getrusage(resource.RUSAGE_SELF)
