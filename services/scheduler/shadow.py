@@ -5,10 +5,10 @@ A standby keeps one from the same messages the detokenizer sees (TokenizedReques
 Abort); the leader's has the requests and finished ids but not their tokens (its core holds them,
 and a deposed leader stops: it never leads from its shadow). When a standby takes over, the live
 requests resume from their prompt plus the tokens already generated (recompute), so a client's
-stream goes on with no token repeated or missing. The recently finished ids make a resubmitted request (the gateway
-retries until the scheduler acknowledges) run once, not twice. A step's tokens are taken in
-position order (shared/in_order.py): a result published again after a NATS node's loss is not
-counted twice, and tokens after a lost one wait for it.
+stream goes on with no token repeated or missing. The recently finished ids make a resubmitted
+request (the gateway retries until the scheduler acknowledges) run once, not twice. A step's
+tokens are taken in position order (shared/in_order.py): a result published again after a NATS
+node's loss is not counted twice, and tokens after a lost one wait for it.
 """
 
 from __future__ import annotations
