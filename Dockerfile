@@ -45,7 +45,7 @@ RUN pip install "torch==${TORCH_VERSION}" \
     && python -c "import torch; print('torch', torch.__version__)"
 
 # Dependencies in their own layer: only pyproject.toml decides them.
-COPY pyproject.toml README.md ./
+COPY pyproject.toml setup.py README.md ./
 RUN mkdir -p services shared kernels kvflow benchmarks \
     && touch services/__init__.py shared/__init__.py kernels/__init__.py kvflow/__init__.py benchmarks/__init__.py \
     && pip install . \
@@ -59,7 +59,7 @@ COPY kvflow ./kvflow
 COPY benchmarks ./benchmarks
 RUN pip install --no-deps . \
     # convert the model's tokenizer once now, so containers start without writing anything
-    && python -c "from shared.model_source import load_tokenizer, resolve_model; load_tokenizer(resolve_model())" \
+    && python -c "from kvflow.shared.model_source import load_tokenizer, resolve_model; load_tokenizer(resolve_model())" \
     && chown -R kvflow /opt/kvflow
 
 USER kvflow

@@ -1,3 +1,3 @@
 """kvflow's benchmarks: scripts that print figures (recorded in docs/benchmarks.md), never tests."""
 
-import shared.openmp_env  # noqa: F401  (before anything imports torch)
+import kvflow.shared.openmp_env  # noqa: F401  (before anything imports torch)

@@ -26,7 +26,7 @@ from collections.abc import Callable
 
 import torch
 
-from kernels import cpu_gemm, cpu_quant, cpu_quant_tiles
+from kvflow.kernels import cpu_gemm, cpu_quant, cpu_quant_tiles
 
 SMOLLM2 = [(960, 576), (576, 576), (3072, 576), (576, 1536), (49152, 576)]
 

@@ -33,9 +33,9 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.random_model import LlamaShape, random_llama
-from services.worker.runner import ModelRunner
-from shared.messages import NewRequest, SamplingParams, ScheduledSeq, StepPlan
+from kvflow.benchmarks.random_model import LlamaShape, random_llama
+from kvflow.services.worker.runner import ModelRunner
+from kvflow.shared.messages import NewRequest, SamplingParams, ScheduledSeq, StepPlan
 
 
 def decode_steps(
@@ -142,7 +142,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
 
-    from services.worker.device import resolve_device, resolve_dtype
+    from kvflow.services.worker.device import resolve_device, resolve_dtype
 
     device = resolve_device(args.device)
     dtype = resolve_dtype(args.dtype, device)
@@ -167,7 +167,7 @@ def main(argv: list[str] | None = None) -> int:
             "w8a8",
             "fp8",
         ):  # rounded on the host, as load_weights does
-            from shared.model_loader import round_weights
+            from kvflow.shared.model_loader import round_weights
 
             cfg, weights = random_llama(torch.float32, torch.device("cpu"), shape=shape)
             weights = {n: w.to(dtype) for n, w in weights.items()}
@@ -181,7 +181,7 @@ def main(argv: list[str] | None = None) -> int:
             f" --quantization {args.quantization}" if args.quantization else ""
         )
     else:
-        from shared.model_source import resolve_model
+        from kvflow.shared.model_source import resolve_model
 
         src = resolve_model(args.model)
         runner = ModelRunner.create(src, bs, num_blocks, dtype=dtype, max_model_len=max_len, **kw)

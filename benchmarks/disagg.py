@@ -19,9 +19,9 @@ import sys
 
 import httpx
 
-from benchmarks.client import RunSummary, run_load
-from benchmarks.serving import make_workload, start_stack
-from shared.model_source import load_tokenizer, resolve_model
+from kvflow.benchmarks.client import RunSummary, run_load
+from kvflow.benchmarks.serving import make_workload, start_stack
+from kvflow.shared.model_source import load_tokenizer, resolve_model
 
 
 def run_one(

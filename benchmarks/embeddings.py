@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import httpx
 
-from shared.model_source import load_tokenizer, resolve_model
+from kvflow.shared.model_source import load_tokenizer, resolve_model
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -103,7 +103,7 @@ def hf_modes(src, data: list[list[int]], rounds: int) -> list[Mode]:  # noqa: AN
     lengths: no padding), last_hidden_state[:, -1] normalized, as the server pools."""
     import torch
 
-    from benchmarks.hf import load_hf
+    from kvflow.benchmarks.hf import load_hf
 
     model = load_hf(src).model
     n = len(data)
@@ -149,8 +149,8 @@ def st_modes(src, texts: list[str], rounds: int) -> list[Mode]:  # noqa: ANN001
 
 
 def main(args: argparse.Namespace) -> int:
-    from benchmarks.serving import start_stack
-    from shared.model_config import load_config
+    from kvflow.benchmarks.serving import start_stack
+    from kvflow.shared.model_config import load_config
 
     src = resolve_model(args.model)
     tok = load_tokenizer(src)

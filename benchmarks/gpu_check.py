@@ -61,7 +61,7 @@ def step_env(args: argparse.Namespace) -> int:
     import transformers
     import triton
 
-    from benchmarks.model_impl import cpu_name
+    from kvflow.benchmarks.model_impl import cpu_name
 
     dev = _device()
     info: dict = {
@@ -77,7 +77,7 @@ def step_env(args: argparse.Namespace) -> int:
         p = torch.cuda.get_device_properties(dev)
         info |= {"sm_count": p.multi_processor_count, "memory_gib": p.total_memory / 2**30}
         info["capability"] = ".".join(map(str, torch.cuda.get_device_capability(dev)))
-        from benchmarks.kernel_cases import copy_bandwidth
+        from kvflow.benchmarks.kernel_cases import copy_bandwidth
 
         info["copy_bw_gbps"] = copy_bandwidth(dev) / 1e9
     else:  # the same figure for the dry run: a host memory copy of 64 MiB
@@ -153,9 +153,9 @@ def kvflow_greedy(runner, prompts: list[list[int]], n: int, chunk: int) -> list[
     """Every prompt through the real scheduler core (chunked prefill of ``chunk`` tokens a step,
     submitted together) and ``runner`` (made with ``worker_id="w"``): the ``n`` greedy tokens
     each got."""
-    from services.scheduler.core import SchedulerCore
-    from services.scheduler.worker_state import SchedulerLimits
-    from shared.messages import SamplingParams, TokenizedRequest
+    from kvflow.services.scheduler.core import SchedulerCore
+    from kvflow.services.scheduler.worker_state import SchedulerLimits
+    from kvflow.shared.messages import SamplingParams, TokenizedRequest
 
     core = SchedulerCore(SchedulerLimits(max_num_batched_tokens=chunk, max_model_len=2048))
     core.add_worker("w", runner.num_blocks, runner.block_size)
@@ -181,8 +181,8 @@ def kvflow_greedy(runner, prompts: list[list[int]], n: int, chunk: int) -> list[
 def step_greedy(args: argparse.Namespace) -> int:
     import tempfile
 
-    from services.worker.runner import ModelRunner
-    from shared.model_source import ModelSource
+    from kvflow.services.worker.runner import ModelRunner
+    from kvflow.shared.model_source import ModelSource
 
     dev = _device()
     vocab = 512 if args.tiny else 8192
@@ -238,7 +238,7 @@ def _tokenizer():  # -> transformers tokenizer
 
     if (TOKENIZER_DIR / "tokenizer.json").is_file():
         return AutoTokenizer.from_pretrained(str(TOKENIZER_DIR))
-    from shared.model_source import load_tokenizer, resolve_model
+    from kvflow.shared.model_source import load_tokenizer, resolve_model
 
     return load_tokenizer(resolve_model())
 
@@ -248,7 +248,7 @@ def _save_random_model(path: Path, tok, tiny: bool, dev: torch.device, dtype: to
     run) with the tokenizer's vocabulary, made on ``dev`` and saved at ``path``; returns it."""
     import transformers as tf
 
-    from benchmarks.random_model import LlamaShape
+    from kvflow.benchmarks.random_model import LlamaShape
 
     s = (
         LlamaShape(hidden=64, layers=2, heads=4, kv_heads=2, intermediate=128)
@@ -278,7 +278,7 @@ def _save_random_model(path: Path, tok, tiny: bool, dev: torch.device, dtype: to
 
 
 def _start_stack(model_dir: Path, dev: torch.device, args: argparse.Namespace, log: Path):
-    from shared.infra import free_port, wait_for_http
+    from kvflow.shared.infra import free_port, wait_for_http
 
     port = free_port()
     cmd = [sys.executable, "-m", "kvflow.cli.main", "serve", "--model", str(model_dir)]
@@ -343,8 +343,8 @@ def _triton_compiled() -> int:
 def _kvflow_runs(
     base: str, proc: subprocess.Popen, model: str, vocab: int, args: argparse.Namespace
 ) -> list[dict]:
-    from benchmarks.client import percentile
-    from benchmarks.pipeline import (
+    from kvflow.benchmarks.client import percentile
+    from kvflow.benchmarks.pipeline import (
         SERVICES,
         WORKER_SERIES,
         cpu_seconds,
@@ -408,7 +408,7 @@ def _hf_static(model, vocab: int, dev: torch.device, args: argparse.Namespace) -
     """transformers' ``generate`` in static batches of each concurrency (all prompts of one
     length, so no padding): each batch's whole latency is its requests' TTFT as a non-streaming
     static server answers."""
-    from benchmarks.pipeline import random_prompts
+    from kvflow.benchmarks.pipeline import random_prompts
 
     gen = model.generation_config
     gen.eos_token_id = []
@@ -443,7 +443,7 @@ def _hf_continuous(model, vocab: int, args: argparse.Namespace) -> dict:
     concurrency submitted at once; or why it could not run."""
     import inspect
 
-    from benchmarks.pipeline import random_prompts
+    from kvflow.benchmarks.pipeline import random_prompts
 
     c = max(args.streams)
     if not hasattr(model, "generate_batch"):
@@ -521,7 +521,7 @@ def step_pipeline(args: argparse.Namespace) -> int:
     read by the simulated worker)."""
     import tempfile
 
-    from benchmarks import pipeline
+    from kvflow.benchmarks import pipeline
 
     tok = _tokenizer()
     with tempfile.TemporaryDirectory() as tmp:
@@ -555,10 +555,10 @@ def step_splits(args: argparse.Namespace) -> int:
     ``default_num_splits``' choice: the data its heuristic is tuned on."""
     import triton.testing
 
-    from benchmarks.kernel_cases import BLOCK_SIZE, _paged
-    from benchmarks.random_model import LlamaShape
-    from kernels.ops import get_backend
-    from kernels.triton_decode_attention import default_num_splits
+    from kvflow.benchmarks.kernel_cases import BLOCK_SIZE, _paged
+    from kvflow.benchmarks.random_model import LlamaShape
+    from kvflow.kernels.ops import get_backend
+    from kvflow.kernels.triton_decode_attention import default_num_splits
 
     dev = _device()
     if dev.type != "cuda":
@@ -596,7 +596,7 @@ def step_profile(args: argparse.Namespace) -> int:
     import io
     import pstats
 
-    from benchmarks import decode
+    from kvflow.benchmarks import decode
 
     dev = _device()
     argv = ["--device", dev.type, "--random-llama", "--batch", "64", "--context", "512"]

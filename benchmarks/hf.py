@@ -13,9 +13,9 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.client import RequestStats, RunSummary, summarize
-from shared.infra import wait_for_http
-from shared.model_source import ModelSource
+from kvflow.benchmarks.client import RequestStats, RunSummary, summarize
+from kvflow.shared.infra import wait_for_http
+from kvflow.shared.model_source import ModelSource
 
 
 def load_hf(src: ModelSource):  # -> (model, pad_id)
@@ -85,9 +85,9 @@ def export_hf_dir(src: ModelSource, dest: Path) -> Path:
         return dest
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from shared.model_config import load_config
-    from shared.model_loader import load_weights
-    from shared.model_source import load_tokenizer
+    from kvflow.shared.model_config import load_config
+    from kvflow.shared.model_loader import load_weights
+    from kvflow.shared.model_source import load_tokenizer
 
     c = load_config(src)
     cfg = LlamaConfig(

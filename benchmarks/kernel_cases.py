@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from kernels.ops import KernelBackend
+from kvflow.kernels.ops import KernelBackend
 
 BLOCK_SIZE = 16
 
@@ -211,7 +211,7 @@ def bench_write_kv(
 def bench_rms_norm(
     ops: KernelBackend, t: int, n: int, dtype: torch.dtype, dev: torch.device
 ) -> Row:
-    from kernels import reference
+    from kvflow.kernels import reference
 
     x = torch.randn(t, n, dtype=dtype, device=dev)
     r = torch.randn(t, n, dtype=dtype, device=dev)
@@ -234,7 +234,7 @@ def bench_rms_norm(
 def bench_rotary(
     ops: KernelBackend, t: int, h: int, hkv: int, d: int, dtype: torch.dtype, dev: torch.device
 ) -> Row:
-    from kernels import reference
+    from kvflow.kernels import reference
 
     cos_sin = reference.build_cos_sin_cache(d, 8192, 500000.0, dtype).to(dev)
     positions = torch.randint(0, 8192, (t,), device=dev)
@@ -296,7 +296,7 @@ def bench_lora(
     """``lora_shrink`` then ``lora_expand`` (one projection's LoRA delta) for ``t`` rows spread
     round robin over ``slots`` adapters, against torch's loop over the adapters (gather, two
     GEMMs, index_add_): the multi-LoRA step cost (Punica's BGMV/SGMV)."""
-    from kernels import reference
+    from kvflow.kernels import reference
 
     x = torch.randn(t, k, dtype=dtype, device=dev)
     a = torch.randn(slots, r, k, dtype=dtype, device=dev) / k**0.5

@@ -33,7 +33,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.kernel_cases import (
+from kvflow.benchmarks.kernel_cases import (
     BLOCK_SIZE,
     bench_decode,
     bench_extend,
@@ -44,7 +44,7 @@ from benchmarks.kernel_cases import (
     bench_write_kv,
     copy_bandwidth,
 )
-from kernels.ops import KernelBackend
+from kvflow.kernels.ops import KernelBackend
 
 
 def kernel_table(
@@ -56,7 +56,7 @@ def kernel_table(
 ) -> list[str]:
     """The per-kernel table's markdown lines; each row also appended to ``records`` (a dict
     with ``gbps`` and ``copy_bw_frac`` beside the row's fields), when given."""
-    from benchmarks.random_model import LlamaShape
+    from kvflow.benchmarks.random_model import LlamaShape
 
     s = LlamaShape()
     h, hkv, d = s.heads, s.kv_heads, s.head_dim
@@ -109,10 +109,10 @@ def decode_throughput(
     """Greedy decode of ``steps`` tokens for ``batch`` sequences that already hold ``context``
     tokens (random K/V: the prompt's values do not change the work). Returns (ms per step,
     bytes a step must read at least)."""
-    from benchmarks.random_model import LlamaShape, random_llama
-    from kernels.triton_decode_attention import default_num_splits
-    from services.worker.model import DecoderModel
-    from services.worker.step_inputs import DeviceBatch
+    from kvflow.benchmarks.random_model import LlamaShape, random_llama
+    from kvflow.kernels.triton_decode_attention import default_num_splits
+    from kvflow.services.worker.model import DecoderModel
+    from kvflow.services.worker.step_inputs import DeviceBatch
 
     shape = LlamaShape()
     model = DecoderModel(*random_llama(dtype, dev, shape=shape))
@@ -182,7 +182,7 @@ def e2e_table(
 ) -> list[str]:
     """The device-only decode loop's markdown lines, a row per batch size (each also appended to
     ``records``, when given)."""
-    from benchmarks.random_model import LlamaShape
+    from kvflow.benchmarks.random_model import LlamaShape
 
     s = LlamaShape()
     lines = [
@@ -239,7 +239,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     import triton
 
-    from kernels.ops import get_backend
+    from kvflow.kernels.ops import get_backend
 
     dev = torch.device("cuda")
     dtype = getattr(torch, args.dtype)

@@ -10,8 +10,8 @@ import subprocess
 from collections.abc import Sequence
 from pathlib import Path
 
-from benchmarks.peer_servers import start_server
-from shared.machine_cache import cache_root
+from kvflow.benchmarks.peer_servers import start_server
+from kvflow.shared.machine_cache import cache_root
 
 
 def cached_build() -> Path:

@@ -23,8 +23,8 @@ import time
 
 import httpx
 
-from benchmarks.client import one_request, percentile
-from benchmarks.serving import start_stack
+from kvflow.benchmarks.client import one_request, percentile
+from kvflow.benchmarks.serving import start_stack
 
 LONG_TEXT = "The river bends past the old mill, and the water runs slow and brown. "
 

@@ -19,9 +19,9 @@ from pathlib import Path
 
 import httpx
 
-from benchmarks.client import RunSummary, one_request, summarize
-from shared.model_config import load_config
-from shared.model_source import resolve_model
+from kvflow.benchmarks.client import RunSummary, one_request, summarize
+from kvflow.shared.model_config import load_config
+from kvflow.shared.model_source import resolve_model
 
 TARGETS = {
     "self_attn": ("q_proj", "k_proj", "v_proj", "o_proj"),
@@ -44,7 +44,7 @@ def write_adapter(path: Path, model_path: str, rank: int, seed: int) -> None:
     import torch
     from safetensors.torch import save_file
 
-    from services.worker.lora_weights import module_shapes
+    from kvflow.services.worker.lora_weights import module_shapes
 
     cfg = load_config(resolve_model(model_path))
     shapes = module_shapes(cfg)
@@ -79,7 +79,7 @@ async def _batch(url: str, models: list[str], max_tokens: int) -> RunSummary:
 
 
 def main(args: argparse.Namespace) -> int:
-    from benchmarks.serving import start_stack
+    from kvflow.benchmarks.serving import start_stack
 
     src = resolve_model(args.model)
     n, rank = args.lora_count, args.lora_rank

@@ -30,11 +30,11 @@ from pathlib import Path
 import torch
 import transformers as tf
 
-from benchmarks.decode import decode_steps
-from kernels.batch_invariance import GemmRows
-from services.worker.runner import ModelRunner
-from shared.messages import NewRequest, SamplingParams, ScheduledSeq, StepPlan
-from shared.model_source import ModelSource
+from kvflow.benchmarks.decode import decode_steps
+from kvflow.kernels.batch_invariance import GemmRows
+from kvflow.services.worker.runner import ModelRunner
+from kvflow.shared.messages import NewRequest, SamplingParams, ScheduledSeq, StepPlan
+from kvflow.shared.model_source import ModelSource
 
 BLOCK = 16
 

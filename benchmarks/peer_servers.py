@@ -11,8 +11,8 @@ import os
 import subprocess
 from pathlib import Path
 
-from shared.infra import free_port, wait_for_http
-from shared.machine_cache import cache_root
+from kvflow.shared.infra import free_port, wait_for_http
+from kvflow.shared.machine_cache import cache_root
 
 SHIM = Path(__file__).with_name("openvino_shim.py")
 HOW_TO_INSTALL = "scripts/peers-install.sh {name} makes it (its own virtual environment)"

@@ -45,25 +45,25 @@ from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from benchmarks.client import RunSummary, run_load
-from benchmarks.hf import export_hf_dir
-from benchmarks.llama_server import (
+from kvflow.benchmarks.client import RunSummary, run_load
+from kvflow.benchmarks.hf import export_hf_dir
+from kvflow.benchmarks.llama_server import (
     HOW_TO_GET,
     find_llama_server,
     llama_server_version,
     start_llama_server,
     stop,
 )
-from benchmarks.peer_servers import (
+from kvflow.benchmarks.peer_servers import (
     HOW_TO_INSTALL,
     export_openvino,
     peer_python,
     start_openvino,
     start_vllm,
 )
-from benchmarks.serving import start_stack
-from shared.machine_cache import cache_root
-from shared.model_source import ModelSource, load_tokenizer, resolve_model
+from kvflow.benchmarks.serving import start_stack
+from kvflow.shared.machine_cache import cache_root
+from kvflow.shared.model_source import ModelSource, load_tokenizer, resolve_model
 
 REFERENCE = "llama.cpp"
 

@@ -28,8 +28,8 @@ from pathlib import Path
 
 import aiohttp
 
-from benchmarks.client import RequestStats, percentile
-from benchmarks.serving import start_stack
+from kvflow.benchmarks.client import RequestStats, percentile
+from kvflow.benchmarks.serving import start_stack
 
 SERVICES = ("gateway", "tokenizer", "scheduler", "worker", "detokenizer")
 CLK_TCK = os.sysconf("SC_CLK_TCK")
@@ -336,7 +336,7 @@ def tls_serve_args() -> list[str]:
 
 
 def main(args: argparse.Namespace) -> int:
-    from shared.model_source import resolve_model
+    from kvflow.shared.model_source import resolve_model
 
     args.concurrency = args.concurrency or "1,32,256"
     args.input_len = args.input_len or 32

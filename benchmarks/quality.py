@@ -24,7 +24,7 @@ import time
 
 import torch
 
-from shared.messages import NewRequest, SamplingParams, ScheduledSeq, StepPlan
+from kvflow.shared.messages import NewRequest, SamplingParams, ScheduledSeq, StepPlan
 
 SCHEMES = ("", "gguf", "gguf-a8", "int8", "w8a8", "fp8")
 BLOCK = 16
@@ -112,10 +112,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    from services.worker.runner import ModelRunner
-    from shared.model_config import load_config
-    from shared.model_loader import load_weights
-    from shared.model_source import load_tokenizer, resolve_model
+    from kvflow.services.worker.runner import ModelRunner
+    from kvflow.shared.model_config import load_config
+    from kvflow.shared.model_loader import load_weights
+    from kvflow.shared.model_source import load_tokenizer, resolve_model
 
     src = resolve_model(args.model)
     cfg = load_config(src)

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from shared.models.config import ModelConfig
+from kvflow.shared.models.config import ModelConfig
 
 
 @dataclass(frozen=True)

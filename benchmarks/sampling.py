@@ -26,9 +26,9 @@ from pathlib import Path
 
 import torch
 
-from services.worker.runner import RequestState
-from services.worker.sampler import sample_rows
-from shared.messages import SamplingParams
+from kvflow.services.worker.runner import RequestState
+from kvflow.services.worker.sampler import sample_rows
+from kvflow.shared.messages import SamplingParams
 
 HOT = dict(temperature=0.8, top_p=0.95, top_k=50)
 MIXES: dict[str, dict] = {
@@ -111,7 +111,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parse(argv)
-    from services.worker.device import resolve_device
+    from kvflow.services.worker.device import resolve_device
 
     device = resolve_device(args.device)
     modes = ["device", "host"] if device.type == "cuda" else ["device"]

@@ -15,9 +15,15 @@ import argparse
 import time
 from collections import deque
 
-from services.scheduler.core import SchedulerCore
-from services.scheduler.worker_state import SchedulerLimits
-from shared.messages import FinishReason, SamplingParams, StepPlan, StepResult, TokenizedRequest
+from kvflow.services.scheduler.core import SchedulerCore
+from kvflow.services.scheduler.worker_state import SchedulerLimits
+from kvflow.shared.messages import (
+    FinishReason,
+    SamplingParams,
+    StepPlan,
+    StepResult,
+    TokenizedRequest,
+)
 
 
 def run_once(

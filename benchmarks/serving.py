@@ -18,10 +18,10 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
-from benchmarks.client import RunSummary, run_load
-from shared.infra import free_port, wait_for_http
-from shared.machine_cache import cache_root
-from shared.model_source import load_tokenizer, resolve_model
+from kvflow.benchmarks.client import RunSummary, run_load
+from kvflow.shared.infra import free_port, wait_for_http
+from kvflow.shared.machine_cache import cache_root
+from kvflow.shared.model_source import load_tokenizer, resolve_model
 
 
 def make_workload(
@@ -75,7 +75,7 @@ def run_hf_serve(src, tok, workload) -> RunSummary:
     """``transformers serve --continuous-batching`` with the same requests. It takes text
     prompts only and has no ignore_eos, so prompts are sent as their decoded text and its
     throughput counts the tokens it really generated (usage)."""
-    from benchmarks.hf import export_hf_dir, start_transformers_serve
+    from kvflow.benchmarks.hf import export_hf_dir, start_transformers_serve
 
     model_dir = export_hf_dir(src, cache_root() / "hf" / src.name)
     port = free_port()
@@ -175,57 +175,57 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quick", action="store_true", help="a tiny workload, for a smoke test")
     p.add_argument("--out", default="bench-results")
     p.add_argument("--serve-args", default="", help="extra flags for the kvflow serve it starts")
-    from benchmarks.pipeline import add_arguments
+    from kvflow.benchmarks.pipeline import add_arguments
 
     pipeline = p.add_argument_group("pipeline")
     add_arguments(pipeline)
-    from benchmarks import quality as bench_quality
+    from kvflow.benchmarks import quality as bench_quality
 
     bench_quality.add_arguments(p.add_argument_group("quality"))
-    from benchmarks import peers as bench_peers
+    from kvflow.benchmarks import peers as bench_peers
 
     bench_peers.add_arguments(p.add_argument_group("peers, llamacpp"))
-    from benchmarks import embeddings as bench_embeddings
+    from kvflow.benchmarks import embeddings as bench_embeddings
 
     bench_embeddings.add_arguments(p.add_argument_group("embeddings"))
-    from benchmarks import speculative as bench_speculative
+    from kvflow.benchmarks import speculative as bench_speculative
 
     bench_speculative.add_arguments(p.add_argument_group("speculative"))
-    from benchmarks import lora as bench_lora
+    from kvflow.benchmarks import lora as bench_lora
 
     bench_lora.add_arguments(p.add_argument_group("lora"))
-    from benchmarks import tensor_parallel as bench_tp
+    from kvflow.benchmarks import tensor_parallel as bench_tp
 
     bench_tp.add_arguments(p.add_argument_group("tp"))
 
 
 def main(args: argparse.Namespace) -> int:
     if args.what == "pipeline":
-        from benchmarks import pipeline as bench_pipeline
+        from kvflow.benchmarks import pipeline as bench_pipeline
 
         return bench_pipeline.main(args)
     if args.what == "quality":
-        from benchmarks import quality as bench_quality
+        from kvflow.benchmarks import quality as bench_quality
 
         return bench_quality.main(args)
     if args.what in ("peers", "llamacpp"):
-        from benchmarks import peers as bench_peers
+        from kvflow.benchmarks import peers as bench_peers
 
         return bench_peers.main(args)
     if args.what == "embeddings":
-        from benchmarks import embeddings as bench_embeddings
+        from kvflow.benchmarks import embeddings as bench_embeddings
 
         return bench_embeddings.main(args)
     if args.what == "speculative":
-        from benchmarks import speculative as bench_speculative
+        from kvflow.benchmarks import speculative as bench_speculative
 
         return bench_speculative.main(args)
     if args.what == "lora":
-        from benchmarks import lora as bench_lora
+        from kvflow.benchmarks import lora as bench_lora
 
         return bench_lora.main(args)
     if args.what == "tp":
-        from benchmarks import tensor_parallel as bench_tp
+        from kvflow.benchmarks import tensor_parallel as bench_tp
 
         return bench_tp.main(args)
     src = resolve_model(args.model)
@@ -247,7 +247,7 @@ def main(args: argparse.Namespace) -> int:
         hf.remove("hf-serve")
         results.append(run_hf_serve(src, tok, workload))
     if hf:
-        from benchmarks.hf import load_hf, static_batches
+        from kvflow.benchmarks.hf import load_hf, static_batches
 
         print("loading the model in transformers ...", flush=True)
         model = load_hf(src)

@@ -18,8 +18,8 @@ import signal
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from benchmarks.client import RunSummary, run_load
-from shared.model_source import load_tokenizer, resolve_model
+from kvflow.benchmarks.client import RunSummary, run_load
+from kvflow.shared.model_source import load_tokenizer, resolve_model
 
 DEFAULT_SPEC = '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}'
 FRUITS = "apple banana cherry grape lemon mango orange peach pear plum".split()
@@ -118,7 +118,7 @@ def _run(
 
 
 def main(args: argparse.Namespace) -> int:
-    from benchmarks.serving import start_stack
+    from kvflow.benchmarks.serving import start_stack
 
     src = resolve_model(args.model)
     tok = load_tokenizer(src)

@@ -19,7 +19,7 @@ from collections import defaultdict
 
 import psutil
 
-from shared.infra import free_port, wait_for_http
+from kvflow.shared.infra import free_port, wait_for_http
 
 
 def _service(proc: psutil.Process) -> str:

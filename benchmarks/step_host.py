@@ -17,11 +17,11 @@ import time
 
 import torch
 
-from services.worker.block_tables import BlockTables
-from services.worker.cuda_graphs import DecodeBuffers
-from services.worker.runner import RequestState
-from services.worker.step_rows import lay_out
-from shared.messages import SamplingParams, ScheduledSeq, StepPlan
+from kvflow.services.worker.block_tables import BlockTables
+from kvflow.services.worker.cuda_graphs import DecodeBuffers
+from kvflow.services.worker.runner import RequestState
+from kvflow.services.worker.step_rows import lay_out
+from kvflow.shared.messages import SamplingParams, ScheduledSeq, StepPlan
 
 PARTS = ("apply", "lay_out", "tables", "fill")
 

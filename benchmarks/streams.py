@@ -14,8 +14,8 @@ import time
 
 import httpx
 
-from benchmarks.client import run_load
-from shared.infra import free_port, wait_for_http
+from kvflow.benchmarks.client import run_load
+from kvflow.shared.infra import free_port, wait_for_http
 
 MODEL = "SmolLM2-135M-Instruct"
 PROMPT = "Write a long story about a lighthouse keeper and the sea."

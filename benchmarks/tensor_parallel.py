@@ -15,8 +15,8 @@ import time
 
 import httpx
 
-from benchmarks.client import RunSummary, one_request, summarize
-from shared.model_source import resolve_model
+from kvflow.benchmarks.client import RunSummary, one_request, summarize
+from kvflow.shared.model_source import resolve_model
 
 PROMPT = "Write a long story about a lighthouse keeper who finds a message in a bottle."
 
@@ -38,7 +38,7 @@ async def _batch(url: str, model: str, n: int, max_tokens: int) -> RunSummary:
 
 
 def main(args: argparse.Namespace) -> int:
-    from benchmarks.serving import start_stack
+    from kvflow.benchmarks.serving import start_stack
 
     src = resolve_model(args.model)
     sizes = [int(s) for s in args.tp_sizes.split(",") if s.strip()]

@@ -24,8 +24,8 @@ from pathlib import Path
 
 import httpx
 
-from shared.infra import free_port, wait_for_http
-from shared.model_source import load_tokenizer, resolve_model
+from kvflow.shared.infra import free_port, wait_for_http
+from kvflow.shared.model_source import load_tokenizer, resolve_model
 
 ROOT = Path(__file__).resolve().parents[1]
 

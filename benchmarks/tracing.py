@@ -30,7 +30,7 @@ import types
 
 import httpx
 
-from shared.infra import free_port, wait_for_http
+from kvflow.shared.infra import free_port, wait_for_http
 
 MODEL = "SmolLM2-135M-Instruct"
 PROMPT = "Write a long story about a lighthouse keeper and the sea."
@@ -75,9 +75,9 @@ def _hooks(batch_sizes: tuple[int, ...], steps: int) -> list[dict]:
 def _hook_pass(batch: int, traced: bool, steps: int) -> dict:
     """One batch: requests queued (traced: their client sent a sampled traceparent), then one
     prefill step, then ``steps`` decode steps through both services' hooks."""
-    from services.scheduler.telemetry import SchedulerTelemetry
-    from services.worker.telemetry import WorkerTelemetry
-    from shared.messages import (
+    from kvflow.services.scheduler.telemetry import SchedulerTelemetry
+    from kvflow.services.worker.telemetry import WorkerTelemetry
+    from kvflow.shared.messages import (
         FinishReason,
         NewRequest,
         SamplingParams,
@@ -86,7 +86,7 @@ def _hook_pass(batch: int, traced: bool, steps: int) -> dict:
         StepResult,
         TokenizedRequest,
     )
-    from shared.telemetry import traceparent
+    from kvflow.shared.telemetry import traceparent
 
     rids = [f"r{i}" for i in range(batch)]
     svc = types.SimpleNamespace(core=types.SimpleNamespace(requests=set(rids)))

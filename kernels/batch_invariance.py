@@ -32,8 +32,8 @@ from pathlib import Path
 
 import torch
 
-from kernels.reference import Weight, matmul_fn
-from shared.machine_cache import cache_root
+from kvflow.kernels.reference import Weight, matmul_fn
+from kvflow.shared.machine_cache import cache_root
 
 log = logging.getLogger("kvflow.kernels")
 

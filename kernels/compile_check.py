@@ -118,8 +118,8 @@ def launch_all(dtype: torch.dtype) -> None:
     """Call every Triton wrapper once per configuration family, on CPU tensors of Llama shapes
     (head_dim 64 and 128, GQA 4 and 3, short and long queries), the attentions also with a
     sliding window and logit soft-capping on (Mistral / Gemma 2)."""
-    from kernels import reference
-    from kernels.ops import get_backend
+    from kvflow.kernels import reference
+    from kvflow.kernels.ops import get_backend
 
     ops = get_backend("triton")
     for d, h, hkv in ((128, 32, 8), (64, 9, 3)):
@@ -154,7 +154,7 @@ def launch_all(dtype: torch.dtype) -> None:
 def _launch_moe(dtype: torch.dtype) -> None:
     """kernels/triton_moe.py's grouped expert GEMMs (8 experts of 1408, top-2, hidden 2048) at
     a decode and a prefill row count."""
-    from kernels.triton_moe import moe_experts
+    from kvflow.kernels.triton_moe import moe_experts
 
     e, h, i = 8, 2048, 1408
     up, down = torch.empty(e, 2 * i, h, dtype=dtype), torch.empty(e, h, i, dtype=dtype)
@@ -167,7 +167,7 @@ def _launch_moe(dtype: torch.dtype) -> None:
 def _launch_quant_matmuls(dtype: torch.dtype) -> None:
     """kernels/triton_quant.py for 8-bit, 4-bit and 4-bit-with-offset weights, at a decode
     and a prefill row count."""
-    from kernels.triton_quant import DeviceQuantWeight
+    from kvflow.kernels.triton_quant import DeviceQuantWeight
 
     n, k = 1536, 576
     groups = torch.empty(n, k // 32, dtype=torch.float16)

@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from kernels import cpu_native, cpu_quant
+from kvflow.kernels import cpu_native, cpu_quant
 
 PANEL = 24  # outputs per panel (the kernel's register block)
 BF16_PANEL = 32  # outputs per bf16 panel (csrc/bf16_matmul_cpu.c)

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from kernels import cpu_native
+from kvflow.kernels import cpu_native
 
 _SRC = Path(__file__).parent / "csrc" / "layer_ops_cpu.c"
 _COMPILE_FLAGS = [

@@ -32,7 +32,7 @@ from pathlib import Path
 
 import torch
 
-from shared.machine_cache import cache_root
+from kvflow.shared.machine_cache import cache_root
 
 log = logging.getLogger("kvflow.kernels")
 

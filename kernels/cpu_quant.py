@@ -37,7 +37,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from kernels import cpu_native
+from kvflow.kernels import cpu_native
 
 log = logging.getLogger("kvflow.kernels")
 

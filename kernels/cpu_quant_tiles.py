@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from kernels import cpu_native, cpu_quant
+from kvflow.kernels import cpu_native, cpu_quant
 
 _SRC = Path(__file__).parent / "csrc" / "quant_tiles_cpu.c"
 # no fused multiply-adds the source does not write: decoding equals the block decoders

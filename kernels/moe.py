@@ -81,7 +81,7 @@ def moe_block(
     flat = ids.reshape(-1)
     load = torch.bincount(flat, minlength=m.num_experts)
     if m.gate_up_stacked is not None:  # the device path: two grouped launches, no host sync
-        from kernels.triton_moe import moe_experts
+        from kvflow.kernels.triton_moe import moe_experts
 
         y = moe_experts(x, weights, ids, m.gate_up_stacked, m.down_stacked, act)
     else:

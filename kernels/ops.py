@@ -58,7 +58,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels import reference
+from kvflow.kernels import reference
 
 BACKENDS = ("reference", "triton")
 
@@ -104,7 +104,7 @@ def get_backend(name: str) -> KernelBackend:
         )
     if name == "triton":
         try:
-            from kernels import (
+            from kvflow.kernels import (
                 triton_decode_attention,
                 triton_extend_attention,
                 triton_kv_cache,

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from kernels.cpu_quant import BLOCK_WEIGHTS, QK, QuantWeight
+from kvflow.kernels.cpu_quant import BLOCK_WEIGHTS, QK, QuantWeight
 
 UNIT_TYPES = ("Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K")
 

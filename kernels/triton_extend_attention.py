@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.triton_decode_attention import _tanh
+from kvflow.kernels.triton_decode_attention import _tanh
 
 _LOG2E = 1.4426950408889634
 

@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.moe import sum_slots
+from kvflow.kernels.moe import sum_slots
 
 
 @triton.jit

@@ -26,8 +26,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.cpu_quant import QK, QuantWeight
-from kernels.quant_planes import UNIT_TYPES, unit_planes
+from kvflow.kernels.cpu_quant import QK, QuantWeight
+from kvflow.kernels.quant_planes import UNIT_TYPES, unit_planes
 
 
 @triton.jit

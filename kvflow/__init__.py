@@ -9,7 +9,7 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-import shared.openmp_env  # noqa: F401  (before anything imports torch)
+import kvflow.shared.openmp_env  # noqa: F401  (before anything imports torch)
 
 _WHERE = {
     "LLM": "kvflow.llm",

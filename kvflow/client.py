@@ -10,10 +10,10 @@ import logging
 import uuid
 from dataclasses import dataclass, field
 
-from shared import subjects
-from shared.access.connect import NatsAuth
-from shared.bus import Bus
-from shared.messages import (
+from kvflow.shared import subjects
+from kvflow.shared.access.connect import NatsAuth
+from kvflow.shared.bus import Bus
+from kvflow.shared.messages import (
     Abort,
     Delta,
     GenerateRequest,
@@ -26,8 +26,8 @@ from shared.messages import (
     StatsRequest,
     TokenLogprob,
 )
-from shared.request_streams import RequestStreams
-from shared.submission import until_acknowledged
+from kvflow.shared.request_streams import RequestStreams
+from kvflow.shared.submission import until_acknowledged
 
 log = logging.getLogger("kvflow.client")
 

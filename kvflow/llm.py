@@ -50,18 +50,18 @@ from kvflow.sampling_params import (
     as_list,
     prompt_cache_salt,
 )
-from shared.access.connect import nats_auth
-from shared.beam_search import beam_search as run_beam_search
-from shared.beam_search import ended_by_eos, top_pairs
-from shared.beam_search import step_params as beam_step_params
-from shared.chat_template import from_openai, read_chat_template, render_chat
-from shared.config import Settings, check_stream_interval
-from shared.fan_out import best, expand, ranks, sequences_per_prompt
-from shared.lora import check_lora_settings
-from shared.messages import GenerateRequest, LoraLoad, LoRARef
-from shared.model_source import ModelNotFoundError, load_tokenizer, resolve_model
-from shared.parallel import check_parallel_settings
-from shared.speculative import parse_speculative_config
+from kvflow.shared.access.connect import nats_auth
+from kvflow.shared.beam_search import beam_search as run_beam_search
+from kvflow.shared.beam_search import ended_by_eos, top_pairs
+from kvflow.shared.beam_search import step_params as beam_step_params
+from kvflow.shared.chat_template import from_openai, read_chat_template, render_chat
+from kvflow.shared.config import Settings, check_stream_interval
+from kvflow.shared.fan_out import best, expand, ranks, sequences_per_prompt
+from kvflow.shared.lora import check_lora_settings
+from kvflow.shared.messages import GenerateRequest, LoraLoad, LoRARef
+from kvflow.shared.model_source import ModelNotFoundError, load_tokenizer, resolve_model
+from kvflow.shared.parallel import check_parallel_settings
+from kvflow.shared.speculative import parse_speculative_config
 
 _Tokenized = tuple[str | None, list[int], str | None]  # text, token ids, cache salt
 
@@ -103,8 +103,8 @@ class LLM:
         check_lora_settings(ms.enable_lora, ms.lora_modules, ms.max_loras, ms.max_lora_rank)
         check_parallel_settings(self.settings)
         check_stream_interval(self.settings)
-        from shared.model_config import check_settings_model
-        from shared.models.tasks import served_task
+        from kvflow.shared.model_config import check_settings_model
+        from kvflow.shared.models.tasks import served_task
 
         try:
             ms = self.settings.model

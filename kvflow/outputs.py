@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from shared.messages import PromptTokenLogprob, TokenLogprob
+from kvflow.shared.messages import PromptTokenLogprob, TokenLogprob
 
 
 @dataclass

@@ -27,8 +27,8 @@ from kvflow.outputs import (
     ScoringRequestOutput,
 )
 from kvflow.sampling_params import Prompt, _prompt_list, prompt_cache_salt
-from services.tokenizer.pooling_inputs import PromptError, check_task, pooling_input
-from shared.messages import GenerateRequest, PoolingParams, SamplingParams
+from kvflow.services.tokenizer.pooling_inputs import PromptError, check_task, pooling_input
+from kvflow.shared.messages import GenerateRequest, PoolingParams, SamplingParams
 
 if TYPE_CHECKING:
     from kvflow.llm import LLM

@@ -14,9 +14,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from shared.messages import SamplingParams as WireParams
-from shared.messages import StructuredOutput
-from shared.sampling import FIELDS, SamplingParamError, validate_sampling, wire_fields
+from kvflow.shared.messages import SamplingParams as WireParams
+from kvflow.shared.messages import StructuredOutput
+from kvflow.shared.sampling import FIELDS, SamplingParamError, validate_sampling, wire_fields
 
 __all__ = ["BeamSearchParams", "SamplingParams", "SamplingParamError"]
 

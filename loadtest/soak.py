@@ -42,7 +42,7 @@ import httpx
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from shared.infra import free_port, wait_for_http  # noqa: E402
+from kvflow.shared.infra import free_port, wait_for_http  # noqa: E402
 
 MODEL = "SmolLM2-135M-Instruct"
 

@@ -6,10 +6,10 @@
 #   env      versions, nvidia-smi, device-to-device copy bandwidth
 #   tests    tests/kernels, the CUDA-graph and fp8 unit tests, natively (pytest-timeout per test)
 #   greedy   ModelRunner (Triton, CUDA graphs, fp32) == transformers' greedy, token for token
-#   kernels  python -m benchmarks.kernels (per-kernel table, device-only decode loop)
+#   kernels  python -m kvflow.benchmarks.kernels (per-kernel table, device-only decode loop)
 #   splits   paged decode attention at each split count (the data default_num_splits is tuned on)
-#   decode   python -m benchmarks.decode --device cuda --random-llama, graphs then eager
-#   sampling python -m benchmarks.sampling: one step's sampling on the GPU vs copied to the host
+#   decode   python -m kvflow.benchmarks.decode --device cuda --random-llama, graphs then eager
+#   sampling python -m kvflow.benchmarks.sampling: one step's sampling on the GPU vs copied to the host
 #   profile  cProfile of the worker's decode steps at batch 64 (where the host's time goes)
 #   stack    kvflow serve --device cuda at 1/32/256 streams (TPOT, the worker's busy fraction, CPU
 #            per token), then transformers on the same weights
@@ -105,19 +105,19 @@ if [[ $CPU == 0 ]]; then
   SAMPLING=(--device cuda --rows 1 64 256 --steps 20)
 fi
 
-step env 30 "$PY" -m benchmarks.gpu_check env --out "$OUTDIR"
+step env 30 "$PY" -m kvflow.benchmarks.gpu_check env --out "$OUTDIR"
 step tests 120 "$PY" -m pytest -q -p no:cacheprovider \
   --timeout 90 "${XDIST[@]}" --junitxml "$OUTDIR/junit.xml" "${TESTS[@]}"
-step greedy 45 "$PY" -m benchmarks.gpu_check greedy $TINY --out "$OUTDIR"
-step kernels 60 "$PY" -m benchmarks.kernels --json "$OUTDIR/kernels.json"
-step splits 40 "$PY" -m benchmarks.gpu_check splits --out "$OUTDIR"
-step decode 45 "$PY" -m benchmarks.decode "${DECODE[@]}" --json "$OUTDIR/decode.json"
-step decode-eager 30 "$PY" -m benchmarks.decode "${DECODE[@]}" --enforce-eager --json "$OUTDIR/decode-eager.json"
-step sampling 25 "$PY" -m benchmarks.sampling "${SAMPLING[@]}" --json "$OUTDIR/sampling.json"
-step profile 30 "$PY" -m benchmarks.gpu_check profile $TINY --out "$OUTDIR"
-step stack 150 "$PY" -m benchmarks.gpu_check stack $TINY "${STREAMS[@]}" ${GPU_CHECK_STACK_ARGS:-} --out "$OUTDIR"
-step pipeline 100 "$PY" -m benchmarks.gpu_check pipeline $TINY "${STREAMS[@]}" --out "$OUTDIR"
-"$PY" -m benchmarks.gpu_check summary --out "$OUTDIR" >"$LOGS/summary.log" 2>&1
+step greedy 45 "$PY" -m kvflow.benchmarks.gpu_check greedy $TINY --out "$OUTDIR"
+step kernels 60 "$PY" -m kvflow.benchmarks.kernels --json "$OUTDIR/kernels.json"
+step splits 40 "$PY" -m kvflow.benchmarks.gpu_check splits --out "$OUTDIR"
+step decode 45 "$PY" -m kvflow.benchmarks.decode "${DECODE[@]}" --json "$OUTDIR/decode.json"
+step decode-eager 30 "$PY" -m kvflow.benchmarks.decode "${DECODE[@]}" --enforce-eager --json "$OUTDIR/decode-eager.json"
+step sampling 25 "$PY" -m kvflow.benchmarks.sampling "${SAMPLING[@]}" --json "$OUTDIR/sampling.json"
+step profile 30 "$PY" -m kvflow.benchmarks.gpu_check profile $TINY --out "$OUTDIR"
+step stack 150 "$PY" -m kvflow.benchmarks.gpu_check stack $TINY "${STREAMS[@]}" ${GPU_CHECK_STACK_ARGS:-} --out "$OUTDIR"
+step pipeline 100 "$PY" -m kvflow.benchmarks.gpu_check pipeline $TINY "${STREAMS[@]}" --out "$OUTDIR"
+"$PY" -m kvflow.benchmarks.gpu_check summary --out "$OUTDIR" >"$LOGS/summary.log" 2>&1
 echo "total: $(($(date +%s) - START))s" >>"$OUTDIR/summary.md"
 cp "$OUTDIR/summary.md" "$OUTDIR/summary.json" "$DEST"/
 tar -czf "$DEST/results.tar.gz" -C "$OUTDIR" .

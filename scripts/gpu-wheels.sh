@@ -33,7 +33,7 @@ done
 "$PY" - "$DIR/tokenizer" <<'EOF'
 import sys
 
-from shared.model_source import load_tokenizer, resolve_model
+from kvflow.shared.model_source import load_tokenizer, resolve_model
 
 load_tokenizer(resolve_model()).save_pretrained(sys.argv[1])
 EOF

@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 
-from shared.messages import SamplingParams
+from kvflow.shared.messages import SamplingParams
 
 # expand(sequences, k) -> for each sequence (prompt + beam tokens), its top-k (token, logprob)
 Expand = Callable[[list[list[int]], int], Awaitable[list[list[tuple[int, float]]]]]

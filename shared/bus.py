@@ -30,11 +30,11 @@ from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
-from shared.access.connect import AccessError, NatsAuth
-from shared.large_messages import BLOB_HEADER, BlobError, LargeMessages, max_message_bytes
-from shared.messages import Message, decode, encode
-from shared.replay import ReplayLog
-from shared.subjects import REPLAY, subject_label
+from kvflow.shared.access.connect import AccessError, NatsAuth
+from kvflow.shared.large_messages import BLOB_HEADER, BlobError, LargeMessages, max_message_bytes
+from kvflow.shared.messages import Message, decode, encode
+from kvflow.shared.replay import ReplayLog
+from kvflow.shared.subjects import REPLAY, subject_label
 
 log = logging.getLogger("kvflow.bus")
 _PERMISSION = "permissions violation"

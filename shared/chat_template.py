@@ -11,7 +11,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from shared.messages import ChatMessage, ToolCall, ToolSpec
+from kvflow.shared.messages import ChatMessage, ToolCall, ToolSpec
 
 TOOL_TEMPLATE = Path(__file__).parent / "chat_templates" / "hermes_tools.jinja"
 

@@ -15,7 +15,7 @@ import shlex
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from shared.model_settings import ModelSettings
+from kvflow.shared.model_settings import ModelSettings
 
 KV_CACHE_DTYPES = ("auto", "bfloat16", "float32")
 

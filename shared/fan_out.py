@@ -19,7 +19,7 @@ from typing import TypeVar
 
 import msgspec
 
-from shared.messages import GenerateRequest, TokenLogprob
+from kvflow.shared.messages import GenerateRequest, TokenLogprob
 
 T = TypeVar("T")
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import time
 from typing import Generic, TypeVar
 
-from shared.messages import RequestError
+from kvflow.shared.messages import RequestError
 
 T = TypeVar("T")
 

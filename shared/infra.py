@@ -158,7 +158,7 @@ def start_nats_cluster(
     node configuration written into ``conf_dir`` beside its ``nats.conf`` (users, permissions,
     TLS: shared/access/credentials.py), which every node includes. ``route_tls``: (certificate,
     key, CA) for TLS routes."""
-    from shared.access.render import nats_cluster_node
+    from kvflow.shared.access.render import nats_cluster_node
 
     if size < 1:
         raise ValueError("a NATS cluster needs at least one node")
@@ -277,8 +277,8 @@ def start_redis_sentinel(
     ``aclfile``; each sentinel from ``sentinel_conf`` after its monitor lines. A quorum of a
     majority of the sentinels declares the primary down; the sentinels then promote a replica
     (about 2 s after the primary dies)."""
-    from shared.access.grants import SENTINEL_MASTER
-    from shared.access.render import sentinel_monitor
+    from kvflow.shared.access.grants import SENTINEL_MASTER
+    from kvflow.shared.access.render import sentinel_monitor
 
     if sentinels < 1 or replicas < 0:
         raise ValueError("Redis with Sentinel needs at least one sentinel")

@@ -90,5 +90,5 @@ def create_scheduler_connector(name: str) -> KvConnectorScheduler:
 
 
 # One line per transport.
-register_connector("nats", "services.worker.kv_connectors.nats:NatsKvConnector")
-register_connector("inproc", "services.worker.kv_connectors.inproc:InProcKvConnector")
+register_connector("nats", "kvflow.services.worker.kv_connectors.nats:NatsKvConnector")
+register_connector("inproc", "kvflow.services.worker.kv_connectors.inproc:InProcKvConnector")

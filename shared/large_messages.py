@@ -25,7 +25,7 @@ from collections import OrderedDict
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 
-from shared.subjects import blob
+from kvflow.shared.subjects import blob
 
 BLOB_HEADER = "Kvflow-Blob"
 _ERROR_HEADER = "Kvflow-Blob-Error"

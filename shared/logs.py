@@ -12,7 +12,7 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-from shared.telemetry import current_ids
+from kvflow.shared.telemetry import current_ids
 
 # the request a task is working on; services set it around per-request work (request_scope)
 request_id_var: contextvars.ContextVar[str] = contextvars.ContextVar("request_id", default="")

@@ -27,9 +27,9 @@ from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.registry import Collector
 from prometheus_client.samples import Sample
 
-from shared import subjects
-from shared.bus import Bus
-from shared.messages import MetricsReport, MetricsRequest, decode
+from kvflow.shared import subjects
+from kvflow.shared.bus import Bus
+from kvflow.shared.messages import MetricsReport, MetricsRequest, decode
 
 log = logging.getLogger("kvflow.metrics")
 

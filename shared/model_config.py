@@ -14,15 +14,15 @@ import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from shared.gguf_header import read_header
-from shared.model_source import ModelSource, resolve_model
-from shared.models.config import ModelConfig, ModelConfigError
-from shared.models.generic import transformers_config
-from shared.models.registry import UnsupportedArchitecture, family_for_gguf, hf_config
-from shared.models.tasks import served_task, st_max_seq_length
+from kvflow.shared.gguf_header import read_header
+from kvflow.shared.model_source import ModelSource, resolve_model
+from kvflow.shared.models.config import ModelConfig, ModelConfigError
+from kvflow.shared.models.generic import transformers_config
+from kvflow.shared.models.registry import UnsupportedArchitecture, family_for_gguf, hf_config
+from kvflow.shared.models.tasks import served_task, st_max_seq_length
 
 if TYPE_CHECKING:
-    from shared.config import Settings
+    from kvflow.shared.config import Settings
 
 __all__ = ["MODEL_IMPLS", "check_model", "check_settings_model", "load_config"]
 

@@ -25,15 +25,15 @@ from typing import Any
 import numpy as np
 import torch
 
-from kernels import cpu_quant
-from kernels.cpu_quant import BLOCK_BYTES, TYPE_NAMES, QuantWeight
-from kernels.fp8_linear import Fp8Weight, quantize_fp8
-from shared.gguf_header import read_header, read_tensors
-from shared.model_source import ModelSource
-from shared.models.config import ModelConfig
-from shared.models.family import LINEARS, Family
-from shared.models.registry import family
-from shared.quantized_checkpoints import checkpoint_method, quantization_config, read_layer
+from kvflow.kernels import cpu_quant
+from kvflow.kernels.cpu_quant import BLOCK_BYTES, TYPE_NAMES, QuantWeight
+from kvflow.kernels.fp8_linear import Fp8Weight, quantize_fp8
+from kvflow.shared.gguf_header import read_header, read_tensors
+from kvflow.shared.model_source import ModelSource
+from kvflow.shared.models.config import ModelConfig
+from kvflow.shared.models.family import LINEARS, Family
+from kvflow.shared.models.registry import family
+from kvflow.shared.quantized_checkpoints import checkpoint_method, quantization_config, read_layer
 
 __all__ = ["load_weights", "round_weights"]
 

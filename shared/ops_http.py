@@ -36,10 +36,10 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from shared import subjects
-from shared.bus import Bus
-from shared.messages import Ping, Pong
-from shared.metrics import BusCollector, answer_metrics, instance_id
+from kvflow.shared import subjects
+from kvflow.shared.bus import Bus
+from kvflow.shared.messages import Ping, Pong
+from kvflow.shared.metrics import BusCollector, answer_metrics, instance_id
 
 log = logging.getLogger("kvflow.ops")
 

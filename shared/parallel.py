@@ -4,7 +4,7 @@ anything loads. The group itself is services/worker/tp_group.py."""
 
 from __future__ import annotations
 
-from shared.config import Settings
+from kvflow.shared.config import Settings
 
 
 def check_parallel_settings(settings: Settings) -> None:

@@ -11,7 +11,7 @@ import sys
 import time
 from typing import IO
 
-from shared.config import Settings
+from kvflow.shared.config import Settings
 
 
 def spawn_service(

@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from kernels.cpu_quant import Q4_Z, QK, QuantWeight
+from kvflow.kernels.cpu_quant import Q4_Z, QK, QuantWeight
 
 log = logging.getLogger("kvflow.model")
 

@@ -19,7 +19,7 @@ import time
 from collections import deque
 from dataclasses import dataclass
 
-from shared.subjects import replayed
+from kvflow.shared.subjects import replayed
 
 WINDOW_S = 5.0  # how far back a replay reaches: a reconnect takes well under a second
 MAX_BYTES = 64 * 1024 * 1024

@@ -16,8 +16,8 @@ import logging
 from collections import deque
 from typing import Any
 
-from shared.in_order import InOrder, lost_in_transit
-from shared.messages import Accepted, Delta, DeltaBatch, Message, RequestError, ToolCallDelta
+from kvflow.shared.in_order import InOrder, lost_in_transit
+from kvflow.shared.messages import Accepted, Delta, DeltaBatch, Message, RequestError, ToolCallDelta
 
 log = logging.getLogger("kvflow.streams")
 GAP_TIMEOUT_S = 15.0  # a delta lost in transit is published again within a few seconds

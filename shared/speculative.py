@@ -14,7 +14,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from shared.messages.params import SamplingParams
+from kvflow.shared.messages.params import SamplingParams
 
 METHODS = ("ngram", "draft_model")
 _KNOWN_KEYS = {

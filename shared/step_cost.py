@@ -8,7 +8,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from shared.messages import StepPlan
+from kvflow.shared.messages import StepPlan
 
 
 @dataclass

@@ -15,7 +15,7 @@ import json
 import threading
 from typing import Any
 
-from shared.messages import StructuredOutput
+from kvflow.shared.messages import StructuredOutput
 
 KINDS = ("json", "regex", "choice", "grammar")
 # response_format {"type": "json_object"}: any JSON object

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import time
 
-from shared.messages import StepResult, StepVoid
+from kvflow.shared.messages import StepResult, StepVoid
 
 
 class VoidedSteps:

@@ -19,7 +19,7 @@ if not torch.cuda.is_available():
 
 import pytest  # noqa: E402
 
-from shared.model_source import load_tokenizer, resolve_model  # noqa: E402
+from kvflow.shared.model_source import load_tokenizer, resolve_model  # noqa: E402
 
 
 @pytest.fixture(scope="session")

@@ -15,7 +15,7 @@ import shutil
 import struct
 from pathlib import Path
 
-from shared.gguf_header import read_header
+from kvflow.shared.gguf_header import read_header
 
 DROPPED = {f"tokenizer.ggml.{k}" for k in ("tokens", "scores", "token_type", "merges")}
 CACHE = Path.home() / ".cache" / "kvflow-tests" / "gguf-without-vocabulary"

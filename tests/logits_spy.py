@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from services.worker.runner import ModelRunner
-from shared.messages import ScheduledSeq
+from kvflow.services.worker.runner import ModelRunner
+from kvflow.shared.messages import ScheduledSeq
 
 
 def capture_logits(runner: ModelRunner, request_id: str) -> list[torch.Tensor]:

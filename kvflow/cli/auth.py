@@ -18,8 +18,8 @@ import argparse
 import sys
 from pathlib import Path
 
-from shared.access.credentials import NATS_ROUTE_TLS_DIR, NATS_ROUTES, Credentials, generate
-from shared.access.grants import ROLES
+from kvflow.shared.access.credentials import NATS_ROUTE_TLS_DIR, NATS_ROUTES, Credentials, generate
+from kvflow.shared.access.grants import ROLES
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

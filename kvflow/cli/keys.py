@@ -16,9 +16,9 @@ import asyncio
 import sys
 import time
 
-from services.gateway.keys import KeyStore
-from shared.access.connect import EXIT_REFUSED, AccessError, redis_client, verify_redis
-from shared.config import BusSettings, Settings
+from kvflow.services.gateway.keys import KeyStore
+from kvflow.shared.access.connect import EXIT_REFUSED, AccessError, redis_client, verify_redis
+from kvflow.shared.config import BusSettings, Settings
 
 
 def add_arguments(keys: argparse.ArgumentParser) -> None:

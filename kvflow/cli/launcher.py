@@ -27,11 +27,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, TextIO
 
-from shared.access.connect import EXIT_REFUSED
-from shared.access.credentials import Credentials, generate
-from shared.config import Settings, check_stream_interval
-from shared.cpu_budget import usable_cpus
-from shared.infra import (
+from kvflow.shared.access.connect import EXIT_REFUSED
+from kvflow.shared.access.credentials import Credentials, generate
+from kvflow.shared.config import Settings, check_stream_interval
+from kvflow.shared.cpu_budget import usable_cpus
+from kvflow.shared.infra import (
     Server,
     port_is_free,
     start_nats,
@@ -39,12 +39,12 @@ from shared.infra import (
     start_redis,
     start_redis_sentinel,
 )
-from shared.lora import check_lora_settings
-from shared.model_config import check_settings_model
-from shared.model_source import ModelNotFoundError
-from shared.parallel import check_parallel_settings
-from shared.processes import spawn_service, stop_processes
-from shared.speculative import parse_speculative_config
+from kvflow.shared.lora import check_lora_settings
+from kvflow.shared.model_config import check_settings_model
+from kvflow.shared.model_source import ModelNotFoundError
+from kvflow.shared.parallel import check_parallel_settings
+from kvflow.shared.processes import spawn_service, stop_processes
+from kvflow.shared.speculative import parse_speculative_config
 
 STARTUP_TIMEOUT_S = 300.0
 MAX_RESTARTS_PER_MINUTE = 3

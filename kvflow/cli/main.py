@@ -8,26 +8,26 @@ import faulthandler
 import importlib
 import sys
 
-from shared import event_loop
-from shared.access.connect import EXIT_REFUSED, AccessError
-from shared.config import Settings
-from shared.heap import tune_collector
-from shared.logs import setup_logging
-from shared.lora import LoRAError
-from shared.speculative import SpeculativeConfigError
-from shared.telemetry import setup_tracing
+from kvflow.shared import event_loop
+from kvflow.shared.access.connect import EXIT_REFUSED, AccessError
+from kvflow.shared.config import Settings
+from kvflow.shared.heap import tune_collector
+from kvflow.shared.logs import setup_logging
+from kvflow.shared.lora import LoRAError
+from kvflow.shared.speculative import SpeculativeConfigError
+from kvflow.shared.telemetry import setup_tracing
 
 SERVICES = ("gateway", "tokenizer", "scheduler", "worker", "detokenizer")
 # Commands beside serve/run, each in its own module (add_arguments, main), imported only when it
 # is the command: a service never loads the benchmark clients or the simulator.
 TOOLS = {
     "bench": (
-        "benchmarks.serving",
+        "kvflow.benchmarks.serving",
         "kvflow against Hugging Face generate on the same requests; "
         "`kvflow bench pipeline`: the pipeline's own cost with a simulated worker",
     ),
     "simulate": (
-        "services.scheduler.simulator",
+        "kvflow.services.scheduler.simulator",
         "the real scheduler on a cost model: capacity questions",
     ),
     "keys": ("kvflow.cli.keys", "manage API keys kept in Redis (gateway --key-store redis)"),
@@ -53,11 +53,11 @@ def _run_service(name: str, settings: Settings) -> int:
     tune_collector()
     try:
         if name == "gateway":
-            from services.gateway.main import main as gateway_main
+            from kvflow.services.gateway.main import main as gateway_main
 
             gateway_main(settings)
             return 0
-        module = importlib.import_module(f"services.{name}.service")
+        module = importlib.import_module(f"kvflow.services.{name}.service")
         event_loop.run(module.run(settings))
     except KeyboardInterrupt:
         pass
@@ -72,8 +72,8 @@ def _check_model(name: str, settings: Settings) -> str:
     service connects or loads anything (restarting would not help)."""
     if name == "gateway":
         return ""
-    from shared.model_config import check_settings_model
-    from shared.model_source import ModelNotFoundError
+    from kvflow.shared.model_config import check_settings_model
+    from kvflow.shared.model_source import ModelNotFoundError
 
     try:
         check_settings_model(settings)

@@ -29,16 +29,16 @@ from typing import Any
 from nats.aio.msg import Msg
 from opentelemetry.trace import Span, SpanKind
 
-from services.detokenizer.state import DetokState
-from services.detokenizer.telemetry import DetokenizerMetrics
-from services.detokenizer.tool_parsers import ToolParserErrors
-from shared import subjects
-from shared.access.connect import nats_auth
-from shared.bus import Bus
-from shared.config import Settings, check_stream_interval
-from shared.in_order import InOrder, lost_in_transit
-from shared.logs import request_scope
-from shared.messages import (
+from kvflow.services.detokenizer.state import DetokState
+from kvflow.services.detokenizer.telemetry import DetokenizerMetrics
+from kvflow.services.detokenizer.tool_parsers import ToolParserErrors
+from kvflow.shared import subjects
+from kvflow.shared.access.connect import nats_auth
+from kvflow.shared.bus import Bus
+from kvflow.shared.config import Settings, check_stream_interval
+from kvflow.shared.in_order import InOrder, lost_in_transit
+from kvflow.shared.logs import request_scope
+from kvflow.shared.messages import (
     Abort,
     Delta,
     DeltaBatch,
@@ -51,8 +51,8 @@ from shared.messages import (
     StepVoid,
     TokenizedRequest,
 )
-from shared.telemetry import extract, tracer
-from shared.voided_steps import VoidedSteps
+from kvflow.shared.telemetry import extract, tracer
+from kvflow.shared.voided_steps import VoidedSteps
 
 log = logging.getLogger("kvflow.detokenizer")
 _tracer = tracer("detokenizer")
@@ -342,8 +342,8 @@ class DetokenizerService:
 
 
 async def run(settings: Settings) -> None:
-    from shared.model_source import load_tokenizer, resolve_model
-    from shared.ops_http import start_ops_server
+    from kvflow.shared.model_source import load_tokenizer, resolve_model
+    from kvflow.shared.ops_http import start_ops_server
 
     ops = start_ops_server(settings.ops.ops_port, "detokenizer")
     tok = load_tokenizer(resolve_model(settings.model.path, settings.model.served_model_name))

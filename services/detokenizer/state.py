@@ -17,9 +17,9 @@ from typing import Any
 
 from tokenizers.decoders import DecodeStream
 
-from services.detokenizer.tool_parsers import GuardedParser, make_parser
-from services.detokenizer.tool_parsers.guard import count_error
-from shared.messages import (
+from kvflow.services.detokenizer.tool_parsers import GuardedParser, make_parser
+from kvflow.services.detokenizer.tool_parsers.guard import count_error
+from kvflow.shared.messages import (
     Delta,
     FinishReason,
     PromptLogprobs,
@@ -29,7 +29,7 @@ from shared.messages import (
     TokenLogprob,
     ToolParsing,
 )
-from shared.request_streams import merge_delta
+from kvflow.shared.request_streams import merge_delta
 
 log = logging.getLogger("kvflow.detokenizer")
 

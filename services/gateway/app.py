@@ -13,14 +13,14 @@ from typing import Any
 
 from fastapi import FastAPI
 
-from services.gateway.errors import install_error_handlers
-from services.gateway.openapi import install_openapi
-from services.gateway.routes import BODY_MODELS, ROUTERS
-from services.gateway.routes.common import version
-from services.gateway.state import GatewayState
-from shared.access.connect import AccessError
-from shared.bus import Bus
-from shared.config import Settings
+from kvflow.services.gateway.errors import install_error_handlers
+from kvflow.services.gateway.openapi import install_openapi
+from kvflow.services.gateway.routes import BODY_MODELS, ROUTERS
+from kvflow.services.gateway.routes.common import version
+from kvflow.services.gateway.state import GatewayState
+from kvflow.shared.access.connect import AccessError
+from kvflow.shared.bus import Bus
+from kvflow.shared.config import Settings
 
 
 @asynccontextmanager

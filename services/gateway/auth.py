@@ -14,10 +14,10 @@ from typing import Any
 
 from starlette.requests import Request
 
-from services.gateway.errors import APIError
-from services.gateway.keys import KeyStore
-from shared.access.connect import redis_client, verify_redis
-from shared.config import Settings
+from kvflow.services.gateway.errors import APIError
+from kvflow.services.gateway.keys import KeyStore
+from kvflow.shared.access.connect import redis_client, verify_redis
+from kvflow.shared.config import Settings
 
 log = logging.getLogger("kvflow.gateway")
 

@@ -12,20 +12,25 @@ from typing import Any, TypeVar
 import msgspec
 from pydantic import BaseModel, ValidationError
 
-from services.gateway.errors import APIError, validation_error
-from services.gateway.guided import structured_output
-from services.gateway.protocol import (
+from kvflow.services.gateway.errors import APIError, validation_error
+from kvflow.services.gateway.guided import structured_output
+from kvflow.services.gateway.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     SamplingBody,
     TokenizeChatRequest,
 )
-from services.gateway.tools import chat_messages, tool_setup
-from shared.config import Settings
-from shared.fan_out import ranks, sequences_per_prompt
-from shared.messages import GenerateRequest, SamplingParams
-from shared.model_source import DEFAULT_NAME, ModelNotFoundError, gguf_model_name, resolve_model
-from shared.sampling import (
+from kvflow.services.gateway.tools import chat_messages, tool_setup
+from kvflow.shared.config import Settings
+from kvflow.shared.fan_out import ranks, sequences_per_prompt
+from kvflow.shared.messages import GenerateRequest, SamplingParams
+from kvflow.shared.model_source import (
+    DEFAULT_NAME,
+    ModelNotFoundError,
+    gguf_model_name,
+    resolve_model,
+)
+from kvflow.shared.sampling import (
     FIELDS,
     INT64_MAX,
     INT64_MIN,

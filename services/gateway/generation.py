@@ -20,16 +20,16 @@ import msgspec
 from starlette.requests import Request
 from starlette.responses import Response
 
-from services.gateway.cancel import SSEResponse, run_or_disconnect
-from services.gateway.convert import Job
-from services.gateway.errors import APIError
-from services.gateway.metrics import GatewayMetrics
-from services.gateway.responses import Echo, Format, Outcome, outcome_of, sse, usage
-from services.gateway.state import GatewayState
-from services.gateway.streams import RequestHandle
-from services.gateway.tracing import RequestTrace
-from shared.fan_out import best_per_prompt, expand
-from shared.messages import Delta
+from kvflow.services.gateway.cancel import SSEResponse, run_or_disconnect
+from kvflow.services.gateway.convert import Job
+from kvflow.services.gateway.errors import APIError
+from kvflow.services.gateway.metrics import GatewayMetrics
+from kvflow.services.gateway.responses import Echo, Format, Outcome, outcome_of, sse, usage
+from kvflow.services.gateway.state import GatewayState
+from kvflow.services.gateway.streams import RequestHandle
+from kvflow.services.gateway.tracing import RequestTrace
+from kvflow.shared.fan_out import best_per_prompt, expand
+from kvflow.shared.messages import Delta
 
 log = logging.getLogger("kvflow.gateway")
 

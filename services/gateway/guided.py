@@ -9,10 +9,10 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from services.gateway.errors import APIError
-from services.gateway.protocol import SamplingBody
-from shared.messages import StructuredOutput
-from shared.structured_output import JSON_OBJECT_SCHEMA
+from kvflow.services.gateway.errors import APIError
+from kvflow.services.gateway.protocol import SamplingBody
+from kvflow.shared.messages import StructuredOutput
+from kvflow.shared.structured_output import JSON_OBJECT_SCHEMA
 
 
 def _bad(param: str, message: str) -> APIError:

@@ -24,8 +24,8 @@ import msgspec
 from starlette.requests import Request
 from starlette.responses import Response
 
-from services.gateway.cancel import SSEResponse, run_or_disconnect
-from services.gateway.convert import (
+from kvflow.services.gateway.cancel import SSEResponse, run_or_disconnect
+from kvflow.services.gateway.convert import (
     bad,
     check_cache_salt,
     completion_job,
@@ -35,13 +35,13 @@ from services.gateway.convert import (
     tenant_salt,
     validate_body,
 )
-from services.gateway.generation import CLIENT_CLOSED
-from services.gateway.protocol import CompletionRequest
-from services.gateway.state import GatewayState
-from services.gateway.streams import RequestHandle
-from shared.beam_search import beam_search, ended_by_eos, step_params, top_pairs
-from shared.fan_out import best, cumulative_logprob, expand
-from shared.messages import (
+from kvflow.services.gateway.generation import CLIENT_CLOSED
+from kvflow.services.gateway.protocol import CompletionRequest
+from kvflow.services.gateway.state import GatewayState
+from kvflow.services.gateway.streams import RequestHandle
+from kvflow.shared.beam_search import beam_search, ended_by_eos, step_params, top_pairs
+from kvflow.shared.fan_out import best, cumulative_logprob, expand
+from kvflow.shared.messages import (
     DetokenizeRequest,
     DetokenizeResult,
     GenerateRequest,
@@ -208,8 +208,8 @@ async def _beam(
 @functools.cache
 def _eos_token_ids(model: str, served_name: str) -> list[int]:
     """The model's end-of-sequence ids (its config; read once)."""
-    from shared.model_config import load_config
-    from shared.model_source import resolve_model
+    from kvflow.shared.model_config import load_config
+    from kvflow.shared.model_source import resolve_model
 
     return list(load_config(resolve_model(model, served_name)).eos_token_ids)
 

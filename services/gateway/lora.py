@@ -8,11 +8,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from services.gateway.errors import APIError
-from shared import subjects
-from shared.config import Settings
-from shared.lora import parse_lora_modules
-from shared.messages import LoraAdapters, LoraList, LoraLoad, LoRARef, LoraUnload
+from kvflow.services.gateway.errors import APIError
+from kvflow.shared import subjects
+from kvflow.shared.config import Settings
+from kvflow.shared.lora import parse_lora_modules
+from kvflow.shared.messages import LoraAdapters, LoraList, LoraLoad, LoRARef, LoraUnload
 
 LOAD_TIMEOUT_S = 75.0  # the scheduler waits up to 60 s for every worker to check an adapter
 

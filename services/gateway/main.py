@@ -11,11 +11,11 @@ from types import FrameType
 
 import uvicorn
 
-from services.gateway.app import create_app
-from shared import event_loop
-from shared.config import Settings
-from shared.logs import setup_logging
-from shared.telemetry import setup_tracing
+from kvflow.services.gateway.app import create_app
+from kvflow.shared import event_loop
+from kvflow.shared.config import Settings
+from kvflow.shared.logs import setup_logging
+from kvflow.shared.telemetry import setup_tracing
 
 
 def server(settings: Settings) -> uvicorn.Server:

@@ -12,7 +12,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, create_model
 
-from shared.sampling import FIELDS
+from kvflow.shared.sampling import FIELDS
 
 
 class _Body(BaseModel):

@@ -14,9 +14,9 @@ from typing import Any
 
 import msgspec
 
-from shared.fan_out import cumulative_logprob
-from shared.messages import Delta, PromptTokenLogprob, TokenLogprob, ToolCallDelta
-from shared.request_streams import join_tool_calls
+from kvflow.shared.fan_out import cumulative_logprob
+from kvflow.shared.messages import Delta, PromptTokenLogprob, TokenLogprob, ToolCallDelta
+from kvflow.shared.request_streams import join_tool_calls
 
 DONE = b"data: [DONE]\n\n"
 

@@ -16,11 +16,11 @@ from typing import Any, Literal
 
 from pydantic import ConfigDict, Field
 
-from services.gateway.convert import Job, bad, chat_job, validate_body
-from services.gateway.errors import APIError
-from services.gateway.protocol import ChatCompletionRequest, _Body
-from services.gateway.responses import Echo, Format, Outcome, sse
-from services.gateway.responses_tools import (
+from kvflow.services.gateway.convert import Job, bad, chat_job, validate_body
+from kvflow.services.gateway.errors import APIError
+from kvflow.services.gateway.protocol import ChatCompletionRequest, _Body
+from kvflow.services.gateway.responses import Echo, Format, Outcome, sse
+from kvflow.services.gateway.responses_tools import (
     FunctionCallItem,
     FunctionCallOutputItem,
     FunctionCalls,
@@ -29,9 +29,9 @@ from services.gateway.responses_tools import (
     input_messages,
     renamed_param,
 )
-from shared.config import Settings
-from shared.messages import ToolCallDelta
-from shared.sampling import FIELDS
+from kvflow.shared.config import Settings
+from kvflow.shared.messages import ToolCallDelta
+from kvflow.shared.sampling import FIELDS
 
 # vLLM's sampling extras a Responses request may carry too (validated as in chat): the
 # feature fields it does not name itself, and the priority

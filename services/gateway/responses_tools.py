@@ -9,9 +9,9 @@ import json
 import uuid
 from typing import Any, Literal
 
-from services.gateway.convert import bad
-from services.gateway.protocol import _Body
-from shared.messages import ToolCallDelta
+from kvflow.services.gateway.convert import bad
+from kvflow.services.gateway.protocol import _Body
+from kvflow.shared.messages import ToolCallDelta
 
 
 class FunctionCallItem(_Body):

@@ -9,17 +9,17 @@ import logging
 import uuid
 from typing import Any
 
-from services.gateway.auth import Auth
-from services.gateway.convert import served_model_name
-from services.gateway.errors import APIError
-from services.gateway.lora import GatewayLoras
-from services.gateway.metrics import GatewayMetrics
-from services.gateway.streams import RequestHandle
-from shared import subjects
-from shared.access.connect import nats_auth
-from shared.bus import Bus
-from shared.config import Settings
-from shared.messages import (
+from kvflow.services.gateway.auth import Auth
+from kvflow.services.gateway.convert import served_model_name
+from kvflow.services.gateway.errors import APIError
+from kvflow.services.gateway.lora import GatewayLoras
+from kvflow.services.gateway.metrics import GatewayMetrics
+from kvflow.services.gateway.streams import RequestHandle
+from kvflow.shared import subjects
+from kvflow.shared.access.connect import nats_auth
+from kvflow.shared.bus import Bus
+from kvflow.shared.config import Settings
+from kvflow.shared.messages import (
     Abort,
     GenerateRequest,
     LoRARef,
@@ -32,9 +32,9 @@ from shared.messages import (
     SchedulerStats,
     StatsRequest,
 )
-from shared.metrics import BusCollector, answer_metrics, gather, instance_id, whole_stack
-from shared.request_streams import RequestStreams
-from shared.submission import until_acknowledged
+from kvflow.shared.metrics import BusCollector, answer_metrics, gather, instance_id, whole_stack
+from kvflow.shared.request_streams import RequestStreams
+from kvflow.shared.submission import until_acknowledged
 
 log = logging.getLogger("kvflow.gateway")
 

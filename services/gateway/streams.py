@@ -11,9 +11,9 @@ import asyncio
 import logging
 from collections.abc import Callable
 
-from services.gateway.errors import APIError
-from shared.messages import Delta, RequestError
-from shared.request_streams import DeltaQueue
+from kvflow.services.gateway.errors import APIError
+from kvflow.shared.messages import Delta, RequestError
+from kvflow.shared.request_streams import DeltaQueue
 
 log = logging.getLogger("kvflow.gateway")
 

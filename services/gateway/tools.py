@@ -12,10 +12,10 @@ from typing import Any
 
 import jsonschema
 
-from services.gateway.errors import APIError
-from services.gateway.protocol import ChatMessageIn, ChatTool, NamedToolChoice, ToolChoice
-from shared.config import Settings
-from shared.messages import ChatMessage, StructuredOutput, ToolCall, ToolParsing, ToolSpec
+from kvflow.services.gateway.errors import APIError
+from kvflow.services.gateway.protocol import ChatMessageIn, ChatTool, NamedToolChoice, ToolChoice
+from kvflow.shared.config import Settings
+from kvflow.shared.messages import ChatMessage, StructuredOutput, ToolCall, ToolParsing, ToolSpec
 
 # OpenAI's rule for function names
 NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")

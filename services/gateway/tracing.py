@@ -14,8 +14,8 @@ from opentelemetry import context as otel_context
 from opentelemetry import trace
 from opentelemetry.trace import Span, SpanKind, Status, StatusCode
 
-from shared.logs import request_id_var
-from shared.telemetry import extract, inject, tracer
+from kvflow.shared.logs import request_id_var
+from kvflow.shared.telemetry import extract, inject, tracer
 
 _tracer = tracer("gateway")
 

@@ -9,20 +9,20 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from services.scheduler.block_manager import BlockManager
-from services.scheduler.policy import SchedulingPolicy, make_policy
-from services.scheduler.router import Router
-from services.scheduler.sequence import RequeueReason, SeqStatus, Sequence
-from services.scheduler.speculation import Speculator
-from services.scheduler.waiting import WaitingQueue
-from services.scheduler.worker_state import (
+from kvflow.services.scheduler.block_manager import BlockManager
+from kvflow.services.scheduler.policy import SchedulingPolicy, make_policy
+from kvflow.services.scheduler.router import Router
+from kvflow.services.scheduler.sequence import RequeueReason, SeqStatus, Sequence
+from kvflow.services.scheduler.speculation import Speculator
+from kvflow.services.scheduler.waiting import WaitingQueue
+from kvflow.services.scheduler.worker_state import (
     SchedulerLimits,
     StepOutcome,
     WorkerState,
 )
-from shared.kv_connectors import KvConnectorScheduler
-from shared.lora import adapter_salt
-from shared.messages import (
+from kvflow.shared.kv_connectors import KvConnectorScheduler
+from kvflow.shared.lora import adapter_salt
+from kvflow.shared.messages import (
     KvLoad,
     KvLoadDone,
     KvPull,
@@ -34,7 +34,7 @@ from shared.messages import (
     WorkerHeartbeat,
     WorkerStats,
 )
-from shared.speculative import SpeculativeConfig
+from kvflow.shared.speculative import SpeculativeConfig
 
 
 class QueueFullError(RuntimeError):

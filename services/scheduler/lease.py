@@ -20,10 +20,10 @@ from typing import TYPE_CHECKING, Any
 
 from redis.exceptions import LockError, RedisError
 
-from shared.access.connect import redis_from_url
+from kvflow.shared.access.connect import redis_from_url
 
 if TYPE_CHECKING:
-    from shared.config import Settings
+    from kvflow.shared.config import Settings
 
 log = logging.getLogger("kvflow.scheduler.lease")
 
@@ -113,7 +113,7 @@ class Lease:
 
 async def lease_for(settings: Settings, model_name: str) -> Lease | None:
     """The leader lease of ``--scheduler-ha`` (None without), its Redis login checked."""
-    from shared.access.connect import redis_options, verify_redis
+    from kvflow.shared.access.connect import redis_options, verify_redis
 
     if not settings.scheduler.scheduler_ha:
         return None

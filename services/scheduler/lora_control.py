@@ -13,9 +13,9 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 from nats.aio.msg import Msg
 
-from shared.access.connect import redis_client
-from shared.lora import LoRAError
-from shared.messages import (
+from kvflow.shared.access.connect import redis_client
+from kvflow.shared.lora import LoRAError
+from kvflow.shared.messages import (
     LoraAdapters,
     LoraList,
     LoraLoad,
@@ -26,7 +26,7 @@ from shared.messages import (
 )
 
 if TYPE_CHECKING:
-    from services.scheduler.service import SchedulerService
+    from kvflow.services.scheduler.service import SchedulerService
 
 log = logging.getLogger("kvflow.scheduler")
 

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from shared.lora import LoRAError
-from shared.messages import LoRARef
+from kvflow.shared.lora import LoRAError
+from kvflow.shared.messages import LoRARef
 
 
 class LoraRegistry:

@@ -20,13 +20,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from services.scheduler.block_manager import BlockHash
-from services.scheduler.sequence import RequeueReason, SeqStatus, Sequence
-from services.scheduler.speculation import Drafts
-from shared.messages import PLACEHOLDER, BlockRef, NewRequest, ScheduledSeq, StepPlan
+from kvflow.services.scheduler.block_manager import BlockHash
+from kvflow.services.scheduler.sequence import RequeueReason, SeqStatus, Sequence
+from kvflow.services.scheduler.speculation import Drafts
+from kvflow.shared.messages import PLACEHOLDER, BlockRef, NewRequest, ScheduledSeq, StepPlan
 
 if TYPE_CHECKING:
-    from services.scheduler.worker_state import WorkerState
+    from kvflow.services.scheduler.worker_state import WorkerState
 
 MAX_PASSED_OVER = 64  # waiting sequences passed over per step for their LoRA adapter, at most
 

@@ -12,7 +12,7 @@ from collections.abc import Callable
 from collections.abc import Sequence as Seq
 from typing import Protocol
 
-from services.scheduler.sequence import SeqStatus, Sequence
+from kvflow.services.scheduler.sequence import SeqStatus, Sequence
 
 
 class SchedulingPolicy(Protocol):

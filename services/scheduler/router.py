@@ -15,12 +15,12 @@ import itertools
 import time
 from dataclasses import dataclass
 
-from services.scheduler.block_manager import BlockHash
-from services.scheduler.sequence import RequeueReason, Sequence, Transfer
-from services.scheduler.worker_state import Route, WorkerState
-from shared.kv_connectors import KvConnectorScheduler
-from shared.kv_tier import tier_key
-from shared.messages import BlockRef, KvLoad, KvLoadDone, KvPull, KvTransferDone, StepPlan
+from kvflow.services.scheduler.block_manager import BlockHash
+from kvflow.services.scheduler.sequence import RequeueReason, Sequence, Transfer
+from kvflow.services.scheduler.worker_state import Route, WorkerState
+from kvflow.shared.kv_connectors import KvConnectorScheduler
+from kvflow.shared.kv_tier import tier_key
+from kvflow.shared.messages import BlockRef, KvLoad, KvLoadDone, KvPull, KvTransferDone, StepPlan
 
 Candidate = tuple[tuple[int, str], WorkerState, int]  # (cost, worker), worker, cached blocks
 

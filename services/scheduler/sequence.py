@@ -10,11 +10,11 @@ import itertools
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from services.scheduler.block_manager import BlockHash
-from shared.messages import LoRARef, PoolingParams, SamplingParams
+from kvflow.services.scheduler.block_manager import BlockHash
+from kvflow.shared.messages import LoRARef, PoolingParams, SamplingParams
 
 if TYPE_CHECKING:
-    from services.scheduler.speculation import SpecState
+    from kvflow.services.scheduler.speculation import SpecState
 
 _order = itertools.count()
 

@@ -31,22 +31,22 @@ from collections import deque
 
 from nats.aio.msg import Msg
 
-from services.scheduler import lora_control
-from services.scheduler.core import QueueFullError, SchedulerCore
-from services.scheduler.lease import Lease, LeaseLost, lease_for
-from services.scheduler.lora_registry import LoraRegistry
-from services.scheduler.policy import make_policy
-from services.scheduler.shadow import ShadowState
-from services.scheduler.telemetry import SchedulerTelemetry
-from services.scheduler.worker_state import ROLES, SchedulerLimits, WorkerState
-from shared import subjects
-from shared.access.connect import nats_auth, redis_client, verify_redis
-from shared.bus import Bus
-from shared.config import Settings
-from shared.kv_connectors import create_scheduler_connector
-from shared.kv_tier import leading_present
-from shared.lora import adapter_salt, parse_lora_modules
-from shared.messages import (
+from kvflow.services.scheduler import lora_control
+from kvflow.services.scheduler.core import QueueFullError, SchedulerCore
+from kvflow.services.scheduler.lease import Lease, LeaseLost, lease_for
+from kvflow.services.scheduler.lora_registry import LoraRegistry
+from kvflow.services.scheduler.policy import make_policy
+from kvflow.services.scheduler.shadow import ShadowState
+from kvflow.services.scheduler.telemetry import SchedulerTelemetry
+from kvflow.services.scheduler.worker_state import ROLES, SchedulerLimits, WorkerState
+from kvflow.shared import subjects
+from kvflow.shared.access.connect import nats_auth, redis_client, verify_redis
+from kvflow.shared.bus import Bus
+from kvflow.shared.config import Settings
+from kvflow.shared.kv_connectors import create_scheduler_connector
+from kvflow.shared.kv_tier import leading_present
+from kvflow.shared.lora import adapter_salt, parse_lora_modules
+from kvflow.shared.messages import (
     STALE_EPOCH_ERROR,
     Abort,
     Accepted,
@@ -65,8 +65,8 @@ from shared.messages import (
     WorkerHeartbeat,
     WorkerRelease,
 )
-from shared.speculative import parse_speculative_config
-from shared.voided_steps import VoidedSteps
+from kvflow.shared.speculative import parse_speculative_config
+from kvflow.shared.voided_steps import VoidedSteps
 
 log = logging.getLogger("kvflow.scheduler")
 
@@ -580,9 +580,9 @@ class SchedulerService:
 
 
 async def run(settings: Settings) -> None:
-    from shared.model_config import load_config
-    from shared.model_source import resolve_model
-    from shared.ops_http import start_ops_server
+    from kvflow.shared.model_config import load_config
+    from kvflow.shared.model_source import resolve_model
+    from kvflow.shared.ops_http import start_ops_server
 
     ops = start_ops_server(settings.ops.ops_port, "scheduler")
     src = resolve_model(settings.model.path, settings.model.served_model_name)

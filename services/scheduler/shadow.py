@@ -16,8 +16,8 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
-from shared.in_order import InOrder
-from shared.messages import FinishReason, StepResult, TokenizedRequest
+from kvflow.shared.in_order import InOrder
+from kvflow.shared.messages import FinishReason, StepResult, TokenizedRequest
 
 
 @dataclass

@@ -11,10 +11,10 @@ import json
 import random
 from dataclasses import asdict, dataclass, field
 
-from services.scheduler.core import SchedulerCore
-from services.scheduler.worker_state import SchedulerLimits
-from shared.messages import FinishReason, SamplingParams, StepResult, TokenizedRequest
-from shared.step_cost import StepCostModel
+from kvflow.services.scheduler.core import SchedulerCore
+from kvflow.services.scheduler.worker_state import SchedulerLimits
+from kvflow.shared.messages import FinishReason, SamplingParams, StepResult, TokenizedRequest
+from kvflow.shared.step_cost import StepCostModel
 
 
 @dataclass

@@ -19,8 +19,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from services.scheduler.sequence import Sequence
-from shared.speculative import SpeculativeConfig, can_speculate
+from kvflow.services.scheduler.sequence import Sequence
+from kvflow.shared.speculative import SpeculativeConfig, can_speculate
 
 MAX_COOLDOWN = 64  # steps without proposals after repeated misses, at most
 MAX_CANDIDATES = 16  # latest occurrences of a suffix's shortest n-gram a lookup extends

@@ -28,9 +28,9 @@ from prometheus_client import CollectorRegistry, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from services.scheduler.sequence import Sequence
-from shared.messages import FinishReason, StepPlan, StepResult, TokenizedRequest
-from shared.telemetry import extract, inject, traceparent, tracer
+from kvflow.services.scheduler.sequence import Sequence
+from kvflow.shared.messages import FinishReason, StepPlan, StepResult, TokenizedRequest
+from kvflow.shared.telemetry import extract, inject, traceparent, tracer
 
 _tracer = tracer("scheduler")
 

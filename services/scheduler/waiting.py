@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import heapq
 
-from services.scheduler.policy import SchedulingPolicy
-from services.scheduler.sequence import Sequence
+from kvflow.services.scheduler.policy import SchedulingPolicy
+from kvflow.services.scheduler.sequence import Sequence
 
 
 class WaitingQueue:

@@ -27,13 +27,19 @@ from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from services.scheduler.block_manager import BlockHash, BlockManager
-from services.scheduler.planner import Admission, InFlightStep, plan_step
-from services.scheduler.policy import SchedulingPolicy
-from services.scheduler.sequence import RequeueReason, Reservation, SeqStatus, Sequence, TierLoad
-from services.scheduler.speculation import Drafts, Speculator
-from services.scheduler.waiting import WaitingQueue
-from shared.messages import FinishReason, StepPlan, StepResult
+from kvflow.services.scheduler.block_manager import BlockHash, BlockManager
+from kvflow.services.scheduler.planner import Admission, InFlightStep, plan_step
+from kvflow.services.scheduler.policy import SchedulingPolicy
+from kvflow.services.scheduler.sequence import (
+    RequeueReason,
+    Reservation,
+    SeqStatus,
+    Sequence,
+    TierLoad,
+)
+from kvflow.services.scheduler.speculation import Drafts, Speculator
+from kvflow.services.scheduler.waiting import WaitingQueue
+from kvflow.shared.messages import FinishReason, StepPlan, StepResult
 
 ROLES = ("both", "prefill", "decode")
 

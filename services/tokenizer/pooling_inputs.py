@@ -12,9 +12,9 @@ from typing import Any
 
 import msgspec
 
-from services.tokenizer.prompts import PromptError, prompt_token_ids, truncate
-from shared.messages import GenerateRequest, PoolingParams
-from shared.models.tasks import ServedTask
+from kvflow.services.tokenizer.prompts import PromptError, prompt_token_ids, truncate
+from kvflow.shared.messages import GenerateRequest, PoolingParams
+from kvflow.shared.models.tasks import ServedTask
 
 _SERVED_BY = {
     "generate": ("generate",),

@@ -7,8 +7,8 @@ from typing import Any
 
 import msgspec
 
-from shared.chat_template import ChatTemplateError, render_chat
-from shared.messages import GenerateRequest, RequestError, SamplingParams
+from kvflow.shared.chat_template import ChatTemplateError, render_chat
+from kvflow.shared.messages import GenerateRequest, RequestError, SamplingParams
 
 
 class PromptError(ValueError):

@@ -6,8 +6,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from services.tokenizer.prompts import PromptError, chat_prompt
-from shared.messages import DetokenizeRequest, DetokenizeResult, TokenizeRequest, TokenizeResult
+from kvflow.services.tokenizer.prompts import PromptError, chat_prompt
+from kvflow.shared.messages import (
+    DetokenizeRequest,
+    DetokenizeResult,
+    TokenizeRequest,
+    TokenizeResult,
+)
 
 
 def tokenize(tokenizer: Any, req: TokenizeRequest, max_model_len: int) -> TokenizeResult:

@@ -31,8 +31,8 @@ from nats.aio.msg import Msg
 from opentelemetry.trace import Span, SpanKind, Status, StatusCode
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
-from services.tokenizer.pooling_inputs import check_task, pooling_input
-from services.tokenizer.prompts import (
+from kvflow.services.tokenizer.pooling_inputs import check_task, pooling_input
+from kvflow.services.tokenizer.prompts import (
     PromptError,
     bad_words_token_ids,
     check_length,
@@ -40,14 +40,14 @@ from services.tokenizer.prompts import (
     prompt_token_ids,
     truncate,
 )
-from services.tokenizer.rpc import detokenize, tokenize
-from shared import subjects
-from shared.access.connect import nats_auth
-from shared.bus import Bus
-from shared.chat_template import read_chat_template
-from shared.config import Settings
-from shared.logs import request_scope
-from shared.messages import (
+from kvflow.services.tokenizer.rpc import detokenize, tokenize
+from kvflow.shared import subjects
+from kvflow.shared.access.connect import nats_auth
+from kvflow.shared.bus import Bus
+from kvflow.shared.chat_template import read_chat_template
+from kvflow.shared.config import Settings
+from kvflow.shared.logs import request_scope
+from kvflow.shared.messages import (
     DetokenizeRequest,
     GenerateRequest,
     Message,
@@ -60,9 +60,9 @@ from shared.messages import (
     TokenizedRequest,
     TokenizeRequest,
 )
-from shared.models.tasks import ServedTask, served_task
-from shared.structured_output import GrammarCompiler, GrammarError, tokenizer_info
-from shared.telemetry import extract, inject, tracer
+from kvflow.shared.models.tasks import ServedTask, served_task
+from kvflow.shared.structured_output import GrammarCompiler, GrammarError, tokenizer_info
+from kvflow.shared.telemetry import extract, inject, tracer
 
 log = logging.getLogger("kvflow.tokenizer")
 _tracer = tracer("tokenizer")
@@ -315,9 +315,9 @@ def check_embedding_length(
 
 
 async def run(settings: Settings) -> None:
-    from shared.model_config import load_config
-    from shared.model_source import load_tokenizer, resolve_model
-    from shared.ops_http import start_ops_server
+    from kvflow.shared.model_config import load_config
+    from kvflow.shared.model_source import load_tokenizer, resolve_model
+    from kvflow.shared.ops_http import start_ops_server
 
     ops = start_ops_server(settings.ops.ops_port, "tokenizer")
     src = resolve_model(settings.model.path, settings.model.served_model_name)

@@ -26,7 +26,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from shared.messages import ScheduledSeq, StepPlan
+from kvflow.shared.messages import ScheduledSeq, StepPlan
 
 
 class PlanStateError(RuntimeError):

@@ -36,7 +36,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import torch
 
-from services.worker.step_inputs import DeviceBatch, fill_tables
+from kvflow.services.worker.step_inputs import DeviceBatch, fill_tables
 
 log = logging.getLogger("kvflow.worker")
 

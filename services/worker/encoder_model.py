@@ -21,11 +21,11 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from kernels import reference as K
-from kernels.cpu_gemm import PanelWeight, linear_packing
-from services.worker.pooling import PoolState, pooled_output
-from shared.messages import PooledOutput, ScheduledSeq
-from shared.models.config import ModelConfig
+from kvflow.kernels import reference as K
+from kvflow.kernels.cpu_gemm import PanelWeight, linear_packing
+from kvflow.services.worker.pooling import PoolState, pooled_output
+from kvflow.shared.messages import PooledOutput, ScheduledSeq
+from kvflow.shared.models.config import ModelConfig
 
 _LINEARS = ("qkv", "o", "up", "down")
 

@@ -27,15 +27,15 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from kernels.cpu_gemm import PanelWeight, panel_available
-from kernels.ops import KernelBackend
-from services.worker.lora_weights import GROUPS, LoRAWeights, load_adapter, module_shapes
-from shared.lora import LoRAError
-from shared.messages import LoRARef, ScheduledSeq
-from shared.models.config import ModelConfig
+from kvflow.kernels.cpu_gemm import PanelWeight, panel_available
+from kvflow.kernels.ops import KernelBackend
+from kvflow.services.worker.lora_weights import GROUPS, LoRAWeights, load_adapter, module_shapes
+from kvflow.shared.lora import LoRAError
+from kvflow.shared.messages import LoRARef, ScheduledSeq
+from kvflow.shared.models.config import ModelConfig
 
 if TYPE_CHECKING:
-    from services.worker.tensor_parallel import LoRAShard
+    from kvflow.services.worker.tensor_parallel import LoRAShard
 
 log = logging.getLogger("kvflow.worker")
 

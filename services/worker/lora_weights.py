@@ -15,12 +15,12 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from shared.lora import ADAPTER_WEIGHTS, LoRAError, check_rank, read_adapter_config
-from shared.messages import LoRARef
-from shared.models.config import ModelConfig
+from kvflow.shared.lora import ADAPTER_WEIGHTS, LoRAError, check_rank, read_adapter_config
+from kvflow.shared.messages import LoRARef
+from kvflow.shared.models.config import ModelConfig
 
 if TYPE_CHECKING:
-    from services.worker.tensor_parallel import LoRAShard
+    from kvflow.services.worker.tensor_parallel import LoRAShard
 
 GROUPS: dict[str, tuple[str, ...]] = {
     "qkv": ("q_proj", "k_proj", "v_proj"),

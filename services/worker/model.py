@@ -24,21 +24,21 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.nn.functional as F
 
-from kernels import cpu_layer_ops, cpu_quant_tiles
-from kernels import reference as K
-from kernels.cpu_gemm import head_packing, linear_packing
-from kernels.cpu_quant import QuantWeight
-from kernels.moe import MoEWeights, moe_block
-from kernels.ops import KernelBackend
-from kernels.stacked_weight import StackedWeight
-from services.worker.step_inputs import DeviceBatch
-from shared.models.config import ModelConfig
-from shared.models.registry import family
-from shared.models.rope import cos_sin_table, rope_rows
+from kvflow.kernels import cpu_layer_ops, cpu_quant_tiles
+from kvflow.kernels import reference as K
+from kvflow.kernels.cpu_gemm import head_packing, linear_packing
+from kvflow.kernels.cpu_quant import QuantWeight
+from kvflow.kernels.moe import MoEWeights, moe_block
+from kvflow.kernels.ops import KernelBackend
+from kvflow.kernels.stacked_weight import StackedWeight
+from kvflow.services.worker.step_inputs import DeviceBatch
+from kvflow.shared.models.config import ModelConfig
+from kvflow.shared.models.registry import family
+from kvflow.shared.models.rope import cos_sin_table, rope_rows
 
 if TYPE_CHECKING:
-    from services.worker.lora import LoRAStep
-    from services.worker.tensor_parallel import TPGroup
+    from kvflow.services.worker.lora import LoRAStep
+    from kvflow.services.worker.tensor_parallel import TPGroup
 
 Layer = dict[str, Any]  # a layer's weights by role (see ``_build_layer``); None where absent
 

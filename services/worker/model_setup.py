@@ -14,26 +14,26 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from kernels import batch_invariance, cpu_gemm, cpu_native, cpu_quant
-from kernels.batch_invariance import GemmRows
-from kernels.cpu_quant import QuantWeight
-from kernels.fp8_linear import Fp8Weight, fp8_supported
-from kernels.ops import KernelBackend, get_backend
-from services.worker.cuda_graphs import DecodeGraphs, capture_sizes
-from services.worker.device import kernel_backend as default_backend
-from services.worker.model import DecoderModel
-from services.worker.step_inputs import DeviceBatch, HostStep, Staging, pack
-from shared.config import KV_CACHE_DTYPES, CacheSettings, ModelSettings, WorkerSettings
-from shared.model_config import load_config
-from shared.model_loader import load_weights
-from shared.model_source import ModelSource
-from shared.models.config import ModelConfig
-from shared.quantized_checkpoints import METHODS, checkpoint_method
+from kvflow.kernels import batch_invariance, cpu_gemm, cpu_native, cpu_quant
+from kvflow.kernels.batch_invariance import GemmRows
+from kvflow.kernels.cpu_quant import QuantWeight
+from kvflow.kernels.fp8_linear import Fp8Weight, fp8_supported
+from kvflow.kernels.ops import KernelBackend, get_backend
+from kvflow.services.worker.cuda_graphs import DecodeGraphs, capture_sizes
+from kvflow.services.worker.device import kernel_backend as default_backend
+from kvflow.services.worker.model import DecoderModel
+from kvflow.services.worker.step_inputs import DeviceBatch, HostStep, Staging, pack
+from kvflow.shared.config import KV_CACHE_DTYPES, CacheSettings, ModelSettings, WorkerSettings
+from kvflow.shared.model_config import load_config
+from kvflow.shared.model_loader import load_weights
+from kvflow.shared.model_source import ModelSource
+from kvflow.shared.models.config import ModelConfig
+from kvflow.shared.quantized_checkpoints import METHODS, checkpoint_method
 
 log = logging.getLogger("kvflow.worker")
 
 if TYPE_CHECKING:
-    from services.worker.transformers_model import TransformersModel
+    from kvflow.services.worker.transformers_model import TransformersModel
 
     AnyModel = DecoderModel | TransformersModel
 else:
@@ -184,7 +184,7 @@ def to_device_weight(
     if isinstance(w, QuantWeight) and name == "model.embed_tokens.weight":
         return w.dequantize().to(device)
     if isinstance(w, QuantWeight):
-        from kernels.triton_quant import DeviceQuantWeight
+        from kvflow.kernels.triton_quant import DeviceQuantWeight
 
         return DeviceQuantWeight.from_blocks(w, device)
     return w.to(device)
@@ -270,13 +270,13 @@ def _build(
         log.info("loading model %s from %s", src.name, src.path)
         config = load_config(src, model_impl=spec.model_impl)
         if config.family == "transformers":
-            from services.worker.transformers_model import TransformersModel
+            from kvflow.services.worker.transformers_model import TransformersModel
 
             log.info("%s runs through transformers' modules (--model-impl)", src.name)
             return TransformersModel.from_pretrained(src.path, dtype, device, quantization)
         weights = load_weights(src, config, dtype, quantization)
     if config.encoder:
-        from services.worker.encoder_model import EncoderModel
+        from kvflow.services.worker.encoder_model import EncoderModel
 
         return EncoderModel(config, {n: w.to(device) for n, w in weights.items()})
     if ops is not None:
@@ -422,7 +422,7 @@ def make_decode_graphs(
     def splits(size: int) -> int | None:
         if ops.name != "triton":
             return None
-        from kernels.triton_decode_attention import default_num_splits
+        from kvflow.kernels.triton_decode_attention import default_num_splits
 
         group = cfg.num_heads // cfg.num_kv_heads
         ctx = max_blocks * block_size
@@ -519,7 +519,7 @@ def runner_specs(
 ) -> tuple[KvSpec, DeviceSpec]:
     """The runner's specs from the worker's settings sections (``--device auto`` and
     ``--dtype auto`` resolved here)."""
-    from services.worker.device import resolve_device, resolve_dtype
+    from kvflow.services.worker.device import resolve_device, resolve_dtype
 
     device = resolve_device(worker.device)
     kv = KvSpec(

@@ -14,7 +14,7 @@ sequences from what it knows.
 
 from __future__ import annotations
 
-from shared.messages import PLACEHOLDER, FinishReason, StepPlan, StepResult
+from kvflow.shared.messages import PLACEHOLDER, FinishReason, StepPlan, StepResult
 
 
 class PlaceholderError(RuntimeError):

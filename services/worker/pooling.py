@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from shared.messages import PooledOutput, PoolingParams, ScheduledSeq
+from kvflow.shared.messages import PooledOutput, PoolingParams, ScheduledSeq
 
 
 @dataclass

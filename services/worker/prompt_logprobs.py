@@ -15,7 +15,7 @@ from typing import Protocol
 
 import torch
 
-from shared.messages import PromptLogprobs, ScheduledSeq
+from kvflow.shared.messages import PromptLogprobs, ScheduledSeq
 
 ROWS_PER_BLOCK = 256  # log-softmax this many rows at a time (a row is vocab_size floats)
 

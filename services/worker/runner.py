@@ -25,13 +25,13 @@ from typing import Any
 
 import torch
 
-from services.worker import sampler, speculation, structured
-from services.worker.block_tables import BlockTables
-from services.worker.cuda_graphs import DecodeGraphs
-from services.worker.draft import DraftProposer
-from services.worker.encoder_model import encoder_step
-from services.worker.lora import LoRACache, LoRASpec, LoRAStep, lora_rows
-from services.worker.model_setup import (
+from kvflow.services.worker import sampler, speculation, structured
+from kvflow.services.worker.block_tables import BlockTables
+from kvflow.services.worker.cuda_graphs import DecodeGraphs
+from kvflow.services.worker.draft import DraftProposer
+from kvflow.services.worker.encoder_model import encoder_step
+from kvflow.services.worker.lora import LoRACache, LoRASpec, LoRAStep, lora_rows
+from kvflow.services.worker.model_setup import (
     CpuPathSpec,
     DeviceSpec,
     KvSpec,
@@ -45,12 +45,12 @@ from services.worker.model_setup import (
     warm_up_prefill,
     weight_bytes,
 )
-from services.worker.pooling import PoolState, pooled_output
-from services.worker.step_inputs import HostStep, Staging, pack
-from services.worker.step_output import StepOut, step_result
-from services.worker.step_rows import StepRows, host_batch, lay_out
-from services.worker.tensor_parallel import TPGroup
-from shared.messages import (
+from kvflow.services.worker.pooling import PoolState, pooled_output
+from kvflow.services.worker.step_inputs import HostStep, Staging, pack
+from kvflow.services.worker.step_output import StepOut, step_result
+from kvflow.services.worker.step_rows import StepRows, host_batch, lay_out
+from kvflow.services.worker.tensor_parallel import TPGroup
+from kvflow.shared.messages import (
     FinishReason,
     LoRARef,
     NewRequest,
@@ -61,9 +61,9 @@ from shared.messages import (
     StepPlan,
     StepResult,
 )
-from shared.model_source import ModelSource
-from shared.models.config import ModelConfig
-from shared.sampling import (
+from kvflow.shared.model_source import ModelSource
+from kvflow.shared.models.config import ModelConfig
+from kvflow.shared.sampling import (
     LogitsProcessor,
     active_processors,
 )

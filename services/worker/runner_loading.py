@@ -8,19 +8,19 @@ from __future__ import annotations
 import logging
 import os
 
-from services.worker.draft import load_draft
-from services.worker.lora import LoRASpec
-from services.worker.model_setup import check_quantization, runner_specs
-from services.worker.runner import ModelRunner
-from services.worker.sim_runner import SimRunner, step_time_fn, vocab_for
-from services.worker.step_runner import StepRunner
-from services.worker.tp_group import TPLeader, start_group
-from shared.config import Settings
-from shared.cpu_budget import cpu_budget
-from shared.lora import parse_lora_modules
-from shared.model_config import load_config
-from shared.model_source import ModelNotFoundError, ModelSource
-from shared.speculative import parse_speculative_config
+from kvflow.services.worker.draft import load_draft
+from kvflow.services.worker.lora import LoRASpec
+from kvflow.services.worker.model_setup import check_quantization, runner_specs
+from kvflow.services.worker.runner import ModelRunner
+from kvflow.services.worker.sim_runner import SimRunner, step_time_fn, vocab_for
+from kvflow.services.worker.step_runner import StepRunner
+from kvflow.services.worker.tp_group import TPLeader, start_group
+from kvflow.shared.config import Settings
+from kvflow.shared.cpu_budget import cpu_budget
+from kvflow.shared.lora import parse_lora_modules
+from kvflow.shared.model_config import load_config
+from kvflow.shared.model_source import ModelNotFoundError, ModelSource
+from kvflow.shared.speculative import parse_speculative_config
 
 log = logging.getLogger("kvflow.worker")
 

@@ -28,8 +28,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from shared.messages import SampleLogprobs, SamplingParams
-from shared.sampling import GREEDY_EPS, RowState, apply_processors
+from kvflow.shared.messages import SampleLogprobs, SamplingParams
+from kvflow.shared.sampling import GREEDY_EPS, RowState, apply_processors
 
 NUCLEUS_GUESS = 2048  # CPU: candidates taken by top-k before falling back to a whole-row sort
 

@@ -23,22 +23,22 @@ from typing import TypeVar
 
 from nats.aio.msg import Msg
 
-from services.worker.kv_blocks import KvBlockIO
-from services.worker.kv_connectors.base import create_worker_connector
-from services.worker.kv_connectors.tiers import KvTiers
-from services.worker.placeholders import PlaceholderError, StepTokens
-from services.worker.runner_loading import load_runner
-from services.worker.step_output import step_result
-from services.worker.step_runner import StepRunner
-from services.worker.telemetry import WorkerTelemetry
-from services.worker.tp_group import KEEPALIVE_S
-from shared import subjects
-from shared.access.connect import nats_auth, redis_options, verify_redis
-from shared.bus import Bus
-from shared.config import Settings
-from shared.kv_connectors import connector_spec
-from shared.lora import LoRAError, read_adapter_config
-from shared.messages import (
+from kvflow.services.worker.kv_blocks import KvBlockIO
+from kvflow.services.worker.kv_connectors.base import create_worker_connector
+from kvflow.services.worker.kv_connectors.tiers import KvTiers
+from kvflow.services.worker.placeholders import PlaceholderError, StepTokens
+from kvflow.services.worker.runner_loading import load_runner
+from kvflow.services.worker.step_output import step_result
+from kvflow.services.worker.step_runner import StepRunner
+from kvflow.services.worker.telemetry import WorkerTelemetry
+from kvflow.services.worker.tp_group import KEEPALIVE_S
+from kvflow.shared import subjects
+from kvflow.shared.access.connect import nats_auth, redis_options, verify_redis
+from kvflow.shared.bus import Bus
+from kvflow.shared.config import Settings
+from kvflow.shared.kv_connectors import connector_spec
+from kvflow.shared.lora import LoRAError, read_adapter_config
+from kvflow.shared.messages import (
     STALE_EPOCH_ERROR,
     KvLoad,
     KvLoadDone,
@@ -54,7 +54,7 @@ from shared.messages import (
     WorkerHeartbeat,
     WorkerRelease,
 )
-from shared.parallel import check_parallel_settings
+from kvflow.shared.parallel import check_parallel_settings
 
 log = logging.getLogger("kvflow.worker")
 
@@ -365,8 +365,8 @@ class WorkerService:
 
 
 async def run(settings: Settings) -> None:
-    from shared.model_source import resolve_model
-    from shared.ops_http import start_ops_server
+    from kvflow.shared.model_source import resolve_model
+    from kvflow.shared.ops_http import start_ops_server
 
     ops = start_ops_server(settings.ops.ops_port, "worker")
     src = resolve_model(settings.model.path, settings.model.served_model_name)

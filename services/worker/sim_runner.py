@@ -43,12 +43,12 @@ from typing import Any
 import numpy as np
 import torch
 
-from services.worker import speculation
-from services.worker.block_tables import BlockTables
-from services.worker.pooling import pooled_output
-from services.worker.runner import finish_rule
-from services.worker.step_output import StepOut, step_result
-from shared.messages import (
+from kvflow.services.worker import speculation
+from kvflow.services.worker.block_tables import BlockTables
+from kvflow.services.worker.pooling import pooled_output
+from kvflow.services.worker.runner import finish_rule
+from kvflow.services.worker.step_output import StepOut, step_result
+from kvflow.shared.messages import (
     FinishReason,
     NewRequest,
     SampleLogprobs,
@@ -57,9 +57,9 @@ from shared.messages import (
     StepPlan,
     StepResult,
 )
-from shared.model_source import ModelSource
-from shared.sampling import GREEDY_EPS
-from shared.step_cost import StepCostModel
+from kvflow.shared.model_source import ModelSource
+from kvflow.shared.sampling import GREEDY_EPS
+from kvflow.shared.step_cost import StepCostModel
 
 log = logging.getLogger("kvflow.worker")
 
@@ -302,8 +302,8 @@ class SimRunner:
 def vocab_for(src: ModelSource) -> tuple[list[int], list[int]]:
     """(ordinary token ids, EOS ids) of a model, from its tokenizer and config: the simulator
     generates only tokens that are neither special nor added."""
-    from shared.model_config import load_config
-    from shared.model_source import load_tokenizer
+    from kvflow.shared.model_config import load_config
+    from kvflow.shared.model_source import load_tokenizer
 
     cfg = load_config(src)
     tok = load_tokenizer(src)

@@ -21,7 +21,7 @@ without speculation.
 
 from __future__ import annotations
 
-from shared.messages import ScheduledSeq
+from kvflow.shared.messages import ScheduledSeq
 
 
 def expand(seqs: list[ScheduledSeq]) -> list[ScheduledSeq]:

@@ -9,7 +9,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from shared.messages import PooledOutput, PromptLogprobs, SampleLogprobs, StepPlan, StepResult
+from kvflow.shared.messages import (
+    PooledOutput,
+    PromptLogprobs,
+    SampleLogprobs,
+    StepPlan,
+    StepResult,
+)
 
 
 @dataclass

@@ -11,12 +11,12 @@ from typing import Any
 
 import torch
 
-from kernels import reference as K
-from kernels.batch_invariance import GemmRows
-from services.worker.block_tables import BlockTables
-from services.worker.model import ForwardBatch
-from services.worker.prompt_logprobs import PromptRows
-from shared.messages import ScheduledSeq
+from kvflow.kernels import reference as K
+from kvflow.kernels.batch_invariance import GemmRows
+from kvflow.services.worker.block_tables import BlockTables
+from kvflow.services.worker.model import ForwardBatch
+from kvflow.services.worker.prompt_logprobs import PromptRows
+from kvflow.shared.messages import ScheduledSeq
 
 
 @dataclass

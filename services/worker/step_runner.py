@@ -11,10 +11,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Protocol
 
-from shared.messages import StepPlan, StepResult
+from kvflow.shared.messages import StepPlan, StepResult
 
 if TYPE_CHECKING:
-    from services.worker.lora import LoRACache
+    from kvflow.services.worker.lora import LoRACache
 
 
 class StepRunner(Protocol):

@@ -14,8 +14,8 @@ import logging
 from collections.abc import Sequence
 from typing import Any
 
-from shared.messages import ScheduledSeq, StructuredOutput
-from shared.structured_output import GrammarCompiler, GrammarError, tokenizer_info
+from kvflow.shared.messages import ScheduledSeq, StructuredOutput
+from kvflow.shared.structured_output import GrammarCompiler, GrammarError, tokenizer_info
 
 log = logging.getLogger("kvflow.worker")
 
@@ -78,7 +78,7 @@ def default_compiler(
 ) -> GrammarCompiler:
     """The compiler for the model a worker process serves (``model``: the ``--model`` setting,
     '' for the default model): its tokenizer is cached on disk."""
-    from shared.model_source import load_tokenizer, resolve_model
+    from kvflow.shared.model_source import load_tokenizer, resolve_model
 
     tok = load_tokenizer(resolve_model(model))
     return GrammarCompiler(tokenizer_info(tok, vocab_size, list(eos_token_ids)))

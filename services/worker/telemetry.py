@@ -30,8 +30,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from shared.messages import KvPull, StepPlan, StepResult
-from shared.telemetry import context_of, extract, is_sampled, tracer
+from kvflow.shared.messages import KvPull, StepPlan, StepResult
+from kvflow.shared.telemetry import context_of, extract, is_sampled, tracer
 
 _tracer = tracer("worker")
 

@@ -24,10 +24,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from shared.models.config import ModelConfig
+from kvflow.shared.models.config import ModelConfig
 
 if TYPE_CHECKING:
-    from services.worker.tp_shm import ShmComm
+    from kvflow.services.worker.tp_shm import ShmComm
 
 
 @dataclass(frozen=True)
@@ -165,7 +165,7 @@ class LoRAShard:
     sum added before the all-reduce. PEFT's scale is already in B."""
 
     def __init__(self, full: ModelConfig, layout: TPLayout) -> None:
-        from services.worker.lora_weights import module_shapes
+        from kvflow.services.worker.lora_weights import module_shapes
 
         self.full = full
         self.shapes = module_shapes(shard_config(full, layout))  # (in, out) on this rank

@@ -33,27 +33,27 @@ from typing import Any
 import torch
 import torch.multiprocessing  # noqa: F401 - its reductions send tensors through pipes
 
-from services.worker import tp_shm
-from services.worker.draft import load_draft
-from services.worker.lora import LoRACache, LoRASpec
-from services.worker.model_setup import DeviceSpec, KvSpec, kv_block_bytes
-from services.worker.runner import ModelRunner
-from services.worker.tensor_parallel import (
+from kvflow.services.worker import tp_shm
+from kvflow.services.worker.draft import load_draft
+from kvflow.services.worker.lora import LoRACache, LoRASpec
+from kvflow.services.worker.model_setup import DeviceSpec, KvSpec, kv_block_bytes
+from kvflow.services.worker.runner import ModelRunner
+from kvflow.services.worker.tensor_parallel import (
     LoRAShard,
     TPGroup,
     shard_config,
     shard_weights,
     tp_layout,
 )
-from services.worker.tp_shm import ShmComm
-from shared.config import Settings
-from shared.cpu_budget import usable_cpus
-from shared.messages import StepPlan, StepResult
-from shared.model_config import load_config
-from shared.model_loader import load_weights, round_weights
-from shared.model_source import ModelSource
-from shared.models.config import ModelConfig
-from shared.speculative import SpeculativeConfig
+from kvflow.services.worker.tp_shm import ShmComm
+from kvflow.shared.config import Settings
+from kvflow.shared.cpu_budget import usable_cpus
+from kvflow.shared.messages import StepPlan, StepResult
+from kvflow.shared.model_config import load_config
+from kvflow.shared.model_loader import load_weights, round_weights
+from kvflow.shared.model_source import ModelSource
+from kvflow.shared.models.config import ModelConfig
+from kvflow.shared.speculative import SpeculativeConfig
 
 log = logging.getLogger("kvflow.worker")
 
@@ -252,7 +252,7 @@ class TPLeader:
         return self.rank0.take_expert_load()
 
     def execute(self, plan: StepPlan) -> StepResult:
-        from shared.messages import encode
+        from kvflow.shared.messages import encode
 
         self._send(_PLAN, encode(plan))
         result = self.rank0.execute(plan)
@@ -345,7 +345,7 @@ def start_group(
 ) -> TPLeader:
     """Rank 0 (on the worker's model thread): start the other ranks, join them, load this
     rank's shard; the group is ready when every rank has loaded."""
-    from shared.infra import free_port
+    from kvflow.shared.infra import free_port
 
     world = settings.worker.tensor_parallel_size
     cfg = load_config(src)
@@ -421,7 +421,7 @@ def follower_main(
 ) -> None:
     """A follower rank's process: join the group, load the shard, hand rank 0 its KV cache
     (``kv_conn``, when the worker moves blocks), run rank 0's broadcasts."""
-    from shared.logs import setup_logging
+    from kvflow.shared.logs import setup_logging
 
     setup_logging(f"worker-rank-{rank}", level, fmt)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # rank 0 stops the group (or its death does)
@@ -461,7 +461,7 @@ def _broken(runner: ModelRunner) -> bool:
 def follow(runner: ModelRunner) -> int:
     """Run every plan (and reset) rank 0 broadcasts until it stops; returns the steps run. A
     collective that fails (a rank died, or timed out) raises."""
-    from shared.messages import StepPlan, decode
+    from kvflow.shared.messages import StepPlan, decode
 
     steps = 0
     while True:

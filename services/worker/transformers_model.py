@@ -46,17 +46,17 @@ import torch.nn.functional as F
 import transformers
 from transformers.pytorch_utils import Conv1D
 
-from kernels import reference as K
-from kernels.cpu_gemm import head_packing, linear_packing
-from kernels.ops import KernelBackend
-from services.worker.model import ForwardBatch, PagedModel
-from services.worker.step_inputs import DeviceBatch
-from shared.models import generic
-from shared.models.config import ModelConfig
+from kvflow.kernels import reference as K
+from kvflow.kernels.cpu_gemm import head_packing, linear_packing
+from kvflow.kernels.ops import KernelBackend
+from kvflow.services.worker.model import ForwardBatch, PagedModel
+from kvflow.services.worker.step_inputs import DeviceBatch
+from kvflow.shared.models import generic
+from kvflow.shared.models.config import ModelConfig
 
 if TYPE_CHECKING:
-    from services.worker.lora import LoRAStep
-    from services.worker.tensor_parallel import TPGroup
+    from kvflow.services.worker.lora import LoRAStep
+    from kvflow.services.worker.tensor_parallel import TPGroup
 
 
 ATTN_IMPLEMENTATION = "kvflow_paged"

@@ -10,12 +10,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from shared.access.grants import inbox_prefix
+from kvflow.shared.access.grants import inbox_prefix
 
 if TYPE_CHECKING:
     import redis.asyncio as aioredis
 
-    from shared.config import BusSettings
+    from kvflow.shared.config import BusSettings
 
 EXIT_REFUSED = 78  # sysexits.h EX_CONFIG: restarting will not help
 

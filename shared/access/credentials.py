@@ -21,8 +21,8 @@ import secrets
 from dataclasses import dataclass
 from pathlib import Path
 
-from shared.access.grants import NATS_ROLES, REDIS_ROLES, ROLES
-from shared.access.render import (
+from kvflow.shared.access.grants import NATS_ROLES, REDIS_ROLES, ROLES
+from kvflow.shared.access.render import (
     nats_cluster,
     nats_config,
     redis_acl,

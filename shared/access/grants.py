@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from shared import subjects as S
+from kvflow.shared import subjects as S
 
 
 @dataclass(frozen=True)

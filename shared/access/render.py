@@ -12,7 +12,7 @@ from collections.abc import Mapping, Sequence
 
 import bcrypt
 
-from shared.access.grants import (
+from kvflow.shared.access.grants import (
     NATS_GRANTS,
     REDIS_GRANTS,
     REDIS_SERVER_GRANTS,

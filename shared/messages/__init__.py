@@ -21,18 +21,25 @@ from typing import Any
 
 import msgspec
 
-from shared.messages.base import FinishReason
-from shared.messages.kv import KvChunk, KvChunkRequest, KvLoad, KvLoadDone, KvPull, KvTransferDone
-from shared.messages.lora import LoraAdapters, LoraList, LoraLoad, LoraUnload
-from shared.messages.ops import MetricsReport, MetricsRequest, Ping, Pong
-from shared.messages.outputs import (
+from kvflow.shared.messages.base import FinishReason
+from kvflow.shared.messages.kv import (
+    KvChunk,
+    KvChunkRequest,
+    KvLoad,
+    KvLoadDone,
+    KvPull,
+    KvTransferDone,
+)
+from kvflow.shared.messages.lora import LoraAdapters, LoraList, LoraLoad, LoraUnload
+from kvflow.shared.messages.ops import MetricsReport, MetricsRequest, Ping, Pong
+from kvflow.shared.messages.outputs import (
     Delta,
     DeltaBatch,
     PromptTokenLogprob,
     TokenLogprob,
     ToolCallDelta,
 )
-from shared.messages.params import (
+from kvflow.shared.messages.params import (
     POOLING_TASKS,
     POOLING_TYPES,
     ChatMessage,
@@ -44,7 +51,7 @@ from shared.messages.params import (
     ToolParsing,
     ToolSpec,
 )
-from shared.messages.requests import (
+from kvflow.shared.messages.requests import (
     Abort,
     Accepted,
     DetokenizeRequest,
@@ -57,7 +64,7 @@ from shared.messages.requests import (
     TokenizeRequest,
     TokenizeResult,
 )
-from shared.messages.steps import (
+from kvflow.shared.messages.steps import (
     PLACEHOLDER,
     STALE_EPOCH_ERROR,
     BlockRef,

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from shared.messages.base import _Msg
-from shared.messages.steps import BlockRef
+from kvflow.shared.messages.base import _Msg
+from kvflow.shared.messages.steps import BlockRef
 
 # KV block transfer between workers (disaggregated prefill -> decode)
 #

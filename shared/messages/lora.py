@@ -5,8 +5,8 @@ and tells them when one is gone (``LoraUnload``). Tags from 40 on."""
 
 from __future__ import annotations
 
-from shared.messages.base import _Msg
-from shared.messages.params import LoRARef
+from kvflow.shared.messages.base import _Msg
+from kvflow.shared.messages.params import LoRARef
 
 
 class LoraLoad(_Msg, tag=40):

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from shared.messages.base import _Msg
+from kvflow.shared.messages.base import _Msg
 
 # metrics, scatter-gather (the gateway's /metrics serves the whole stack). Tags from 30 on.
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import msgspec
 
-from shared.messages.base import _Msg
+from kvflow.shared.messages.base import _Msg
 
 # detokenizer / tokenizer -> gateway inbox
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import msgspec
 
-from shared.sampling.derived import needs_token_history as _needs_token_history
+from kvflow.shared.sampling.derived import needs_token_history as _needs_token_history
 
 # Request parameters (embedded, not sent alone)
 

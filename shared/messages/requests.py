@@ -3,8 +3,8 @@ and the tokenizer's request/reply endpoints."""
 
 from __future__ import annotations
 
-from shared.messages.base import FinishReason, _Msg
-from shared.messages.params import (
+from kvflow.shared.messages.base import FinishReason, _Msg
+from kvflow.shared.messages.params import (
     ChatMessage,
     LoRARef,
     PoolingParams,

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import msgspec
 
-from shared.messages.base import _Msg
-from shared.messages.params import LoRARef, PoolingParams, SamplingParams
+from kvflow.shared.messages.base import _Msg
+from kvflow.shared.messages.params import LoRARef, PoolingParams, SamplingParams
 
 # scheduler <-> worker
 

@@ -14,7 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from shared.models.config import ConfigReader
+from kvflow.shared.models.config import ConfigReader
 
 NORM_ROLES = ("attn_norm", "attn_out_norm", "mlp_norm", "mlp_out_norm", "q_norm", "k_norm")
 """A layer's norms by role: before attention, after it, before the MLP, after it, and the q/k

@@ -8,7 +8,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from shared.models.config import ModelConfig, ModelConfigError
+from kvflow.shared.models.config import ModelConfig, ModelConfigError
 
 
 def transformers_config(

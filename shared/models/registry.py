@@ -15,14 +15,14 @@ from dataclasses import fields
 from functools import cache
 from typing import Any
 
-from shared.models.config import (
+from kvflow.shared.models.config import (
     NORM_LAYOUTS,
     ConfigReader,
     ModelConfig,
     ModelConfigError,
     common_fields,
 )
-from shared.models.family import Family
+from kvflow.shared.models.family import Family
 
 log = logging.getLogger("kvflow.model")
 
@@ -34,7 +34,7 @@ def families() -> dict[str, Family]:
     """Every native family by name."""
     out: dict[str, Family] = {}
     for module in _MODULES:
-        for fam in importlib.import_module(f"shared.models.families.{module}").FAMILIES:
+        for fam in importlib.import_module(f"kvflow.shared.models.families.{module}").FAMILIES:
             out[fam.name] = fam
     return out
 

@@ -20,7 +20,7 @@ import math
 
 import torch
 
-from shared.models.config import RopeSpec
+from kvflow.shared.models.config import RopeSpec
 
 
 def _base_inv_freq(theta: float, dim: int) -> torch.Tensor:

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from shared.models.config import ModelConfig, ModelConfigError
+from kvflow.shared.models.config import ModelConfig, ModelConfigError
 
 TASKS = ("generate", "embed", "classify", "score")
 

@@ -2,22 +2,22 @@
 the table of fields and processors (features.py), the shapes they are defined with (spec.py),
 the value checks (checks.py) and what every layer derives from the table (derived.py)."""
 
-from shared.sampling.checks import (
+from kvflow.shared.sampling.checks import (
     INT64_MAX,
     INT64_MIN,
     MAX_LOGPROBS,
     MAX_TOKEN_ID,
     SamplingParamError,
 )
-from shared.sampling.derived import (
+from kvflow.shared.sampling.derived import (
     active_processors,
     apply_processors,
     needs_token_history,
     validate_sampling,
     wire_fields,
 )
-from shared.sampling.features import FIELDS, PROCESSORS
-from shared.sampling.spec import GREEDY_EPS, LogitsProcessor, RowState, SamplingField
+from kvflow.shared.sampling.features import FIELDS, PROCESSORS
+from kvflow.shared.sampling.spec import GREEDY_EPS, LogitsProcessor, RowState, SamplingField
 
 __all__ = [
     "FIELDS",

@@ -6,14 +6,14 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from shared.sampling.checks import MAX_LOGPROBS
-from shared.sampling.features import FIELDS, PROCESSORS
-from shared.sampling.spec import LogitsProcessor, RowState
+from kvflow.shared.sampling.checks import MAX_LOGPROBS
+from kvflow.shared.sampling.features import FIELDS, PROCESSORS
+from kvflow.shared.sampling.spec import LogitsProcessor, RowState
 
 if TYPE_CHECKING:
     import torch
 
-    from shared.messages import SamplingParams as WireParams
+    from kvflow.shared.messages import SamplingParams as WireParams
 
 FIELD_NAMES = frozenset(f.name for f in FIELDS)
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from shared.sampling.checks import (
+from kvflow.shared.sampling.checks import (
     MAX_TOKEN_ID,
     SamplingParamError,
     check_bool,
@@ -20,7 +20,7 @@ from shared.sampling.checks import (
     check_stop,
     check_token_ids,
 )
-from shared.sampling.processors import (
+from kvflow.shared.sampling.processors import (
     AllowedTokens,
     BadWords,
     Grammar,
@@ -28,7 +28,7 @@ from shared.sampling.processors import (
     MinTokens,
     Penalties,
 )
-from shared.sampling.spec import LogitsProcessor, SamplingField
+from kvflow.shared.sampling.spec import LogitsProcessor, SamplingField
 
 V = Mapping[str, Any]  # every value of the request, and the limits max_n and max_logprobs
 GUIDED = ("guided_json", "guided_regex", "guided_choice", "guided_grammar")

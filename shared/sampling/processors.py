@@ -10,13 +10,13 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from shared.sampling.spec import LogitsProcessor, RowState
+from kvflow.shared.sampling.spec import LogitsProcessor, RowState
 
 if TYPE_CHECKING:
     import numpy as np
     import torch
 
-    from shared.messages import SamplingParams as WireParams
+    from kvflow.shared.messages import SamplingParams as WireParams
 
 
 def _on(logits: torch.Tensor, values: Sequence, dtype: torch.dtype | None = None) -> torch.Tensor:

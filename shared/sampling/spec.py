@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 if TYPE_CHECKING:
     import torch
 
-    from shared.messages import SamplingParams as WireParams
+    from kvflow.shared.messages import SamplingParams as WireParams
 
 GREEDY_EPS = 1e-5  # temperatures below this are greedy (vLLM's rule)
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from shared.infra import free_port
+from kvflow.shared.infra import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 # stacks told to stop (SIGTERM) and not yet waited for: each drains while the tests go on, and

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import httpx
 
-from shared.access.credentials import Credentials
+from kvflow.shared.access.credentials import Credentials
 from tests.e2e.conftest import ROOT
 
 MODEL = "SmolLM2-135M-Instruct"

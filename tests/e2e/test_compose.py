@@ -34,7 +34,7 @@ import pytest
 import torch
 import yaml
 
-from shared.infra import free_port
+from kvflow.shared.infra import free_port
 from tests.e2e.conftest import ROOT, openai_client
 from tests.e2e.faults import MODEL, Stream
 

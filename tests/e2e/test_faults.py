@@ -18,8 +18,8 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
-from shared.access.grants import NATS_ROLES
-from shared.infra import start_nats
+from kvflow.shared.access.grants import NATS_ROLES
+from kvflow.shared.infra import start_nats
 from tests.e2e.conftest import ROOT, wait_all_blocks_free
 from tests.e2e.faults import (
     MODEL,
@@ -37,7 +37,7 @@ NAME = "faults"
 @pytest.fixture(scope="module")
 def faults_stack():
     """Its own launcher (not running_stack) so the last test can SIGTERM it mid-request."""
-    from shared.infra import free_port
+    from kvflow.shared.infra import free_port
 
     port = free_port()
     log_path = ROOT / ".pytest_cache" / f"kvflow-serve-{NAME}.log"

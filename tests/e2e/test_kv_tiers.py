@@ -14,7 +14,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from shared.infra import start_redis
+from kvflow.shared.infra import start_redis
 from tests.e2e.conftest import running_stack
 from tests.e2e.faults import MODEL, service_pids, stack_credentials, stack_urls
 

@@ -18,7 +18,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvflow.cli.traces import OtlpReceiver, SpanRecord, timeline
-from shared.infra import free_port, port_is_free
+from kvflow.shared.infra import free_port, port_is_free
 from tests.e2e.conftest import ROOT, openai_client, running_stack
 
 pytestmark = pytest.mark.e2e

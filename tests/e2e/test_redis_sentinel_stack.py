@@ -15,7 +15,7 @@ import httpx
 import pytest
 import redis
 
-from shared.access.grants import SENTINEL_MASTER
+from kvflow.shared.access.grants import SENTINEL_MASTER
 from tests.e2e.conftest import running_stack, wait_all_blocks_free
 from tests.e2e.faults import (
     MODEL,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from shared.infra import start_nats
+from kvflow.shared.infra import start_nats
 
 
 @pytest.fixture(scope="module")

@@ -21,16 +21,22 @@ import pytest
 import redis
 from redis.exceptions import AuthenticationError, NoPermissionError
 
-from services.gateway.keys import KeyStore
-from services.scheduler.lease import Lease
-from shared import subjects as S
-from shared.access.connect import EXIT_REFUSED, AccessError, NatsAuth, nats_auth, redis_options
-from shared.access.credentials import Credentials, generate
-from shared.access.grants import NATS_ROLES, REDIS_ROLES
-from shared.bus import Bus
-from shared.config import BusSettings
-from shared.infra import Server, start_nats, start_redis
-from shared.messages import Ping, Pong
+from kvflow.services.gateway.keys import KeyStore
+from kvflow.services.scheduler.lease import Lease
+from kvflow.shared import subjects as S
+from kvflow.shared.access.connect import (
+    EXIT_REFUSED,
+    AccessError,
+    NatsAuth,
+    nats_auth,
+    redis_options,
+)
+from kvflow.shared.access.credentials import Credentials, generate
+from kvflow.shared.access.grants import NATS_ROLES, REDIS_ROLES
+from kvflow.shared.bus import Bus
+from kvflow.shared.config import BusSettings
+from kvflow.shared.infra import Server, start_nats, start_redis
+from kvflow.shared.messages import Ping, Pong
 
 pytestmark = pytest.mark.integration
 

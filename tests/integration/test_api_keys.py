@@ -18,10 +18,10 @@ import pytest
 import redis.asyncio as aioredis
 import uvicorn
 
-from services.gateway.app import create_app
-from services.gateway.keys import WINDOW_S, KeyStore
-from shared.config import Settings
-from shared.infra import free_port, start_redis
+from kvflow.services.gateway.app import create_app
+from kvflow.services.gateway.keys import WINDOW_S, KeyStore
+from kvflow.shared.config import Settings
+from kvflow.shared.infra import free_port, start_redis
 from tests.integration.test_gateway_api import MODEL, StandIn
 
 pytestmark = pytest.mark.integration

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import asyncio
 
-from shared.bus import Bus
-from shared.messages import Abort, SchedulerStats, StatsRequest
+from kvflow.shared.bus import Bus
+from kvflow.shared.messages import Abort, SchedulerStats, StatsRequest
 
 
 async def test_publish_subscribe_and_malformed_messages_are_dropped(nats_url) -> None:
@@ -73,7 +73,7 @@ async def test_subscribe_returns_once_the_server_has_the_subscription() -> None:
     """A publisher connected before the subscriber publishes the moment ``subscribe`` returns.
     With nats-py's own flush this lost the first message in ~5 % of fresh servers (its PING
     overtakes the buffered SUB); 40 fresh servers make that loss show up here."""
-    from shared.infra import start_nats
+    from kvflow.shared.infra import start_nats
 
     for attempt in range(40):
         server = start_nats()

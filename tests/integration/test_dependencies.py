@@ -90,7 +90,7 @@ def test_every_imported_package_is_a_runtime_dependency() -> None:
 
 def test_the_wheel_ships_the_native_kernel_source(tmp_path: Path) -> None:
     src = tmp_path / "src"  # a copy: an in-tree build/ folder would carry files from earlier builds
-    for name in ("pyproject.toml", "README.md"):
+    for name in ("pyproject.toml", "setup.py", "README.md"):
         (src / name).parent.mkdir(parents=True, exist_ok=True)
         shutil.copy(ROOT / name, src / name)
     for pkg in PACKAGES:
@@ -105,5 +105,5 @@ def test_the_wheel_ships_the_native_kernel_source(tmp_path: Path) -> None:
     (wheel,) = tmp_path.glob("kvflow-*.whl")
     names = zipfile.ZipFile(wheel).namelist()
     for source in ("paged_attention_cpu.c", "thread_pool.c", "kvf_pool.h"):  # what cc needs
-        assert f"kernels/csrc/{source}" in names, source
+        assert f"kvflow/kernels/csrc/{source}" in names, source
     assert "kvflow/cli/main.py" in names and "kvflow/__init__.py" in names

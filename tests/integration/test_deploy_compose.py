@@ -24,8 +24,8 @@ import yaml
 
 from kvflow.cli.keys import redis_settings
 from kvflow.cli.main import SERVICES, build_parser
-from shared.access.connect import parse_sentinel_url
-from shared.access.credentials import (
+from kvflow.shared.access.connect import parse_sentinel_url
+from kvflow.shared.access.credentials import (
     NATS_CLUSTER_CONF,
     NATS_PASSWORD,
     NATS_ROUTES,
@@ -35,9 +35,9 @@ from shared.access.credentials import (
     SENTINEL_CONF,
     generate,
 )
-from shared.access.grants import NATS_ROLES, REDIS_ROLES, ROLES, SENTINEL_MASTER
-from shared.access.render import redis_acl, sentinel_monitor
-from shared.bus import server_urls
+from kvflow.shared.access.grants import NATS_ROLES, REDIS_ROLES, ROLES, SENTINEL_MASTER
+from kvflow.shared.access.render import redis_acl, sentinel_monitor
+from kvflow.shared.bus import server_urls
 from tests.unit.deploy_support import (
     ROOT,
     environ_of_compose,
@@ -180,7 +180,7 @@ def test_kvflow_containers_run_commands_kvflow_accepts(compose) -> None:
             )
         else:
             assert s.ops.ops_port and health_url == f"http://127.0.0.1:{s.ops.ops_port}/health"
-        assert svc["healthcheck"]["test"][:4] == ["CMD", "python", "-m", "shared.ops_http"]
+        assert svc["healthcheck"]["test"][:4] == ["CMD", "python", "-m", "kvflow.shared.ops_http"]
         if name == "worker":  # one rank unless KVFLOW_TENSOR_PARALLEL_SIZE is set higher
             assert s.worker.tensor_parallel_size == 1
             assert svc["environment"]["KVFLOW_TENSOR_PARALLEL_SIZE"] == "1"

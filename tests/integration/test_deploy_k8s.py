@@ -18,9 +18,9 @@ import kubernetes_validate
 import pytest
 
 from kvflow.cli.main import SERVICES
-from shared.access.connect import parse_sentinel_url
-from shared.access.grants import SENTINEL_MASTER
-from shared.bus import server_urls
+from kvflow.shared.access.connect import parse_sentinel_url
+from kvflow.shared.access.grants import SENTINEL_MASTER
+from kvflow.shared.bus import server_urls
 from tests.unit.deploy_support import (
     closed_crd_schema,
     environ_of_container,
@@ -297,7 +297,7 @@ def _pods(docs, name: str) -> list[str]:
 
 
 def test_the_tensor_parallel_component_makes_each_worker_pod_a_group_kvflow_accepts() -> None:
-    from shared.parallel import check_parallel_settings
+    from kvflow.shared.parallel import check_parallel_settings
 
     docs = render_k8s("cpu", ("tensor-parallel",))
     for doc in docs:

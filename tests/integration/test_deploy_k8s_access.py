@@ -23,9 +23,9 @@ import pytest
 
 from kvflow.cli.keys import redis_settings
 from kvflow.cli.main import build_parser
-from shared.access.credentials import NATS_PASSWORD, REDIS_PASSWORD
-from shared.access.grants import NATS_ROLES, REDIS_ROLES, ROLES
-from shared.bus import server_urls
+from kvflow.shared.access.credentials import NATS_PASSWORD, REDIS_PASSWORD
+from kvflow.shared.access.grants import NATS_ROLES, REDIS_ROLES, ROLES
+from kvflow.shared.bus import server_urls
 from tests.integration.test_deploy_k8s import COMPONENTS, OVERLAYS
 from tests.unit.deploy_support import (
     ROOT,
@@ -376,7 +376,7 @@ def test_kvflow_writes_only_where_an_empty_dir_is_mounted(overlay, monkeypatch) 
     compiled kernels and GEMM calibrations (paths from kernels/, under the image's
     KVFLOW_CACHE_DIR); the image's converted tokenizer under it stays visible."""
     monkeypatch.setenv("KVFLOW_CACHE_DIR", str(IMAGE_CACHE_DIR))
-    from kernels import batch_invariance, cpu_native
+    from kvflow.kernels import batch_invariance, cpu_native
 
     docs = render_k8s(overlay)
     for name, pod, c, env, cmd in _services(docs):

@@ -18,12 +18,12 @@ import openai
 import pytest
 import uvicorn
 
-from services.gateway.app import create_app
-from shared import subjects
-from shared.bus import Bus
-from shared.config import Settings
-from shared.infra import free_port
-from shared.messages import (
+from kvflow.services.gateway.app import create_app
+from kvflow.shared import subjects
+from kvflow.shared.bus import Bus
+from kvflow.shared.config import Settings
+from kvflow.shared.infra import free_port
+from kvflow.shared.messages import (
     Abort,
     Delta,
     DeltaBatch,

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.gpu_check import main as gpu_check
+from kvflow.benchmarks.gpu_check import main as gpu_check
 
 pytestmark = pytest.mark.integration
 ROOT = Path(__file__).resolve().parents[2]

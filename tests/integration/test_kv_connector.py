@@ -10,12 +10,12 @@ import asyncio
 import pytest
 import torch
 
-from services.worker.kv_blocks import KvBlockIO
-from services.worker.kv_connectors.base import KvConnectorWorker, create_worker_connector
-from services.worker.kv_connectors.nats import NatsKvConnector
-from shared.bus import Bus
-from shared.infra import start_nats
-from shared.messages import KvChunk, KvPull
+from kvflow.services.worker.kv_blocks import KvBlockIO
+from kvflow.services.worker.kv_connectors.base import KvConnectorWorker, create_worker_connector
+from kvflow.services.worker.kv_connectors.nats import NatsKvConnector
+from kvflow.shared.bus import Bus
+from kvflow.shared.infra import start_nats
+from kvflow.shared.messages import KvChunk, KvPull
 
 pytestmark = pytest.mark.integration
 

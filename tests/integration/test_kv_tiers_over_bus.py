@@ -8,12 +8,12 @@ import pytest
 import redis.asyncio as aioredis
 import torch
 
-from services.worker.kv_blocks import KvBlockIO
-from services.worker.kv_connectors import tiers as kv_tiers
-from services.worker.kv_connectors.tiers import HostTier, KvTiers, RedisTier
-from shared.infra import start_redis
-from shared.kv_tier import leading_present, tier_key
-from shared.messages import BlockRef, KvLoad, StepPlan
+from kvflow.services.worker.kv_blocks import KvBlockIO
+from kvflow.services.worker.kv_connectors import tiers as kv_tiers
+from kvflow.services.worker.kv_connectors.tiers import HostTier, KvTiers, RedisTier
+from kvflow.shared.infra import start_redis
+from kvflow.shared.kv_tier import leading_present, tier_key
+from kvflow.shared.messages import BlockRef, KvLoad, StepPlan
 
 pytestmark = pytest.mark.integration
 

@@ -9,10 +9,10 @@ import asyncio
 
 import pytest
 
-from shared.bus import Bus
-from shared.infra import start_nats
-from shared.large_messages import BLOB_HEADER
-from shared.messages import Abort, GenerateRequest, SamplingParams
+from kvflow.shared.bus import Bus
+from kvflow.shared.infra import start_nats
+from kvflow.shared.large_messages import BLOB_HEADER
+from kvflow.shared.messages import Abort, GenerateRequest, SamplingParams
 
 LIMIT = 64 * 1024
 

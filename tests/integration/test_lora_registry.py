@@ -9,15 +9,22 @@ import asyncio
 
 import pytest
 
-from services.gateway.errors import APIError
-from services.gateway.lora import GatewayLoras
-from services.scheduler.lease import Lease
-from services.scheduler.service import SchedulerService
-from shared import subjects
-from shared.bus import Bus
-from shared.config import Settings
-from shared.infra import start_redis
-from shared.messages import LoraAdapters, LoraList, LoraLoad, LoRARef, LoraUnload, WorkerHeartbeat
+from kvflow.services.gateway.errors import APIError
+from kvflow.services.gateway.lora import GatewayLoras
+from kvflow.services.scheduler.lease import Lease
+from kvflow.services.scheduler.service import SchedulerService
+from kvflow.shared import subjects
+from kvflow.shared.bus import Bus
+from kvflow.shared.config import Settings
+from kvflow.shared.infra import start_redis
+from kvflow.shared.messages import (
+    LoraAdapters,
+    LoraList,
+    LoraLoad,
+    LoRARef,
+    LoraUnload,
+    WorkerHeartbeat,
+)
 
 
 class FakeWorker:

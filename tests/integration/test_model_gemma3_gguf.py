@@ -16,11 +16,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from services.worker.runner import ModelRunner
-from shared.messages import FinishReason, NewRequest, SamplingParams, ScheduledSeq, StepPlan
-from shared.model_config import load_config
-from shared.model_loader import load_weights
-from shared.model_source import load_tokenizer, resolve_model
+from kvflow.services.worker.runner import ModelRunner
+from kvflow.shared.messages import FinishReason, NewRequest, SamplingParams, ScheduledSeq, StepPlan
+from kvflow.shared.model_config import load_config
+from kvflow.shared.model_loader import load_weights
+from kvflow.shared.model_source import load_tokenizer, resolve_model
 from tests.gguf_without_vocabulary import transformers_model
 
 pytestmark = pytest.mark.integration
@@ -196,9 +196,9 @@ def test_kept_in_blocks_equals_the_dense_run(gemma3) -> None:
     Q4_K, Q6_K, Q8_0; a fused projection of two types as a StackedWeight) at a fraction of the
     dense bytes, and greedy output equals the dense run's (the same weights: the products differ
     only in the order of fp32 sums)."""
-    from kernels import cpu_quant
-    from kernels.cpu_quant import QuantWeight
-    from kernels.stacked_weight import StackedWeight
+    from kvflow.kernels import cpu_quant
+    from kvflow.kernels.cpu_quant import QuantWeight
+    from kvflow.kernels.stacked_weight import StackedWeight
 
     if not cpu_quant.available():
         pytest.skip("no C compiler: the block kernels are C")
@@ -229,9 +229,9 @@ def test_int8_activations_stay_close_and_batch_invariant(gemma3) -> None:
     Greedy tokens part from transformers' fp32 ones within a generation (measured here: 11, 20,
     20, 20, 20, 20, 13 and 20 of 20 agree); each prompt's first 8 must, unless they part where
     fp32's own top logits are within 0.25 (a near tie), and batching changes no logit bit."""
-    from kernels import cpu_quant_tiles
-    from kernels.cpu_quant_tiles import TiledQuantWeight
-    from kernels.stacked_weight import StackedWeight
+    from kvflow.kernels import cpu_quant_tiles
+    from kvflow.kernels.cpu_quant_tiles import TiledQuantWeight
+    from kvflow.kernels.stacked_weight import StackedWeight
 
     if not cpu_quant_tiles.available():
         pytest.skip("the tiled kernel needs AVX-512 VNNI (elsewhere gguf-a8 runs the blocks)")

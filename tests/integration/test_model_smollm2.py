@@ -10,12 +10,12 @@ import os
 import pytest
 import torch
 
-from kernels.cpu_quant import QuantWeight
-from services.worker.runner import ModelRunner
-from shared.messages import FinishReason, NewRequest, SamplingParams, ScheduledSeq, StepPlan
-from shared.model_config import load_config
-from shared.model_loader import load_weights
-from shared.model_source import load_tokenizer, resolve_model
+from kvflow.kernels.cpu_quant import QuantWeight
+from kvflow.services.worker.runner import ModelRunner
+from kvflow.shared.messages import FinishReason, NewRequest, SamplingParams, ScheduledSeq, StepPlan
+from kvflow.shared.model_config import load_config
+from kvflow.shared.model_loader import load_weights
+from kvflow.shared.model_source import load_tokenizer, resolve_model
 from tests.gguf_without_vocabulary import transformers_model
 
 NEW_TOKENS = 32
@@ -154,7 +154,7 @@ def test_gguf_blocks_read_in_place_give_hf_greedy_output_alone_and_batched(smoll
 @pytest.fixture(scope="module")
 def int8_weights(smollm2):  # noqa: ANN001, ANN201
     """SmolLM2's weights rounded as --quantization int8 rounds them (once for both schemes)."""
-    from shared.model_loader import quantize_int8
+    from kvflow.shared.model_loader import quantize_int8
 
     return quantize_int8(load_weights(smollm2["src"], smollm2["cfg"]))
 
@@ -217,7 +217,7 @@ def test_bf16_gemms_stay_close_to_fp32_and_batch_invariant(smollm2) -> None:
     with the panels (head included) as with oneDNN: 32, 31, 32 and 8 (all) agree with
     transformers' fp32 output. Each prompt's first 8 must, and batching changes no logit bit. (Perplexity:
     kvflow bench quality --schemes ,bf16.)"""
-    from kernels.cpu_gemm import head_packing, linear_packing
+    from kvflow.kernels.cpu_gemm import head_packing, linear_packing
 
     weights = load_weights(smollm2["src"], smollm2["cfg"])
     runner = ModelRunner.from_weights(

@@ -15,13 +15,13 @@ from pathlib import Path
 import pytest
 import trustme
 
-from shared import subjects as S
-from shared.access.connect import nats_auth
-from shared.access.credentials import Credentials, generate
-from shared.bus import Bus
-from shared.config import BusSettings
-from shared.infra import NatsCluster, Server, start_nats_cluster
-from shared.messages import Abort, StepResult
+from kvflow.shared import subjects as S
+from kvflow.shared.access.connect import nats_auth
+from kvflow.shared.access.credentials import Credentials, generate
+from kvflow.shared.bus import Bus
+from kvflow.shared.config import BusSettings
+from kvflow.shared.infra import NatsCluster, Server, start_nats_cluster
+from kvflow.shared.messages import Abort, StepResult
 
 pytestmark = pytest.mark.integration
 

@@ -15,11 +15,11 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvflow.cli.traces import OtlpReceiver, timeline
-from shared.bus import Bus
-from shared.messages import Abort
-from shared.metrics import gather, whole_stack
-from shared.ops_http import OpsServer
-from shared.telemetry import extract, inject
+from kvflow.shared.bus import Bus
+from kvflow.shared.messages import Abort
+from kvflow.shared.metrics import gather, whole_stack
+from kvflow.shared.ops_http import OpsServer
+from kvflow.shared.telemetry import extract, inject
 
 pytestmark = pytest.mark.integration
 

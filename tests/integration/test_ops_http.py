@@ -17,11 +17,11 @@ import pytest
 from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeout
 
-from shared import subjects
-from shared.bus import Bus
-from shared.infra import free_port, start_nats
-from shared.messages import Ping, Pong
-from shared.ops_http import OpsServer, probe, start_ops_server
+from kvflow.shared import subjects
+from kvflow.shared.bus import Bus
+from kvflow.shared.infra import free_port, start_nats
+from kvflow.shared.messages import Ping, Pong
+from kvflow.shared.ops_http import OpsServer, probe, start_ops_server
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -173,7 +173,7 @@ def test_a_service_started_with_ops_port_serves_health_and_metrics() -> None:
             time.sleep(0.2)
         metrics = httpx.get(f"{url}/metrics", timeout=5).text
         assert _sample(metrics, "kvflow_service_ready", "tokenizer") == 1.0
-        check = [sys.executable, "-m", "shared.ops_http", f"{url}/health"]
+        check = [sys.executable, "-m", "kvflow.shared.ops_http", f"{url}/health"]
         assert subprocess.run(check, cwd=ROOT).returncode == 0
         assert subprocess.run([*check[:-1], f"{url}/nope"], cwd=ROOT).returncode == 1
     finally:

@@ -17,13 +17,13 @@ import pytest
 import redis
 from redis.exceptions import NoPermissionError, RedisError, ResponseError
 
-from services.gateway.keys import KeyStore
-from services.scheduler.lease import Lease
-from shared.access.connect import parse_sentinel_url, redis_client, redis_options
-from shared.access.credentials import Credentials, generate
-from shared.access.grants import SENTINEL_MASTER
-from shared.config import BusSettings
-from shared.infra import RedisWithSentinel, start_redis_sentinel
+from kvflow.services.gateway.keys import KeyStore
+from kvflow.services.scheduler.lease import Lease
+from kvflow.shared.access.connect import parse_sentinel_url, redis_client, redis_options
+from kvflow.shared.access.credentials import Credentials, generate
+from kvflow.shared.access.grants import SENTINEL_MASTER
+from kvflow.shared.config import BusSettings
+from kvflow.shared.infra import RedisWithSentinel, start_redis_sentinel
 
 pytestmark = pytest.mark.integration
 

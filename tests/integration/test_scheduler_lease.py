@@ -8,8 +8,8 @@ from collections.abc import Iterator
 
 import pytest
 
-from services.scheduler.lease import Lease, LeaseLost
-from shared.infra import Server, start_redis
+from kvflow.services.scheduler.lease import Lease, LeaseLost
+from kvflow.shared.infra import Server, start_redis
 
 pytestmark = pytest.mark.integration
 

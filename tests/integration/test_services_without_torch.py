@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from shared.model_source import load_tokenizer, resolve_model
+from kvflow.shared.model_source import load_tokenizer, resolve_model
 
 pytestmark = pytest.mark.integration
 ROOT = Path(__file__).resolve().parents[2]
@@ -20,9 +20,9 @@ ROOT = Path(__file__).resolve().parents[2]
 _PROBE = """
 import json, sys
 import kvflow.cli.launcher, services.gateway.app
-import services.scheduler.service, services.tokenizer.service, services.detokenizer.service
-from shared.model_config import check_model
-from shared.model_source import load_tokenizer, resolve_model
+import kvflow.services.scheduler.service, kvflow.services.tokenizer.service, kvflow.services.detokenizer.service
+from kvflow.shared.model_config import check_model
+from kvflow.shared.model_source import load_tokenizer, resolve_model
 
 cfg = check_model(sys.argv[1])
 tok = load_tokenizer(resolve_model(sys.argv[1]))

@@ -13,19 +13,19 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from services.worker import tp_shm
-from services.worker.lora import LoRASpec
-from services.worker.runner import ModelRunner
-from services.worker.tensor_parallel import (
+from kvflow.services.worker import tp_shm
+from kvflow.services.worker.lora import LoRASpec
+from kvflow.services.worker.runner import ModelRunner
+from kvflow.services.worker.tensor_parallel import (
     LoRAShard,
     TPGroup,
     shard_config,
     shard_weights,
     tp_layout,
 )
-from services.worker.tp_group import GROUP_FAILED_EXIT, TPLeader, follow
-from services.worker.tp_shm import ShmComm
-from shared.messages import LoRARef, NewRequest, SamplingParams, ScheduledSeq, StepPlan
+from kvflow.services.worker.tp_group import GROUP_FAILED_EXIT, TPLeader, follow
+from kvflow.services.worker.tp_shm import ShmComm
+from kvflow.shared.messages import LoRARef, NewRequest, SamplingParams, ScheduledSeq, StepPlan
 from tests.unit.tp_support import BLOCK, BLOCKS, CFG, PROMPTS, TOKENS, weights, write_adapter
 
 # bytes of a shared-memory slot: a decode step's [3, 72] fp32 rows and [3, 60] logits fit, the

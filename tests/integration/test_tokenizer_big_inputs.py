@@ -8,11 +8,11 @@ import asyncio
 import time
 from typing import Any
 
-from services.tokenizer.service import BIG_INPUT_BYTES, TokenizerService
-from shared import subjects
-from shared.bus import Bus
-from shared.config import Settings
-from shared.messages import (
+from kvflow.services.tokenizer.service import BIG_INPUT_BYTES, TokenizerService
+from kvflow.shared import subjects
+from kvflow.shared.bus import Bus
+from kvflow.shared.config import Settings
+from kvflow.shared.messages import (
     GenerateRequest,
     SamplingParams,
     TokenizedRequest,

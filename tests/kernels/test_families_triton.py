@@ -16,9 +16,9 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # as tests/conftest.py does
 
-from services.worker.runner import ModelRunner  # noqa: E402
-from shared.messages import SamplingParams  # noqa: E402
-from shared.model_source import ModelSource  # noqa: E402
+from kvflow.services.worker.runner import ModelRunner  # noqa: E402
+from kvflow.shared.messages import SamplingParams  # noqa: E402
+from kvflow.shared.model_source import ModelSource  # noqa: E402
 from tests.unit.engine_support import new_core, run  # noqa: E402
 from tests.unit.family_models import hf_greedy, save_model  # noqa: E402
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import cpu_native
-from kernels import reference as K
+from kvflow.kernels import cpu_native
+from kvflow.kernels import reference as K
 from tests.kernels.test_kernels_reference import CASES, WINDOW_SOFTCAP, D, run_paged
 
 # Only a missing compiler skips; a kernel that fails to build fails these tests.

@@ -16,8 +16,8 @@ from transformers.models.llama.modeling_llama import (
     apply_rotary_pos_emb,
 )
 
-from kernels import cpu_native
-from kernels import reference as K
+from kvflow.kernels import cpu_native
+from kvflow.kernels import reference as K
 
 D = 16
 BS = 5  # block size deliberately not a power of two

@@ -23,10 +23,10 @@ import torch
 from tests.kernels.common import HAS_CUDA, TOL, close, f32, randn  # first: TRITON_INTERPRET
 
 # isort: split
-from benchmarks.random_model import LlamaShape, random_llama
-from kernels.ops import get_backend, select_backend
-from services.worker.model import DecoderModel
-from services.worker.step_inputs import DeviceBatch
+from kvflow.benchmarks.random_model import LlamaShape, random_llama
+from kvflow.kernels.ops import get_backend, select_backend
+from kvflow.services.worker.model import DecoderModel
+from kvflow.services.worker.step_inputs import DeviceBatch
 
 REF = get_backend("reference")
 TRI = get_backend("triton")
@@ -385,7 +385,7 @@ def test_gelu_tanh_and_mul(device, dtype):
 @pytest.mark.parametrize("device,dtype", DEVICE_DTYPES)
 @pytest.mark.parametrize("h,hkv,d", [(4, 4, 16), (6, 2, 32), (8, 1, 24)])
 def test_rotary_embedding(device, dtype, h, hkv, d):
-    from kernels.reference import build_cos_sin_cache
+    from kvflow.kernels.reference import build_cos_sin_cache
 
     g = torch.Generator().manual_seed(h + d)
     t = 6
@@ -487,7 +487,15 @@ def test_kernels_compile_for_h100_without_spills():
     above accepts code that the GPU compiler would reject."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     proc = subprocess.run(
-        [sys.executable, "-m", "kernels.compile_check", "--arch", "90", "--dtype", "bfloat16"],
+        [
+            sys.executable,
+            "-m",
+            "kvflow.kernels.compile_check",
+            "--arch",
+            "90",
+            "--dtype",
+            "bfloat16",
+        ],
         env=env,
         capture_output=True,
         text=True,
@@ -505,7 +513,7 @@ def test_kernels_compile_for_h100_without_spills():
 
 @pytest.mark.skipif(HAS_CUDA, reason="with a GPU the bench runs instead of refusing")
 def test_bench_refuses_without_a_gpu(capsys):
-    from benchmarks import kernels as bench
+    from kvflow.benchmarks import kernels as bench
 
     assert bench.main(["--skip-e2e"]) == 2
     assert "needs a CUDA GPU" in capsys.readouterr().err

@@ -23,8 +23,8 @@ import torch
 from tests.kernels.common import HAS_CUDA, TOL, close, f32, randn  # first: TRITON_INTERPRET
 
 # isort: split
-from kernels import reference
-from kernels.ops import get_backend
+from kvflow.kernels import reference
+from kvflow.kernels.ops import get_backend
 
 REF = get_backend("reference")
 TRI = get_backend("triton")
@@ -151,8 +151,8 @@ def test_lora_kernels_compile_for_h100_without_spills():
     script = textwrap.dedent(
         """
         import torch
-        from kernels import triton_lora
-        from kernels.compile_check import _H100_SHARED_BYTES, _compile_instead_of_launch
+        from kvflow.kernels import triton_lora
+        from kvflow.kernels.compile_check import _H100_SHARED_BYTES, _compile_instead_of_launch
 
         done = []
         with _compile_instead_of_launch(90, done):

@@ -14,9 +14,9 @@ HAS_CUDA = torch.cuda.is_available()
 if not HAS_CUDA:
     os.environ.setdefault("TRITON_INTERPRET", "1")  # as tests/conftest.py does
 
-from services.worker.lora import LoRASpec  # noqa: E402
-from services.worker.runner import ModelRunner  # noqa: E402
-from shared.messages import LoRARef  # noqa: E402
+from kvflow.services.worker.lora import LoRASpec  # noqa: E402
+from kvflow.services.worker.runner import ModelRunner  # noqa: E402
+from kvflow.shared.messages import LoRARef  # noqa: E402
 from tests.models.test_lora_engine import (  # noqa: E402
     GREEDY,
     PROMPTS,

@@ -15,8 +15,8 @@ import torch.nn.functional as F
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # as tests/conftest.py does
 
-from kernels.moe import MoEWeights, _per_expert, route  # noqa: E402
-from kernels.triton_moe import align, block_m, moe_experts  # noqa: E402
+from kvflow.kernels.moe import MoEWeights, _per_expert, route  # noqa: E402
+from kvflow.kernels.triton_moe import align, block_m, moe_experts  # noqa: E402
 
 H, INTER, E = 32, 24, 6
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"

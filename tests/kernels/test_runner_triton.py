@@ -20,9 +20,9 @@ HAS_CUDA = torch.cuda.is_available()
 if not HAS_CUDA:
     os.environ.setdefault("TRITON_INTERPRET", "1")  # as tests/conftest.py does
 
-from services.worker.runner import ModelRunner  # noqa: E402
-from shared.messages import NewRequest, SamplingParams, ScheduledSeq, StepPlan  # noqa: E402
-from shared.models.config import ModelConfig  # noqa: E402
+from kvflow.services.worker.runner import ModelRunner  # noqa: E402
+from kvflow.shared.messages import NewRequest, SamplingParams, ScheduledSeq, StepPlan  # noqa: E402
+from kvflow.shared.models.config import ModelConfig  # noqa: E402
 
 BLOCK = 4
 NUM_BLOCKS = 48
@@ -215,7 +215,7 @@ def test_the_prefill_warm_up_writes_no_kv_and_changes_no_output(model, reference
     """The start-up prefill forwards (run on CUDA so that Triton compiles there, not in a step
     while requests wait) go through the device path as padding: the KV cache is unchanged and
     the runner's tokens are the CPU path's afterwards."""
-    from services.worker.model_setup import warm_up_prefill
+    from kvflow.services.worker.model_setup import warm_up_prefill
 
     runner = make(model, backend="triton", cuda_graphs=False)
     for k, v in runner.kv_caches:  # something to read in block 0, and to see overwritten
@@ -331,8 +331,8 @@ def test_gpu_decode_bench_code_path(monkeypatch) -> None:
     """What ``python -m benchmarks.decode --device cuda --random-llama`` runs (a
     random Llama drawn on the device, decode steps through the decode graphs), on a tiny
     shape in the interpreter, so the GPU bench does not first fail on a GPU."""
-    from benchmarks import decode as bench_decode
-    from benchmarks.random_model import LlamaShape, random_llama
+    from kvflow.benchmarks import decode as bench_decode
+    from kvflow.benchmarks.random_model import LlamaShape, random_llama
 
     shape = LlamaShape(vocab=64, hidden=32, layers=1, heads=2, kv_heads=1, intermediate=48)
     cfg, weights = random_llama(torch.float32, torch.device("cpu"), shape=shape)
@@ -377,7 +377,7 @@ def test_cuda_graphs_on_the_gpu(model, reference, dtype) -> None:
 
 def _quantized(model, scheme: str) -> tuple[ModelConfig, dict]:
     """The tiny model's weights as ``--quantization int8`` or ``fp8`` loads them."""
-    from shared.model_loader import round_weights
+    from kvflow.shared.model_loader import round_weights
 
     cfg, weights = model
     return cfg, round_weights({k: v.clone() for k, v in weights.items()}, scheme)
@@ -389,8 +389,8 @@ def test_quantized_weights_on_the_device_path_match_the_cpu_path(model, scheme: 
     """Integer blocks through kernels/triton_quant.py and fp8 weights through torch._scaled_mm
     on the device path give the CPU path's tokens and logits on the same quantized weights (the
     CPU path reads the blocks with its C kernel and calls the fp8 weight itself)."""
-    from kernels.fp8_linear import Fp8Weight
-    from kernels.triton_quant import DeviceQuantWeight
+    from kvflow.kernels.fp8_linear import Fp8Weight
+    from kvflow.kernels.triton_quant import DeviceQuantWeight
 
     cfg, weights = _quantized(model, scheme)
     cpu = ModelRunner.from_weights(cfg, dict(weights), BLOCK, NUM_BLOCKS)
@@ -427,7 +427,7 @@ def test_an_embedding_in_blocks_feeds_the_device_path_and_its_tied_head(model) -
     the head's blocks as a quantized weight. Both give the same tokens."""
     import dataclasses
 
-    from kernels.triton_quant import DeviceQuantWeight
+    from kvflow.kernels.triton_quant import DeviceQuantWeight
 
     cfg, weights = _quantized(model, "int8")
     cfg = dataclasses.replace(cfg, tie_word_embeddings=True)
@@ -449,7 +449,7 @@ def _embed_steps(runner: ModelRunner, kind: str) -> tuple[bytes, list[int]]:
     """A's prompt as an embedding request in two chunks, beside C generating (its prefill,
     then decode rows; one-row steps of the embedding itself: E's pattern); returns the vector's
     bytes and C's tokens."""
-    from shared.messages import PoolingParams
+    from kvflow.shared.messages import PoolingParams
 
     new = [
         NewRequest("a", SamplingParams(max_tokens=1), len(A), pooling=PoolingParams(kind)),
@@ -499,9 +499,9 @@ def test_speculative_decoding_on_the_device_path(model, graphs: bool, method: st
     """n-gram drafts, or a draft model's (the tiny model itself, on the device path too),
     verified on the device path (each draft a decode row; decode-only steps through the padded
     graph buffers) give the CPU path's plain greedy tokens."""
-    from services.scheduler.core import SchedulerCore
-    from services.scheduler.worker_state import SchedulerLimits
-    from shared.speculative import SpeculativeConfig
+    from kvflow.services.scheduler.core import SchedulerCore
+    from kvflow.services.scheduler.worker_state import SchedulerLimits
+    from kvflow.shared.speculative import SpeculativeConfig
     from tests.models.test_speculative_engine import run_core
 
     prompts = [[5, 17, 99, 5, 17, 99, 5, 17], [7, 7, 7, 7, 7]]
@@ -516,7 +516,7 @@ def test_speculative_decoding_on_the_device_path(model, graphs: bool, method: st
     spec = SpeculativeConfig(method, 3, 1, 3, model="tiny" if method == "draft_model" else "")
     draft = None
     if method == "draft_model":
-        from services.worker.model_setup import CpuPathSpec, DeviceSpec, load_model
+        from kvflow.services.worker.model_setup import CpuPathSpec, DeviceSpec, load_model
 
         cfg, weights = model
         clone = {k: v.clone() for k, v in weights.items()}

@@ -11,7 +11,7 @@ import pytest
 import torch
 from transformers import LlamaForCausalLM
 
-from shared.beam_search import beam_search, score
+from kvflow.shared.beam_search import beam_search, score
 from tests.models.test_runner_tiny import PROMPTS, hf_model  # noqa: F401 - fixture
 
 EOS = 127

@@ -11,8 +11,8 @@ import pytest
 import torch
 from transformers import LlamaForCausalLM
 
-from services.worker.pooling import PoolState, pooled_output
-from shared.messages import (
+from kvflow.services.worker.pooling import PoolState, pooled_output
+from kvflow.shared.messages import (
     NewRequest,
     PoolingParams,
     SamplingParams,

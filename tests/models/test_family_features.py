@@ -12,13 +12,13 @@ import pytest
 import torch
 from peft import LoraConfig, get_peft_model
 
-from kernels import cpu_quant
-from services.worker.lora import LoRASpec
-from services.worker.runner import ModelRunner
-from shared.messages import LoRARef, SamplingParams
-from shared.model_config import load_config
-from shared.model_loader import load_weights
-from shared.model_source import ModelSource
+from kvflow.kernels import cpu_quant
+from kvflow.services.worker.lora import LoRASpec
+from kvflow.services.worker.runner import ModelRunner
+from kvflow.shared.messages import LoRARef, SamplingParams
+from kvflow.shared.model_config import load_config
+from kvflow.shared.model_loader import load_weights
+from kvflow.shared.model_source import ModelSource
 from tests.models.test_model_families import NEW, PROMPTS
 from tests.unit.engine_support import new_core, run
 from tests.unit.family_models import hf_greedy, save_model
@@ -93,7 +93,7 @@ def test_gguf_blocks_equal_transformers_on_their_values(family: str, qtype: str)
     """Every linear weight in GGUF blocks of ``qtype`` (random blocks: gguf-py cannot write
     K-quants), multiplied in place, beside transformers running the blocks' dequantized
     values: the same greedy tokens, batched under chunked prefill."""
-    from shared.models.registry import hf_config
+    from kvflow.shared.models.registry import hf_config
     from tests.unit.family_models import make_model
     from tests.unit.kquant_blocks import UNIT_TYPES, random_blocks
 

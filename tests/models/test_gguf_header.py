@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 from gguf import GGUFReader
 
-from shared.gguf_header import read_header, read_tensors
+from kvflow.shared.gguf_header import read_header, read_tensors
 
 
 def test_header_equals_gguf_readers(model_src) -> None:

@@ -16,11 +16,11 @@ from peft import LoraConfig, get_peft_model
 from safetensors.torch import load_file, save_file
 from transformers import LlamaForCausalLM
 
-from services.worker.lora import LoRASpec
-from services.worker.lora_weights import load_adapter
-from services.worker.runner import ModelRunner
-from shared.lora import LoRAError, adapter_salt, check_lora_settings, parse_lora_modules
-from shared.messages import FinishReason, LoRARef, SamplingParams
+from kvflow.services.worker.lora import LoRASpec
+from kvflow.services.worker.lora_weights import load_adapter
+from kvflow.services.worker.runner import ModelRunner
+from kvflow.shared.lora import LoRAError, adapter_salt, check_lora_settings, parse_lora_modules
+from kvflow.shared.messages import FinishReason, LoRARef, SamplingParams
 from tests.models.test_runner_tiny import hf_model, make_runner  # noqa: F401
 from tests.unit.engine_support import new_core
 from tests.unit.engine_support import run as engine_run
@@ -250,7 +250,7 @@ def test_lora_settings() -> None:
 
 
 def test_registry_names_ids_and_refusals() -> None:
-    from services.scheduler.lora_registry import LoraRegistry
+    from kvflow.services.scheduler.lora_registry import LoraRegistry
 
     reg = LoraRegistry(parse_lora_modules("sql=/a"), enabled=True)
     assert reg.check_new("chat", "/c", "base") and reg.check_new("new", "/n", "base")

@@ -12,10 +12,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from services.worker.runner import ModelRunner
-from shared.messages import SamplingParams
-from shared.model_config import load_config
-from shared.model_source import ModelSource
+from kvflow.services.worker.runner import ModelRunner
+from kvflow.shared.messages import SamplingParams
+from kvflow.shared.model_config import load_config
+from kvflow.shared.model_source import ModelSource
 from tests.unit.engine_support import (
     check_alone,
     check_batched_chunked,

@@ -17,10 +17,10 @@ from gguf import MODEL_ARCH, MODEL_ARCH_NAMES, GGMLQuantizationType, GGUFWriter,
 from gguf.quants import dequantize, quantize
 from safetensors.torch import load_file, save_file
 
-from kernels import cpu_quant
-from services.worker.runner import ModelRunner
-from shared.messages import SamplingParams
-from shared.model_source import ModelSource
+from kvflow.kernels import cpu_quant
+from kvflow.services.worker.runner import ModelRunner
+from kvflow.shared.messages import SamplingParams
+from kvflow.shared.model_source import ModelSource
 from tests.models.test_model_families import NEW, PROMPTS
 from tests.unit.engine_support import new_core, run
 from tests.unit.family_models import hf_greedy, make_model
@@ -166,8 +166,8 @@ def test_int8_experts_equal_transformers_on_the_rounded_weights(tmp_path: Path) 
     is a multiple of 32); transformers then runs the rounded values."""
     from transformers import AutoModelForCausalLM
 
-    from shared.model_config import load_config
-    from shared.model_loader import load_weights
+    from kvflow.shared.model_config import load_config
+    from kvflow.shared.model_loader import load_weights
 
     _save("qwen2_moe", tmp_path, moe_intermediate_size=64)
     src = ModelSource("hf", tmp_path, "m")

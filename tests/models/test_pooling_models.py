@@ -28,13 +28,13 @@ from transformers import (
     XLMRobertaForSequenceClassification,
 )
 
-from services.tokenizer.pooling_inputs import pooling_input
-from services.worker.runner import ModelRunner
-from shared.messages import GenerateRequest, PoolingParams, SamplingParams, TokenizedRequest
-from shared.model_config import load_config
-from shared.model_source import ModelSource
-from shared.models.config import ModelConfigError
-from shared.models.tasks import served_task
+from kvflow.services.tokenizer.pooling_inputs import pooling_input
+from kvflow.services.worker.runner import ModelRunner
+from kvflow.shared.messages import GenerateRequest, PoolingParams, SamplingParams, TokenizedRequest
+from kvflow.shared.model_config import load_config
+from kvflow.shared.model_source import ModelSource
+from kvflow.shared.models.config import ModelConfigError
+from kvflow.shared.models.tasks import served_task
 from tests.unit.engine_support import new_core
 
 TEXTS = [

@@ -10,8 +10,8 @@ import torch
 import xgrammar as xgr
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from services.worker.runner import ModelRunner
-from shared.messages import (
+from kvflow.services.worker.runner import ModelRunner
+from kvflow.shared.messages import (
     FinishReason,
     NewRequest,
     SamplingParams,
@@ -19,8 +19,8 @@ from shared.messages import (
     StepPlan,
     StructuredOutput,
 )
-from shared.models.config import ModelConfig
-from shared.structured_output import GrammarCompiler
+from kvflow.shared.models.config import ModelConfig
+from kvflow.shared.structured_output import GrammarCompiler
 
 BLOCK = 4
 EOS = 127

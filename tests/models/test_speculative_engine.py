@@ -11,11 +11,11 @@ import pytest
 import torch
 from transformers import LlamaForCausalLM
 
-from services.scheduler.core import SchedulerCore
-from services.scheduler.worker_state import SchedulerLimits
-from services.worker.runner import ModelRunner
-from services.worker.sim_runner import SimRunner
-from shared.messages import (
+from kvflow.services.scheduler.core import SchedulerCore
+from kvflow.services.scheduler.worker_state import SchedulerLimits
+from kvflow.services.worker.runner import ModelRunner
+from kvflow.services.worker.sim_runner import SimRunner
+from kvflow.shared.messages import (
     NewRequest,
     SamplingParams,
     ScheduledSeq,
@@ -23,7 +23,7 @@ from shared.messages import (
     StepResult,
     TokenizedRequest,
 )
-from shared.speculative import SpeculativeConfig
+from kvflow.shared.speculative import SpeculativeConfig
 from tests.models.test_runner_tiny import hf_model, make_runner  # noqa: F401
 
 NGRAM = SpeculativeConfig("ngram", num_speculative_tokens=4, prompt_lookup_min=1,
@@ -211,7 +211,7 @@ def _draft_of(hf: LlamaForCausalLM, layers: int):  # noqa: ANN202
     """The tiny model's first ``layers`` layers, loaded as the worker loads a draft."""
     from dataclasses import replace
 
-    from services.worker.model_setup import CpuPathSpec, DeviceSpec, load_model
+    from kvflow.services.worker.model_setup import CpuPathSpec, DeviceSpec, load_model
 
     cfg = make_runner(hf).config
     weights = {k: v.detach().clone() for k, v in hf.state_dict().items()}
@@ -269,7 +269,7 @@ def test_prefix_cache_hits_on_blocks_filled_by_accepted_drafts(hf_model: LlamaFo
 def test_disaggregated_decode_workers_speculate() -> None:
     """A prefill worker and a decode worker (simulated, K/V copied slot by slot): drafts are
     proposed on the decode worker only and the output equals the run without speculation."""
-    from shared.messages import KvTransferDone
+    from kvflow.shared.messages import KvTransferDone
 
     vocab, eos = list(range(100, 1100)), [2]
     prompts = [[(i * 7 + j) % 5 + 100 for j in range(9 + i)] for i in range(4)]

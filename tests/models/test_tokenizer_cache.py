@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 from transformers import AutoTokenizer
 
-from shared import model_source
-from shared.model_source import load_tokenizer, resolve_model
+from kvflow.shared import model_source
+from kvflow.shared.model_source import load_tokenizer, resolve_model
 from tests.models.test_pooling_models import minilm_dir
 from tests.unit.family_models import CONFIGS, TRANSFORMERS_ONLY
 

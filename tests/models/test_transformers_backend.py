@@ -15,14 +15,14 @@ import pytest
 import torch
 import transformers as tf
 
-from kernels import reference as K
-from kernels.batch_invariance import GemmRows
-from services.worker.model import ForwardBatch
-from services.worker.runner import ModelRunner
-from services.worker.transformers_model import TransformersModel
-from shared.messages import SamplingParams, ScheduledSeq
-from shared.model_source import ModelSource
-from shared.models.generic import transformers_config
+from kvflow.kernels import reference as K
+from kvflow.kernels.batch_invariance import GemmRows
+from kvflow.services.worker.model import ForwardBatch
+from kvflow.services.worker.runner import ModelRunner
+from kvflow.services.worker.transformers_model import TransformersModel
+from kvflow.shared.messages import SamplingParams, ScheduledSeq
+from kvflow.shared.model_source import ModelSource
+from kvflow.shared.models.generic import transformers_config
 from tests.unit import engine_support
 from tests.unit.engine_support import (
     check_alone,

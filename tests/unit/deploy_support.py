@@ -30,20 +30,20 @@ import yaml
 from prometheus_client import REGISTRY
 
 from kvflow.cli.main import build_parser
-from services.detokenizer.telemetry import DetokenizerMetrics
-from services.gateway.metrics import GatewayMetrics
-from services.scheduler.core import SchedulerCore
-from services.scheduler.lora_registry import LoraRegistry
-from services.scheduler.telemetry import SchedulerTelemetry
-from services.scheduler.worker_state import SchedulerLimits
-from services.tokenizer.service import TokenizerMetrics
-from services.worker.telemetry import WorkerTelemetry
-from shared.bus import Bus
-from shared.config import Settings
-from shared.messages import KvPull, ScheduledSeq, StepPlan, StepResult
-from shared.metrics import BusCollector
-from shared.ops_http import OpsServer
-from shared.speculative import SpeculativeConfig
+from kvflow.services.detokenizer.telemetry import DetokenizerMetrics
+from kvflow.services.gateway.metrics import GatewayMetrics
+from kvflow.services.scheduler.core import SchedulerCore
+from kvflow.services.scheduler.lora_registry import LoraRegistry
+from kvflow.services.scheduler.telemetry import SchedulerTelemetry
+from kvflow.services.scheduler.worker_state import SchedulerLimits
+from kvflow.services.tokenizer.service import TokenizerMetrics
+from kvflow.services.worker.telemetry import WorkerTelemetry
+from kvflow.shared.bus import Bus
+from kvflow.shared.config import Settings
+from kvflow.shared.messages import KvPull, ScheduledSeq, StepPlan, StepResult
+from kvflow.shared.metrics import BusCollector
+from kvflow.shared.ops_http import OpsServer
+from kvflow.shared.speculative import SpeculativeConfig
 
 ROOT = Path(__file__).resolve().parents[2]
 SCHEMAS = ROOT / "tests" / "data" / "schemas"

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import itertools
 
-from services.scheduler.core import SchedulerCore
-from services.scheduler.worker_state import SchedulerLimits
-from services.worker.runner import ModelRunner
-from shared.messages import LoRARef, SamplingParams, StepPlan, TokenizedRequest
+from kvflow.services.scheduler.core import SchedulerCore
+from kvflow.services.scheduler.worker_state import SchedulerLimits
+from kvflow.services.worker.runner import ModelRunner
+from kvflow.shared.messages import LoRARef, SamplingParams, StepPlan, TokenizedRequest
 
 _ids = itertools.count()
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from kernels.cpu_quant import BLOCK_BYTES, BLOCK_WEIGHTS, QuantWeight
+from kvflow.kernels.cpu_quant import BLOCK_BYTES, BLOCK_WEIGHTS, QuantWeight
 
 UNIT_TYPES = {"Q5_0": 6, "Q5_1": 7, "Q4_K": 12, "Q5_K": 13, "Q6_K": 14}
 _FP16_AT = {6: (0,), 7: (0, 2), 12: (0, 2), 13: (0, 2), 14: (208,)}  # byte offsets of fp16s

@@ -13,10 +13,10 @@ import bcrypt
 import pytest
 
 from kvflow.cli.main import main
-from shared.access.connect import AccessError, nats_auth, parse_sentinel_url, redis_options
-from shared.access.credentials import Credentials
-from shared.access.grants import NATS_ROLES, REDIS_ROLES
-from shared.config import BusSettings
+from kvflow.shared.access.connect import AccessError, nats_auth, parse_sentinel_url, redis_options
+from kvflow.shared.access.credentials import Credentials
+from kvflow.shared.access.grants import NATS_ROLES, REDIS_ROLES
+from kvflow.shared.config import BusSettings
 
 
 def test_auth_init_writes_every_roles_files_that_the_configs_accept(tmp_path: Path) -> None:

@@ -15,11 +15,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from services.scheduler.core import SchedulerCore
-from services.scheduler.worker_state import SchedulerLimits, WorkerState
-from services.worker.block_tables import BlockTables
-from services.worker.placeholders import PlaceholderError, StepTokens
-from shared.messages import (
+from kvflow.services.scheduler.core import SchedulerCore
+from kvflow.services.scheduler.worker_state import SchedulerLimits, WorkerState
+from kvflow.services.worker.block_tables import BlockTables
+from kvflow.services.worker.placeholders import PlaceholderError, StepTokens
+from kvflow.shared.messages import (
     PLACEHOLDER,
     FinishReason,
     SamplingParams,
@@ -28,7 +28,7 @@ from shared.messages import (
     StepResult,
     TokenizedRequest,
 )
-from shared.speculative import SpeculativeConfig
+from kvflow.shared.speculative import SpeculativeConfig
 
 EOS = 3
 VOCAB = 40

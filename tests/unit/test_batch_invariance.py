@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import reference as K
-from kernels.batch_invariance import CANDIDATE_PADS, calibrate
+from kvflow.kernels import reference as K
+from kvflow.kernels.batch_invariance import CANDIDATE_PADS, calibrate
 
 
 def test_calibrated_layout_is_batch_invariant_on_fresh_rows() -> None:
@@ -32,7 +32,7 @@ def test_max_rows_must_hold_whole_fallback_tiles() -> None:
 
 
 def test_the_cache_answers_the_same_calibration_and_only_that_one(tmp_path, monkeypatch) -> None:  # noqa: ANN001
-    from kernels import batch_invariance as bi
+    from kvflow.kernels import batch_invariance as bi
 
     monkeypatch.setenv("KVFLOW_CACHE_DIR", str(tmp_path))
     weights = [torch.randn(32, 16), torch.randn(16, 48)]
@@ -55,7 +55,7 @@ def test_the_cache_answers_the_same_calibration_and_only_that_one(tmp_path, monk
 
 
 def test_a_damaged_or_unwritable_cache_is_skipped(tmp_path, monkeypatch) -> None:  # noqa: ANN001
-    from kernels import batch_invariance as bi
+    from kvflow.kernels import batch_invariance as bi
 
     monkeypatch.setenv("KVFLOW_CACHE_DIR", str(tmp_path))
     weights = [torch.randn(16, 16)]
@@ -73,8 +73,8 @@ def test_a_damaged_or_unwritable_cache_is_skipped(tmp_path, monkeypatch) -> None
 def test_kernels_invariant_by_construction_are_not_cached(tmp_path, monkeypatch) -> None:  # noqa: ANN001
     """Their tile is the kernel's own ``max_invariant_rows``: a stale entry (an older kernel's
     smaller tile) must not outlive the kernel that wrote it."""
-    from kernels import batch_invariance as bi
-    from kernels.cpu_quant import PANEL_ROWS, QuantWeight
+    from kvflow.kernels import batch_invariance as bi
+    from kvflow.kernels.cpu_quant import PANEL_ROWS, QuantWeight
 
     monkeypatch.setenv("KVFLOW_CACHE_DIR", str(tmp_path))
     qw = QuantWeight(torch.zeros(8, 34, dtype=torch.uint8), 8, (8, 32))

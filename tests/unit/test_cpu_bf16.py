@@ -8,9 +8,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from benchmarks.random_model import LlamaShape, random_llama
-from kernels import cpu_gemm
-from services.worker.model_setup import CpuPathSpec, DeviceSpec, load_model
+from kvflow.benchmarks.random_model import LlamaShape, random_llama
+from kvflow.kernels import cpu_gemm
+from kvflow.services.worker.model_setup import CpuPathSpec, DeviceSpec, load_model
 
 TINY = LlamaShape(hidden=64, layers=2, heads=4, kv_heads=2, intermediate=128, vocab=256)
 

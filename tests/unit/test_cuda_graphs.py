@@ -7,10 +7,15 @@ import numpy as np
 import pytest
 import torch
 
-from services.worker.cuda_graphs import DecodeBuffers, DecodeGraphs, capture_sizes, padded_size
-from services.worker.device import kernel_backend, resolve_device, resolve_dtype
-from services.worker.step_inputs import HostStep, Staging, pack
-from shared.config import Settings
+from kvflow.services.worker.cuda_graphs import (
+    DecodeBuffers,
+    DecodeGraphs,
+    capture_sizes,
+    padded_size,
+)
+from kvflow.services.worker.device import kernel_backend, resolve_device, resolve_dtype
+from kvflow.services.worker.step_inputs import HostStep, Staging, pack
+from kvflow.shared.config import Settings
 
 CPU = torch.device("cpu")
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as hs
 
-from services.detokenizer.state import DetokState
-from shared.messages import FinishReason, SampleLogprobs, SamplingParams
+from kvflow.services.detokenizer.state import DetokState
+from kvflow.shared.messages import FinishReason, SampleLogprobs, SamplingParams
 
 N = FinishReason.NONE
 

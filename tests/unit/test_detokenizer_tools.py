@@ -7,10 +7,10 @@ from __future__ import annotations
 import asyncio
 import json
 
-from services.detokenizer.service import DetokenizerService
-from services.detokenizer.state import DetokState
-from shared.config import Settings
-from shared.messages import (
+from kvflow.services.detokenizer.service import DetokenizerService
+from kvflow.services.detokenizer.state import DetokState
+from kvflow.shared.config import Settings
+from kvflow.shared.messages import (
     DeltaBatch,
     FinishReason,
     SampleLogprobs,

@@ -13,19 +13,19 @@ from typing import Any
 import pytest
 from fastapi.testclient import TestClient
 
-from services.detokenizer.service import DetokenizerService
-from services.gateway.app import create_app
-from services.gateway.errors import APIError
-from services.gateway.routes.embeddings import (
+from kvflow.services.detokenizer.service import DetokenizerService
+from kvflow.services.gateway.app import create_app
+from kvflow.services.gateway.errors import APIError
+from kvflow.services.gateway.routes.embeddings import (
     EmbeddingRequest,
     embedding_inputs,
     embedding_item,
     embedding_requests,
 )
-from services.tokenizer.prompts import PromptError
-from services.tokenizer.service import check_embedding_length
-from shared.config import Settings
-from shared.messages import (
+from kvflow.services.tokenizer.prompts import PromptError
+from kvflow.services.tokenizer.service import check_embedding_length
+from kvflow.shared.config import Settings
+from kvflow.shared.messages import (
     Delta,
     DeltaBatch,
     GenerateRequest,

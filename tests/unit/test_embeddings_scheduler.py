@@ -6,10 +6,10 @@ standby's shadow by its vector."""
 
 from __future__ import annotations
 
-from services.scheduler.core import SchedulerCore
-from services.scheduler.shadow import ShadowState
-from services.scheduler.worker_state import SchedulerLimits
-from shared.messages import (
+from kvflow.services.scheduler.core import SchedulerCore
+from kvflow.services.scheduler.shadow import ShadowState
+from kvflow.services.scheduler.worker_state import SchedulerLimits
+from kvflow.shared.messages import (
     FinishReason,
     PooledOutput,
     PoolingParams,

@@ -3,7 +3,7 @@ the Python API share; exact ids, seeds and orders, no network."""
 
 from __future__ import annotations
 
-from shared.fan_out import (
+from kvflow.shared.fan_out import (
     best,
     best_per_prompt,
     cumulative_logprob,
@@ -11,7 +11,7 @@ from shared.fan_out import (
     ranks,
     sequences_per_prompt,
 )
-from shared.messages import GenerateRequest, SamplingParams, TokenLogprob
+from kvflow.shared.messages import GenerateRequest, SamplingParams, TokenLogprob
 
 
 def gen(rid: str, seed: int | None = None, prompt: str = "p") -> GenerateRequest:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.fp8_linear import FP8, FP8_MAX, Fp8Weight, quantize_fp8, quantize_rows
+from kvflow.kernels.fp8_linear import FP8, FP8_MAX, Fp8Weight, quantize_fp8, quantize_rows
 
 # the device users run fp8 on where there is one (the CPU path refuses fp8; its runs are tests')
 DEV = "cuda" if torch.cuda.is_available() else "cpu"

@@ -9,11 +9,11 @@ from typing import Any
 import pytest
 from fastapi.testclient import TestClient
 
-import services.gateway.routes.completions as completion_routes
-from services.gateway.app import create_app
-from shared import subjects
-from shared.config import Settings
-from shared.messages import Delta, DeltaBatch, GenerateRequest
+import kvflow.services.gateway.routes.completions as completion_routes
+from kvflow.services.gateway.app import create_app
+from kvflow.shared import subjects
+from kvflow.shared.config import Settings
+from kvflow.shared.messages import Delta, DeltaBatch, GenerateRequest
 
 
 class _Conn:

@@ -6,17 +6,17 @@ import json
 
 import pytest
 
-from services.gateway.convert import (
+from kvflow.services.gateway.convert import (
     chat_job,
     completion_job,
     parse_request,
     served_model_name,
 )
-from services.gateway.errors import APIError
-from services.gateway.protocol import ChatCompletionRequest, CompletionRequest
-from services.gateway.responses import ChatFormat, CompletionFormat, Outcome
-from shared.config import Settings
-from shared.messages import ChatMessage, SamplingParams
+from kvflow.services.gateway.errors import APIError
+from kvflow.services.gateway.protocol import ChatCompletionRequest, CompletionRequest
+from kvflow.services.gateway.responses import ChatFormat, CompletionFormat, Outcome
+from kvflow.shared.config import Settings
+from kvflow.shared.messages import ChatMessage, SamplingParams
 
 HI = [{"role": "user", "content": "hi"}]
 
@@ -186,8 +186,8 @@ def test_model_check() -> None:
     unknown name is a 404 naming ``model`` (with LoRA off nothing is asked of the scheduler)."""
     import asyncio
 
-    from services.gateway.lora import GatewayLoras
-    from shared.messages import LoRARef
+    from kvflow.services.gateway.lora import GatewayLoras
+    from kvflow.shared.messages import LoRARef
 
     off = GatewayLoras(Settings.of(), "m")
     on = GatewayLoras(Settings.of(enable_lora=True, lora_modules="sql=/a"), "m")

@@ -7,11 +7,11 @@ import json
 
 import pytest
 
-from services.gateway.convert import chat_job, completion_job, parse_request
-from services.gateway.errors import APIError
-from services.gateway.generation import full_response
-from services.gateway.protocol import ChatCompletionRequest, CompletionRequest
-from services.gateway.responses import (
+from kvflow.services.gateway.convert import chat_job, completion_job, parse_request
+from kvflow.services.gateway.errors import APIError
+from kvflow.services.gateway.generation import full_response
+from kvflow.services.gateway.protocol import ChatCompletionRequest, CompletionRequest
+from kvflow.services.gateway.responses import (
     ChatFormat,
     CompletionFormat,
     Echo,
@@ -19,10 +19,10 @@ from services.gateway.responses import (
     completion_logprobs,
     vllm_prompt_logprobs,
 )
-from shared.config import Settings
-from shared.fan_out import expand
-from shared.messages import PromptTokenLogprob, StructuredOutput, TokenLogprob
-from shared.structured_output import JSON_OBJECT_SCHEMA
+from kvflow.shared.config import Settings
+from kvflow.shared.fan_out import expand
+from kvflow.shared.messages import PromptTokenLogprob, StructuredOutput, TokenLogprob
+from kvflow.shared.structured_output import JSON_OBJECT_SCHEMA
 
 HI = [{"role": "user", "content": "hi"}]
 SETTINGS = Settings.of(max_n=4, max_request_sequences=8)

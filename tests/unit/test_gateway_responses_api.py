@@ -7,10 +7,10 @@ import json
 
 import pytest
 
-from services.gateway.convert import parse_request
-from services.gateway.errors import APIError
-from services.gateway.responses import Outcome
-from services.gateway.responses_api import ResponsesFormat, ResponsesRequest, responses_job
+from kvflow.services.gateway.convert import parse_request
+from kvflow.services.gateway.errors import APIError
+from kvflow.services.gateway.responses import Outcome
+from kvflow.services.gateway.responses_api import ResponsesFormat, ResponsesRequest, responses_job
 
 
 def rjob(**body):

@@ -9,14 +9,14 @@ import json
 import jsonschema
 import pytest
 
-from services.gateway.convert import chat_job, parse_request
-from services.gateway.errors import APIError
-from services.gateway.protocol import ChatCompletionRequest
-from services.gateway.responses import ChatFormat, Outcome, outcome_of
-from services.gateway.responses_api import ResponsesFormat, ResponsesRequest, responses_job
-from shared.config import Settings
-from shared.messages import Delta, ToolCallDelta, ToolParsing
-from shared.request_streams import join_tool_calls, merge_delta
+from kvflow.services.gateway.convert import chat_job, parse_request
+from kvflow.services.gateway.errors import APIError
+from kvflow.services.gateway.protocol import ChatCompletionRequest
+from kvflow.services.gateway.responses import ChatFormat, Outcome, outcome_of
+from kvflow.services.gateway.responses_api import ResponsesFormat, ResponsesRequest, responses_job
+from kvflow.shared.config import Settings
+from kvflow.shared.messages import Delta, ToolCallDelta, ToolParsing
+from kvflow.shared.request_streams import join_tool_calls, merge_delta
 
 WEATHER = {
     "type": "object",
@@ -373,7 +373,7 @@ def test_a_response_cut_at_the_token_limit_marks_only_the_cut_call_incomplete() 
 
 
 def test_the_documented_schemas_take_the_call_shapes() -> None:
-    from services.gateway.schemas import ChatCompletionResponse, ResponsesResponse
+    from kvflow.services.gateway.schemas import ChatCompletionResponse, ResponsesResponse
 
     out = outcome_of([Delta("r", "", 4, "tool_calls", tool_calls=PIECES)])
     ChatCompletionResponse.model_validate(ChatFormat("chatcmpl-1", "m").response([out], 5))
@@ -384,7 +384,7 @@ def test_the_documented_schemas_take_the_call_shapes() -> None:
 
 
 def test_parallel_tool_calls_false_answers_only_the_first_call() -> None:
-    from services.gateway.generation import full_response
+    from kvflow.services.gateway.generation import full_response
 
     assert not chjob(tools=TOOLS).first_tool_call_only
     job = chjob(tools=TOOLS, parallel_tool_calls=False)

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from shared.model_config import _gguf_gemma
-from shared.models.registry import hf_config
+from kvflow.shared.model_config import _gguf_gemma
+from kvflow.shared.models.registry import hf_config
 
 SLIDE, FULL = "sliding_attention", "full_attention"
 

@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import pytest
 from gguf import GGMLQuantizationType as Q
 
-from shared.model_loader import _log_kept
+from kvflow.shared.model_loader import _log_kept
 
 
 def test_quantization_gguf_names_what_it_keeps_and_refuses_a_file_with_nothing_to_keep(

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import gc
 
-from shared.heap import YOUNG_THRESHOLD, tune_collector
+from kvflow.shared.heap import YOUNG_THRESHOLD, tune_collector
 
 
 def test_the_young_threshold_is_raised_and_nothing_is_frozen() -> None:

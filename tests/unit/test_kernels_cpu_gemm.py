@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import cpu_gemm, cpu_native
-from kernels.batch_invariance import GemmRows, calibrate
-from kernels.cpu_gemm import PackedWeight, PanelWeight
+from kvflow.kernels import cpu_gemm, cpu_native
+from kvflow.kernels.batch_invariance import GemmRows, calibrate
+from kvflow.kernels.cpu_gemm import PackedWeight, PanelWeight
 
 pytestmark = pytest.mark.skipif(
     cpu_native._compiler() is None, reason="no C compiler: the worker uses torch's GEMMs"

@@ -8,9 +8,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels import cpu_layer_ops as L
-from kernels import cpu_native
-from kernels import reference as K
+from kvflow.kernels import cpu_layer_ops as L
+from kvflow.kernels import cpu_native
+from kvflow.kernels import reference as K
 
 # Only a missing compiler skips; a kernel that fails to build fails these tests.
 pytestmark = pytest.mark.skipif(

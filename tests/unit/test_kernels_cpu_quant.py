@@ -10,9 +10,9 @@ import torch
 from gguf import GGMLQuantizationType as Q
 from gguf.quants import dequantize, quantize
 
-from kernels import cpu_native, cpu_quant
-from kernels.batch_invariance import GemmRows, calibrate
-from kernels.cpu_quant import QuantWeight
+from kvflow.kernels import cpu_native, cpu_quant
+from kvflow.kernels.batch_invariance import GemmRows, calibrate
+from kvflow.kernels.cpu_quant import QuantWeight
 
 pytestmark = pytest.mark.skipif(
     cpu_native._compiler() is None, reason="no C compiler: --quantization gguf is refused"
@@ -89,8 +89,8 @@ def test_what_the_kernel_cannot_take_is_refused() -> None:
 def test_quantization_settings_that_cannot_work_are_refused_with_what_to_change(
     tmp_path,  # noqa: ANN001
 ) -> None:
-    from services.worker.model_setup import check_quantization
-    from shared.model_source import ModelSource
+    from kvflow.services.worker.model_setup import check_quantization
+    from kvflow.shared.model_source import ModelSource
 
     gguf = ModelSource(name="m", path=tmp_path / "m.gguf", kind="gguf")
     hf = ModelSource(name="m", path=tmp_path, kind="hf")
@@ -141,7 +141,7 @@ def test_the_panel_kernel_is_used_for_long_chunks_and_agrees_with_the_rows_kerne
 
 
 def test_int8_rounds_every_linear_weight_to_q8_blocks_and_keeps_lookups_dense() -> None:
-    from shared.model_loader import quantize_int8
+    from kvflow.shared.model_loader import quantize_int8
 
     g = torch.Generator().manual_seed(9)
     weights = {
@@ -168,8 +168,8 @@ def test_int8_rounds_every_linear_weight_to_q8_blocks_and_keeps_lookups_dense() 
 
 
 def test_int8_works_from_any_checkpoint_on_the_cpu_and_on_cuda(tmp_path) -> None:  # noqa: ANN001
-    from services.worker.model_setup import check_quantization
-    from shared.model_source import ModelSource
+    from kvflow.services.worker.model_setup import check_quantization
+    from kvflow.shared.model_source import ModelSource
 
     hf = ModelSource(name="m", path=tmp_path, kind="hf")
     assert check_quantization("int8", hf, torch.device("cpu"), torch.float32) == "int8"
@@ -184,7 +184,7 @@ def test_the_fp32_panels_give_the_same_bits_on_avx2_as_on_this_cpu() -> None:
     own build's products."""
     import ctypes
 
-    from kernels.cpu_gemm import PanelWeight
+    from kvflow.kernels.cpu_gemm import PanelWeight
 
     if not cpu_quant.panel_available():
         pytest.skip("no AVX2 here: the panels do not run")

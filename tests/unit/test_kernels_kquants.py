@@ -11,9 +11,9 @@ import torch
 from gguf import GGMLQuantizationType as Q
 from gguf.quants import dequantize, quantize
 
-from kernels import cpu_quant
-from kernels.cpu_quant import PANEL_ROWS, QuantWeight
-from kernels.stacked_weight import StackedWeight
+from kvflow.kernels import cpu_quant
+from kvflow.kernels.cpu_quant import PANEL_ROWS, QuantWeight
+from kvflow.kernels.stacked_weight import StackedWeight
 from tests.unit.kquant_blocks import UNIT_TYPES, random_blocks
 
 pytestmark = pytest.mark.skipif(not cpu_quant.available(), reason="no C compiler")

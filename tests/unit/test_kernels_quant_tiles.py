@@ -15,7 +15,7 @@ import torch
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize, quantize
 
-from kernels import cpu_quant, cpu_quant_tiles
+from kvflow.kernels import cpu_quant, cpu_quant_tiles
 from tests.unit.kquant_blocks import UNIT_TYPES, random_blocks
 
 pytestmark = pytest.mark.skipif(
@@ -119,9 +119,9 @@ def test_pack_keeps_blocks_it_cannot_tile_and_refuses_bad_x() -> None:
 
 
 def test_gguf_a8_marks_the_files_blocks_and_is_a_cpu_scheme() -> None:
-    from services.worker.model_setup import check_quantization
-    from shared.model_loader import round_weights
-    from shared.model_source import ModelSource
+    from kvflow.services.worker.model_setup import check_quantization
+    from kvflow.shared.model_loader import round_weights
+    from kvflow.shared.model_source import ModelSource
 
     qw = blocks("Q4_K", 16, 256)
     dense = torch.zeros(4, 4)

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from kernels import cpu_gemm, cpu_layer_ops, cpu_native, cpu_quant
+from kvflow.kernels import cpu_gemm, cpu_layer_ops, cpu_native, cpu_quant
 
 pytestmark = pytest.mark.skipif(
     cpu_native.pool() is None, reason="no C compiler: the native kernels are not built"

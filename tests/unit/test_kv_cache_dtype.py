@@ -8,8 +8,8 @@ import argparse
 import pytest
 import torch
 
-from services.worker.model_setup import kv_cache_dtype, runner_specs
-from shared.config import Settings
+from kvflow.services.worker.model_setup import kv_cache_dtype, runner_specs
+from kvflow.shared.config import Settings
 
 F32, BF16, F16 = torch.float32, torch.bfloat16, torch.float16
 DEVICE_OPS = object()  # the device path's kernel backend: only whether there is one matters

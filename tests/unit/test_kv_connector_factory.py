@@ -11,23 +11,23 @@ import msgspec
 import pytest
 import torch
 
-from services.scheduler.core import SchedulerCore
-from services.scheduler.worker_state import SchedulerLimits
-from services.worker.kv_blocks import KvBlockIO
-from services.worker.kv_connectors.base import KvConnectorWorker, create_worker_connector
-from services.worker.kv_connectors.inproc import InProcHub, InProcKvConnector
-from services.worker.kv_connectors.nats import NatsKvConnector
-from shared import kv_connectors as registry
-from shared.bus import Bus
-from shared.config import Settings
-from shared.kv_connectors import (
+from kvflow.services.scheduler.core import SchedulerCore
+from kvflow.services.scheduler.worker_state import SchedulerLimits
+from kvflow.services.worker.kv_blocks import KvBlockIO
+from kvflow.services.worker.kv_connectors.base import KvConnectorWorker, create_worker_connector
+from kvflow.services.worker.kv_connectors.inproc import InProcHub, InProcKvConnector
+from kvflow.services.worker.kv_connectors.nats import NatsKvConnector
+from kvflow.shared import kv_connectors as registry
+from kvflow.shared.bus import Bus
+from kvflow.shared.config import Settings
+from kvflow.shared.kv_connectors import (
     KvConnectorScheduler,
     connector_spec,
     create_scheduler_connector,
     known_connectors,
     register_connector,
 )
-from shared.messages import KvPull, WorkerHeartbeat, decode, encode
+from kvflow.shared.messages import KvPull, WorkerHeartbeat, decode, encode
 from tests.unit.test_scheduler_policy import PROMPTS, FakeWorker, req
 
 
@@ -76,7 +76,7 @@ def test_the_scheduler_half_passes_each_workers_address_into_pulls() -> None:
 
 def test_a_new_transport_is_one_registry_line(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(registry, "_REGISTRY", dict(registry._REGISTRY))
-    register_connector("loop", "services.worker.kv_connectors.inproc:InProcKvConnector")
+    register_connector("loop", "kvflow.services.worker.kv_connectors.inproc:InProcKvConnector")
     assert "loop" in known_connectors()
     assert isinstance(create_worker_connector("loop", Bus("w"), io(), "w"), InProcKvConnector)
     assert connector_spec("loop").scheduler == registry.DEFAULT_SCHEDULER

@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 
 from kvflow.cli.launcher import Process, Stack, Topology, _supervise, plan, share_cores
-from shared.access.connect import EXIT_REFUSED
-from shared.access.render import nats_cluster_node
-from shared.config import Settings
-from shared.cpu_budget import usable_cpus
+from kvflow.shared.access.connect import EXIT_REFUSED
+from kvflow.shared.access.render import nats_cluster_node
+from kvflow.shared.config import Settings
+from kvflow.shared.cpu_budget import usable_cpus
 
 
 def test_serve_plans_every_service_with_the_gateway_last() -> None:

@@ -12,10 +12,10 @@ import pytest
 
 from kvflow import LLM
 from kvflow.cli.main import main
-from shared.access.connect import EXIT_REFUSED
-from shared.model_config import check_model, load_config
-from shared.model_source import ModelSource
-from shared.models.registry import supported_architectures
+from kvflow.shared.access.connect import EXIT_REFUSED
+from kvflow.shared.model_config import check_model, load_config
+from kvflow.shared.model_source import ModelSource
+from kvflow.shared.models.registry import supported_architectures
 from tests.unit.family_models import CONFIGS, family_of
 
 LLAMA = {
@@ -104,7 +104,7 @@ def test_auto_falls_back_to_transformers_for_an_architecture_it_lacks(tmp_path) 
 def test_every_default_config_field_is_read(name: str) -> None:
     """A family's config class as transformers writes it by default: every field is read by
     kvflow or known to change nothing at inference (strict mode refuses any other)."""
-    from shared.models.registry import hf_config
+    from kvflow.shared.models.registry import hf_config
 
     raw = CONFIGS[name]().to_dict()
     raw["architectures"] = [type(CONFIGS[name]()).__name__.replace("Config", "ForCausalLM")]

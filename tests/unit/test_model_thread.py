@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from services.worker.service import ModelThread
+from kvflow.services.worker.service import ModelThread
 
 
 async def test_posted_and_awaited_work_runs_in_order_on_one_thread() -> None:

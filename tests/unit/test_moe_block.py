@@ -9,9 +9,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels import reference as K
-from kernels.cpu_gemm import PanelWeight, panel_available
-from kernels.moe import MoEWeights, moe_block, route
+from kvflow.kernels import reference as K
+from kvflow.kernels.cpu_gemm import PanelWeight, panel_available
+from kvflow.kernels.moe import MoEWeights, moe_block, route
 
 H, INTER, E = 32, 24, 6
 

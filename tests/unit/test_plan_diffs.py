@@ -11,11 +11,17 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from services.scheduler.core import SchedulerCore
-from services.scheduler.worker_state import SchedulerLimits
-from services.worker.block_tables import BlockTables, PlanStateError
-from shared.messages import SamplingParams, ScheduledSeq, StepPlan, StepResult, TokenizedRequest
-from shared.speculative import SpeculativeConfig
+from kvflow.services.scheduler.core import SchedulerCore
+from kvflow.services.scheduler.worker_state import SchedulerLimits
+from kvflow.services.worker.block_tables import BlockTables, PlanStateError
+from kvflow.shared.messages import (
+    SamplingParams,
+    ScheduledSeq,
+    StepPlan,
+    StepResult,
+    TokenizedRequest,
+)
+from kvflow.shared.speculative import SpeculativeConfig
 
 
 def test_a_table_goes_whole_once_then_as_the_blocks_added() -> None:

@@ -14,18 +14,18 @@ from typing import Any
 import pytest
 from fastapi.testclient import TestClient
 
-from services.gateway.app import create_app
-from services.gateway.errors import APIError
-from services.gateway.routes.classify import (
+from kvflow.services.gateway.app import create_app
+from kvflow.services.gateway.errors import APIError
+from kvflow.services.gateway.routes.classify import (
     ClassificationRequest,
     classification_inputs,
     classification_item,
     classification_requests,
 )
-from services.gateway.routes.common import check_task
-from services.gateway.routes.embeddings import EmbeddingRequest, embedding_requests
-from services.gateway.routes.pooling import PoolingInput
-from services.gateway.routes.score import (
+from kvflow.services.gateway.routes.common import check_task
+from kvflow.services.gateway.routes.embeddings import EmbeddingRequest, embedding_requests
+from kvflow.services.gateway.routes.pooling import PoolingInput
+from kvflow.services.gateway.routes.score import (
     RerankRequest,
     ScoreRequest,
     cosine,
@@ -34,10 +34,10 @@ from services.gateway.routes.score import (
     rerank_response,
     score_pairs,
 )
-from services.gateway.schemas import ClassificationResponse, RerankResponse, ScoreResponse
-from services.gateway.state import GatewayState
-from shared.config import Settings
-from shared.messages import (
+from kvflow.services.gateway.schemas import ClassificationResponse, RerankResponse, ScoreResponse
+from kvflow.services.gateway.state import GatewayState
+from kvflow.shared.config import Settings
+from kvflow.shared.messages import (
     Delta,
     DeltaBatch,
     GenerateRequest,

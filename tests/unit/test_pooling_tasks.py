@@ -12,12 +12,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from services.scheduler.core import SchedulerCore
-from services.scheduler.worker_state import SchedulerLimits
-from services.tokenizer.pooling_inputs import check_task, pooling_input
-from services.tokenizer.prompts import PromptError
-from services.worker.pooling import PoolState
-from shared.messages import (
+from kvflow.services.scheduler.core import SchedulerCore
+from kvflow.services.scheduler.worker_state import SchedulerLimits
+from kvflow.services.tokenizer.pooling_inputs import check_task, pooling_input
+from kvflow.services.tokenizer.prompts import PromptError
+from kvflow.services.worker.pooling import PoolState
+from kvflow.shared.messages import (
     GenerateRequest,
     PooledOutput,
     PoolingParams,
@@ -25,9 +25,9 @@ from shared.messages import (
     StepResult,
     TokenizedRequest,
 )
-from shared.models.config import ModelConfigError
-from shared.models.registry import hf_config
-from shared.models.tasks import ServedTask, served_task, st_pooling, task_error
+from kvflow.shared.models.config import ModelConfigError
+from kvflow.shared.models.registry import hf_config
+from kvflow.shared.models.tasks import ServedTask, served_task, st_pooling, task_error
 
 BERT = {
     "architectures": ["BertModel"],

@@ -8,9 +8,9 @@ import pytest
 
 from kvflow import BeamSearchParams, SamplingParams
 from kvflow.llm import _prompt_list
-from services.gateway.convert import completion_job
-from services.gateway.errors import APIError
-from services.gateway.protocol import CompletionRequest
+from kvflow.services.gateway.convert import completion_job
+from kvflow.services.gateway.errors import APIError
+from kvflow.services.gateway.protocol import CompletionRequest
 
 BAD = [
     ("temperature", -0.5),

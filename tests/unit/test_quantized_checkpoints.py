@@ -13,9 +13,9 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from kernels import cpu_native
-from kernels.cpu_quant import PANEL_ROWS, Q4_Z, QuantWeight
-from shared import quantized_checkpoints as QC
+from kvflow.kernels import cpu_native
+from kvflow.kernels.cpu_quant import PANEL_ROWS, Q4_Z, QuantWeight
+from kvflow.shared import quantized_checkpoints as QC
 
 pytestmark = pytest.mark.skipif(
     cpu_native._compiler() is None, reason="no C compiler: the worker uses the PyTorch path"
@@ -181,10 +181,10 @@ def _tiny_checkpoint(tmp: Path, method: str) -> tuple[Path, dict[str, torch.Tens
 def test_a_quantized_checkpoint_is_served_in_place_and_computes_its_weights(
     tmp_path: Path, method: str
 ) -> None:
-    from services.worker.model_setup import check_quantization
-    from services.worker.runner import ModelRunner
-    from shared.model_config import load_config
-    from shared.model_source import resolve_model
+    from kvflow.services.worker.model_setup import check_quantization
+    from kvflow.services.worker.runner import ModelRunner
+    from kvflow.shared.model_config import load_config
+    from kvflow.shared.model_source import resolve_model
 
     path, want = _tiny_checkpoint(tmp_path, method)
     src = resolve_model(str(path))
@@ -205,7 +205,7 @@ def test_a_quantized_checkpoint_is_served_in_place_and_computes_its_weights(
 
 def _greedy_logits(runner, prompt: list[int], steps: int = 4) -> torch.Tensor:  # noqa: ANN001
     """The logits a greedy request samples from: after its prompt, then after each token."""
-    from shared.messages import NewRequest, SamplingParams, ScheduledSeq, StepPlan
+    from kvflow.shared.messages import NewRequest, SamplingParams, ScheduledSeq, StepPlan
     from tests.logits_spy import capture_logits
 
     rows = capture_logits(runner, "r")

@@ -8,10 +8,10 @@ import asyncio
 
 import pytest
 
-from services.gateway.errors import APIError
-from services.gateway.streams import RequestHandle
-from shared.messages import Delta
-from shared.request_streams import DeltaQueue
+from kvflow.services.gateway.errors import APIError
+from kvflow.services.gateway.streams import RequestHandle
+from kvflow.shared.messages import Delta
+from kvflow.shared.request_streams import DeltaQueue
 
 
 def handle(deadline_in: float, closed: list[tuple[str, bool]]) -> RequestHandle:

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import asyncio
 
-from shared.messages import Delta, DeltaBatch, RequestError, TokenLogprob
-from shared.request_streams import DeltaQueue, RequestStreams
+from kvflow.shared.messages import Delta, DeltaBatch, RequestError, TokenLogprob
+from kvflow.shared.request_streams import DeltaQueue, RequestStreams
 
 
 def delta(text: str, n: int, done: str | None = None, ids: list[int] | None = None) -> Delta:

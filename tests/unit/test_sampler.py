@@ -10,9 +10,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as hs
 
-from services.worker import sampler
-from shared.messages import SamplingParams
-from shared.sampling import PROCESSORS, apply_processors, processors
+from kvflow.services.worker import sampler
+from kvflow.shared.messages import SamplingParams
+from kvflow.shared.sampling import PROCESSORS, apply_processors, processors
 
 
 def batch(params: list[SamplingParams], position: int = 0) -> sampler.SamplingBatch:
@@ -230,7 +230,7 @@ def test_sampling_and_processors_stay_on_the_logits_device() -> None:
     """Everything a step does to its sampled rows (every processor but the grammar, top-k/top-p,
     min-p, temperature, the draw) runs on the ``meta`` device: a tensor made on the host among
     them, or a value read back from the device (a sync on a GPU), raises there."""
-    from services.worker.runner import RequestState
+    from kvflow.services.worker.runner import RequestState
 
     def state(**kw) -> RequestState:
         p = SamplingParams(**kw)
@@ -260,7 +260,7 @@ def test_sampling_and_processors_stay_on_the_logits_device() -> None:
 def test_batched_penalties_equal_each_row_alone() -> None:
     """``Penalties.apply`` (one pass over the batch) gives the bits ``apply_penalties`` gives
     row by row, for rows with each penalty, none, no outputs yet, and ids past the vocabulary."""
-    from services.worker.runner import RequestState
+    from kvflow.services.worker.runner import RequestState
 
     g = torch.Generator().manual_seed(9)
     vocab = 50
@@ -297,7 +297,7 @@ def test_penalties_kept_between_steps_equal_each_row_alone() -> None:
     batched equals it row by row too."""
     import random
 
-    from services.worker.runner import RequestState
+    from kvflow.services.worker.runner import RequestState
 
     rnd = random.Random(3)
     g = torch.Generator().manual_seed(4)

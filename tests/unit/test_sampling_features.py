@@ -10,11 +10,11 @@ import pytest
 import torch
 
 from kvflow import SamplingParams as PySamplingParams
-from services.gateway.protocol import ChatCompletionRequest, CompletionRequest
-from services.gateway.responses_api import EXTRAS
-from services.worker.runner import RequestState
-from shared.messages import SamplingParams
-from shared.sampling import (
+from kvflow.services.gateway.protocol import ChatCompletionRequest, CompletionRequest
+from kvflow.services.gateway.responses_api import EXTRAS
+from kvflow.services.worker.runner import RequestState
+from kvflow.shared.messages import SamplingParams
+from kvflow.shared.sampling import (
     FIELDS,
     PROCESSORS,
     SamplingParamError,
@@ -22,7 +22,13 @@ from shared.sampling import (
     validate_sampling,
     wire_fields,
 )
-from shared.sampling.processors import AllowedTokens, BadWords, LogitBias, MinTokens, Penalties
+from kvflow.shared.sampling.processors import (
+    AllowedTokens,
+    BadWords,
+    LogitBias,
+    MinTokens,
+    Penalties,
+)
 
 
 def _state(**params) -> RequestState:

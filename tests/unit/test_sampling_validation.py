@@ -1,10 +1,10 @@
-"""shared.sampling.validate_sampling: vLLM's ranges and types, each error naming its field."""
+"""kvflow.shared.sampling.validate_sampling: vLLM's ranges and types, each error naming its field."""
 
 from __future__ import annotations
 
 import pytest
 
-from shared.sampling import SamplingParamError, validate_sampling
+from kvflow.shared.sampling import SamplingParamError, validate_sampling
 
 
 def test_defaults_and_edges_are_valid() -> None:

@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import random
 
-from services.scheduler.core import SchedulerCore
-from services.scheduler.worker_state import SchedulerLimits
-from shared.messages import KvPull, KvTransferDone, SamplingParams, TokenizedRequest
+from kvflow.services.scheduler.core import SchedulerCore
+from kvflow.services.scheduler.worker_state import SchedulerLimits
+from kvflow.shared.messages import KvPull, KvTransferDone, SamplingParams, TokenizedRequest
 from tests.unit.test_scheduler_policy import PROMPTS, FakeWorker, reference_outputs, req
 
 BS = 4

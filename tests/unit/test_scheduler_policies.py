@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import pytest
 
-from services.scheduler.core import SchedulerCore
-from services.scheduler.policy import FcfsPolicy, PriorityPolicy, make_policy
-from services.scheduler.worker_state import SchedulerLimits
-from shared.messages import FinishReason, StepPlan, StepResult
+from kvflow.services.scheduler.core import SchedulerCore
+from kvflow.services.scheduler.policy import FcfsPolicy, PriorityPolicy, make_policy
+from kvflow.services.scheduler.worker_state import SchedulerLimits
+from kvflow.shared.messages import FinishReason, StepPlan, StepResult
 from tests.unit.test_scheduler_policy import PROMPTS, FakeWorker, reference_outputs, req, run_all
 
 
@@ -112,8 +112,8 @@ def test_preemption_keeps_outputs_and_frees_every_block(policy: str) -> None:
 
 @pytest.mark.parametrize("name", ["fcfs", "priority"])
 def test_the_service_builds_its_core_with_the_configured_policy(name: str) -> None:
-    from services.scheduler.service import SchedulerService
-    from shared.config import Settings
+    from kvflow.services.scheduler.service import SchedulerService
+    from kvflow.shared.config import Settings
 
     svc = SchedulerService(Settings.of(scheduling_policy=name), "m", 512)
     assert svc.core.policy.name == name and svc.core.waiting.policy is svc.core.policy

@@ -4,10 +4,16 @@ change any sequence's output, and every block must come back."""
 
 from __future__ import annotations
 
-from services.scheduler.core import SchedulerCore
-from services.scheduler.worker_state import SchedulerLimits
-from services.worker.block_tables import BlockTables
-from shared.messages import FinishReason, SamplingParams, StepPlan, StepResult, TokenizedRequest
+from kvflow.services.scheduler.core import SchedulerCore
+from kvflow.services.scheduler.worker_state import SchedulerLimits
+from kvflow.services.worker.block_tables import BlockTables
+from kvflow.shared.messages import (
+    FinishReason,
+    SamplingParams,
+    StepPlan,
+    StepResult,
+    TokenizedRequest,
+)
 
 
 class FakeWorker:

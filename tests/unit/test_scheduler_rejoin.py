@@ -5,9 +5,9 @@ be taken for a step planned after."""
 
 from __future__ import annotations
 
-from services.scheduler.core import SchedulerCore
-from services.scheduler.worker_state import SchedulerLimits
-from shared.messages import SamplingParams, StepResult, TokenizedRequest
+from kvflow.services.scheduler.core import SchedulerCore
+from kvflow.services.scheduler.worker_state import SchedulerLimits
+from kvflow.shared.messages import SamplingParams, StepResult, TokenizedRequest
 
 
 def _core() -> SchedulerCore:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from kvflow.cli.main import build_parser
-from shared.config import (
+from kvflow.shared.config import (
     BusSettings,
     CacheSettings,
     GatewaySettings,
@@ -157,7 +157,7 @@ def test_help_keeps_the_texts() -> None:
 
 
 def test_a_setting_with_choices_refuses_others_as_flag_and_as_variable() -> None:
-    from services.scheduler.policy import POLICIES
+    from kvflow.services.scheduler.policy import POLICIES
 
     (opt,) = [o for o in Settings.options() if o.name == "scheduling_policy"]
     assert set(opt.choices) == set(POLICIES)  # the flag offers exactly the policies there are
@@ -171,7 +171,7 @@ def test_a_setting_with_choices_refuses_others_as_flag_and_as_variable() -> None
 
 
 def test_a_stream_interval_below_1_is_refused_saying_what_it_means() -> None:
-    from shared.config import check_stream_interval
+    from kvflow.shared.config import check_stream_interval
 
     check_stream_interval(Settings.of(stream_interval=1))
     with pytest.raises(ValueError, match="--stream-interval must be at least 1"):

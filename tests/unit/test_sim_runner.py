@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import time
 
-from services.scheduler.core import SchedulerCore
-from services.scheduler.worker_state import SchedulerLimits
-from services.worker.kv_blocks import KvBlockIO
-from services.worker.sim_runner import SimRunner, step_time_fn
-from shared.messages import (
+from kvflow.services.scheduler.core import SchedulerCore
+from kvflow.services.scheduler.worker_state import SchedulerLimits
+from kvflow.services.worker.kv_blocks import KvBlockIO
+from kvflow.services.worker.sim_runner import SimRunner, step_time_fn
+from kvflow.shared.messages import (
     FinishReason,
     NewRequest,
     SamplingParams,
@@ -19,7 +19,7 @@ from shared.messages import (
     StepResult,
     TokenizedRequest,
 )
-from shared.step_cost import StepCostModel
+from kvflow.shared.step_cost import StepCostModel
 
 BS = 4
 VOCAB = range(100, 1100)
@@ -198,7 +198,7 @@ def test_bad_plans_are_step_errors() -> None:
 
 
 def test_structured_output_is_refused_per_request() -> None:
-    from shared.messages import StructuredOutput
+    from kvflow.shared.messages import StructuredOutput
 
     res = runner().execute(
         prefill("a", [1, 2], [0], structured_output=StructuredOutput("regex", "a+"))

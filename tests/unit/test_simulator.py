@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from services.scheduler.simulator import SimConfig, Workload, find_max_rate, simulate
+from kvflow.services.scheduler.simulator import SimConfig, Workload, find_max_rate, simulate
 
 
 def test_deterministic_for_a_seed_and_every_block_returns() -> None:

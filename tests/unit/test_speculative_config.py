@@ -7,17 +7,17 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from services.scheduler.sequence import Sequence
-from services.scheduler.speculation import (
+from kvflow.services.scheduler.sequence import Sequence
+from kvflow.services.scheduler.speculation import (
     MAX_CANDIDATES,
     MAX_COOLDOWN,
     Drafts,
     NgramIndex,
     Speculator,
 )
-from services.worker.speculation import accept, expand
-from shared.messages import SamplingParams, ScheduledSeq, StructuredOutput
-from shared.speculative import (
+from kvflow.services.worker.speculation import accept, expand
+from kvflow.shared.messages import SamplingParams, ScheduledSeq, StructuredOutput
+from kvflow.shared.speculative import (
     SpeculativeConfig,
     SpeculativeConfigError,
     can_speculate,

@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import inspect
 
-from services.worker.runner import ModelRunner
-from services.worker.sim_runner import SimRunner
-from services.worker.step_output import StepOut, step_result
-from services.worker.step_runner import StepRunner
-from services.worker.tp_group import TPLeader
-from shared.messages import SampleLogprobs, ScheduledSeq, StepPlan
+from kvflow.services.worker.runner import ModelRunner
+from kvflow.services.worker.sim_runner import SimRunner
+from kvflow.services.worker.step_output import StepOut, step_result
+from kvflow.services.worker.step_runner import StepRunner
+from kvflow.services.worker.tp_group import TPLeader
+from kvflow.shared.messages import SampleLogprobs, ScheduledSeq, StepPlan
 
 METHODS = [n for n, v in vars(StepRunner).items() if inspect.isfunction(v) and n[0] != "_"]
 PROPERTIES = [n for n, v in vars(StepRunner).items() if isinstance(v, property)]

@@ -10,14 +10,14 @@ import time
 
 import pytest
 
-import shared.request_streams as request_streams
-from services.detokenizer.service import DetokenizerService
-from services.scheduler.service import SchedulerService
-from services.scheduler.shadow import ShadowState
-from shared import subjects as S
-from shared.config import Settings
-from shared.in_order import InOrder
-from shared.messages import (
+import kvflow.shared.request_streams as request_streams
+from kvflow.services.detokenizer.service import DetokenizerService
+from kvflow.services.scheduler.service import SchedulerService
+from kvflow.services.scheduler.shadow import ShadowState
+from kvflow.shared import subjects as S
+from kvflow.shared.config import Settings
+from kvflow.shared.in_order import InOrder
+from kvflow.shared.messages import (
     Delta,
     DeltaBatch,
     FinishReason,
@@ -27,8 +27,8 @@ from shared.messages import (
     TokenizedRequest,
     WorkerHeartbeat,
 )
-from shared.replay import ReplayLog
-from shared.request_streams import RequestStreams
+from kvflow.shared.replay import ReplayLog
+from kvflow.shared.request_streams import RequestStreams
 
 
 def test_in_order_drops_repeats_and_holds_what_follows_a_gap() -> None:
@@ -204,7 +204,7 @@ def test_a_lost_plan_is_told_from_a_slow_one(heard_after_s, step_id, queued, mis
 
 
 def test_detokenizer_ends_a_request_whose_gap_never_fills(tokenizer, monkeypatch) -> None:
-    import services.detokenizer.service as detok
+    import kvflow.services.detokenizer.service as detok
 
     monkeypatch.setattr(detok, "GAP_TIMEOUT_S", 0.0)
     svc = DetokenizerService(Settings(), tokenizer)

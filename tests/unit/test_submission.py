@@ -7,7 +7,7 @@ import asyncio
 
 import pytest
 
-from shared.submission import until_acknowledged
+from kvflow.shared.submission import until_acknowledged
 
 
 class Ack:

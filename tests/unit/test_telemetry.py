@@ -17,16 +17,21 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from services.gateway.metrics import ITL_BUCKETS, GatewayMetrics, LoopHistogram, buckets_1_2_5
-from services.gateway.tracing import RequestTrace
-from services.scheduler.core import SchedulerCore
-from services.scheduler.lora_registry import LoraRegistry
-from services.scheduler.telemetry import SchedulerTelemetry
-from services.scheduler.worker_state import SchedulerLimits
-from services.worker.telemetry import WorkerTelemetry
-from shared.bus import Bus
-from shared.logs import ContextFilter, JsonFormatter, request_scope
-from shared.messages import (
+from kvflow.services.gateway.metrics import (
+    ITL_BUCKETS,
+    GatewayMetrics,
+    LoopHistogram,
+    buckets_1_2_5,
+)
+from kvflow.services.gateway.tracing import RequestTrace
+from kvflow.services.scheduler.core import SchedulerCore
+from kvflow.services.scheduler.lora_registry import LoraRegistry
+from kvflow.services.scheduler.telemetry import SchedulerTelemetry
+from kvflow.services.scheduler.worker_state import SchedulerLimits
+from kvflow.services.worker.telemetry import WorkerTelemetry
+from kvflow.shared.bus import Bus
+from kvflow.shared.logs import ContextFilter, JsonFormatter, request_scope
+from kvflow.shared.messages import (
     FinishReason,
     NewRequest,
     SamplingParams,
@@ -35,9 +40,9 @@ from shared.messages import (
     StepResult,
     TokenizedRequest,
 )
-from shared.metrics import BusCollector, merge, parse_families
-from shared.subjects import subject_label
-from shared.telemetry import context_of, extract, inject, is_sampled, traceparent
+from kvflow.shared.metrics import BusCollector, merge, parse_families
+from kvflow.shared.subjects import subject_label
+from kvflow.shared.telemetry import context_of, extract, inject, is_sampled, traceparent
 
 _EXPORTER = InMemorySpanExporter()
 
@@ -289,7 +294,7 @@ def test_scheduler_counts_a_stop_string_as_a_finish_and_an_abort_as_none(spans) 
 def test_scheduler_spans_carry_speculative_decodings_share(spans) -> None:
     """Draft tokens verified and accepted per request, on its schedule span: at a finish and
     at a stop string's abort; the spec_decode series count the same."""
-    from shared.speculative import SpeculativeConfig
+    from kvflow.shared.speculative import SpeculativeConfig
 
     svc = _Service()
     svc.core = SchedulerCore(
@@ -478,7 +483,7 @@ def test_the_loop_histogram_exports_what_prometheus_client_s_histogram_does() ->
 def test_lora_requests_info_names_running_and_waiting_adapters(spans) -> None:
     """vLLM's ``vllm:lora_requests_info``: adapters of running and of waiting requests as
     labels (a worker of max_loras 1 runs one adapter; the other waits)."""
-    from shared.messages import LoRARef
+    from kvflow.shared.messages import LoRARef
 
     svc = _Service()
     svc.core = SchedulerCore(SchedulerLimits(max_loras=1), model="m")
@@ -522,7 +527,7 @@ def test_the_worker_exports_each_experts_load_per_step() -> None:
 def test_the_worker_busy_fraction_is_step_time_over_wall_time() -> None:
     """kvflow:worker_busy_fraction (the last 10 s, a running step counted up to now) and
     kvflow:worker_busy_seconds_total: what a GPU operator watches for a device left waiting."""
-    from services.worker.telemetry import BusyClock
+    from kvflow.services.worker.telemetry import BusyClock
 
     clock = BusyClock("w", window_s=10.0)
     assert clock.fraction(100.0) == 0.0

@@ -10,11 +10,11 @@ import dataclasses
 import pytest
 import torch
 
-from services.worker.model_setup import KvSpec
-from services.worker.tensor_parallel import shard_config, shard_weights, tp_layout
-from services.worker.tp_group import group_blocks
-from shared.config import Settings
-from shared.parallel import check_parallel_settings
+from kvflow.services.worker.model_setup import KvSpec
+from kvflow.services.worker.tensor_parallel import shard_config, shard_weights, tp_layout
+from kvflow.services.worker.tp_group import group_blocks
+from kvflow.shared.config import Settings
+from kvflow.shared.parallel import check_parallel_settings
 from tests.unit.tp_support import CFG, weights
 
 
@@ -81,7 +81,7 @@ def test_every_rank_gets_the_blocks_of_the_rank_with_the_most_kv_heads() -> None
 
 
 def test_a_group_block_is_every_rank_s_bytes_in_rank_order() -> None:
-    from services.worker.kv_blocks import KvBlockIO
+    from kvflow.services.worker.kv_blocks import KvBlockIO
 
     def caches(heads: int, fill: float) -> list[tuple[torch.Tensor, torch.Tensor]]:
         return [(torch.full((4, 2, heads, 3), fill), torch.full((4, 2, heads, 3), -fill))] * 2

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from services.tokenizer.prompts import PromptError, check_length, prompt_token_ids
-from shared.messages import ChatMessage, GenerateRequest, SamplingParams
+from kvflow.services.tokenizer.prompts import PromptError, check_length, prompt_token_ids
+from kvflow.shared.messages import ChatMessage, GenerateRequest, SamplingParams
 
 
 def gen(**kw) -> GenerateRequest:
@@ -42,7 +42,7 @@ def test_length_rules() -> None:
 
 
 def test_truncate_keeps_the_last_tokens() -> None:
-    from services.tokenizer.prompts import truncate
+    from kvflow.services.tokenizer.prompts import truncate
 
     assert truncate([1, 2, 3, 4], 2, 100) == [3, 4]
     assert truncate([1, 2, 3], 5, 100) == [1, 2, 3] and truncate([1, 2], None, 100) == [1, 2]
@@ -60,7 +60,7 @@ def test_continue_final_message_leaves_the_answer_open(tokenizer) -> None:
 
 
 def test_bad_words_are_banned_at_the_start_and_after_a_space(tokenizer) -> None:
-    from services.tokenizer.prompts import bad_words_token_ids
+    from kvflow.services.tokenizer.prompts import bad_words_token_ids
 
     words = bad_words_token_ids(tokenizer, ["Paris", " hello world"])
     enc = lambda s: tokenizer.encode(s, add_special_tokens=False)  # noqa: E731

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import pytest
 
-from services.detokenizer.state import DetokState
-from services.tokenizer.prompts import PromptError, prompt_token_ids
-from services.tokenizer.rpc import detokenize, tokenize
-from shared.messages import (
+from kvflow.services.detokenizer.state import DetokState
+from kvflow.services.tokenizer.prompts import PromptError, prompt_token_ids
+from kvflow.services.tokenizer.rpc import detokenize, tokenize
+from kvflow.shared.messages import (
     ChatMessage,
     DetokenizeRequest,
     FinishReason,

@@ -8,10 +8,10 @@ import json
 
 import pytest
 
-from services.tokenizer.prompts import PromptError, chat_prompt, prompt_token_ids
-from services.tokenizer.rpc import tokenize
-from shared.chat_template import TOOL_TEMPLATE, read_chat_template
-from shared.messages import (
+from kvflow.services.tokenizer.prompts import PromptError, chat_prompt, prompt_token_ids
+from kvflow.services.tokenizer.rpc import tokenize
+from kvflow.shared.chat_template import TOOL_TEMPLATE, read_chat_template
+from kvflow.shared.messages import (
     ChatMessage,
     GenerateRequest,
     SamplingParams,
@@ -143,9 +143,9 @@ def test_bad_arguments_and_templates_are_named(tokenizer, tmp_path) -> None:
 def test_the_python_api_renders_the_prompt_the_http_api_does(tokenizer) -> None:
     """LLM.chat's messages and tools (OpenAI dicts, through shared.chat_template.from_openai)
     give the same token ids as a chat request's GenerateRequest in the tokenizer service."""
-    from services.gateway.convert import chat_job, parse_request
-    from services.gateway.protocol import ChatCompletionRequest
-    from shared.chat_template import from_openai, render_chat
+    from kvflow.services.gateway.convert import chat_job, parse_request
+    from kvflow.services.gateway.protocol import ChatCompletionRequest
+    from kvflow.shared.chat_template import from_openai, render_chat
 
     tools = [
         {

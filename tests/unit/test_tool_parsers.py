@@ -11,17 +11,17 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from services.detokenizer.tool_parsers import (
+from kvflow.services.detokenizer.tool_parsers import (
     PARSERS,
     GuardedParser,
     ToolParser,
     ToolParserErrors,
     make_parser,
 )
-from services.detokenizer.tool_parsers.guard import parser_errors
-from services.detokenizer.tool_parsers.hermes import START
-from services.detokenizer.tool_parsers.json_scan import JsonScanner
-from shared.messages import ToolCallDelta, ToolParsing
+from kvflow.services.detokenizer.tool_parsers.guard import parser_errors
+from kvflow.services.detokenizer.tool_parsers.hermes import START
+from kvflow.services.detokenizer.tool_parsers.json_scan import JsonScanner
+from kvflow.shared.messages import ToolCallDelta, ToolParsing
 
 HERMES = ToolParsing("auto", parser="hermes")
 LLAMA = ToolParsing("auto", parser="llama3_json")

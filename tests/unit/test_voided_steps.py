@@ -3,8 +3,8 @@ counted; others pass; entries expire."""
 
 from __future__ import annotations
 
-from shared.messages import StepResult, StepVoid, decode, encode
-from shared.voided_steps import VoidedSteps
+from kvflow.shared.messages import StepResult, StepVoid, decode, encode
+from kvflow.shared.voided_steps import VoidedSteps
 
 
 def _result(worker: str, step: int, epoch: int = 1) -> StepResult:

@@ -10,8 +10,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from services.worker import service as worker_service
-from shared.config import Settings
+from kvflow.services.worker import service as worker_service
+from kvflow.shared.config import Settings
 
 
 def _worker(stepping: bool = False, queued: int = 0) -> SimpleNamespace:

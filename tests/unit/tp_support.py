@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from shared.models.config import ModelConfig
+from kvflow.shared.models.config import ModelConfig
 
 # SmolLM2's ratios, small: 9 heads over 3 KV heads (GQA 3), head_dim 8
 CFG = ModelConfig(
@@ -60,7 +60,7 @@ def write_adapter(path: Path, rank: int = 4, seed: int = 1) -> None:
     """A PEFT LoRA directory for CFG: every attention and MLP projection, random A and B."""
     from safetensors.torch import save_file
 
-    from services.worker.lora_weights import module_shapes
+    from kvflow.services.worker.lora_weights import module_shapes
 
     g = torch.Generator().manual_seed(seed)
     tensors = {}

@@ -6,12 +6,16 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from services.detokenizer.tool_parsers.base import Parsed, ToolParser, new_call_id
-from services.detokenizer.tool_parsers.guard import GuardedParser, ToolParserErrors
-from services.detokenizer.tool_parsers.hermes import HermesParser
-from services.detokenizer.tool_parsers.json_calls import JsonCallsParser, llama3_json, required
-from services.detokenizer.tool_parsers.named import NamedParser
-from shared.messages import ToolParsing
+from kvflow.services.detokenizer.tool_parsers.base import Parsed, ToolParser, new_call_id
+from kvflow.services.detokenizer.tool_parsers.guard import GuardedParser, ToolParserErrors
+from kvflow.services.detokenizer.tool_parsers.hermes import HermesParser
+from kvflow.services.detokenizer.tool_parsers.json_calls import (
+    JsonCallsParser,
+    llama3_json,
+    required,
+)
+from kvflow.services.detokenizer.tool_parsers.named import NamedParser
+from kvflow.shared.messages import ToolParsing
 
 # the parsers of mode "auto", by --tool-call-parser name
 PARSERS: dict[str, Callable[[], ToolParser]] = {

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import uuid
 
-from shared.messages import ToolCallDelta
+from kvflow.shared.messages import ToolCallDelta
 
 Parsed = tuple[str, list[ToolCallDelta]]  # content to send now, tool-call pieces found
 

@@ -9,9 +9,9 @@ import json
 import logging
 from enum import Enum
 
-from services.detokenizer.tool_parsers.base import new_call_id
-from services.detokenizer.tool_parsers.json_scan import JsonScanner
-from shared.messages import ToolCallDelta
+from kvflow.services.detokenizer.tool_parsers.base import new_call_id
+from kvflow.services.detokenizer.tool_parsers.json_scan import JsonScanner
+from kvflow.shared.messages import ToolCallDelta
 
 ARGUMENT_KEYS = ("arguments", "parameters")
 log = logging.getLogger("kvflow.detokenizer")

@@ -10,7 +10,7 @@ from collections.abc import Iterator
 from prometheus_client.core import CounterMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from services.detokenizer.tool_parsers.base import Parsed, ToolParser
+from kvflow.services.detokenizer.tool_parsers.base import Parsed, ToolParser
 
 log = logging.getLogger("kvflow.detokenizer")
 

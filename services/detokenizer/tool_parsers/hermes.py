@@ -11,9 +11,9 @@ from __future__ import annotations
 
 from enum import Enum
 
-from services.detokenizer.tool_parsers.base import Parsed, ToolParser, partial_suffix
-from services.detokenizer.tool_parsers.call_stream import CallState, CallStream
-from shared.messages import ToolCallDelta
+from kvflow.services.detokenizer.tool_parsers.base import Parsed, ToolParser, partial_suffix
+from kvflow.services.detokenizer.tool_parsers.call_stream import CallState, CallStream
+from kvflow.shared.messages import ToolCallDelta
 
 START, END = "<tool_call>", "</tool_call>"
 

@@ -12,9 +12,9 @@ from __future__ import annotations
 
 from enum import Enum
 
-from services.detokenizer.tool_parsers.base import Parsed, ToolParser
-from services.detokenizer.tool_parsers.call_stream import CallState, CallStream
-from shared.messages import ToolCallDelta
+from kvflow.services.detokenizer.tool_parsers.base import Parsed, ToolParser
+from kvflow.services.detokenizer.tool_parsers.call_stream import CallState, CallStream
+from kvflow.shared.messages import ToolCallDelta
 
 PYTHON_TAG = "<|python_tag|>"
 

@@ -3,8 +3,8 @@ object, so the first piece (id, name) goes out at once and every piece of text i
 
 from __future__ import annotations
 
-from services.detokenizer.tool_parsers.base import Parsed, ToolParser, new_call_id
-from shared.messages import ToolCallDelta
+from kvflow.services.detokenizer.tool_parsers.base import Parsed, ToolParser, new_call_id
+from kvflow.shared.messages import ToolCallDelta
 
 
 class NamedParser(ToolParser):

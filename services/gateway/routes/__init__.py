@@ -10,15 +10,15 @@ from __future__ import annotations
 
 from pydantic import BaseModel
 
-from services.gateway.protocol import (
+from kvflow.services.gateway.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequestBody,
     TokenizeChatRequest,
     TokenizeCompletionRequest,
 )
-from services.gateway.responses_api import ResponsesRequest
-from services.gateway.routes import (
+from kvflow.services.gateway.responses_api import ResponsesRequest
+from kvflow.services.gateway.routes import (
     classify,
     completions,
     embeddings,

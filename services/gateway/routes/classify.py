@@ -15,9 +15,9 @@ from typing import Any
 from fastapi import APIRouter
 from pydantic import BaseModel, ConfigDict
 
-from services.gateway.convert import parse_request, prompt_items
-from services.gateway.routes.common import check_task
-from services.gateway.routes.pooling import (
+from kvflow.services.gateway.convert import parse_request, prompt_items
+from kvflow.services.gateway.routes.common import check_task
+from kvflow.services.gateway.routes.pooling import (
     PoolingInput,
     PoolingJob,
     add_pooling_routes,
@@ -26,10 +26,10 @@ from services.gateway.routes.pooling import (
     pooling_requests,
     prompt_tokens,
 )
-from services.gateway.schemas import ClassificationResponse
-from services.gateway.state import GatewayState
-from shared.config import Settings
-from shared.messages import Delta, GenerateRequest, PoolingParams
+from kvflow.services.gateway.schemas import ClassificationResponse
+from kvflow.services.gateway.state import GatewayState
+from kvflow.shared.config import Settings
+from kvflow.shared.messages import Delta, GenerateRequest, PoolingParams
 
 router = APIRouter()
 ROUTES = ("/classify", "/v1/classify")

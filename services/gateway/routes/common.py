@@ -18,10 +18,10 @@ from fastapi import Depends, Request
 from fastapi.responses import Response
 from starlette.requests import ClientDisconnect
 
-from services.gateway.errors import APIError
-from services.gateway.schemas import error_responses
-from services.gateway.state import GatewayState
-from shared.models.tasks import task_error
+from kvflow.services.gateway.errors import APIError
+from kvflow.services.gateway.schemas import error_responses
+from kvflow.services.gateway.state import GatewayState
+from kvflow.shared.models.tasks import task_error
 
 
 async def gateway_state(request: Request) -> GatewayState:

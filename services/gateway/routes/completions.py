@@ -13,7 +13,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response
 from pydantic import BaseModel
 
-from services.gateway.convert import (
+from kvflow.services.gateway.convert import (
     Job,
     chat_job,
     completion_job,
@@ -21,12 +21,12 @@ from services.gateway.convert import (
     parse_request,
     salt_job,
 )
-from services.gateway.errors import APIError
-from services.gateway.generation import CLIENT_CLOSED, UsageCallback, serve
-from services.gateway.legacy import legacy_generate
-from services.gateway.protocol import ChatCompletionRequest, CompletionRequest
-from services.gateway.responses import ChatFormat, CompletionFormat, Format
-from services.gateway.routes.common import (
+from kvflow.services.gateway.errors import APIError
+from kvflow.services.gateway.generation import CLIENT_CLOSED, UsageCallback, serve
+from kvflow.services.gateway.legacy import legacy_generate
+from kvflow.services.gateway.protocol import ChatCompletionRequest, CompletionRequest
+from kvflow.services.gateway.responses import ChatFormat, CompletionFormat, Format
+from kvflow.services.gateway.routes.common import (
     GENERATION_ERRORS,
     STREAM_CONTENT,
     Gateway,
@@ -34,11 +34,11 @@ from services.gateway.routes.common import (
     require_task,
     tenant,
 )
-from services.gateway.schemas import STREAM_NOTE, ChatCompletionResponse, CompletionResponse
-from services.gateway.state import GatewayState
-from services.gateway.tracing import RequestTrace
-from shared.config import Settings
-from shared.messages import DetokenizeRequest, DetokenizeResult
+from kvflow.services.gateway.schemas import STREAM_NOTE, ChatCompletionResponse, CompletionResponse
+from kvflow.services.gateway.state import GatewayState
+from kvflow.services.gateway.tracing import RequestTrace
+from kvflow.shared.config import Settings
+from kvflow.shared.messages import DetokenizeRequest, DetokenizeResult
 
 router = APIRouter()
 

@@ -20,9 +20,9 @@ from typing import Any, Literal
 from fastapi import APIRouter
 from pydantic import BaseModel, ConfigDict
 
-from services.gateway.convert import bad, parse_request, prompt_items
-from services.gateway.routes.common import require_task
-from services.gateway.routes.pooling import (
+from kvflow.services.gateway.convert import bad, parse_request, prompt_items
+from kvflow.services.gateway.routes.common import require_task
+from kvflow.services.gateway.routes.pooling import (
     PoolingInput,
     PoolingJob,
     add_pooling_routes,
@@ -31,10 +31,10 @@ from services.gateway.routes.pooling import (
     pooling_requests,
     prompt_tokens,
 )
-from services.gateway.schemas import EmbeddingResponse
-from services.gateway.state import GatewayState
-from shared.config import Settings
-from shared.messages import Delta, GenerateRequest, PoolingParams
+from kvflow.services.gateway.schemas import EmbeddingResponse
+from kvflow.services.gateway.state import GatewayState
+from kvflow.shared.config import Settings
+from kvflow.shared.messages import Delta, GenerateRequest, PoolingParams
 
 router = APIRouter()
 ROUTE = "/v1/embeddings"

@@ -9,11 +9,11 @@ from fastapi import APIRouter, Request
 from fastapi.responses import PlainTextResponse, Response
 from pydantic import BaseModel
 
-from services.gateway.convert import parse_request
-from services.gateway.generation import CLIENT_CLOSED
-from services.gateway.routes.common import Gateway, authorized_body
-from services.gateway.schemas import error_responses
-from shared.messages import LoraLoad, LoraUnload
+from kvflow.services.gateway.convert import parse_request
+from kvflow.services.gateway.generation import CLIENT_CLOSED
+from kvflow.services.gateway.routes.common import Gateway, authorized_body
+from kvflow.services.gateway.schemas import error_responses
+from kvflow.shared.messages import LoraLoad, LoraUnload
 
 router = APIRouter()
 

@@ -22,20 +22,20 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response
 from pydantic import BaseModel
 
-from services.gateway.cancel import run_or_disconnect
-from services.gateway.convert import bad, new_request_id, tenant_salt
-from services.gateway.errors import APIError
-from services.gateway.generation import CLIENT_CLOSED
-from services.gateway.metrics import RequestTimer
-from services.gateway.routes.common import Gateway, authorized_body, json_response, tenant
-from services.gateway.routes.completions import usage_recorder
-from services.gateway.schemas import error_responses
-from services.gateway.state import GatewayState
-from services.gateway.streams import RequestHandle
-from services.gateway.tracing import RequestTrace
-from shared.config import Settings
-from shared.messages import Delta, GenerateRequest, LoRARef, PoolingParams, SamplingParams
-from shared.sampling import MAX_TOKEN_ID
+from kvflow.services.gateway.cancel import run_or_disconnect
+from kvflow.services.gateway.convert import bad, new_request_id, tenant_salt
+from kvflow.services.gateway.errors import APIError
+from kvflow.services.gateway.generation import CLIENT_CLOSED
+from kvflow.services.gateway.metrics import RequestTimer
+from kvflow.services.gateway.routes.common import Gateway, authorized_body, json_response, tenant
+from kvflow.services.gateway.routes.completions import usage_recorder
+from kvflow.services.gateway.schemas import error_responses
+from kvflow.services.gateway.state import GatewayState
+from kvflow.services.gateway.streams import RequestHandle
+from kvflow.services.gateway.tracing import RequestTrace
+from kvflow.shared.config import Settings
+from kvflow.shared.messages import Delta, GenerateRequest, LoRARef, PoolingParams, SamplingParams
+from kvflow.shared.sampling import MAX_TOKEN_ID
 
 POOLING_ERRORS = error_responses(400, 401, 404, 413, 429, 500, 503, 504)
 

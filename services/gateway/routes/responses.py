@@ -6,11 +6,16 @@ from __future__ import annotations
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
-from services.gateway.errors import APIError
-from services.gateway.responses_api import ResponsesFormat, ResponsesRequest, renamed, responses_job
-from services.gateway.routes.common import GENERATION_ERRORS, STREAM_CONTENT, Gateway
-from services.gateway.routes.completions import generate
-from services.gateway.schemas import RESPONSES_STREAM_NOTE, ResponsesResponse
+from kvflow.services.gateway.errors import APIError
+from kvflow.services.gateway.responses_api import (
+    ResponsesFormat,
+    ResponsesRequest,
+    renamed,
+    responses_job,
+)
+from kvflow.services.gateway.routes.common import GENERATION_ERRORS, STREAM_CONTENT, Gateway
+from kvflow.services.gateway.routes.completions import generate
+from kvflow.services.gateway.schemas import RESPONSES_STREAM_NOTE, ResponsesResponse
 
 router = APIRouter()
 

@@ -22,9 +22,9 @@ from typing import Any
 from fastapi import APIRouter
 from pydantic import AliasChoices, BaseModel, ConfigDict, Field
 
-from services.gateway.convert import bad, parse_request
-from services.gateway.routes.common import check_task
-from services.gateway.routes.pooling import (
+from kvflow.services.gateway.convert import bad, parse_request
+from kvflow.services.gateway.routes.common import check_task
+from kvflow.services.gateway.routes.pooling import (
     PoolingInput,
     PoolingJob,
     add_pooling_routes,
@@ -33,10 +33,10 @@ from services.gateway.routes.pooling import (
     pooling_requests,
     prompt_tokens,
 )
-from services.gateway.schemas import RerankResponse, ScoreResponse
-from services.gateway.state import GatewayState
-from shared.config import Settings
-from shared.messages import Delta, GenerateRequest, PoolingParams
+from kvflow.services.gateway.schemas import RerankResponse, ScoreResponse
+from kvflow.services.gateway.state import GatewayState
+from kvflow.shared.config import Settings
+from kvflow.shared.messages import Delta, GenerateRequest, PoolingParams
 
 router = APIRouter()
 SCORE_ROUTES = ("/score", "/v1/score")

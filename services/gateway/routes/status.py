@@ -12,16 +12,16 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from services.gateway.errors import APIError, error_response
-from services.gateway.routes.common import Gateway, json_response, version
-from services.gateway.schemas import (
+from kvflow.services.gateway.errors import APIError, error_response
+from kvflow.services.gateway.routes.common import Gateway, json_response, version
+from kvflow.services.gateway.schemas import (
     HealthResponse,
     ModelCard,
     ModelList,
     VersionResponse,
     error_responses,
 )
-from shared.messages import SchedulerStats
+from kvflow.shared.messages import SchedulerStats
 
 router = APIRouter()
 

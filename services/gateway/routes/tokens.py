@@ -8,24 +8,29 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
-from services.gateway.convert import (
+from kvflow.services.gateway.convert import (
     chat_messages,
     chat_template_flags,
     parse_json,
     parse_request,
     validate_body,
 )
-from services.gateway.errors import APIError
-from services.gateway.generation import CLIENT_CLOSED
-from services.gateway.protocol import (
+from kvflow.services.gateway.errors import APIError
+from kvflow.services.gateway.generation import CLIENT_CLOSED
+from kvflow.services.gateway.protocol import (
     DetokenizeRequestBody,
     TokenizeChatRequest,
     TokenizeCompletionRequest,
 )
-from services.gateway.routes.common import Gateway, authorized_body, json_response
-from services.gateway.schemas import DetokenizeResponse, TokenizeResponse, error_responses
-from services.gateway.tools import check_tools
-from shared.messages import DetokenizeRequest, DetokenizeResult, TokenizeRequest, TokenizeResult
+from kvflow.services.gateway.routes.common import Gateway, authorized_body, json_response
+from kvflow.services.gateway.schemas import DetokenizeResponse, TokenizeResponse, error_responses
+from kvflow.services.gateway.tools import check_tools
+from kvflow.shared.messages import (
+    DetokenizeRequest,
+    DetokenizeResult,
+    TokenizeRequest,
+    TokenizeResult,
+)
 
 router = APIRouter()
 

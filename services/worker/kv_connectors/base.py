@@ -13,12 +13,12 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
-from shared.kv_connectors import connector_spec, load_half
-from shared.messages import KvPull
+from kvflow.shared.kv_connectors import connector_spec, load_half
+from kvflow.shared.messages import KvPull
 
 if TYPE_CHECKING:
-    from services.worker.kv_blocks import KvBlockIO
-    from shared.bus import Bus
+    from kvflow.services.worker.kv_blocks import KvBlockIO
+    from kvflow.shared.bus import Bus
 
 
 @dataclass

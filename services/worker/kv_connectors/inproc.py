@@ -8,10 +8,10 @@ from __future__ import annotations
 import asyncio
 import time
 
-from services.worker.kv_blocks import KvBlockIO
-from services.worker.kv_connectors.base import KvConnectorWorker, TransferResult, order_error
-from shared.bus import Bus
-from shared.messages import KvPull
+from kvflow.services.worker.kv_blocks import KvBlockIO
+from kvflow.services.worker.kv_connectors.base import KvConnectorWorker, TransferResult, order_error
+from kvflow.shared.bus import Bus
+from kvflow.shared.messages import KvPull
 
 
 class InProcHub:

@@ -29,11 +29,11 @@ from tenacity import (
     wait_exponential,
 )
 
-from services.worker.kv_blocks import KvBlockIO
-from services.worker.kv_connectors.base import KvConnectorWorker, TransferResult, order_error
-from shared import subjects
-from shared.bus import Bus
-from shared.messages import KvChunk, KvChunkRequest, KvPull, Message, encode
+from kvflow.services.worker.kv_blocks import KvBlockIO
+from kvflow.services.worker.kv_connectors.base import KvConnectorWorker, TransferResult, order_error
+from kvflow.shared import subjects
+from kvflow.shared.bus import Bus
+from kvflow.shared.messages import KvChunk, KvChunkRequest, KvPull, Message, encode
 
 log = logging.getLogger("kvflow.worker.kv")
 

@@ -26,11 +26,11 @@ from typing import Any
 
 from redis.exceptions import RedisError
 
-from services.worker.kv_blocks import KvBlockIO
-from services.worker.kv_connectors.base import KvTier
-from shared.access.connect import redis_from_url
-from shared.kv_tier import tier_key
-from shared.messages import KvLoad, StepPlan
+from kvflow.services.worker.kv_blocks import KvBlockIO
+from kvflow.services.worker.kv_connectors.base import KvTier
+from kvflow.shared.access.connect import redis_from_url
+from kvflow.shared.kv_tier import tier_key
+from kvflow.shared.messages import KvLoad, StepPlan
 
 log = logging.getLogger("kvflow.worker.tiers")
 

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from shared.models.config import ConfigReader, activation
-from shared.models.family import Family
+from kvflow.shared.models.config import ConfigReader, activation
+from kvflow.shared.models.family import Family
 
 _CLASSIFIERS = {
     "BertForSequenceClassification": "bert",

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from shared.models.config import ConfigReader, activation, rope_parameters, rope_spec
-from shared.models.families.qwen import layer_windows
-from shared.models.family import QK_NORMS, Family
+from kvflow.shared.models.config import ConfigReader, activation, rope_parameters, rope_spec
+from kvflow.shared.models.families.qwen import layer_windows
+from kvflow.shared.models.family import QK_NORMS, Family
 
 GEMMA_NORMS = {
     "attn_norm": "input_layernorm",

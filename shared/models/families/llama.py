@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from shared.models.config import ConfigReader, activation, rope_parameters, rope_spec
-from shared.models.family import LLAMA_NORMS, Family
+from kvflow.shared.models.config import ConfigReader, activation, rope_parameters, rope_spec
+from kvflow.shared.models.family import LLAMA_NORMS, Family
 
 
 def read_llama(r: ConfigReader) -> dict[str, Any]:

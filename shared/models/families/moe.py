@@ -17,10 +17,10 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from shared.models.config import ConfigReader
-from shared.models.families.llama import read_llama, read_mistral
-from shared.models.families.qwen import read_qwen2, read_qwen3
-from shared.models.family import LLAMA_NORMS, QK_NORMS, Family
+from kvflow.shared.models.config import ConfigReader
+from kvflow.shared.models.families.llama import read_llama, read_mistral
+from kvflow.shared.models.families.qwen import read_qwen2, read_qwen3
+from kvflow.shared.models.family import LLAMA_NORMS, QK_NORMS, Family
 
 
 def _experts(r: ConfigReader, size_key: str, renormalize: bool | None) -> dict:

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from shared.models.config import ConfigReader
-from shared.models.families.llama import read_llama
-from shared.models.family import QK_NORMS, Family
+from kvflow.shared.models.config import ConfigReader
+from kvflow.shared.models.families.llama import read_llama
+from kvflow.shared.models.family import QK_NORMS, Family
 
 
 def read_olmo2(r: ConfigReader) -> dict[str, Any]:

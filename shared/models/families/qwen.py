@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from shared.models.config import ConfigReader, activation, rope_parameters, rope_spec
-from shared.models.family import LLAMA_NORMS, QK_NORMS, Family
+from kvflow.shared.models.config import ConfigReader, activation, rope_parameters, rope_spec
+from kvflow.shared.models.family import LLAMA_NORMS, QK_NORMS, Family
 
 
 def layer_windows(r: ConfigReader, sliding_default: Any) -> tuple[int, ...]:
