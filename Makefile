@@ -15,7 +15,7 @@ TEST_WORKERS ?= 2
 $(PY):
 	python3 -m venv $(VENV)
 
-$(STAMP): pyproject.toml | $(PY)
+$(STAMP): pyproject.toml setup.py | $(PY)
 	$(PY) -m pip install -q --upgrade pip
 	@# torch first and pinned: its CPU wheel is local; anything else would fetch a CUDA build
 	$(PY) -m pip install -q torch==2.13.0
