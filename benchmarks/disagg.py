@@ -20,7 +20,8 @@ import sys
 import httpx
 
 from kvflow.benchmarks.client import RunSummary, run_load
-from kvflow.benchmarks.serving import make_workload, start_stack
+from kvflow.benchmarks.serving import make_workload
+from kvflow.benchmarks.stack import start_stack
 from kvflow.shared.model_source import load_tokenizer, resolve_model
 
 

@@ -149,7 +149,7 @@ def st_modes(src, texts: list[str], rounds: int) -> list[Mode]:  # noqa: ANN001
 
 
 def main(args: argparse.Namespace) -> int:
-    from kvflow.benchmarks.serving import start_stack
+    from kvflow.benchmarks.stack import start_stack
     from kvflow.shared.model_config import load_config
 
     src = resolve_model(args.model)

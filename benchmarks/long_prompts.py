@@ -24,7 +24,7 @@ import time
 import httpx
 
 from kvflow.benchmarks.client import one_request, percentile
-from kvflow.benchmarks.serving import start_stack
+from kvflow.benchmarks.stack import start_stack
 
 LONG_TEXT = "The river bends past the old mill, and the water runs slow and brown. "
 

@@ -61,7 +61,7 @@ from kvflow.benchmarks.peer_servers import (
     start_openvino,
     start_vllm,
 )
-from kvflow.benchmarks.serving import start_stack
+from kvflow.benchmarks.stack import start_stack
 from kvflow.shared.machine_cache import cache_root
 from kvflow.shared.model_source import ModelSource, load_tokenizer, resolve_model
 

@@ -12,14 +12,13 @@ import os
 import platform
 import random
 import signal
-import subprocess
-import sys
 import time
 from dataclasses import asdict
 from pathlib import Path
 
 from kvflow.benchmarks.client import RunSummary, run_load
-from kvflow.shared.infra import free_port, wait_for_http
+from kvflow.benchmarks.stack import start_stack
+from kvflow.shared.infra import free_port
 from kvflow.shared.machine_cache import cache_root
 from kvflow.shared.model_source import load_tokenizer, resolve_model
 
@@ -42,19 +41,6 @@ def make_workload(
         start = rng.randint(0, len(ids) - n - 1)
         out.append((ids[start : start + n], rng.randint(*max_tokens)))
     return out
-
-
-def start_stack(extra: list[str]) -> tuple[subprocess.Popen, str]:
-    port = free_port()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "kvflow.cli.main", "serve", "--port", str(port), *extra],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        start_new_session=True,
-    )
-    base = f"http://127.0.0.1:{port}"
-    wait_for_http(f"{base}/health", proc, "kvflow serve")
-    return proc, base
 
 
 def run_kvflow(url: str | None, model: str, workload, extra: list[str]) -> RunSummary:

@@ -118,7 +118,7 @@ def _run(
 
 
 def main(args: argparse.Namespace) -> int:
-    from kvflow.benchmarks.serving import start_stack
+    from kvflow.benchmarks.stack import start_stack
 
     src = resolve_model(args.model)
     tok = load_tokenizer(src)
