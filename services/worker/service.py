@@ -24,7 +24,7 @@ from typing import TypeVar
 from nats.aio.msg import Msg
 
 from kvflow.services.worker.kv_blocks import KvBlockIO
-from kvflow.services.worker.kv_connectors.base import create_worker_connector
+from kvflow.services.worker.kv_connectors.factory import create_worker_connector
 from kvflow.services.worker.kv_connectors.tiers import KvTiers
 from kvflow.services.worker.placeholders import PlaceholderError, StepTokens
 from kvflow.services.worker.runner_loading import load_runner
