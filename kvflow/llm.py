@@ -116,7 +116,7 @@ class LLM:
         where = self.source.path if self.source.kind == "hf" else None
         self.served = served_task(cfg, where, ms.task, ms.pooling_type)  # what it is for
         self.eos_token_ids = list(cfg.eos_token_ids)
-        self.tokenizer = load_tokenizer(self.source)
+        self.tokenizer = load_tokenizer(self.source, self.settings.ops.cache_root())
         if self.settings.model.chat_template:
             self.tokenizer.chat_template = read_chat_template(self.settings.model.chat_template)
         self.default_seed = seed
