@@ -1,4 +1,4 @@
-"""The CPU path's linear-layer kernels side by side: ``python -m benchmarks.cpu_gemm``.
+"""The CPU path's linear-layer kernels side by side: ``python -m kvflow.benchmarks.cpu_gemm``.
 
 For each weight shape (default: SmolLM2-135M's, [N, K]) and row count, the best mean time of
 ``--reps`` calls over five rounds, and the rate in GFLOP/s (2 M N K per call), of:

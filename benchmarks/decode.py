@@ -1,4 +1,4 @@
-"""Decode steps of the worker itself: ``python -m benchmarks.decode``.
+"""Decode steps of the worker itself: ``python -m kvflow.benchmarks.decode``.
 
 Times ``ModelRunner.execute`` on real StepPlans: ``--batch`` sequences that already hold
 ``--context`` tokens each decode one greedy token per step (the cache's K/V values do not change

@@ -1,7 +1,7 @@
 """Disaggregated against aggregated serving on the same workload: TTFT, time per output token
 and throughput of each, and the KV transfer throughput between prefill and decode workers.
 
-    python -m benchmarks.disagg [--num-requests 16] [--concurrency 4]
+    python -m kvflow.benchmarks.disagg [--num-requests 16] [--concurrency 4]
 
 Both stacks get the same cores: aggregated is one ``both`` worker with every core, disaggregated
 is one prefill and one decode worker with half the cores each. The workload is the bench's

@@ -1,5 +1,5 @@
 """The Python steps of ``scripts/gpu-check.sh`` (the GPU path checked in one prepared run):
-``python -m benchmarks.gpu_check STEP --out DIR``, each writing ``DIR/STEP.json``.
+``python -m kvflow.benchmarks.gpu_check STEP --out DIR``, each writing ``DIR/STEP.json``.
 
 - ``env``: versions, the device, ``nvidia-smi`` and the device-to-device copy bandwidth (the
   roofline of a decode step: it reads every weight and the KV cache once).

@@ -1,4 +1,4 @@
-"""Short requests beside long prompts: ``python -m benchmarks.long_prompts``.
+"""Short requests beside long prompts: ``python -m kvflow.benchmarks.long_prompts``.
 
 Starts ``kvflow serve`` (by default with the simulated worker, so that what is measured is the
 pipeline's own work), then runs two phases of ``--seconds`` each: short streamed completions at

@@ -1,4 +1,4 @@
-"""Native decoder vs ``--model-impl transformers``: ``python -m benchmarks.model_impl``.
+"""Native decoder vs ``--model-impl transformers``: ``python -m kvflow.benchmarks.model_impl``.
 
 Decode throughput of the same random-weight Qwen2 checkpoint through ``ModelRunner`` twice:
 once as kvflow's native ``DecoderModel`` (services/worker/model.py: fused QKV and gate/up,

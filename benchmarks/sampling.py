@@ -1,4 +1,4 @@
-"""The worker's sampling of one step, alone: ``python -m benchmarks.sampling``.
+"""The worker's sampling of one step, alone: ``python -m kvflow.benchmarks.sampling``.
 
 Times ``services/worker/sampler.py``'s ``sample_rows`` (every processor the rows turned on,
 temperature, top-k/top-p/min-p, the draw, logprobs, and the copy of the ids to the host) on

@@ -1,7 +1,7 @@
 """TTFT of a long prompt computed, against the same prompt after a worker restart served from the
 Redis KV tier (and, for comparison, from the worker's own prefix cache).
 
-    python -m benchmarks.tiers [--prompt-tokens 1000] [--repeats 3]
+    python -m kvflow.benchmarks.tiers [--prompt-tokens 1000] [--repeats 3]
 
 It starts `kvflow serve --kv-redis-tier`, sends a prompt of real text (cold: computed), again
 (warm: the worker's prefix cache), then SIGKILLs the worker, waits for `kvflow serve` to start it

@@ -1,6 +1,6 @@
 """Compile every Triton kernel for a real NVIDIA GPU on any machine, GPU or not.
 
-    python -m kernels.compile_check [--arch 90] [--dtype bfloat16 float16]
+    python -m kvflow.kernels.compile_check [--arch 90] [--dtype bfloat16 float16]
 
 The interpreter (what the CPU tests run) accepts code that the GPU compiler rejects (and the other
 way round), so this runs each kernel wrapper in kernels/ops.py on CPU tensors of serving shapes
