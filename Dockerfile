@@ -59,7 +59,7 @@ COPY kvflow ./kvflow
 COPY benchmarks ./benchmarks
 RUN pip install --no-deps . \
     # convert the model's tokenizer once now, so containers start without writing anything
-    && python -c "from kvflow.shared.model_source import load_tokenizer, resolve_model; load_tokenizer(resolve_model())" \
+    && python -c "from kvflow.shared.config import Settings; from kvflow.shared.model_source import load_tokenizer, resolve_model; load_tokenizer(resolve_model(), Settings.from_env().ops.cache_root())" \
     && chown -R kvflow /opt/kvflow
 
 USER kvflow

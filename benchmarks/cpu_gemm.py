@@ -1,4 +1,4 @@
-"""The CPU path's linear-layer kernels side by side: ``python -m benchmarks.cpu_gemm``.
+"""The CPU path's linear-layer kernels side by side: ``python -m kvflow.benchmarks.cpu_gemm``.
 
 For each weight shape (default: SmolLM2-135M's, [N, K]) and row count, the best mean time of
 ``--reps`` calls over five rounds, and the rate in GFLOP/s (2 M N K per call), of:
@@ -27,6 +27,8 @@ from collections.abc import Callable
 import torch
 
 from kvflow.kernels import cpu_gemm, cpu_quant, cpu_quant_tiles
+from kvflow.services.worker import machine
+from kvflow.shared.config import Settings
 
 SMOLLM2 = [(960, 576), (576, 576), (3072, 576), (576, 1536), (49152, 576)]
 
@@ -78,6 +80,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     p.add_argument("--gguf", default="", help="a GGUF block type: its kernels instead (Q4_K...)")
     args = p.parse_args(argv)
+    machine.configure(Settings.from_env())  # before any kernel loads
     types = {name: t for t, name in cpu_quant.TYPE_NAMES.items() if t != cpu_quant.Q4_Z}
     if args.gguf and args.gguf not in types:
         p.error(f"--gguf must be one of {', '.join(types)}")

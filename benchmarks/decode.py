@@ -1,4 +1,4 @@
-"""Decode steps of the worker itself: ``python -m benchmarks.decode``.
+"""Decode steps of the worker itself: ``python -m kvflow.benchmarks.decode``.
 
 Times ``ModelRunner.execute`` on real StepPlans: ``--batch`` sequences that already hold
 ``--context`` tokens each decode one greedy token per step (the cache's K/V values do not change
@@ -34,7 +34,9 @@ from pathlib import Path
 import torch
 
 from kvflow.benchmarks.random_model import LlamaShape, random_llama
+from kvflow.services.worker import machine
 from kvflow.services.worker.runner import ModelRunner
+from kvflow.shared.config import Settings
 from kvflow.shared.messages import NewRequest, SamplingParams, ScheduledSeq, StepPlan
 
 
@@ -139,6 +141,7 @@ def _shape_name(s: LlamaShape) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parse(argv)
+    machine.configure(Settings.from_env())  # before any kernel loads
     if args.threads:
         torch.set_num_threads(args.threads)
 

@@ -1,7 +1,7 @@
 """Disaggregated against aggregated serving on the same workload: TTFT, time per output token
 and throughput of each, and the KV transfer throughput between prefill and decode workers.
 
-    python -m benchmarks.disagg [--num-requests 16] [--concurrency 4]
+    python -m kvflow.benchmarks.disagg [--num-requests 16] [--concurrency 4]
 
 Both stacks get the same cores: aggregated is one ``both`` worker with every core, disaggregated
 is one prefill and one decode worker with half the cores each. The workload is the bench's
@@ -20,7 +20,9 @@ import sys
 import httpx
 
 from kvflow.benchmarks.client import RunSummary, run_load
-from kvflow.benchmarks.serving import make_workload, start_stack
+from kvflow.benchmarks.serving import make_workload
+from kvflow.benchmarks.stack import start_stack
+from kvflow.shared.config import Settings
 from kvflow.shared.model_source import load_tokenizer, resolve_model
 
 
@@ -39,7 +41,7 @@ def run_one(
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.disagg", description=__doc__)
+    p = argparse.ArgumentParser(prog="python -m kvflow.benchmarks.disagg", description=__doc__)
     p.add_argument("--num-requests", type=int, default=16)
     p.add_argument("--concurrency", type=int, default=4)
     p.add_argument("--prompt-len", default="200:1000")
@@ -48,7 +50,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     span = lambda s: tuple(int(x) for x in s.split(":"))  # noqa: E731
     src = resolve_model()
-    tok = load_tokenizer(src)
+    tok = load_tokenizer(src, Settings.from_env().ops.cache_root())
     workload = make_workload(
         tok, args.num_requests, args.seed, span(args.prompt_len), span(args.max_tokens)
     )

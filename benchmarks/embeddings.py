@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import httpx
 
+from kvflow.shared.config import Settings
 from kvflow.shared.model_source import load_tokenizer, resolve_model
 
 
@@ -149,11 +150,11 @@ def st_modes(src, texts: list[str], rounds: int) -> list[Mode]:  # noqa: ANN001
 
 
 def main(args: argparse.Namespace) -> int:
-    from kvflow.benchmarks.serving import start_stack
+    from kvflow.benchmarks.stack import start_stack
     from kvflow.shared.model_config import load_config
 
     src = resolve_model(args.model)
-    tok = load_tokenizer(src)
+    tok = load_tokenizer(src, Settings.from_env().ops.cache_root())
     ids = inputs(tok, args.embed_batch, args.embed_len)
     encoder = load_config(src).encoder
     data: list[list[int]] | list[str] = ids

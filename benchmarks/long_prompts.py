@@ -1,4 +1,4 @@
-"""Short requests beside long prompts: ``python -m benchmarks.long_prompts``.
+"""Short requests beside long prompts: ``python -m kvflow.benchmarks.long_prompts``.
 
 Starts ``kvflow serve`` (by default with the simulated worker, so that what is measured is the
 pipeline's own work), then runs two phases of ``--seconds`` each: short streamed completions at
@@ -24,7 +24,7 @@ import time
 import httpx
 
 from kvflow.benchmarks.client import one_request, percentile
-from kvflow.benchmarks.serving import start_stack
+from kvflow.benchmarks.stack import start_stack
 
 LONG_TEXT = "The river bends past the old mill, and the water runs slow and brown. "
 

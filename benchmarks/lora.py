@@ -79,7 +79,7 @@ async def _batch(url: str, models: list[str], max_tokens: int) -> RunSummary:
 
 
 def main(args: argparse.Namespace) -> int:
-    from kvflow.benchmarks.serving import start_stack
+    from kvflow.benchmarks.stack import start_stack
 
     src = resolve_model(args.model)
     n, rank = args.lora_count, args.lora_rank

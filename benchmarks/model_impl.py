@@ -1,4 +1,4 @@
-"""Native decoder vs ``--model-impl transformers``: ``python -m benchmarks.model_impl``.
+"""Native decoder vs ``--model-impl transformers``: ``python -m kvflow.benchmarks.model_impl``.
 
 Decode throughput of the same random-weight Qwen2 checkpoint through ``ModelRunner`` twice:
 once as kvflow's native ``DecoderModel`` (services/worker/model.py: fused QKV and gate/up,
@@ -32,7 +32,9 @@ import transformers as tf
 
 from kvflow.benchmarks.decode import decode_steps
 from kvflow.kernels.batch_invariance import GemmRows
+from kvflow.services.worker import machine
 from kvflow.services.worker.runner import ModelRunner
+from kvflow.shared.config import Settings
 from kvflow.shared.messages import NewRequest, SamplingParams, ScheduledSeq, StepPlan
 from kvflow.shared.model_source import ModelSource
 
@@ -140,6 +142,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parse(argv)
+    machine.configure(Settings.from_env())  # before any kernel loads
     if args.threads:
         torch.set_num_threads(args.threads)
     per_seq = -(-(args.context + 3 + args.new + 1) // BLOCK)

@@ -12,7 +12,6 @@ import subprocess
 from pathlib import Path
 
 from kvflow.shared.infra import free_port, wait_for_http
-from kvflow.shared.machine_cache import cache_root
 
 SHIM = Path(__file__).with_name("openvino_shim.py")
 HOW_TO_INSTALL = "scripts/peers-install.sh {name} makes it (its own virtual environment)"
@@ -20,10 +19,10 @@ HOW_TO_INSTALL = "scripts/peers-install.sh {name} makes it (its own virtual envi
 STARTUP_TIMEOUT_S = 1200.0
 
 
-def peer_python(name: str, given: str = "") -> Path | None:
+def peer_python(name: str, cache_dir: Path, given: str = "") -> Path | None:
     """The Python of peer ``name``'s environment: ``given`` (a python or a venv folder), else
-    ``$KVFLOW_CACHE_DIR/peers/NAME/bin/python``; None when there is none."""
-    cand = Path(given).expanduser() if given else cache_root() / "peers" / name
+    ``peers/NAME/bin/python`` in the machine cache ``cache_dir``; None when there is none."""
+    cand = Path(given).expanduser() if given else cache_dir / "peers" / name
     if cand.is_dir():
         cand = cand / "bin" / "python"
     return cand if cand.is_file() and os.access(cand, os.X_OK) else None

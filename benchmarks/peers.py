@@ -49,6 +49,7 @@ from kvflow.benchmarks.client import RunSummary, run_load
 from kvflow.benchmarks.hf import export_hf_dir
 from kvflow.benchmarks.llama_server import (
     HOW_TO_GET,
+    cached_builds,
     find_llama_server,
     llama_server_version,
     start_llama_server,
@@ -61,8 +62,8 @@ from kvflow.benchmarks.peer_servers import (
     start_openvino,
     start_vllm,
 )
-from kvflow.benchmarks.serving import start_stack
-from kvflow.shared.machine_cache import cache_root
+from kvflow.benchmarks.stack import start_stack
+from kvflow.shared.config import Settings
 from kvflow.shared.model_source import ModelSource, load_tokenizer, resolve_model
 
 REFERENCE = "llama.cpp"
@@ -234,7 +235,11 @@ def main(args: argparse.Namespace) -> int:
     peers = parse_peers("llamacpp" if args.what == "llamacpp" else args.peers)
     input_len, output_len = args.input_len or 128, args.output_len or 64
     concurrencies = [int(x) for x in (args.concurrency or "1,16,64").split(",") if x.strip()]
-    tok = load_tokenizer(src)
+    from kvflow.services.worker import machine
+
+    machine.configure(Settings.from_env())  # before any kernel loads (the peers' HF export)
+    cache = machine.cache_dir()
+    tok = load_tokenizer(src, cache)
     ids = ordinary_token_ids(len(tok), [*tok.all_special_ids, *tok.added_tokens_decoder])
     points = plan_points(concurrencies, ids, input_len, args.seed, args.num_prompts, args.warmup)
     out = Path(args.out)
@@ -258,7 +263,7 @@ def main(args: argparse.Namespace) -> int:
     slots, max_len = max(concurrencies), input_len + output_len + 16
     for peer in peers:
         try:
-            started = _start_peer(peer, args, src, slots, max_len, out, stamp)
+            started = _start_peer(peer, args, src, cache, slots, max_len, out, stamp)
         except RuntimeError as e:  # it would not start (its log says why): the others still run
             print(f"{peer.name}: left out, {e}")
             continue
@@ -310,6 +315,7 @@ def _start_peer(
     peer: Peer,
     args: argparse.Namespace,
     src: ModelSource,
+    cache: Path,
     slots: int,
     max_len: int,
     out: Path,
@@ -321,7 +327,7 @@ def _start_peer(
         if src.kind != "gguf":
             print(f"{peer.name}: left out, llama-server reads GGUF and {src.path} is not one")
             return None
-        binary = find_llama_server(args.llama_server)
+        binary = find_llama_server(args.llama_server, cached_builds(cache))
         if binary is None:
             named = args.llama_server or os.environ.get("LLAMA_SERVER", "")
             print(
@@ -336,28 +342,23 @@ def _start_peer(
         proc, base, cmd = start_llama_server(binary, src.path, slots, ctx, threads, log)
         return proc, base, {"cmd": cmd, "version": llama_server_version(binary)}
     given = args.vllm_python if peer.kind == "vllm" else args.openvino_python
-    python = peer_python(peer.kind, given)
+    python = peer_python(peer.kind, cache, given)
     if python is None:
         where = f"{given} is not a Python or a venv" if given else "not installed"
         print(f"{peer.name}: left out, {where}; " + HOW_TO_INSTALL.format(name=peer.kind))
         return None
-    model_dir = src.path if src.kind != "gguf" else export_hf_dir(src, hf_dir(src))
+    model_dir = src.path if src.kind != "gguf" else export_hf_dir(src, cache)
     if peer.kind == "vllm":
         print(f"starting vLLM ({peer.option}; log: {log}) ...", flush=True)
         return start_vllm(
             python, model_dir, src.name, peer.option, slots, max_len, KV_CACHE_GIB, log
         )
-    ir = cache_root() / "openvino" / f"{src.name}-{peer.option}"
+    ir = cache / "openvino" / f"{src.name}-{peer.option}"
     export_openvino(python, model_dir, ir, peer.option, log.with_suffix(".export.log"))
     precision = "f32" if peer.option == "fp32" else "default"
     print(f"starting OpenVINO GenAI ({peer.option} weights; log: {log}) ...", flush=True)
     batched = max(2048, slots * 2)
     return start_openvino(python, ir, precision, slots, batched, KV_CACHE_GIB, log)
-
-
-def hf_dir(src: ModelSource) -> Path:
-    """Where the GGUF's Hugging Face form is kept (shared with ``kvflow bench``'s hf-serve)."""
-    return cache_root() / "hf" / src.name
 
 
 def _cpu_name() -> str:

@@ -29,7 +29,7 @@ from pathlib import Path
 import aiohttp
 
 from kvflow.benchmarks.client import RequestStats, percentile
-from kvflow.benchmarks.serving import start_stack
+from kvflow.benchmarks.stack import start_stack
 
 SERVICES = ("gateway", "tokenizer", "scheduler", "worker", "detokenizer")
 CLK_TCK = os.sysconf("SC_CLK_TCK")

@@ -112,14 +112,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
+    from kvflow.services.worker import machine
     from kvflow.services.worker.runner import ModelRunner
+    from kvflow.shared.config import Settings
     from kvflow.shared.model_config import load_config
     from kvflow.shared.model_loader import load_weights
     from kvflow.shared.model_source import load_tokenizer, resolve_model
 
+    machine.configure(Settings.from_env())  # before any kernel loads
     src = resolve_model(args.model)
     cfg = load_config(src)
-    tokenizer = load_tokenizer(src)
+    tokenizer = load_tokenizer(src, machine.cache_dir())
     windows = corpus_ids(tokenizer, args.tokens, args.window)
     first = args.window // 2 if args.second_half else 1
     n = sum(len(w) - first for w in windows)

@@ -1,4 +1,4 @@
-"""The worker's sampling of one step, alone: ``python -m benchmarks.sampling``.
+"""The worker's sampling of one step, alone: ``python -m kvflow.benchmarks.sampling``.
 
 Times ``services/worker/sampler.py``'s ``sample_rows`` (every processor the rows turned on,
 temperature, top-k/top-p/min-p, the draw, logprobs, and the copy of the ids to the host) on
@@ -29,6 +29,7 @@ import torch
 from kvflow.services.worker.runner import RequestState
 from kvflow.services.worker.sampler import sample_rows
 from kvflow.shared.messages import SamplingParams
+from kvflow.shared.sampling import needs_token_history
 
 HOT = dict(temperature=0.8, top_p=0.95, top_k=50)
 MIXES: dict[str, dict] = {
@@ -51,7 +52,7 @@ def _states(mix: str, rows: int, vocab: int, prompt_len: int = 128) -> list[Requ
     for i in range(rows):
         seeded = mix == "full"
         p = SamplingParams(max_tokens=64, seed=i if seeded else None, **MIXES[mix])
-        st = RequestState(p, prompt_len, 32, frozenset([2]), frozenset(), p.needs_token_history())
+        st = RequestState(p, prompt_len, 32, frozenset([2]), frozenset(), needs_token_history(p))
         if st.keeps_history:
             st.prompt_tokens = [rnd.randrange(vocab) for _ in range(prompt_len)]
             st.output_tokens = [rnd.randrange(vocab) for _ in range(32)]

@@ -1,4 +1,4 @@
-"""The scheduler's own work per token, alone: ``python -m benchmarks.scheduler``.
+"""The scheduler's own work per token, alone: ``python -m kvflow.benchmarks.scheduler``.
 
 Runs ``services/scheduler/core.py`` (planning with two plans in flight, applying results) for
 ``--seqs`` requests of ``--prompt-len`` tokens, each generating ``--output-len`` tokens

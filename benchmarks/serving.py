@@ -12,15 +12,14 @@ import os
 import platform
 import random
 import signal
-import subprocess
-import sys
 import time
 from dataclasses import asdict
 from pathlib import Path
 
 from kvflow.benchmarks.client import RunSummary, run_load
-from kvflow.shared.infra import free_port, wait_for_http
-from kvflow.shared.machine_cache import cache_root
+from kvflow.benchmarks.stack import start_stack
+from kvflow.shared.config import Settings
+from kvflow.shared.infra import free_port
 from kvflow.shared.model_source import load_tokenizer, resolve_model
 
 
@@ -44,19 +43,6 @@ def make_workload(
     return out
 
 
-def start_stack(extra: list[str]) -> tuple[subprocess.Popen, str]:
-    port = free_port()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "kvflow.cli.main", "serve", "--port", str(port), *extra],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        start_new_session=True,
-    )
-    base = f"http://127.0.0.1:{port}"
-    wait_for_http(f"{base}/health", proc, "kvflow serve")
-    return proc, base
-
-
 def run_kvflow(url: str | None, model: str, workload, extra: list[str]) -> RunSummary:
     proc = None
     if url is None:
@@ -71,13 +57,13 @@ def run_kvflow(url: str | None, model: str, workload, extra: list[str]) -> RunSu
             proc.wait(30)
 
 
-def run_hf_serve(src, tok, workload) -> RunSummary:
+def run_hf_serve(src, tok, workload, cache_dir: Path) -> RunSummary:
     """``transformers serve --continuous-batching`` with the same requests. It takes text
     prompts only and has no ignore_eos, so prompts are sent as their decoded text and its
     throughput counts the tokens it really generated (usage)."""
     from kvflow.benchmarks.hf import export_hf_dir, start_transformers_serve
 
-    model_dir = export_hf_dir(src, cache_root() / "hf" / src.name)
+    model_dir = export_hf_dir(src, cache_dir)
     port = free_port()
     print("starting transformers serve --continuous-batching ...", flush=True)
     proc = start_transformers_serve(model_dir, port)
@@ -228,8 +214,17 @@ def main(args: argparse.Namespace) -> int:
         from kvflow.benchmarks import tensor_parallel as bench_tp
 
         return bench_tp.main(args)
+    return compare(args)
+
+
+def compare(args: argparse.Namespace) -> int:
+    """``kvflow bench`` (compare): kvflow and the Hugging Face systems on the same workload."""
+    from kvflow.services.worker import machine
+
+    machine.configure(Settings.from_env())  # before any kernel loads (hf-serve's export)
+    cache = machine.cache_dir()
     src = resolve_model(args.model)
-    tok = load_tokenizer(src)
+    tok = load_tokenizer(src, cache)
     span = lambda s: tuple(int(x) for x in s.split(":"))  # noqa: E731
     num, plen, mtok = args.num_requests, span(args.prompt_len), span(args.max_tokens)
     if args.quick:
@@ -245,7 +240,7 @@ def main(args: argparse.Namespace) -> int:
     hf = [s for s in systems if s.startswith("hf-")]
     if "hf-serve" in hf:  # a server of its own: run it before loading the model in-process
         hf.remove("hf-serve")
-        results.append(run_hf_serve(src, tok, workload))
+        results.append(run_hf_serve(src, tok, workload, cache))
     if hf:
         from kvflow.benchmarks.hf import load_hf, static_batches
 

@@ -19,6 +19,7 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvflow.benchmarks.client import RunSummary, run_load
+from kvflow.shared.config import Settings
 from kvflow.shared.model_source import load_tokenizer, resolve_model
 
 DEFAULT_SPEC = '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}'
@@ -118,10 +119,10 @@ def _run(
 
 
 def main(args: argparse.Namespace) -> int:
-    from kvflow.benchmarks.serving import start_stack
+    from kvflow.benchmarks.stack import start_stack
 
     src = resolve_model(args.model)
-    tok = load_tokenizer(src)
+    tok = load_tokenizer(src, Settings.from_env().ops.cache_root())
     n, streams = args.spec_requests, args.spec_streams
     workloads = {
         "quoting": [_chat(tok, p) for p in quoting_prompts(max(n, streams * 2))],

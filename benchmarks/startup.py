@@ -2,9 +2,10 @@
 seconds the whole process tree spent getting there (on a 2-core machine the start is CPU-bound:
 every service imports and loads at once), and each service's resident memory once ready.
 
-Run: ``python -m benchmarks.startup --runs 3`` (add ``--serve-args "..."`` for other settings;
-figures recorded in docs/benchmarks.md). The tokenizer cache is warm after the first run ever on
-a machine (the first converts the GGUF's tokenizer); run it twice for a fresh machine's figure.
+Run: ``python -m kvflow.benchmarks.startup --runs 3`` (add ``--serve-args "..."`` for other
+settings; figures recorded in docs/benchmarks.md). The tokenizer cache is warm after the first
+run ever on a machine (the first converts the GGUF's tokenizer); run it twice for a fresh
+machine's figure.
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""The worker's host work per decode step, without a model: ``python -m benchmarks.step_host``.
+"""The worker's host work per decode step, without a model:
+``python -m kvflow.benchmarks.step_host``.
 
 What a decode step costs the host before the device computes anything, for ``--batch``
 sequences of ``--context`` tokens each: the plan's block-table differences applied

@@ -1,7 +1,7 @@
 """Start-up time and streaming throughput of a fresh ``kvflow serve``: time to ready and to the
 first streamed token, then output tokens/s with 1 and with 16 concurrent streams.
 
-Run: ``python -m benchmarks.streams`` (figures recorded in docs/benchmarks.md)."""
+Run: ``python -m kvflow.benchmarks.streams`` (figures recorded in docs/benchmarks.md)."""
 
 from __future__ import annotations
 

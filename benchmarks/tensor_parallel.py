@@ -38,7 +38,7 @@ async def _batch(url: str, model: str, n: int, max_tokens: int) -> RunSummary:
 
 
 def main(args: argparse.Namespace) -> int:
-    from kvflow.benchmarks.serving import start_stack
+    from kvflow.benchmarks.stack import start_stack
 
     src = resolve_model(args.model)
     sizes = [int(s) for s in args.tp_sizes.split(",") if s.strip()]

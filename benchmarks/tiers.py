@@ -1,7 +1,7 @@
 """TTFT of a long prompt computed, against the same prompt after a worker restart served from the
 Redis KV tier (and, for comparison, from the worker's own prefix cache).
 
-    python -m benchmarks.tiers [--prompt-tokens 1000] [--repeats 3]
+    python -m kvflow.benchmarks.tiers [--prompt-tokens 1000] [--repeats 3]
 
 It starts `kvflow serve --kv-redis-tier`, sends a prompt of real text (cold: computed), again
 (warm: the worker's prefix cache), then SIGKILLs the worker, waits for `kvflow serve` to start it
@@ -24,6 +24,7 @@ from pathlib import Path
 
 import httpx
 
+from kvflow.shared.config import Settings
 from kvflow.shared.infra import free_port, wait_for_http
 from kvflow.shared.model_source import load_tokenizer, resolve_model
 
@@ -57,12 +58,12 @@ def worker_pid(nats_url: str) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.tiers", description=__doc__)
+    p = argparse.ArgumentParser(prog="python -m kvflow.benchmarks.tiers", description=__doc__)
     p.add_argument("--prompt-tokens", type=int, default=1000)
     p.add_argument("--repeats", type=int, default=3)
     args = p.parse_args(argv)
     src = resolve_model()
-    tok = load_tokenizer(src)
+    tok = load_tokenizer(src, Settings.from_env().ops.cache_root())
     words = ["harbor", "signal", "copper", "meadow", "lantern", "orchard", "valley", "ember"]
     prompts = [
         tok(" ".join(f"{words[(i * 3 + k) % 8]} {i}," for i in range(args.prompt_tokens)))[

@@ -2,8 +2,8 @@
 only per-step tracing work), and, with ``--e2e``, decode throughput of one ``kvflow serve``
 with requests traced and untraced in alternating rounds.
 
-    python -m benchmarks.tracing          # hooks only (~30 s)
-    python -m benchmarks.tracing --e2e    # + a kvflow serve exporting over OTLP/HTTP
+    python -m kvflow.benchmarks.tracing          # hooks only (~30 s)
+    python -m kvflow.benchmarks.tracing --e2e    # + a kvflow serve exporting over OTLP/HTTP
 
 Both export for real: spans go through the SDK's BatchSpanProcessor and OTLP/HTTP exporter to
 a receiver (``kvflow traces``' OtlpReceiver) in another process (hooks) or thread (e2e). The

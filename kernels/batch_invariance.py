@@ -11,8 +11,8 @@ and compares each row with the same row computed in a ``max_rows``-row GEMM. The
 ``pad`` that never differs wins; if none does, fixed 16-row tiles are returned, as before
 calibration existed (and ``invariant`` says whether even those were shown to hold).
 
-``calibrate_cached`` keeps each answer in ``$KVFLOW_CACHE_DIR/gemm-rows`` (default
-``~/.cache/kvflow``), keyed by what decides it: the CPU (model name and flags), torch's version
+``calibrate_cached`` keeps each answer in the machine cache its caller gives (its gemm-rows/
+folder), keyed by what decides it: the CPU (model name and flags), torch's version
 and build configuration (its BLAS/oneDNN), the thread count, each weight's shape, dtype and kind
 (dense or packed) and the calibration's own parameters. Weight values are not in the key: the
 BLAS picks its kernels from shapes, layouts and threads, not from values. A restart on the same
@@ -33,7 +33,6 @@ from pathlib import Path
 import torch
 
 from kvflow.kernels.reference import Weight, matmul_fn
-from kvflow.shared.machine_cache import cache_root
 
 log = logging.getLogger("kvflow.kernels")
 
@@ -120,21 +119,22 @@ def cache_key(weights: Sequence[torch.Tensor | Weight], max_rows: int, seed: int
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:24]
 
 
-def _cache_dir() -> Path:
-    return cache_root() / "gemm-rows"
+def calibration_dir(cache_dir: Path) -> Path:
+    """Where answers are kept in the machine cache ``cache_dir``."""
+    return cache_dir / "gemm-rows"
 
 
 def calibrate_cached(
-    weights: Sequence[torch.Tensor | Weight], max_rows: int = 64, seed: int = 0
+    weights: Sequence[torch.Tensor | Weight], cache_dir: Path, max_rows: int = 64, seed: int = 0
 ) -> tuple[GemmRows, bool]:
-    """``calibrate``, answered from the cache when this machine already ran the same one;
-    (layout, whether it came from the cache). A cache that cannot be read or written is
+    """``calibrate``, answered from the machine cache ``cache_dir`` when this machine already
+    ran the same one; (layout, whether it came from the cache). A cache that cannot be read or written is
     skipped with a log line, never an error. Weights invariant by construction are answered
     at once and never cached (their answer is each kernel's own ``max_invariant_rows``, which a
     new version of the kernel may change)."""
     if all(getattr(w, "batch_invariant", False) for w in weights):
         return calibrate(weights, max_rows, seed), False
-    path = _cache_dir() / f"{cache_key(weights, max_rows, seed)}.json"
+    path = calibration_dir(cache_dir) / f"{cache_key(weights, max_rows, seed)}.json"
     try:
         return GemmRows(**json.loads(path.read_text())), True
     except FileNotFoundError:

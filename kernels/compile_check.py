@@ -1,6 +1,6 @@
 """Compile every Triton kernel for a real NVIDIA GPU on any machine, GPU or not.
 
-    python -m kernels.compile_check [--arch 90] [--dtype bfloat16 float16]
+    python -m kvflow.kernels.compile_check [--arch 90] [--dtype bfloat16 float16]
 
 The interpreter (what the CPU tests run) accepts code that the GPU compiler rejects (and the other
 way round), so this runs each kernel wrapper in kernels/ops.py on CPU tensors of serving shapes
@@ -154,14 +154,14 @@ def launch_all(dtype: torch.dtype) -> None:
 def _launch_moe(dtype: torch.dtype) -> None:
     """kernels/triton_moe.py's grouped expert GEMMs (8 experts of 1408, top-2, hidden 2048) at
     a decode and a prefill row count."""
-    from kvflow.kernels.triton_moe import moe_experts
+    from kvflow.kernels.triton_moe import expert_slots
 
     e, h, i = 8, 2048, 1408
     up, down = torch.empty(e, 2 * i, h, dtype=dtype), torch.empty(e, h, i, dtype=dtype)
     for t in (8, 512):
         ids = torch.randint(0, e, (t, 2))
         x = torch.empty(t, h, dtype=dtype)
-        moe_experts(x, torch.rand(t, 2), ids, up, down, lambda g: g[:, :i].contiguous())
+        expert_slots(x, torch.rand(t, 2), ids, up, down, lambda g: g[:, :i].contiguous())
 
 
 def _launch_quant_matmuls(dtype: torch.dtype) -> None:

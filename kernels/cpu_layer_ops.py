@@ -7,7 +7,8 @@ At decode batch sizes these are a few thousand floats per layer, and the PyTorch
 computing. Same math and op order as the reference (HF's), fp32, batch invariant (each row by
 the same instructions whatever the batch); results may differ from PyTorch's in the last bit
 (another summation order in RMSNorm's mean, a polynomial ``exp``). ``available()`` is False
-where no C compiler is found or ``KVFLOW_NATIVE_KERNELS=0``; callers then use the reference.
+where no C compiler is found or native kernels are off (``cpu_native.NativeSetup``); callers
+then use the reference.
 """
 
 from __future__ import annotations

@@ -6,10 +6,14 @@ them, which moves the whole context through memory three times per layer. The C 
 ``csrc/paged_attention_cpu.c`` reads the blocks where they lie.
 
 Building needs no torch headers (plain C on raw pointers), so it takes about a second. The
-library is cached under ``$KVFLOW_CACHE_DIR/kernels`` (default ``~/.cache/kvflow/kernels``) by
-a hash of the source, the headers it includes, the flags and the compiler, so a changed kernel is
-rebuilt. Where no compiler is found, ``load()`` returns None and callers use the PyTorch
-reference.
+library is cached in the machine cache's kernels/ folder by a hash of the source, the headers it
+includes, the flags and the compiler, so a changed kernel is rebuilt. Where no compiler is
+found, ``load()`` returns None and callers use the PyTorch reference.
+
+A loaded library stays loaded for the process's life, so where they are built and whether they
+are used at all is the process's, given once by its entry point (``configure``, before the first
+kernel loads: the worker from its settings, services/worker/machine.py), never read here from
+the environment.
 
 Every native kernel runs its threads through one pool (``csrc/thread_pool.c``, loaded first and
 globally by ``pool()``), not OpenMP: an OpenMP region waits for every thread of its team, so one
@@ -27,12 +31,11 @@ import shutil
 import subprocess
 import tempfile
 from collections.abc import Sequence
+from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
 
 import torch
-
-from kvflow.shared.machine_cache import cache_root
 
 log = logging.getLogger("kvflow.kernels")
 
@@ -59,8 +62,43 @@ _POOL_FLAGS = ["-O2", "-pthread", "-fPIC", "-c"]
 _LINK_FLAGS = ["-shared", "-pthread"]
 
 
-def _cache_dir() -> Path:
-    return cache_root() / "kernels"
+@dataclass(frozen=True)
+class NativeSetup:
+    """What a process tells its native kernels once: the machine cache ``cache_dir`` (libraries
+    are kept in its kernels/ folder) and whether native kernels are used at all (False: the
+    PyTorch reference runs everywhere: a switch for comparing and for machines whose compiler
+    builds bad code)."""
+
+    cache_dir: Path
+    enabled: bool = True
+
+
+_setup: NativeSetup | None = None
+
+
+def configure(setup: NativeSetup) -> None:
+    """Set this process's ``NativeSetup``, before the first kernel loads (RuntimeError for
+    another setup once one has loaded: a library cannot be unloaded)."""
+    global _setup
+    if _setup is not None and setup != _setup and pool.cache_info().currsize:
+        raise RuntimeError(f"native kernels already loaded with {_setup}; not switching to {setup}")
+    _setup = setup
+
+
+def setup() -> NativeSetup:
+    """This process's ``NativeSetup`` (RuntimeError, saying what to call, before ``configure``)."""
+    if _setup is None:
+        raise RuntimeError(
+            "the native CPU kernels were not configured: a process calls "
+            "kvflow.kernels.cpu_native.configure(NativeSetup(cache_dir, enabled)) at its start "
+            "(the worker: services/worker/machine.py, from --cache-dir and --native-kernels)"
+        )
+    return _setup
+
+
+def library_dir(cache_dir: Path) -> Path:
+    """Where built libraries are kept in the machine cache ``cache_dir``."""
+    return cache_dir / "kernels"
 
 
 def _compiler() -> str | None:
@@ -74,10 +112,12 @@ def build(
     src: Path = _SRC,
     compile_flags: Sequence[str] = _COMPILE_FLAGS,
     headers: Sequence[Path] = (POOL_HEADER,),
+    *,
+    cache_dir: Path,
 ) -> Path | None:
-    """Compile ``src`` (including ``headers``) with ``compile_flags`` into a shared library (or
-    reuse the cached one); None without a working compiler, with a warning saying what to
-    install."""
+    """Compile ``src`` (including ``headers``) with ``compile_flags`` into a shared library in
+    the machine cache ``cache_dir`` (or reuse the one built there); None without a working
+    compiler, with a warning saying what to install."""
     cc = _compiler()
     if cc is None:
         log.warning("no C compiler found (install gcc): using the slower PyTorch attention")
@@ -88,7 +128,7 @@ def build(
     flags = [cc, *compile_flags, "|", *_LINK_FLAGS]  # what the cached build's name depends on
     sources = b"".join(p.read_bytes() for p in (src, *headers))
     key = hashlib.sha256(sources + " ".join(flags).encode()).hexdigest()[:16]
-    out = _cache_dir() / f"{src.stem}-{key}.so"
+    out = library_dir(cache_dir) / f"{src.stem}-{key}.so"
     if out.exists():
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -117,20 +157,15 @@ def build(
     return out
 
 
-def native_kernels_enabled() -> bool:
-    """False with ``KVFLOW_NATIVE_KERNELS=0`` (the reference kernels then run everywhere: a
-    switch for comparing and for machines whose compiler builds bad code); the one reader."""
-    return os.environ.get("KVFLOW_NATIVE_KERNELS", "1") != "0"
-
-
 @cache
 def pool() -> ctypes.CDLL | None:
     """The thread pool every native kernel calls, loaded with its symbols global (kernel
     libraries loaded after it resolve ``kvf_parallel`` to this one pool); None where it cannot
-    be built or native kernels are off."""
-    if not native_kernels_enabled():
+    be built or native kernels are off (``NativeSetup.enabled``)."""
+    native = setup()
+    if not native.enabled:
         return None
-    path = build(_POOL_SRC, _POOL_FLAGS)
+    path = build(_POOL_SRC, _POOL_FLAGS, cache_dir=native.cache_dir)
     if path is None:
         return None
     lib = ctypes.CDLL(str(path), mode=ctypes.RTLD_GLOBAL)
@@ -147,14 +182,13 @@ def load_kernels(src: Path, compile_flags: Sequence[str]) -> ctypes.CDLL | None:
     either cannot be built or native kernels are off."""
     if pool() is None:
         return None
-    path = build(src, compile_flags)
+    path = build(src, compile_flags, cache_dir=setup().cache_dir)
     return None if path is None else ctypes.CDLL(str(path))
 
 
 @cache
 def load() -> ctypes.CDLL | None:
-    """The compiled kernels, or None where they cannot be built (``KVFLOW_NATIVE_KERNELS=0``
-    turns them off)."""
+    """The compiled kernels, or None where they cannot be built or native kernels are off."""
     lib = load_kernels(_SRC, _COMPILE_FLAGS)
     if lib is None:
         return None

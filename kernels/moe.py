@@ -81,9 +81,9 @@ def moe_block(
     flat = ids.reshape(-1)
     load = torch.bincount(flat, minlength=m.num_experts)
     if m.gate_up_stacked is not None:  # the device path: two grouped launches, no host sync
-        from kvflow.kernels.triton_moe import moe_experts
+        from kvflow.kernels.triton_moe import expert_slots
 
-        y = moe_experts(x, weights, ids, m.gate_up_stacked, m.down_stacked, act)
+        y = sum_slots(expert_slots(x, weights, ids, m.gate_up_stacked, m.down_stacked, act))
     else:
         y = _per_expert(x, weights, flat, load, m, rows_linear, act)
     if m.shared_gate_up is not None:

@@ -295,7 +295,7 @@ def decode_attention(
     # fp32 on tensor cores would silently be tf32; ask for full precision there
     precision = "ieee" if q.dtype == torch.float32 else "tf32"
     # 64-token tiles over 4 warps: 80 registers, 38 KB shared on sm_90 for bf16 head_dim 128
-    # (python -m kernels.compile_check); head_dim 256 halves the tile to stay alike
+    # (python -m kvflow.kernels.compile_check); head_dim 256 halves the tile to stay alike
     block_n = 64 if block_d <= 128 else 32
     _decode_split_kernel[(bsz, hkv * head_tiles, num_splits)](
         q,

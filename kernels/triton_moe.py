@@ -4,8 +4,10 @@ belongs to one expert; one launch per projection then multiplies each tile by it
 weight tile (``grouped_gemm``). Experts with no token get no tile; nothing waits on the host
 (the padded length is bounded by shapes), so the launches could run under CUDA-graph capture.
 
-The same function as ``kernels.moe.moe_block``'s expert part: ``moe_experts`` returns, for
-each token, the sum over its k experts of ``weight * down(act(gate_up(x)))``.
+The same function as ``kernels.moe.moe_block``'s expert part: ``expert_slots`` returns, for
+each token, its k experts' ``weight * down(act(gate_up(x)))``, which ``moe_block`` sums in the
+token's top-k order as on the CPU path (``kernels.moe.sum_slots``; this module imports nothing
+of kernels/moe.py, which dispatches to it).
 """
 
 from __future__ import annotations
@@ -15,8 +17,6 @@ from collections.abc import Callable
 import torch
 import triton
 import triton.language as tl
-
-from kvflow.kernels.moe import sum_slots
 
 
 @triton.jit
@@ -148,7 +148,7 @@ def grouped_gemm(
     return out
 
 
-def moe_experts(
+def expert_slots(
     x: torch.Tensor,
     weights: torch.Tensor,
     ids: torch.Tensor,
@@ -157,8 +157,8 @@ def moe_experts(
     act: Callable[[torch.Tensor], torch.Tensor],
 ) -> torch.Tensor:
     """Each token's routed experts: ``x`` [T, H], router ``weights`` and ``ids`` [T, k],
-    stacked ``gate_up`` [E, 2I, H] and ``down`` [E, H, I]; returns [T, H], the sum over each
-    token's k slots (in its top-k order) of ``weight * down(act(gate_up(x)))``."""
+    stacked ``gate_up`` [E, 2I, H] and ``down`` [E, H, I]; returns [T, k, H], slot j of token t
+    being ``weights[t, j] * down(act(gate_up(x[t])))`` of its j-th expert."""
     t, top_k = ids.shape
     slots = t * top_k
     bm = block_m(slots)
@@ -167,4 +167,4 @@ def moe_experts(
     h = act(h)
     w = weights.reshape(-1).to(torch.float32).contiguous()
     out = grouped_gemm(h, down, sorted_slots, block_expert, slots, top_k, bm, True, w)
-    return sum_slots(out.view(t, top_k, -1))
+    return out.view(t, top_k, -1)

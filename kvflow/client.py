@@ -42,6 +42,16 @@ class PipelineError(RuntimeError):
         self.type = err.type
 
 
+def user_error(e: BaseException) -> BaseException:
+    """What the Python API raises for ``e``: a pipeline refusal (400) becomes a ValueError naming
+    the parameter, as vLLM raises; anything else stays as it is."""
+    if isinstance(e, PipelineError) and e.code == 400:
+        err = ValueError(f"{e.param}: {e}" if e.param else str(e))
+        err.param = e.param  # type: ignore[attr-defined]
+        return err
+    return e
+
+
 @dataclass
 class Completion:
     """Everything the pipeline sent for one request."""

@@ -28,7 +28,7 @@ from typing import Any
 
 from kvflow import pooling
 from kvflow.cli.launcher import Stack, start_pipeline
-from kvflow.client import Completion, PipelineClient, PipelineError
+from kvflow.client import Completion, PipelineClient, PipelineError, user_error
 from kvflow.loop_thread import LoopThread
 from kvflow.lora_request import LoRARequest
 from kvflow.outputs import (
@@ -116,7 +116,7 @@ class LLM:
         where = self.source.path if self.source.kind == "hf" else None
         self.served = served_task(cfg, where, ms.task, ms.pooling_type)  # what it is for
         self.eos_token_ids = list(cfg.eos_token_ids)
-        self.tokenizer = load_tokenizer(self.source)
+        self.tokenizer = load_tokenizer(self.source, self.settings.ops.cache_root())
         if self.settings.model.chat_template:
             self.tokenizer.chat_template = read_chat_template(self.settings.model.chat_template)
         self.default_seed = seed
@@ -323,7 +323,7 @@ class LLM:
                 t.cancel()
             bar.close()
         if failure:
-            raise _as_user_error(failure[0])
+            raise user_error(failure[0])
         return [o for o in out if o is not None]
 
     async def _one(
@@ -464,13 +464,4 @@ class LLM:
         try:
             return list(await asyncio.gather(*(one(ids, salt) for _, ids, salt in items)))
         except PipelineError as e:
-            raise _as_user_error(e) from None
-
-
-def _as_user_error(e: BaseException) -> BaseException:
-    """A pipeline refusal becomes a ValueError naming the parameter, as vLLM raises."""
-    if isinstance(e, PipelineError) and e.code == 400:
-        err = ValueError(f"{e.param}: {e}" if e.param else str(e))
-        err.param = e.param  # type: ignore[attr-defined]
-        return err
-    return e
+            raise user_error(e) from None

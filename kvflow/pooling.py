@@ -13,11 +13,13 @@ from __future__ import annotations
 import asyncio
 import sys
 from array import array
-from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from collections.abc import Iterator, Sequence
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
+from kvflow.client import PipelineClient, user_error
+from kvflow.loop_thread import LoopThread
 from kvflow.outputs import (
     ClassificationOutput,
     ClassificationRequestOutput,
@@ -31,7 +33,22 @@ from kvflow.services.tokenizer.pooling_inputs import PromptError, check_task, po
 from kvflow.shared.messages import GenerateRequest, PoolingParams, SamplingParams
 
 if TYPE_CHECKING:
-    from kvflow.llm import LLM
+    from kvflow.shared.config import Settings
+    from kvflow.shared.models.tasks import ServedTask
+
+
+class PoolingLLM(Protocol):
+    """What the pooling APIs read of the ``LLM`` (kvflow/llm.py) that calls them with itself."""
+
+    settings: Settings
+    tokenizer: Any  # transformers' tokenizer of the model
+    served: ServedTask
+    max_model_len: int
+    max_in_flight: int
+    _client: PipelineClient
+    _ids: Iterator[int]
+    _loop: LoopThread
+
 
 _Input = tuple[list[int], PoolingParams, str | None]  # token ids, completed params, cache salt
 
@@ -42,7 +59,7 @@ def check_truncation(keep: int | None) -> None:
 
 
 def prepared(
-    llm: LLM, prompt: Prompt, task: str, keep: int | None, pair: str | None = None
+    llm: PoolingLLM, prompt: Prompt, task: str, keep: int | None, pair: str | None = None
 ) -> _Input:
     """One input's token ids and PoolingParams as the tokenizer service would make them."""
     salt = prompt_cache_salt(prompt)
@@ -71,12 +88,10 @@ def prepared(
     return ids, params, salt
 
 
-async def pool_all(llm: LLM, inputs: list[_Input], use_tqdm: bool, desc: str) -> list[bytes]:
+async def pool_all(llm: PoolingLLM, inputs: list[_Input], use_tqdm: bool, desc: str) -> list[bytes]:
     """Each prepared input's pooled output (float32 bytes), in input order; at most
     ``llm.max_in_flight`` in the pipeline at a time."""
     from tqdm import tqdm
-
-    from kvflow.llm import _as_user_error
 
     window = asyncio.Semaphore(llm.max_in_flight)
     bar = tqdm(total=len(inputs), desc=desc, disable=not use_tqdm or len(inputs) < 2,
@@ -98,7 +113,7 @@ async def pool_all(llm: LLM, inputs: list[_Input], use_tqdm: bool, desc: str) ->
     try:
         return list(await asyncio.gather(*tasks))
     except BaseException as e:
-        raise _as_user_error(e) from None
+        raise user_error(e) from None
     finally:
         for t in tasks:
             t.cancel()
@@ -110,7 +125,7 @@ def _floats(data: bytes) -> list[float]:
 
 
 def _per_prompt(
-    llm: LLM, prompts: Prompt | Sequence[Prompt], task: str, keep: int | None, use_tqdm: bool
+    llm: PoolingLLM, prompts: Prompt | Sequence[Prompt], task: str, keep: int | None, use_tqdm: bool
 ) -> list[tuple[list[float], list[int]]]:
     """Each prompt's pooled output for ``task`` and the token ids that ran, in input order."""
     check_truncation(keep)
@@ -121,7 +136,7 @@ def _per_prompt(
 
 
 def embed(
-    llm: LLM, prompts: Prompt | Sequence[Prompt], keep: int | None, use_tqdm: bool
+    llm: PoolingLLM, prompts: Prompt | Sequence[Prompt], keep: int | None, use_tqdm: bool
 ) -> list[EmbeddingRequestOutput]:
     outs = _per_prompt(llm, prompts, "embed", keep, use_tqdm)
     return [
@@ -130,7 +145,7 @@ def embed(
 
 
 def classify(
-    llm: LLM, prompts: Prompt | Sequence[Prompt], keep: int | None, use_tqdm: bool
+    llm: PoolingLLM, prompts: Prompt | Sequence[Prompt], keep: int | None, use_tqdm: bool
 ) -> list[ClassificationRequestOutput]:
     outs = _per_prompt(llm, prompts, "classify", keep, use_tqdm)
     return [
@@ -156,7 +171,7 @@ def score_pairs(text_1: str | Sequence[str], text_2: str | Sequence[str]) -> lis
 
 
 def score(
-    llm: LLM,
+    llm: PoolingLLM,
     text_1: str | Sequence[str],
     text_2: str | Sequence[str],
     keep: int | None,

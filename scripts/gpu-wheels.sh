@@ -33,9 +33,10 @@ done
 "$PY" - "$DIR/tokenizer" <<'EOF'
 import sys
 
+from kvflow.shared.config import Settings
 from kvflow.shared.model_source import load_tokenizer, resolve_model
 
-load_tokenizer(resolve_model()).save_pretrained(sys.argv[1])
+load_tokenizer(resolve_model(), Settings.from_env().ops.cache_root()).save_pretrained(sys.argv[1])
 EOF
 size=$(du -sm "$DIR" | cut -f1)
 echo "gpu-wheels: $(ls "$DIR/wheels" | wc -l) wheels and the tokenizer in $DIR: ${size} MiB"

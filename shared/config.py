@@ -13,6 +13,7 @@ import dataclasses
 import os
 import shlex
 from dataclasses import dataclass, field, fields
+from pathlib import Path
 from typing import Any
 
 from kvflow.shared.model_settings import ModelSettings
@@ -161,6 +162,14 @@ class WorkerSettings:
             "StepCostModel's coefficients, or 'cpu' for SmolLM2 on a 2-core CPU)"
         },
     )
+    native_kernels: bool = field(
+        default=True,
+        metadata={
+            "help": "the CPU path's native C kernels (compiled once into --cache-dir; without "
+            "a C compiler the PyTorch reference runs); false: the reference everywhere (for "
+            "comparing, or where the compiler builds bad code)"
+        },
+    )
 
 
 @dataclass
@@ -279,7 +288,8 @@ class GatewaySettings:
 
 @dataclass
 class OpsSettings:
-    """What every service shares: logging, the ops endpoint and the drain time."""
+    """What every service shares: logging, the ops endpoint, the drain time and the machine's
+    cache."""
 
     log_level: str = field(default="info", metadata={"help": "debug | info | warning | error"})
     log_format: str = field(
@@ -296,6 +306,19 @@ class OpsSettings:
         default=30.0,
         metadata={"help": "seconds a draining service (SIGTERM) may take to finish its work"},
     )
+    cache_dir: str = field(
+        default="",
+        metadata={
+            "help": "where this machine keeps what kvflow computes once (compiled CPU kernels, "
+            "GEMM calibrations, converted tokenizers, benchmark exports), shared by every "
+            "process on it ('' = ~/.cache/kvflow)"
+        },
+    )
+
+    def cache_root(self) -> Path:
+        """The machine cache's folder: ``cache_dir``, or ``~/.cache/kvflow`` when empty. Each
+        user of it keeps its own folder inside (kernels/, gemm-rows/, tokenizers/, ...)."""
+        return Path(self.cache_dir) if self.cache_dir else Path.home() / ".cache" / "kvflow"
 
 
 @dataclass

@@ -1,26 +1,24 @@
-"""KV connectors by name: the registry, and the scheduler's half of each.
+"""KV connectors by name: the transports a setting may name, and the scheduler's half of each.
 
 A connector moves KV blocks between workers (disaggregated prefill -> decode) and has two halves,
 as vLLM's KVConnectorFactory builds one class per role:
 
-- the worker half (services/worker/kv_connectors/: ``KvConnectorWorker``) serves this worker's
-  blocks to peers and pulls a peer's blocks into this worker's cache, at an address only the
-  connector understands (a NATS subject, an in-process key, ...), which the worker announces in
-  its heartbeat (``kv_address``);
+- the worker half (services/worker/kv_connectors/: ``KvConnectorWorker``, built by its factory
+  from the same names) serves this worker's blocks to peers and pulls a peer's blocks into this
+  worker's cache, at an address only the connector understands (a NATS subject, an in-process
+  key, ...), which the worker announces in its heartbeat (``kv_address``);
 - the scheduler half (``KvConnectorScheduler`` here) is what the scheduler needs from a
   transport: today, each worker's address, put into the KvPull order as ``src_address``.
 
-The registry is shared (both services look a name up in it; each builds only its own half), so
-it lives here: adding a transport is one worker module and one ``register_connector`` line below;
-the setting ``kv_connector`` picks it. This module imports no torch and no transport: the halves
-are loaded by module path when built.
+The names are shared (both services check the setting ``kv_connector`` against them), so they
+live here with the scheduler's halves; the worker's halves live in the worker, which this
+module does not name. Adding a transport is its worker module, one ``register_connector`` line
+below and one line in the worker's factory. This module imports no torch and no transport.
 """
 
 from __future__ import annotations
 
-import importlib
 from dataclasses import dataclass
-from typing import Any
 
 
 class KvConnectorScheduler:
@@ -48,21 +46,22 @@ class KvConnectorScheduler:
 
 @dataclass(frozen=True)
 class ConnectorSpec:
-    """Where a connector's halves live, as ``module:Class`` (imported when built)."""
+    """A registered transport: its scheduler half (the worker's is the worker factory's)."""
 
-    worker: str
-    scheduler: str
+    scheduler: type[KvConnectorScheduler]
 
 
-DEFAULT_SCHEDULER = f"{__name__}:KvConnectorScheduler"
+DEFAULT_SCHEDULER = KvConnectorScheduler
 _REGISTRY: dict[str, ConnectorSpec] = {}
 
 
-def register_connector(name: str, worker: str, scheduler: str = DEFAULT_SCHEDULER) -> None:
-    """Make the connector ``name`` buildable (``worker`` and ``scheduler`` as module:Class)."""
+def register_connector(
+    name: str, scheduler: type[KvConnectorScheduler] = DEFAULT_SCHEDULER
+) -> None:
+    """Make the transport ``name`` one the setting may name, with its scheduler half."""
     if name in _REGISTRY:
         raise ValueError(f"KV connector {name!r} is already registered")
-    _REGISTRY[name] = ConnectorSpec(worker, scheduler)
+    _REGISTRY[name] = ConnectorSpec(scheduler)
 
 
 def known_connectors() -> list[str]:
@@ -78,17 +77,11 @@ def connector_spec(name: str) -> ConnectorSpec:
     return spec
 
 
-def load_half(path: str) -> Any:  # noqa: ANN401 - a class named by a registry entry
-    """The class a registry entry names (``module:Class``)."""
-    module, _, cls = path.partition(":")
-    return getattr(importlib.import_module(module), cls)
-
-
 def create_scheduler_connector(name: str) -> KvConnectorScheduler:
     """The scheduler half of connector ``name``."""
-    return load_half(connector_spec(name).scheduler)()
+    return connector_spec(name).scheduler()
 
 
 # One line per transport.
-register_connector("nats", "kvflow.services.worker.kv_connectors.nats:NatsKvConnector")
-register_connector("inproc", "kvflow.services.worker.kv_connectors.inproc:InProcKvConnector")
+register_connector("nats")
+register_connector("inproc")

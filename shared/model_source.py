@@ -13,8 +13,6 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvflow.shared.machine_cache import cache_root
-
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_NAME = "SmolLM2-135M-Instruct"
 
@@ -81,10 +79,10 @@ def resolve_model(model: str = "", served_name: str = "") -> ModelSource:
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".h5", ".msgpack", ".ckpt")
 
 
-def _tokenizer_cache_dir(src: ModelSource) -> Path:
-    """Where the model's tokenizer is saved once loaded: keyed by the GGUF file, or by a
-    directory's files other than weights (names, sizes and modification times), so an edited
-    tokenizer or chat template is loaded anew."""
+def _tokenizer_cache_dir(src: ModelSource, cache_dir: Path) -> Path:
+    """Where the model's tokenizer is saved once loaded, in the machine cache ``cache_dir``:
+    keyed by the GGUF file, or by a directory's files other than weights (names, sizes and
+    modification times), so an edited tokenizer or chat template is loaded anew."""
     if src.kind == "gguf":
         st = src.path.stat()
         ident = f"{src.path.resolve()}:{st.st_size}:{st.st_mtime_ns}"
@@ -96,15 +94,16 @@ def _tokenizer_cache_dir(src: ModelSource) -> Path:
             for st in (p.stat(),)
         )
         ident = f"{src.path.resolve()}:{files}"
-    return cache_root() / "tokenizers" / hashlib.sha1(ident.encode()).hexdigest()[:16]
+    return cache_dir / "tokenizers" / hashlib.sha1(ident.encode()).hexdigest()[:16]
 
 
-def load_tokenizer(src: ModelSource):  # -> transformers.PreTrainedTokenizerBase
+def load_tokenizer(src: ModelSource, cache_dir: Path):  # -> transformers.PreTrainedTokenizerBase
     """The model's own tokenizer (with its chat template). transformers' AutoTokenizer loads it
     the first time (a GGUF's is converted: seconds) and it is saved (``tokenizer.json`` and
-    its config, ~/.cache/kvflow/tokenizers); later starts load the saved one by its class."""
+    its config) in the machine cache ``cache_dir`` (``--cache-dir``: ``OpsSettings.cache_root``)
+    under tokenizers/; later starts load the saved one by its class."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    cache = _tokenizer_cache_dir(src)
+    cache = _tokenizer_cache_dir(src, cache_dir)
     if (cache / "tokenizer.json").is_file():
         try:
             saved = _load_saved_tokenizer(cache)

@@ -1,5 +1,5 @@
 """OpenMP settings for torch's own thread team, set on import, before torch is first imported
-(libgomp reads them once, when torch loads it). ``import shared.openmp_env`` comes first in
+(libgomp reads them once, when torch loads it). ``import kvflow.shared.openmp_env`` comes first in
 the entry points that run the worker: the ``kvflow`` package (its CLI runs every service, and
 the ``LLM`` API) and ``benchmarks``. The test process itself keeps libgomp's default: its
 tests mostly run torch reference code, back-to-back small parallel ops that a passive team

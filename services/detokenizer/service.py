@@ -346,7 +346,8 @@ async def run(settings: Settings) -> None:
     from kvflow.shared.ops_http import start_ops_server
 
     ops = start_ops_server(settings.ops.ops_port, "detokenizer")
-    tok = load_tokenizer(resolve_model(settings.model.path, settings.model.served_model_name))
+    src = resolve_model(settings.model.path, settings.model.served_model_name)
+    tok = load_tokenizer(src, settings.ops.cache_root())
     service = DetokenizerService(settings, tok)
     await service.start()
     ops.registry.register(service.metrics.registry)

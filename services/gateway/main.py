@@ -1,5 +1,5 @@
-"""Run the gateway: uvicorn serving ``create_app(settings)`` on --host:--port. This is
-what ``kvflow run gateway`` calls; ``python -m services.gateway.main --port 8000`` works too."""
+"""Run the gateway: uvicorn serving ``create_app(settings)`` on --host:--port. This is what
+``kvflow run gateway`` calls; ``python -m kvflow.services.gateway.main --port 8000`` works too."""
 
 from __future__ import annotations
 

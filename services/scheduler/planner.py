@@ -24,6 +24,7 @@ from kvflow.services.scheduler.block_manager import BlockHash
 from kvflow.services.scheduler.sequence import RequeueReason, SeqStatus, Sequence
 from kvflow.services.scheduler.speculation import Drafts
 from kvflow.shared.messages import PLACEHOLDER, BlockRef, NewRequest, ScheduledSeq, StepPlan
+from kvflow.shared.sampling import needs_token_history
 
 if TYPE_CHECKING:
     from kvflow.services.scheduler.worker_state import WorkerState
@@ -299,7 +300,7 @@ def _announce(seq: Sequence) -> NewRequest:
         prompt_len=seq.prompt_len,
         num_output_tokens=seq.num_output_tokens,
         eos_token_ids=seq.eos_token_ids,
-        token_history=list(seq.token_ids) if seq.params.needs_token_history() else [],
+        token_history=list(seq.token_ids) if needs_token_history(seq.params) else [],
         pooling=seq.pooling,
         lora=seq.lora,
     )

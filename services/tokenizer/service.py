@@ -322,7 +322,7 @@ async def run(settings: Settings) -> None:
     ops = start_ops_server(settings.ops.ops_port, "tokenizer")
     src = resolve_model(settings.model.path, settings.model.served_model_name)
     cfg = load_config(src)
-    tok = load_tokenizer(src)
+    tok = load_tokenizer(src, settings.ops.cache_root())
     if settings.model.chat_template:
         tok.chat_template = read_chat_template(settings.model.chat_template)
     max_len = min(settings.model.max_model_len, cfg.max_position_embeddings)

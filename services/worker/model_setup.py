@@ -19,6 +19,7 @@ from kvflow.kernels.batch_invariance import GemmRows
 from kvflow.kernels.cpu_quant import QuantWeight
 from kvflow.kernels.fp8_linear import Fp8Weight, fp8_supported
 from kvflow.kernels.ops import KernelBackend, get_backend
+from kvflow.services.worker import machine
 from kvflow.services.worker.cuda_graphs import DecodeGraphs, capture_sizes
 from kvflow.services.worker.device import kernel_backend as default_backend
 from kvflow.services.worker.model import DecoderModel
@@ -299,7 +300,7 @@ def calibrate_gemm_rows(model: AnyModel) -> GemmRows:
     """Test this machine's GEMM on the model's own weights, one of each shape (15-20 s on
     2 cores), or reuse this machine's earlier answer for the same shapes."""
     t0 = time.perf_counter()
-    rows, cached = batch_invariance.calibrate_cached(model.linear_weights())
+    rows, cached = batch_invariance.calibrate_cached(model.linear_weights(), machine.cache_dir())
     how = "from the calibration cache" if cached else "calibrated"
     log.info("GEMM row layout %s (%s in %.1fs)", rows, how, time.perf_counter() - t0)
     return rows

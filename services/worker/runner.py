@@ -66,6 +66,7 @@ from kvflow.shared.models.config import ModelConfig
 from kvflow.shared.sampling import (
     LogitsProcessor,
     active_processors,
+    needs_token_history,
 )
 
 log = logging.getLogger("kvflow.worker")
@@ -299,7 +300,7 @@ class ModelRunner:
             num_output_tokens=r.num_output_tokens,
             eos_token_ids=frozenset(eos),
             stop_token_ids=frozenset(p.stop_token_ids),
-            keeps_history=p.needs_token_history(),
+            keeps_history=needs_token_history(p),
             # sent with the first token already when resumed after a preemption
             prompt_logprobs_k=p.prompt_logprobs if r.num_output_tokens == 0 else None,
             prompt_tokens=list(r.token_history[: r.prompt_len]),

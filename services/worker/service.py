@@ -23,8 +23,9 @@ from typing import TypeVar
 
 from nats.aio.msg import Msg
 
+from kvflow.services.worker import machine
 from kvflow.services.worker.kv_blocks import KvBlockIO
-from kvflow.services.worker.kv_connectors.base import create_worker_connector
+from kvflow.services.worker.kv_connectors.factory import create_worker_connector
 from kvflow.services.worker.kv_connectors.tiers import KvTiers
 from kvflow.services.worker.placeholders import PlaceholderError, StepTokens
 from kvflow.services.worker.runner_loading import load_runner
@@ -368,6 +369,7 @@ async def run(settings: Settings) -> None:
     from kvflow.shared.model_source import resolve_model
     from kvflow.shared.ops_http import start_ops_server
 
+    machine.configure(settings)  # before any kernel loads
     ops = start_ops_server(settings.ops.ops_port, "worker")
     src = resolve_model(settings.model.path, settings.model.served_model_name)
     if not settings.worker.worker_id:

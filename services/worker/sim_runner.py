@@ -302,11 +302,12 @@ class SimRunner:
 def vocab_for(src: ModelSource) -> tuple[list[int], list[int]]:
     """(ordinary token ids, EOS ids) of a model, from its tokenizer and config: the simulator
     generates only tokens that are neither special nor added."""
+    from kvflow.services.worker import machine
     from kvflow.shared.model_config import load_config
     from kvflow.shared.model_source import load_tokenizer
 
     cfg = load_config(src)
-    tok = load_tokenizer(src)
+    tok = load_tokenizer(src, machine.cache_dir())
     special = set(tok.all_special_ids) | set(tok.added_tokens_decoder) | set(cfg.eos_token_ids)
     if cfg.bos_token_id is not None:
         special.add(cfg.bos_token_id)

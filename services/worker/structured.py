@@ -78,9 +78,10 @@ def default_compiler(
 ) -> GrammarCompiler:
     """The compiler for the model a worker process serves (``model``: the ``--model`` setting,
     '' for the default model): its tokenizer is cached on disk."""
+    from kvflow.services.worker import machine
     from kvflow.shared.model_source import load_tokenizer, resolve_model
 
-    tok = load_tokenizer(resolve_model(model))
+    tok = load_tokenizer(resolve_model(model), machine.cache_dir())
     return GrammarCompiler(tokenizer_info(tok, vocab_size, list(eos_token_ids)))
 
 

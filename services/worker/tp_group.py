@@ -33,7 +33,9 @@ from typing import Any
 import torch
 import torch.multiprocessing  # noqa: F401 - its reductions send tensors through pipes
 
-from kvflow.services.worker import tp_shm
+from kvflow.kernels import cpu_native
+from kvflow.kernels.cpu_native import NativeSetup
+from kvflow.services.worker import machine, tp_shm
 from kvflow.services.worker.draft import load_draft
 from kvflow.services.worker.lora import LoRACache, LoRASpec
 from kvflow.services.worker.model_setup import DeviceSpec, KvSpec, kv_block_bytes
@@ -78,6 +80,7 @@ class RankSpec:
     threads: int  # torch threads per rank
     seed: int  # every rank's global random stream starts here
     worker_id: str
+    native: NativeSetup  # the worker's machine cache and native kernels (machine.py)
     share_kv: bool = False  # rank 0 maps every rank's KV cache (it moves KV blocks)
     draft: SpeculativeConfig | None = None  # a draft model (every rank runs it whole)
     lora: LoRASpec | None = None  # --enable-lora (each rank cuts its part of every adapter)
@@ -372,6 +375,7 @@ def start_group(
         threads,
         random.randrange(2**31),
         settings.worker.worker_id,
+        machine.native_setup(settings),
         share_kv=share_kv,
         draft=draft,
         lora=lora,
@@ -424,6 +428,7 @@ def follower_main(
     from kvflow.shared.logs import setup_logging
 
     setup_logging(f"worker-rank-{rank}", level, fmt)
+    cpu_native.configure(spec.native)  # before any kernel loads, as the worker's own
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # rank 0 stops the group (or its death does)
     _exit_with_parent()
     try:

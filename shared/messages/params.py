@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import msgspec
 
-from kvflow.shared.sampling.derived import needs_token_history as _needs_token_history
-
 # Request parameters (embedded, not sent alone)
 
 
@@ -60,11 +58,6 @@ class SamplingParams(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
     # (each word with and without a leading space), which the worker bans as sequences
     bad_words: list[str] = []
     bad_words_token_ids: list[list[int]] = []
-
-    def needs_token_history(self) -> bool:
-        """Whether sampling looks at the tokens so far (a feature's ``needs_history``): the
-        worker is then given the request's prompt and outputs (``NewRequest.token_history``)."""
-        return _needs_token_history(self)
 
 
 class PoolingParams(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):

@@ -27,9 +27,9 @@ class NewRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     # W3C traceparent of the request's scheduler span: the worker's spans for this request
     # (prefill, decode) are its children ("" when the request is not traced)
     traceparent: str = ""
-    # every token known so far (prompt, then outputs) when ``params.needs_token_history()``:
-    # a worker computes only part of them (prefix-cache hits, KV moved in from a prefill
-    # worker or a tier), but penalties and bad words depend on all of them
+    # every token known so far (prompt, then outputs) when sampling needs it (shared/sampling
+    # ``needs_token_history``): a worker computes only part of them (prefix-cache hits, KV
+    # moved in from a prefill worker or a tier), but penalties and bad words depend on all
     token_history: list[int] = []
     # an embedding request: pool the prompt's hidden states instead of sampling (its chunk
     # with ``sample`` set is the one that completes the prompt)

@@ -371,12 +371,14 @@ def _writable(path: str | PurePosixPath, mounts: list[PurePosixPath]) -> bool:
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
-def test_kvflow_writes_only_where_an_empty_dir_is_mounted(overlay, monkeypatch) -> None:
+def test_kvflow_writes_only_where_an_empty_dir_is_mounted(overlay) -> None:
     """/tmp, the libraries' caches (pointed there by settings.yaml) and, for workers, kvflow's
-    compiled kernels and GEMM calibrations (paths from kernels/, under the image's
-    KVFLOW_CACHE_DIR); the image's converted tokenizer under it stays visible."""
-    monkeypatch.setenv("KVFLOW_CACHE_DIR", str(IMAGE_CACHE_DIR))
+    compiled kernels and GEMM calibrations (paths from kernels/, in the machine cache a worker
+    of this image finds from its settings: the image's KVFLOW_CACHE_DIR unless the pod sets
+    another); the image's converted tokenizer under it stays visible."""
     from kvflow.kernels import batch_invariance, cpu_native
+    from kvflow.services.worker import machine
+    from kvflow.shared.config import Settings
 
     docs = render_k8s(overlay)
     for name, pod, c, env, cmd in _services(docs):
@@ -388,7 +390,11 @@ def test_kvflow_writes_only_where_an_empty_dir_is_mounted(overlay, monkeypatch) 
         tokenizers = IMAGE_CACHE_DIR / "tokenizers"
         assert not any(m == tokenizers or m in tokenizers.parents for m in every), name
         if cmd.service == "worker":
-            for cache in (cpu_native._cache_dir(), batch_invariance._cache_dir()):
+            given = {k: v for k, v in env.items() if k.startswith("KVFLOW_")}
+            image = {"KVFLOW_CACHE_DIR": str(IMAGE_CACHE_DIR)}
+            settings = Settings.from_args(cmd.args, environ=image | given)
+            root = machine.native_setup(settings).cache_dir
+            for cache in (cpu_native.library_dir(root), batch_invariance.calibration_dir(root)):
                 assert _writable(cache, mounts), f"{name}: {cache} is read-only"
 
 

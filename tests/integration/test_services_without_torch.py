@@ -19,13 +19,14 @@ ROOT = Path(__file__).resolve().parents[2]
 
 _PROBE = """
 import json, sys
-import kvflow.cli.launcher, services.gateway.app
+import kvflow.cli.launcher, kvflow.services.gateway.app
 import kvflow.services.scheduler.service, kvflow.services.tokenizer.service, kvflow.services.detokenizer.service
+from kvflow.shared.config import Settings
 from kvflow.shared.model_config import check_model
 from kvflow.shared.model_source import load_tokenizer, resolve_model
 
 cfg = check_model(sys.argv[1])
-tok = load_tokenizer(resolve_model(sys.argv[1]))
+tok = load_tokenizer(resolve_model(sys.argv[1]), Settings.from_env().ops.cache_root())
 print(json.dumps({
     "torch": "torch" in sys.modules,
     "layers": cfg.num_layers,
@@ -54,11 +55,11 @@ def _assert_same_tokenizer(got: dict, tok) -> None:  # noqa: ANN001 - a transfor
     )
 
 
-def test_a_gguf_s_config_and_saved_tokenizer_load_without_torch() -> None:
+def test_a_gguf_s_config_and_saved_tokenizer_load_without_torch(kvflow_cache: Path) -> None:
     from transformers import AutoTokenizer
 
     src = resolve_model()
-    load_tokenizer(src)  # converts the GGUF's tokenizer once and saves it, if not yet
+    load_tokenizer(src, kvflow_cache)  # converts the GGUF's tokenizer once and saves it, if not yet
     got = _probe("")
     assert got["layers"] == 30  # SmolLM2-135M
     # the same tokenizer as transformers' own conversion of the GGUF's
@@ -68,7 +69,7 @@ def test_a_gguf_s_config_and_saved_tokenizer_load_without_torch() -> None:
 
 
 def test_a_directory_s_config_and_saved_tokenizer_load_without_torch(
-    tokenizer, tmp_path: Path
+    tokenizer, tmp_path: Path, kvflow_cache: Path
 ) -> None:
     from transformers import AutoTokenizer
 
@@ -79,7 +80,7 @@ def test_a_directory_s_config_and_saved_tokenizer_load_without_torch(
         path
     )  # a model type whose tokenizer class AutoTokenizer picks
     tokenizer.save_pretrained(path)
-    load_tokenizer(resolve_model(str(path)))  # AutoTokenizer, then saved
+    load_tokenizer(resolve_model(str(path)), kvflow_cache)  # AutoTokenizer, then saved
     got = _probe(str(path))
     assert got["layers"] == 2
     _assert_same_tokenizer(got, AutoTokenizer.from_pretrained(str(path)))

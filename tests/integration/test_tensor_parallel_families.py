@@ -15,8 +15,10 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
+from kvflow.services.worker import machine
 from kvflow.services.worker.runner import ModelRunner
 from kvflow.services.worker.tensor_parallel import TPGroup, shard_config, shard_weights, tp_layout
+from kvflow.shared.config import Settings
 from kvflow.shared.messages import SamplingParams
 from kvflow.shared.model_config import load_config
 from kvflow.shared.model_loader import load_weights
@@ -30,6 +32,7 @@ GREEDY = SamplingParams(max_tokens=NEW, temperature=0.0, ignore_eos=True)
 
 
 def _rank(rank: int, world: int, init: str, path: str, results: dict) -> None:
+    machine.configure(Settings.from_env())  # a spawned process, set up as a worker's rank is
     torch.set_num_threads(1)
     torch.distributed.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
     try:

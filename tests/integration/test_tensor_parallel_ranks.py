@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from kvflow.services.worker import tp_shm
+from kvflow.services.worker import machine, tp_shm
 from kvflow.services.worker.lora import LoRASpec
 from kvflow.services.worker.runner import ModelRunner
 from kvflow.services.worker.tensor_parallel import (
@@ -25,6 +25,7 @@ from kvflow.services.worker.tensor_parallel import (
 )
 from kvflow.services.worker.tp_group import GROUP_FAILED_EXIT, TPLeader, follow
 from kvflow.services.worker.tp_shm import ShmComm
+from kvflow.shared.config import Settings
 from kvflow.shared.messages import LoRARef, NewRequest, SamplingParams, ScheduledSeq, StepPlan
 from tests.unit.tp_support import BLOCK, BLOCKS, CFG, PROMPTS, TOKENS, weights, write_adapter
 
@@ -68,6 +69,7 @@ def drive(
 def _rank(
     rank: int, world: int, init: str, results: dict, lead: bool, shm: str, adapter: str
 ) -> None:  # noqa: ANN001, E501
+    machine.configure(Settings.from_env())  # a spawned process, set up as a worker's rank is
     torch.set_num_threads(1)
     torch.distributed.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
     try:
@@ -190,6 +192,7 @@ def test_shared_memory_collectives_give_every_rank_the_same_bits() -> None:
 def _hung_follower(rank: int, init: str, path: str) -> None:
     """Rank 1 takes the plan and then never joins its collectives; rank 0 leads with a 1 s
     collective timeout."""
+    machine.configure(Settings.from_env())  # a spawned process, set up as a worker's rank is
     torch.set_num_threads(1)
     torch.distributed.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
     layout = tp_layout(CFG, rank, 2)

@@ -27,12 +27,15 @@ def test_loading_the_kernel_leaves_subnormal_floats_alone(tmp_path) -> None:  # 
     import sys
 
     code = (
-        "import struct; from kernels import cpu_native; assert cpu_native.available(); "
+        "import pathlib, struct, sys; from kvflow.kernels import cpu_native; "
+        "cpu_native.configure(cpu_native.NativeSetup(pathlib.Path(sys.argv[1]))); "
+        "assert cpu_native.available(); "
         "x = struct.unpack('d', struct.pack('Q', 1))[0]; "
         "print('ok' if x * 1.0 > 0.0 and x + 0.0 > 0.0 else 'flushed')"
     )
-    env = {**__import__("os").environ, "KVFLOW_CACHE_DIR": str(tmp_path)}
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+    out = subprocess.run(
+        [sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True
+    )
     assert out.stdout.strip() == "ok", out.stderr[-2000:]
 
 
@@ -204,7 +207,7 @@ def test_the_avx2_build_computes_what_the_avx512_one_does() -> None:
     import ctypes
 
     flags = [f for f in cpu_native._COMPILE_FLAGS if f != "-march=native"] + ["-march=haswell"]
-    path = cpu_native.build(cpu_native._SRC, flags)
+    path = cpu_native.build(cpu_native._SRC, flags, cache_dir=cpu_native.setup().cache_dir)
     assert path is not None and cpu_native.pool() is not None
     avx2 = ctypes.CDLL(str(path))
     for d, dtype, window in (
@@ -246,20 +249,52 @@ def test_rejects_wrong_dtypes_and_lengths() -> None:
         cpu_native.paged_decode_attention(q, kc, vc, tables, lens, 0.25, softcap=-1.0)
 
 
-def test_the_library_is_cached_by_source_hash(tmp_path, monkeypatch) -> None:
-    monkeypatch.setenv("KVFLOW_CACHE_DIR", str(tmp_path))
-    first = cpu_native.build()
+def test_the_library_is_cached_by_source_hash(tmp_path) -> None:  # noqa: ANN001
+    first = cpu_native.build(cache_dir=tmp_path)
     assert first is not None and first.parent == tmp_path / "kernels"
     mtime = first.stat().st_mtime_ns
-    assert cpu_native.build() == first and first.stat().st_mtime_ns == mtime  # reused
+    assert cpu_native.build(cache_dir=tmp_path) == first  # reused
+    assert first.stat().st_mtime_ns == mtime
     changed = tmp_path / "changed.c"
     changed.write_text(cpu_native._SRC.read_text() + "\n/* changed */\n")
-    other = cpu_native.build(changed)
+    other = cpu_native.build(changed, cache_dir=tmp_path)
     assert other is not None and other != first
 
 
 def test_a_missing_source_falls_back_with_a_warning(tmp_path, caplog) -> None:  # noqa: ANN001
     """An install without the package data must not crash the worker."""
     with caplog.at_level("WARNING", logger=cpu_native.log.name):
-        assert cpu_native.build(tmp_path / "absent.c") is None
+        assert cpu_native.build(tmp_path / "absent.c", cache_dir=tmp_path) is None
     assert "absent.c is missing" in caplog.text
+
+
+def test_a_process_sets_its_native_kernels_up_once(tmp_path, monkeypatch) -> None:  # noqa: ANN001
+    """Before ``configure`` a load says what to call; once a library has loaded, another setup
+    is refused (it cannot be unloaded); the same one again is fine."""
+    current = cpu_native.setup()
+    assert cpu_native.pool() is not None  # loaded
+    cpu_native.configure(current)
+    with pytest.raises(RuntimeError, match="already loaded"):
+        cpu_native.configure(cpu_native.NativeSetup(tmp_path))
+    monkeypatch.setattr(cpu_native, "_setup", None)
+    with pytest.raises(RuntimeError, match=r"cpu_native.configure\(NativeSetup"):
+        cpu_native.setup()
+
+
+def test_the_native_kernels_setting_reaches_the_kernels(tmp_path) -> None:  # noqa: ANN001
+    """``KVFLOW_NATIVE_KERNELS=0`` (``--native-kernels false``) through the worker's settings:
+    no native library loads, nothing is built in the machine cache, the reference runs."""
+    import os
+    import subprocess
+    import sys
+
+    code = (
+        "from kvflow.kernels import cpu_layer_ops, cpu_native, cpu_quant; "
+        "from kvflow.services.worker import machine; from kvflow.shared.config import Settings; "
+        "machine.configure(Settings.from_env()); "
+        "print(cpu_native.available(), cpu_layer_ops.available(), cpu_quant.available())"
+    )
+    env = os.environ | {"KVFLOW_NATIVE_KERNELS": "0", "KVFLOW_CACHE_DIR": str(tmp_path)}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+    assert out.stdout.split() == ["False", "False", "False"], out.stderr[-2000:]
+    assert list(tmp_path.iterdir()) == []

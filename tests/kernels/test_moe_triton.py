@@ -15,8 +15,8 @@ import torch.nn.functional as F
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # as tests/conftest.py does
 
-from kvflow.kernels.moe import MoEWeights, _per_expert, route  # noqa: E402
-from kvflow.kernels.triton_moe import align, block_m, moe_experts  # noqa: E402
+from kvflow.kernels.moe import MoEWeights, _per_expert, route, sum_slots  # noqa: E402
+from kvflow.kernels.triton_moe import align, block_m, expert_slots  # noqa: E402
 
 H, INTER, E = 32, 24, 6
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -68,8 +68,8 @@ def test_grouped_gemms_equal_one_gemm_per_expert(t: int, top_k: int) -> None:
     want = _per_expert(x, weights, flat, torch.bincount(flat, minlength=E), m, F.linear, _act)
     assert m.stack()
     dev = torch.device(DEVICE)
-    got = moe_experts(
+    got = sum_slots(expert_slots(
         x.to(dev), weights.to(dev), ids.to(dev), m.gate_up_stacked.to(dev),
         m.down_stacked.to(dev), _act,
-    )  # fmt: skip
+    ))  # fmt: skip
     torch.testing.assert_close(got.cpu(), want, rtol=1e-4, atol=1e-5)

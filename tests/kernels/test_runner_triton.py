@@ -328,7 +328,7 @@ def test_seeded_sampling_on_the_device_is_the_same_whatever_the_batch(model) -> 
 
 @requires_interpreter
 def test_gpu_decode_bench_code_path(monkeypatch) -> None:
-    """What ``python -m benchmarks.decode --device cuda --random-llama`` runs (a
+    """What ``python -m kvflow.benchmarks.decode --device cuda --random-llama`` runs (a
     random Llama drawn on the device, decode steps through the decode graphs), on a tiny
     shape in the interpreter, so the GPU bench does not first fail on a GPU."""
     from kvflow.benchmarks import decode as bench_decode

@@ -17,6 +17,7 @@ from kvflow.shared.model_config import load_config
 from kvflow.shared.model_loader import load_weights
 from kvflow.shared.model_source import ModelSource
 from kvflow.shared.models.config import ModelConfig
+from kvflow.shared.sampling import needs_token_history
 from tests.logits_spy import capture_logits
 
 BLOCK = 4
@@ -101,7 +102,7 @@ class Driver:
         greedy = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
         params = params or [greedy] * len(self.tokens)
         new = [
-            NewRequest(r, p, len(t), token_history=list(t) if p.needs_token_history() else [])
+            NewRequest(r, p, len(t), token_history=list(t) if needs_token_history(p) else [])
             for (r, t), p in zip(self.tokens.items(), params, strict=True)
         ]
         computed = dict.fromkeys(self.tokens, 0)

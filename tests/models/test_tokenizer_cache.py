@@ -29,9 +29,9 @@ CHAT = [
 ]
 
 
-@pytest.fixture(autouse=True)
-def own_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    monkeypatch.setenv("KVFLOW_CACHE_DIR", str(tmp_path / "cache"))
+@pytest.fixture
+def own_cache(tmp_path: Path) -> Path:
+    """A machine cache of the test's own (nothing saved before it)."""
     return tmp_path / "cache"
 
 
@@ -75,7 +75,7 @@ CASES = [
 
 @pytest.mark.parametrize(("family", "named"), CASES)
 def test_a_checkpoint_s_saved_tokenizer_is_autotokenizer_s(
-    family: str, named: str, tokenizer, tmp_path: Path
+    family: str, named: str, tokenizer, tmp_path: Path, own_cache: Path
 ) -> None:
     path = tmp_path / family
     (CONFIGS | TRANSFORMERS_ONLY)[family]().save_pretrained(path)
@@ -83,32 +83,35 @@ def test_a_checkpoint_s_saved_tokenizer_is_autotokenizer_s(
     config = json.loads((path / "tokenizer_config.json").read_text())
     (path / "tokenizer_config.json").write_text(json.dumps(config | {"tokenizer_class": named}))
     src = resolve_model(str(path))
-    first = load_tokenizer(src)  # AutoTokenizer, then saved
-    assert (model_source._tokenizer_cache_dir(src) / "tokenizer.json").is_file()
-    again = load_tokenizer(src)  # the saved one, by its class
+    first = load_tokenizer(src, own_cache)  # AutoTokenizer, then saved
+    assert (model_source._tokenizer_cache_dir(src, own_cache) / "tokenizer.json").is_file()
+    again = load_tokenizer(src, own_cache)  # the saved one, by its class
     reference = AutoTokenizer.from_pretrained(str(path))
     _same(first, reference)
     _same(again, reference)
 
 
-def test_a_wordpiece_encoder_s_saved_tokenizer_is_autotokenizer_s(tmp_path: Path) -> None:
+def test_a_wordpiece_encoder_s_saved_tokenizer_is_autotokenizer_s(
+    tmp_path: Path, own_cache: Path
+) -> None:
     path = minilm_dir(tmp_path)
     src = resolve_model(str(path))
-    load_tokenizer(src)
-    again = load_tokenizer(src)
+    load_tokenizer(src, own_cache)
+    again = load_tokenizer(src, own_cache)
     _same(again, AutoTokenizer.from_pretrained(str(path)))
 
 
-def test_an_edited_tokenizer_is_loaded_anew(tokenizer, tmp_path: Path) -> None:
+def test_an_edited_tokenizer_is_loaded_anew(tokenizer, tmp_path: Path, own_cache: Path) -> None:
     path = tmp_path / "model"
     CONFIGS["llama3"]().save_pretrained(path)
     tokenizer.save_pretrained(path)
     src = resolve_model(str(path))
-    assert load_tokenizer(src).apply_chat_template(CHAT, tokenize=False).startswith("<|im_start|>")
+    first = load_tokenizer(src, own_cache)
+    assert first.apply_chat_template(CHAT, tokenize=False).startswith("<|im_start|>")
     template = path / "chat_template.jinja"
     template.write_text("{% for m in messages %}[{{ m.content }}]{% endfor %}")
     os.utime(template, ns=(time.time_ns(), time.time_ns() + 10**9))
-    assert load_tokenizer(src).apply_chat_template(CHAT, tokenize=False) == (
+    assert load_tokenizer(src, own_cache).apply_chat_template(CHAT, tokenize=False) == (
         "[Be brief.][What is 2 + 2?]"
     )
 

@@ -34,16 +34,15 @@ def test_max_rows_must_hold_whole_fallback_tiles() -> None:
 def test_the_cache_answers_the_same_calibration_and_only_that_one(tmp_path, monkeypatch) -> None:  # noqa: ANN001
     from kvflow.kernels import batch_invariance as bi
 
-    monkeypatch.setenv("KVFLOW_CACHE_DIR", str(tmp_path))
     weights = [torch.randn(32, 16), torch.randn(16, 48)]
-    rows, cached = bi.calibrate_cached(weights, max_rows=32)
+    rows, cached = bi.calibrate_cached(weights, tmp_path, max_rows=32)
     assert not cached and rows == calibrate(weights, max_rows=32)
 
     def no_calibration(*args: object) -> bi.GemmRows:
         raise AssertionError("calibrated again")
 
     monkeypatch.setattr(bi, "calibrate", no_calibration)
-    assert bi.calibrate_cached([torch.randn(32, 16), torch.randn(16, 48)], max_rows=32) == (
+    assert bi.calibrate_cached([torch.randn(32, 16), torch.randn(16, 48)], tmp_path, 32) == (
         rows,
         True,
     )
@@ -54,31 +53,31 @@ def test_the_cache_answers_the_same_calibration_and_only_that_one(tmp_path, monk
     assert bi.cache_key(weights, 32, 0) != key  # other thread count
 
 
-def test_a_damaged_or_unwritable_cache_is_skipped(tmp_path, monkeypatch) -> None:  # noqa: ANN001
+def test_a_damaged_or_unwritable_cache_is_skipped(tmp_path) -> None:  # noqa: ANN001
     from kvflow.kernels import batch_invariance as bi
 
-    monkeypatch.setenv("KVFLOW_CACHE_DIR", str(tmp_path))
     weights = [torch.randn(16, 16)]
     path = tmp_path / "gemm-rows" / f"{bi.cache_key(weights, 16, 0)}.json"
     path.parent.mkdir()
     path.write_text("{not json")
-    rows, cached = bi.calibrate_cached(weights, max_rows=16)
+    rows, cached = bi.calibrate_cached(weights, tmp_path, max_rows=16)
     assert not cached and rows.tile == 16
-    assert bi.calibrate_cached(weights, max_rows=16) == (rows, True)  # rewritten
-    monkeypatch.setenv("KVFLOW_CACHE_DIR", str(tmp_path / "file"))
+    assert bi.calibrate_cached(weights, tmp_path, max_rows=16) == (rows, True)  # rewritten
     (tmp_path / "file").write_text("")  # a file where the folder should be
-    assert bi.calibrate_cached(weights, max_rows=16) == (rows, False)
+    assert bi.calibrate_cached(weights, tmp_path / "file", max_rows=16) == (rows, False)
 
 
-def test_kernels_invariant_by_construction_are_not_cached(tmp_path, monkeypatch) -> None:  # noqa: ANN001
+def test_kernels_invariant_by_construction_are_not_cached(tmp_path) -> None:  # noqa: ANN001
     """Their tile is the kernel's own ``max_invariant_rows``: a stale entry (an older kernel's
     smaller tile) must not outlive the kernel that wrote it."""
     from kvflow.kernels import batch_invariance as bi
     from kvflow.kernels.cpu_quant import PANEL_ROWS, QuantWeight
 
-    monkeypatch.setenv("KVFLOW_CACHE_DIR", str(tmp_path))
     qw = QuantWeight(torch.zeros(8, 34, dtype=torch.uint8), 8, (8, 32))
     path = tmp_path / "gemm-rows" / f"{bi.cache_key([qw], 64, 0)}.json"
     path.parent.mkdir()
     path.write_text('{"pad": 1, "tile": 16, "invariant": true}')
-    assert bi.calibrate_cached([qw], max_rows=64) == (bi.GemmRows(1, PANEL_ROWS, True), False)
+    assert bi.calibrate_cached([qw], tmp_path, max_rows=64) == (
+        bi.GemmRows(1, PANEL_ROWS, True),
+        False,
+    )

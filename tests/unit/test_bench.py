@@ -138,20 +138,21 @@ def test_peers_bench_names_its_peers_and_refuses_unknown_ones() -> None:
         parse_peers("vllm,sglang")
 
 
-def test_peers_bench_finds_each_peers_own_python(tmp_path, monkeypatch) -> None:  # noqa: ANN001
+def test_peers_bench_finds_each_peers_own_python(tmp_path) -> None:  # noqa: ANN001
     from kvflow.benchmarks.peer_servers import peer_python
 
-    monkeypatch.setenv("KVFLOW_CACHE_DIR", str(tmp_path))
-    assert peer_python("vllm") is None  # not installed: left out, never a guess
+    assert peer_python("vllm", tmp_path) is None  # not installed: left out, never a guess
     py = tmp_path / "peers" / "vllm" / "bin" / "python"
     py.parent.mkdir(parents=True)
     py.write_text("#!/bin/sh\n")
-    assert peer_python("vllm") is None  # not executable
+    assert peer_python("vllm", tmp_path) is None  # not executable
     py.chmod(0o755)
-    assert peer_python("vllm") == py
-    assert peer_python("vllm", str(tmp_path / "peers" / "vllm")) == py  # a venv folder given
-    assert peer_python("vllm", str(py)) == py  # its python given
-    assert peer_python("vllm", str(tmp_path / "elsewhere")) is None  # a typo is not replaced
+    assert peer_python("vllm", tmp_path) == py
+    assert (
+        peer_python("vllm", tmp_path, str(tmp_path / "peers" / "vllm")) == py
+    )  # a venv folder given
+    assert peer_python("vllm", tmp_path, str(py)) == py  # its python given
+    assert peer_python("vllm", tmp_path, str(tmp_path / "elsewhere")) is None  # a typo stays one
 
 
 def test_peers_bench_starts_vllm_through_its_module_not_vllm_serve() -> None:

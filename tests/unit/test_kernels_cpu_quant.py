@@ -189,7 +189,9 @@ def test_the_fp32_panels_give_the_same_bits_on_avx2_as_on_this_cpu() -> None:
     if not cpu_quant.panel_available():
         pytest.skip("no AVX2 here: the panels do not run")
     flags = [f for f in cpu_quant._COMPILE_FLAGS if f != "-march=native"] + ["-march=haswell"]
-    avx2 = ctypes.CDLL(str(cpu_native.build(cpu_quant._SRC, flags)))
+    avx2 = ctypes.CDLL(
+        str(cpu_native.build(cpu_quant._SRC, flags, cache_dir=cpu_native.setup().cache_dir))
+    )
     g = torch.Generator().manual_seed(9)
     pw = PanelWeight(torch.randn(100, 72, generator=g))
     for m in (1, 3, 4, 9):

@@ -77,7 +77,7 @@ def test_the_avx2_build_gives_this_cpus_bits() -> None:
     """vpdpbusd (AVX-512 VNNI, pairs of blocks per instruction) and AVX2's maddubs + madd (one
     block at a time) must sum the same 4-byte groups into the same lanes."""
     flags = [f for f in cpu_quant._COMPILE_FLAGS if f != "-march=native"] + ["-march=haswell"]
-    path = cpu_native.build(cpu_quant._SRC, flags)
+    path = cpu_native.build(cpu_quant._SRC, flags, cache_dir=cpu_native.setup().cache_dir)
     assert path is not None and cpu_native.pool() is not None
     avx2 = ctypes.CDLL(str(path))
     for qtype, k in (("Q8_0", 576), ("Q4_0", 96), ("Q8_0", 32)):

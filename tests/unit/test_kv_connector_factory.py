@@ -1,6 +1,7 @@
 """The KV connector factory: the setting ``kv_connector`` names a registered transport, whose
-worker and scheduler halves it builds; an unknown name fails with the known ones listed. And the
-renamed address fields keep their place on the wire."""
+worker half (the worker's factory) and scheduler half (shared/kv_connectors.py) it builds; an
+unknown name fails with the known ones listed. And the renamed address fields keep their place
+on the wire."""
 
 from __future__ import annotations
 
@@ -14,7 +15,13 @@ import torch
 from kvflow.services.scheduler.core import SchedulerCore
 from kvflow.services.scheduler.worker_state import SchedulerLimits
 from kvflow.services.worker.kv_blocks import KvBlockIO
-from kvflow.services.worker.kv_connectors.base import KvConnectorWorker, create_worker_connector
+from kvflow.services.worker.kv_connectors import factory
+from kvflow.services.worker.kv_connectors.base import KvConnectorWorker
+from kvflow.services.worker.kv_connectors.factory import (
+    create_worker_connector,
+    register_worker_half,
+    worker_halves,
+)
 from kvflow.services.worker.kv_connectors.inproc import InProcHub, InProcKvConnector
 from kvflow.services.worker.kv_connectors.nats import NatsKvConnector
 from kvflow.shared import kv_connectors as registry
@@ -38,6 +45,10 @@ def io() -> KvBlockIO:
 def test_the_default_setting_names_a_known_connector() -> None:
     assert {"nats", "inproc"} <= set(known_connectors())
     assert Settings().cache.kv_connector in known_connectors()
+
+
+def test_every_transport_has_its_worker_half() -> None:
+    assert worker_halves() == known_connectors() == ["inproc", "nats"]
 
 
 @pytest.mark.parametrize(
@@ -74,19 +85,29 @@ def test_the_scheduler_half_passes_each_workers_address_into_pulls() -> None:
     assert sched.source_address("w1") == ""
 
 
-def test_a_new_transport_is_one_registry_line(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_new_transport_is_one_registry_line_a_side(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Its name (and scheduler half) in shared/kv_connectors.py, its worker half in the worker's
+    factory: shared/ names no worker module."""
     monkeypatch.setattr(registry, "_REGISTRY", dict(registry._REGISTRY))
-    register_connector("loop", "kvflow.services.worker.kv_connectors.inproc:InProcKvConnector")
+    monkeypatch.setattr(factory, "_WORKER_HALVES", dict(factory._WORKER_HALVES))
+    with pytest.raises(ValueError, match="unknown KV connector 'loop'"):
+        register_worker_half("loop", InProcKvConnector)  # the shared name comes first
+    register_connector("loop")
+    with pytest.raises(ValueError, match="'loop' has no worker half"):
+        create_worker_connector("loop", Bus("w"), io(), "w")
+    register_worker_half("loop", InProcKvConnector)
     assert "loop" in known_connectors()
     assert isinstance(create_worker_connector("loop", Bus("w"), io(), "w"), InProcKvConnector)
-    assert connector_spec("loop").scheduler == registry.DEFAULT_SCHEDULER
+    assert connector_spec("loop").scheduler is registry.DEFAULT_SCHEDULER
     with pytest.raises(ValueError, match="already registered"):
-        register_connector("loop", "x:Y")
+        register_connector("loop")
+    with pytest.raises(ValueError, match="already has its worker half"):
+        register_worker_half("loop", NatsKvConnector)
 
 
 def test_the_scheduler_can_import_the_factory_without_torch() -> None:
     code = (
-        "import sys; import shared.kv_connectors as k; "
+        "import sys; import kvflow.shared.kv_connectors as k; "
         "k.create_scheduler_connector('nats'); assert 'torch' not in sys.modules"
     )
     subprocess.run([sys.executable, "-c", code], check=True)

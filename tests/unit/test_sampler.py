@@ -12,7 +12,7 @@ from hypothesis import strategies as hs
 
 from kvflow.services.worker import sampler
 from kvflow.shared.messages import SamplingParams
-from kvflow.shared.sampling import PROCESSORS, apply_processors, processors
+from kvflow.shared.sampling import PROCESSORS, apply_processors, needs_token_history, processors
 
 
 def batch(params: list[SamplingParams], position: int = 0) -> sampler.SamplingBatch:
@@ -235,7 +235,7 @@ def test_sampling_and_processors_stay_on_the_logits_device() -> None:
     def state(**kw) -> RequestState:
         p = SamplingParams(**kw)
         return RequestState(
-            p, 3, 1, frozenset([1]), frozenset([2]), p.needs_token_history(), [5, 6], [7]
+            p, 3, 1, frozenset([1]), frozenset([2]), needs_token_history(p), [5, 6], [7]
         )
 
     states = [

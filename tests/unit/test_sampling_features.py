@@ -19,6 +19,7 @@ from kvflow.shared.sampling import (
     PROCESSORS,
     SamplingParamError,
     apply_processors,
+    needs_token_history,
     validate_sampling,
     wire_fields,
 )
@@ -33,7 +34,7 @@ from kvflow.shared.sampling.processors import (
 
 def _state(**params) -> RequestState:
     p = SamplingParams(**params)
-    return RequestState(p, 3, 0, frozenset([1]), frozenset([2]), p.needs_token_history(), [5], [])
+    return RequestState(p, 3, 0, frozenset([1]), frozenset([2]), needs_token_history(p), [5], [])
 
 
 def test_every_layer_declares_the_table_fields() -> None:
@@ -71,9 +72,9 @@ def test_unknown_fields_are_refused() -> None:
 
 def test_history_comes_from_the_processors() -> None:
     assert {type(p) for p in PROCESSORS if p.needs_history} == {Penalties, BadWords}
-    assert not SamplingParams().needs_token_history()
-    assert SamplingParams(frequency_penalty=0.1).needs_token_history()
-    assert SamplingParams(bad_words_token_ids=[[3]]).needs_token_history()
+    assert not needs_token_history(SamplingParams())
+    assert needs_token_history(SamplingParams(frequency_penalty=0.1))
+    assert needs_token_history(SamplingParams(bad_words_token_ids=[[3]]))
 
 
 def test_processors_run_in_table_order_on_their_rows_only() -> None:

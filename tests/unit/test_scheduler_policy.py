@@ -14,6 +14,7 @@ from kvflow.shared.messages import (
     StepResult,
     TokenizedRequest,
 )
+from kvflow.shared.sampling import needs_token_history
 
 
 class FakeWorker:
@@ -38,7 +39,7 @@ class FakeWorker:
             self.params.pop(rid, None)
         for nr in plan.new_requests:
             self.params[nr.request_id] = (nr.params.max_tokens, nr.num_output_tokens)
-            if nr.params.needs_token_history():  # as the real worker: all tokens so far
+            if needs_token_history(nr.params):  # as the real worker: all tokens so far
                 self.history[nr.request_id] = list(nr.token_history)
             else:
                 assert nr.token_history == []  # sent only when sampling needs it

@@ -3,6 +3,8 @@ name and parses to the same value, now found in its section."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from kvflow.cli.main import build_parser
@@ -96,6 +98,9 @@ OLD_FLAT = {
     "pipeline_parallel_size": ("worker.pipeline_parallel_size", "2", 2, 1),
     # added with the stream interval (issue 37)
     "stream_interval": ("gateway.stream_interval", "4", 4, 1),
+    # added with the layer rules (issue 64): read before by the machine cache and the kernels
+    "cache_dir": ("ops.cache_dir", "/var/cache/kvflow", "/var/cache/kvflow", ""),
+    "native_kernels": ("worker.native_kernels", "0", False, True),
 }
 
 
@@ -176,3 +181,12 @@ def test_a_stream_interval_below_1_is_refused_saying_what_it_means() -> None:
     check_stream_interval(Settings.of(stream_interval=1))
     with pytest.raises(ValueError, match="--stream-interval must be at least 1"):
         check_stream_interval(Settings.of(stream_interval=0))
+
+
+def test_the_cache_dir_is_the_setting_or_the_home_cache() -> None:
+    """KVFLOW_CACHE_DIR (`--cache-dir`) is a setting like any other: unset or empty, it is
+    ~/.cache/kvflow."""
+    home = Path.home() / ".cache" / "kvflow"
+    assert Settings().ops.cache_root() == home
+    assert Settings.from_env({"KVFLOW_CACHE_DIR": ""}).ops.cache_root() == home
+    assert Settings.from_env({"KVFLOW_CACHE_DIR": "/c"}).ops.cache_root() == Path("/c")

@@ -1,8 +1,8 @@
 """The worker's half of a KV connector (``KvConnectorWorker``): serve this worker's blocks to
 peers and pull a peer's blocks into this worker's cache, at an address only the connector
 understands (a NATS subject, an in-process key, ...), which the worker announces in its heartbeat
-(``kv_address``). Connectors are registered by name in shared/kv_connectors.py, with the
-scheduler's half; ``create_worker_connector`` builds this half.
+(``kv_address``). Transports are named in shared/kv_connectors.py, with the scheduler's half;
+factory.py's ``create_worker_connector`` builds this half.
 
 A worker's KV tiers (host memory, Redis) are sources and sinks of blocks by hash (``KvTier``).
 """
@@ -11,9 +11,8 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Protocol
 
-from kvflow.shared.kv_connectors import connector_spec, load_half
 from kvflow.shared.messages import KvPull
 
 if TYPE_CHECKING:
@@ -74,11 +73,3 @@ class KvTier(Protocol):
     async def store(self, items: list[tuple[bytes, bytes]]) -> int:
         """Keep each (hash, bytes); returns how many were written."""
         ...
-
-
-def create_worker_connector(
-    name: str, bus: Bus, io: KvBlockIO, worker_id: str, **options: Any
-) -> KvConnectorWorker:
-    """The worker half of connector ``name`` (shared/kv_connectors.py's registry) for this
-    worker's cache."""
-    return load_half(connector_spec(name).worker)(bus, io, worker_id, **options)
