@@ -112,9 +112,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
+    from kvflow.services.worker.model_loader import load_weights
     from kvflow.services.worker.runner import ModelRunner
     from kvflow.shared.model_config import load_config
-    from kvflow.shared.model_loader import load_weights
     from kvflow.shared.model_source import load_tokenizer, resolve_model
 
     src = resolve_model(args.model)

@@ -16,10 +16,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from kvflow.services.worker.model_loader import load_weights
 from kvflow.services.worker.runner import ModelRunner
 from kvflow.shared.messages import FinishReason, NewRequest, SamplingParams, ScheduledSeq, StepPlan
 from kvflow.shared.model_config import load_config
-from kvflow.shared.model_loader import load_weights
 from kvflow.shared.model_source import load_tokenizer, resolve_model
 from tests.gguf_without_vocabulary import transformers_model
 
