@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import importlib
 import logging
-from dataclasses import fields
 from functools import cache
 from typing import Any
 
@@ -137,6 +136,3 @@ def check(cfg: ModelConfig, where: str) -> None:
         raise ModelConfigError(
             f"{where}: {len(cfg.layer_windows)} windows for {cfg.num_layers} layers"
         )
-
-
-MODEL_CONFIG_FIELDS = frozenset(f.name for f in fields(ModelConfig))
