@@ -36,11 +36,11 @@ from kvflow.services.worker.model_interface import (
 )
 from kvflow.services.worker.step_inputs import DeviceBatch
 from kvflow.shared.model_source import ModelSource
-from kvflow.shared.models.families.bert import EncoderConfig
 from kvflow.shared.models.registry import family
 
 if TYPE_CHECKING:
     from kvflow.services.worker.lora import LoRAStep
+    from kvflow.shared.models.families.bert import EncoderConfig  # the encoder kind's config
 
 
 class EncoderModel(BaseModel):
