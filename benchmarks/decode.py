@@ -170,7 +170,7 @@ def main(argv: list[str] | None = None) -> int:
             "w8a8",
             "fp8",
         ):  # rounded on the host, as load_weights does
-            from kvflow.shared.model_loader import round_weights
+            from kvflow.services.worker.model_loader import round_weights
 
             cfg, weights = random_llama(torch.float32, torch.device("cpu"), shape=shape)
             weights = {n: w.to(dtype) for n, w in weights.items()}

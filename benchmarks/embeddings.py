@@ -152,11 +152,12 @@ def st_modes(src, texts: list[str], rounds: int) -> list[Mode]:  # noqa: ANN001
 def main(args: argparse.Namespace) -> int:
     from kvflow.benchmarks.stack import start_stack
     from kvflow.shared.model_config import load_config
+    from kvflow.shared.models.registry import family
 
     src = resolve_model(args.model)
     tok = load_tokenizer(src, Settings.from_env().ops.cache_root())
     ids = inputs(tok, args.embed_batch, args.embed_len)
-    encoder = load_config(src).encoder
+    encoder = family(load_config(src).family).bidirectional
     data: list[list[int]] | list[str] = ids
     if encoder:  # texts of embed_len tokens (each re-tokenizes to them, plus [CLS] and [SEP])
         data = [tok.decode(x) for x in ids]

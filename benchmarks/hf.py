@@ -87,8 +87,8 @@ def export_hf_dir(src: ModelSource, cache_dir: Path) -> Path:
         return dest
     from transformers import LlamaConfig, LlamaForCausalLM
 
+    from kvflow.services.worker.model_loader import load_weights
     from kvflow.shared.model_config import load_config
-    from kvflow.shared.model_loader import load_weights
     from kvflow.shared.model_source import load_tokenizer
 
     c = load_config(src)

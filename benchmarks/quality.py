@@ -113,10 +113,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def main(args: argparse.Namespace) -> int:
     from kvflow.services.worker import machine
+    from kvflow.services.worker.model_loader import load_weights
     from kvflow.services.worker.runner import ModelRunner
     from kvflow.shared.config import Settings
     from kvflow.shared.model_config import load_config
-    from kvflow.shared.model_loader import load_weights
     from kvflow.shared.model_source import load_tokenizer, resolve_model
 
     machine.configure(Settings.from_env())  # before any kernel loads

@@ -6,7 +6,7 @@ gguf-py's ``GGUFReader`` builds every metadata array as numpy views part by part
 serve`` / ``LLM()`` and every service that reads the config would each pay it. Here numeric
 arrays are read with one ``numpy.frombuffer`` each and string arrays are skipped (their lengths
 walked) unless asked for. The weights are read from the same table (``tensors``): each tensor's
-bytes mapped from the file, shaped as ``GGUFReader`` shapes them (shared/model_loader.py).
+bytes mapped from the file, shaped as ``GGUFReader`` shapes them (services/worker/gguf_weights.py).
 Format: https://github.com/ggml-org/ggml/blob/master/docs/gguf.md (v2 and v3).
 """
 

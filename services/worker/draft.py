@@ -27,12 +27,12 @@ from dataclasses import dataclass, replace
 import torch
 
 from kvflow.services.worker.block_tables import BlockTables
+from kvflow.services.worker.model_loader import load_weights
 from kvflow.services.worker.model_setup import CpuPathSpec, DeviceSpec, LoadedModel, load_model
 from kvflow.services.worker.step_inputs import HostStep, Staging, pack
 from kvflow.services.worker.step_rows import StepRows, host_batch, lay_out
 from kvflow.shared.messages import ScheduledSeq
 from kvflow.shared.model_config import load_config
-from kvflow.shared.model_loader import load_weights
 from kvflow.shared.model_source import resolve_model
 from kvflow.shared.models.config import ModelConfig
 from kvflow.shared.speculative import SpeculativeConfig

@@ -11,16 +11,14 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
 from kvflow.shared.lora import ADAPTER_WEIGHTS, LoRAError, check_rank, read_adapter_config
 from kvflow.shared.messages import LoRARef
 from kvflow.shared.models.config import ModelConfig
-
-if TYPE_CHECKING:
-    from kvflow.services.worker.tensor_parallel import LoRAShard
+from kvflow.shared.models.registry import family
 
 GROUPS: dict[str, tuple[str, ...]] = {
     "qkv": ("q_proj", "k_proj", "v_proj"),
@@ -48,6 +46,15 @@ def module_shapes(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
         "up_proj": (h, i),
         "down_proj": (i, h),
     }
+
+
+class AdapterShard(Protocol):
+    """A tensor-parallel rank's part of every adapter (services/worker/tensor_parallel.py
+    ``LoRAShard``): each projection's (in, out) features on the rank, and how a pair is cut."""
+
+    shapes: dict[str, tuple[int, int]]
+
+    def cut(self, module: str, a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, ...]: ...
 
 
 @dataclass
@@ -80,17 +87,14 @@ def load_adapter(
     max_rank: int,
     dtype: torch.dtype = torch.float32,
     device: torch.device | str = "cpu",
-    shard: LoRAShard | None = None,
+    shard: AdapterShard | None = None,
 ) -> LoRAWeights:
     """Read ``ref``'s PEFT directory and check every tensor against the model ``cfg``; raises
     LoRAError naming what is wrong (and nothing is kept). ``shard``: keep a tensor-parallel
     rank's part (``cfg`` is then the whole model)."""
-    if not cfg.gated_mlp:
-        raise LoRAError(
-            f"{ref.path}: LoRA adapters of models with an ungated MLP ({cfg.family}) are not "
-            "served",
-            "lora_path",
-        )
+    refused = family(cfg.family).refusal(lora=True)
+    if refused:
+        raise LoRAError(f"{ref.path}: {refused}", "lora_path")
     conf = read_adapter_config(ref.path)
     tensors = _read_tensors(Path(ref.path))
     shapes = module_shapes(cfg)

@@ -1,10 +1,13 @@
-"""The decoder every native family runs (shared/models/: Llama, Mistral, Qwen2/3, Gemma 2/3, Phi-3,
-Granite, OLMo 2), over a flat, varlen batch of tokens with a paged KV cache.
+"""The decoder every native decoder family runs (shared/models/families/: Llama, Mistral, Qwen2/3,
+Gemma 2/3, Phi-3, Granite, OLMo 2/3, StarCoder2, the mixtures of experts), over a flat, varlen
+batch of tokens with a paged KV cache: the ``decoder`` kind of ``Model``
+(services/worker/model_interface.py).
 
-The model is written once (``_layer``, ``_head``) over a step's ops, and what a family changes is
-data in its ``ModelConfig``: where the norms sit (before each block, before and after, or after
-only), biases, q/k norms, the activation, sliding windows and soft-caps per layer, multipliers
-and RoPE per layer. The step's ops come in two kinds:
+The model is written once (``_layer``, ``_head``) over a step's ops and its layers' typed weights
+(``DecoderLayer``, services/worker/layer_weights.py), and what a family changes is data in its
+``ModelConfig``: where the norms sit (before each block, before and after, or after only),
+biases, q/k norms, the activation, sliding windows and soft-caps per layer, multipliers and
+RoPE per layer. The step's ops come in two kinds:
 
 - ``HostOps``: the CPU path (kernels/reference.py: batch-invariant GEMM rows, the native C
   decode attention and fused elementwise ops where they build, packed weights);
@@ -18,141 +21,39 @@ fused into one GEMM each, as in vLLM. Logits are computed only for the rows that
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
 
-from kvflow.kernels import cpu_layer_ops, cpu_quant_tiles
+from kvflow.kernels import cpu_layer_ops
 from kvflow.kernels import reference as K
-from kvflow.kernels.cpu_gemm import head_packing, linear_packing
+from kvflow.kernels.cpu_gemm import head_packing
 from kvflow.kernels.cpu_quant import QuantWeight
 from kvflow.kernels.moe import MoEWeights, moe_block
 from kvflow.kernels.ops import KernelBackend
-from kvflow.kernels.stacked_weight import StackedWeight
+from kvflow.services.worker.layer_weights import DecoderLayer, Norm, cat_bias, fuse, packer, tiled
+from kvflow.services.worker.model_interface import BaseModel, ForwardBatch, KvCaches, LoadSpec
+from kvflow.services.worker.model_loader import load_weights, to_device_weight
 from kvflow.services.worker.step_inputs import DeviceBatch
+from kvflow.shared.model_source import ModelSource
 from kvflow.shared.models.config import ModelConfig
-from kvflow.shared.models.registry import family
 from kvflow.shared.models.rope import cos_sin_table, rope_rows
 
 if TYPE_CHECKING:
     from kvflow.services.worker.lora import LoRAStep
     from kvflow.services.worker.tensor_parallel import TPGroup
 
-Layer = dict[str, Any]  # a layer's weights by role (see ``_build_layer``); None where absent
 
-
-@dataclass
-class ForwardBatch:
-    """Everything one CPU-path forward pass needs besides the token ids and positions."""
-
-    slot_mapping: torch.Tensor  # [T] cache slot of each token (-1: do not write)
-    attn: K.AttentionPlan  # gathers for paged attention
-    rows: K.RowLayout | None  # how rows go through GEMMs (None: one plain GEMM)
-    sample_rows: torch.Tensor  # [S] indices into T whose logits are wanted
-    hidden_rows: torch.Tensor | None = None  # [P] rows whose final hidden states are wanted
-    lora: LoRAStep | None = None  # the LoRA adapters of the step's rows (services/worker/lora.py)
-    # [T] each token's sequence's prompt length (length-dependent RoPE: shared/models/rope.py)
-    token_prompt_lens: torch.Tensor | None = None
-
-
-def _fuse(parts: list, dtype: torch.dtype) -> torch.Tensor | K.Weight:
-    """Linear weights stacked by output rows (fused QKV, gate/up); quantized ones stay
-    quantized when they are of one kind (QuantWeight, DeviceQuantWeight, Fp8Weight: each has
-    ``cat``): one weight when they share a block type, else a ``StackedWeight`` of the runs
-    that do (a Q4_K_M file's Q4_K q/k beside its Q6_K v); a mix of kinds is dequantized to
-    ``dtype``."""
-    if all(isinstance(p, torch.Tensor) for p in parts):
-        return torch.cat(parts)
-    kind = type(parts[0])
-    if all(type(p) is kind for p in parts):
-        try:
-            return kind.cat(parts)
-        except ValueError:
-            if hasattr(parts[0], "qtype") or hasattr(parts[0], "type_name"):
-                return StackedWeight.of(parts)
-    return torch.cat(
-        [p if isinstance(p, torch.Tensor) else p.dequantize().to(dtype) for p in parts]
-    )
-
-
-def _tiled(w: Any) -> Any:
-    """Blocks multiplied with int8 activations (``--quantization gguf-a8``, ``w8a8``) as the
-    tiled kernel's layout where this CPU runs it (kernels/cpu_quant_tiles.py); anything else
-    as it is."""
-    if isinstance(w, StackedWeight):
-        return StackedWeight([_tiled(p) for p in w.parts])
-    if isinstance(w, QuantWeight) and w.int8_activations:
-        return cpu_quant_tiles.pack(w)
-    return w
-
-
-def _cat_bias(weights: dict[str, Any], names: list[str]) -> torch.Tensor | None:
-    got = [weights.get(n) for n in names]
-    return None if got[0] is None else torch.cat(got)
-
-
-class PagedModel(torch.nn.Module):
-    """What the runner asks of a model (``DecoderModel``; ``TransformersModel`` in
-    services/worker/transformers_model.py): ``forward_pooled`` on the CPU path,
-    ``forward_device_pooled`` on the device path, ``cfg``, ``dtype``, ``device``; the KV
-    caches and the logits-only calls are the same for both."""
-
-    cfg: ModelConfig
-    dtype: torch.dtype
-    device: torch.device
-    # the KV cache's dtype where it is not the model's: bf16 on the CPU path's --dtype bfloat16
-    # (model_setup.load_model), whose model computes in fp32 around its bf16 GEMMs
-    kv_cache_dtype: torch.dtype | None = None
-
-    @property
-    def kv_dtype(self) -> torch.dtype:
-        """The dtype the KV cache holds (``kv_cache_dtype``, else the model's)."""
-        return self.kv_cache_dtype or self.dtype
-
-    def make_kv_caches(
-        self, num_blocks: int, block_size: int
-    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """One (k, v) pair per layer, each [num_blocks, block_size, Hkv, D] of ``kv_dtype``, zero
-        filled (so padded gathers never meet NaNs)."""
-        shape = (num_blocks, block_size, self.cfg.num_kv_heads, self.cfg.head_dim)
-        dt, dev = self.kv_dtype, self.device
-        return [
-            (torch.zeros(shape, dtype=dt, device=dev), torch.zeros(shape, dtype=dt, device=dev))
-            for _ in range(self.cfg.num_layers)
-        ]
-
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        batch: ForwardBatch,
-        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-    ) -> torch.Tensor:
-        """Run ``input_ids`` [T] at ``positions`` [T]; returns logits [S, vocab] (fp32) for
-        ``batch.sample_rows`` only."""
-        return self.forward_pooled(input_ids, positions, batch, kv_caches)[0]
-
-    def forward_device(
-        self,
-        ops: KernelBackend,
-        batch: DeviceBatch,
-        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-    ) -> torch.Tensor:
-        """``forward_device_pooled`` without hidden rows: fp32 logits [S, vocab]."""
-        return self.forward_device_pooled(ops, batch, kv_caches)[0]
-
-
-class DecoderModel(PagedModel):
+class DecoderModel(BaseModel):
     """A decoder built from a ``ModelConfig`` and its family's HF-named weights."""
 
     def __init__(self, cfg: ModelConfig, weights: dict[str, Any]) -> None:
         super().__init__()
-        fam = family(cfg.family)
+        self.cfg = cfg
+        fam = self.family
         if fam.split is not None:  # fused checkpoint tensors (Phi-3) under Llama's names
             weights = fam.split(weights, cfg)
-        self.cfg = cfg
         self.scale = cfg.scale
         self.q_size = cfg.num_heads * cfg.head_dim
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
@@ -163,7 +64,7 @@ class DecoderModel(PagedModel):
         final_norm = weights["model.norm.weight"]  # always dense: the model's dtype and device
         self._dtype, self._device = final_norm.dtype, final_norm.device
         self.norm = self._norm_weight(final_norm, weights.get("model.norm.bias"))
-        self.layers: list[Layer] = [
+        self.layers: list[DecoderLayer] = [
             self._build_layer(weights, i, fam.norms) for i in range(cfg.num_layers)
         ]
         # one cos | sin table per distinct RoPE (Gemma 3: global and local), by layer
@@ -177,12 +78,41 @@ class DecoderModel(PagedModel):
         self.rope_specs = specs
         self.layer_table = [specs.index(cfg.layer_rope(i)) for i in range(cfg.num_layers)]
         self.native_layer_ops = False  # the CPU path's fused C elementwise ops (use_native_...)
-        # tensor parallelism: this rank's collectives (services/worker/tensor_parallel.py);
-        # None: the whole model here
-        self.tp: TPGroup | None = None
         # tokens per routed expert, summed over the MoE layers of the steps since the last
         # take_expert_load() (None: none ran)
         self._expert_load: torch.Tensor | None = None
+
+    @classmethod
+    def load(cls, src: ModelSource, cfg: ModelConfig, spec: LoadSpec) -> DecoderModel:
+        """The checkpoint's weights (services/worker/model_loader.py) as ``spec`` says."""
+        return cls.from_weights(cfg, load_weights(src, cfg, spec.dtype, spec.quantization), spec)
+
+    @classmethod
+    def from_weights(
+        cls, cfg: ModelConfig, weights: dict[str, Any], spec: LoadSpec
+    ) -> DecoderModel:
+        """On the device path the weights move to the device in the backend's layouts (the
+        experts stacked for its grouped kernel); on the CPU path dense ones take
+        ``spec.dtype``."""
+        if spec.device_path:
+            embed = weights["model.embed_tokens.weight"]
+            if isinstance(embed, QuantWeight) and "lm_head.weight" not in weights:
+                weights = {**weights, "lm_head.weight": embed}  # tied: the head keeps the blocks
+            weights = {n: to_device_weight(w, spec.device, n) for n, w in weights.items()}
+        else:  # in-memory weights in another dtype: the CPU path's own
+            weights = {
+                n: w.to(spec.dtype) if isinstance(w, torch.Tensor) and w.is_floating_point() else w
+                for n, w in weights.items()
+            }
+        model = cls(cfg, weights)
+        if spec.device_path:
+            model.stack_experts()  # the grouped Triton kernel reads each layer's experts stacked
+        return model
+
+    @property
+    def decode_graphs(self) -> bool:  # type: ignore[override]
+        """Not with experts: their tokens per expert are data, so MoE steps run eagerly."""
+        return not self.cfg.num_experts
 
     def record_expert_load(self, load: torch.Tensor) -> None:
         """Add one MoE layer's tokens per expert [E] to the load since the last take."""
@@ -194,7 +124,7 @@ class DecoderModel(PagedModel):
         load, self._expert_load = self._expert_load, None
         return None if load is None else load.tolist()
 
-    def _norm_weight(self, w: torch.Tensor, bias: torch.Tensor | None = None) -> Any:
+    def _norm_weight(self, w: torch.Tensor, bias: torch.Tensor | None = None) -> Norm:
         """A norm's scale as the kernels multiply by it: ``offset + w`` (Gemma's ``1 + w``,
         added in fp32 as transformers does); a LayerNorm's is (weight, bias)."""
         if self.cfg.norm_kind == "layer":
@@ -203,26 +133,27 @@ class DecoderModel(PagedModel):
             return w
         return (self.cfg.norm_offset + w.float()).to(w.dtype)
 
-    def _build_layer(self, weights: dict[str, Any], i: int, norms: dict[str, str]) -> Layer:
+    def _build_layer(self, weights: dict[str, Any], i: int, norms: dict[str, str]) -> DecoderLayer:
         dt, p, moe = self._dtype, f"model.layers.{i}.", self.cfg.is_moe(i)
         attn = [f"{p}self_attn.{n}_proj" for n in "qkv"]
         mlp = [f"{p}mlp.{n}_proj" for n in (("gate", "up") if self.cfg.gated_mlp else ("up",))]
-        layer: Layer = {
-            "qkv": _fuse([weights[n + ".weight"] for n in attn], dt),
-            "qkv_bias": _cat_bias(weights, [n + ".bias" for n in attn]),
-            "o": weights[f"{p}self_attn.o_proj.weight"],
-            "o_bias": weights.get(f"{p}self_attn.o_proj.bias"),
-            "gate_up": None if moe else _fuse([weights[n + ".weight"] for n in mlp], dt),
-            "gate_up_bias": None if moe else _cat_bias(weights, [n + ".bias" for n in mlp]),
-            "down": None if moe else weights[f"{p}mlp.down_proj.weight"],
-            "down_bias": None if moe else weights.get(f"{p}mlp.down_proj.bias"),
-            "moe": self._build_moe(weights, p) if moe else None,
-        }
-        for role in ("attn_norm", "attn_out_norm", "mlp_norm", "mlp_out_norm", "q_norm", "k_norm"):
-            name = norms.get(role)
-            w = weights.get(f"{p}{name}.weight") if name else None
-            b = weights.get(f"{p}{name}.bias") if name else None
-            layer[role] = None if w is None else self._norm_weight(w, b)
+        layer = DecoderLayer(
+            qkv=fuse([weights[n + ".weight"] for n in attn], dt),
+            qkv_bias=cat_bias(weights, [n + ".bias" for n in attn]),
+            o=weights[f"{p}self_attn.o_proj.weight"],
+            o_bias=weights.get(f"{p}self_attn.o_proj.bias"),
+        )
+        if moe:
+            layer.moe = self._build_moe(weights, p)
+        else:
+            layer.gate_up = fuse([weights[n + ".weight"] for n in mlp], dt)
+            layer.gate_up_bias = cat_bias(weights, [n + ".bias" for n in mlp])
+            layer.down = weights[f"{p}mlp.down_proj.weight"]
+            layer.down_bias = weights.get(f"{p}mlp.down_proj.bias")
+        for role, name in norms.items():  # a role the family does not name stays None
+            w = weights.get(f"{p}{name}.weight")
+            if w is not None:
+                setattr(layer, role, self._norm_weight(w, weights.get(f"{p}{name}.bias")))
         return layer
 
     def _build_moe(self, weights: dict[str, Any], p: str) -> MoEWeights:
@@ -230,7 +161,7 @@ class DecoderModel(PagedModel):
         cfg, dt = self.cfg, self._dtype
 
         def gate_up(prefix: str) -> Any:
-            return _fuse([weights[f"{prefix}.{n}_proj.weight"] for n in ("gate", "up")], dt)
+            return fuse([weights[f"{prefix}.{n}_proj.weight"] for n in ("gate", "up")], dt)
 
         experts = [f"{p}mlp.experts.{e}" for e in range(cfg.num_experts)]
         shared = f"{p}mlp.shared_expert"
@@ -266,45 +197,28 @@ class DecoderModel(PagedModel):
         return self._device
 
     def pack_weights(self, dtype: torch.dtype = torch.float32) -> str:
-        """Hold every dense linear weight pre-packed for the CPU as ``dtype`` GEMMs run
-        (kernels/cpu_gemm.py ``linear_packing``: fp32 in kvflow's panels, batch invariant by
-        construction, or oneDNN's layout; bf16 in kvflow's bf16 panels or for oneDNN's bf16
-        GEMM). The lm_head follows ``cpu_gemm.head_packing``: bf16 panels (fp32 sums) or fp32,
-        never a GEMM that rounds the logits to bf16. The embedding stays dense for lookups, so a
-        tied lm_head gets a packed copy of its own. Quantized blocks multiplied with int8
-        activations (``--quantization gguf-a8``, ``w8a8``) become the tiled kernel's layout
-        (``_tiled``), a tied embedding and head sharing one copy. Returns the packing's name."""
-        dense, packing = linear_packing(dtype)
-
-        def pack(w: Any) -> Any:
-            if isinstance(w, torch.Tensor):
-                return dense(w)
-            return _tiled(w)
-
+        """Hold every linear weight pre-packed for the CPU as ``dtype`` GEMMs run
+        (layer_weights.packer: quantized blocks multiplied with int8 activations become the
+        tiled kernel's layout). The lm_head follows ``cpu_gemm.head_packing``: bf16 panels
+        (fp32 sums) or fp32, never a GEMM that rounds the logits to bf16. The embedding stays
+        dense for lookups, so a tied lm_head gets a packed copy of its own; quantized, a tied
+        embedding and head share one copy. Returns the packing's name."""
+        pack, packing = packer(dtype)
         for layer in self.layers:
-            for name in ("qkv", "o", "gate_up", "down"):
-                layer[name] = pack(layer[name])
-            m = layer["moe"]
-            if m is not None:
-                m.gate_up = [pack(w) for w in m.gate_up]
-                m.down = [pack(w) for w in m.down]
-                for name in ("router", "shared_gate_up", "shared_down", "shared_gate"):
-                    w = getattr(m, name)
-                    if w is not None:
-                        setattr(m, name, pack(w))
+            layer.pack(pack)
         if isinstance(self.lm_head, torch.Tensor):
             self.lm_head = head_packing(dtype)(self.lm_head)
         elif self.lm_head is self.embed:  # tied: one copy, looked up and multiplied
-            self.embed = self.lm_head = _tiled(self.embed)
+            self.embed = self.lm_head = tiled(self.embed)
         else:
-            self.lm_head = _tiled(self.lm_head)
+            self.lm_head = tiled(self.lm_head)
         return packing
 
     def stack_experts(self) -> int:
         """Stack each MoE layer's dense experts for the device path's grouped kernel
         (kernels/triton_moe.py); returns how many layers were (quantized experts stay one
         GEMM per expert)."""
-        return sum(layer["moe"].stack() for layer in self.layers if layer["moe"] is not None)
+        return sum(layer.moe.stack() for layer in self.layers if layer.moe is not None)
 
     def use_native_layer_ops(self) -> bool:
         """Run RMSNorm, RoPE with the KV write and the activation of ``forward`` as one C call
@@ -317,16 +231,8 @@ class DecoderModel(PagedModel):
     def linear_weights(self) -> list[Any]:
         """One linear weight of each distinct shape (what batch-invariance calibration tests)."""
         seen: dict[tuple[int, ...], Any] = {}
-        ws = [self.layers[0][n] for n in ("qkv", "o")]
-        for layer in self.layers:  # one dense MLP and one MoE layer (the first of each)
-            ws += [layer["gate_up"], layer["down"]]
-            m = layer["moe"]
-            if m is not None:
-                ws += [m.router, m.gate_up[0], m.down[0]]
-                ws += [m.shared_gate_up, m.shared_down, m.shared_gate]
-        for w in (*ws, self.lm_head):
-            if w is not None:
-                seen.setdefault(tuple(w.shape), w)
+        for w in [w for layer in self.layers for w in layer.linears()] + [self.lm_head]:
+            seen.setdefault(tuple(w.shape), w)
         return list(seen.values())
 
     # -- the two paths --------------------------------------------------------------------
@@ -337,7 +243,7 @@ class DecoderModel(PagedModel):
         input_ids: torch.Tensor,
         positions: torch.Tensor,
         batch: ForwardBatch,
-        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        kv_caches: KvCaches,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The CPU path: ``forward``'s logits, and the final hidden states (after the last
         norm, fp32) [P, hidden] of ``batch.hidden_rows`` (None when there are none): what
@@ -351,7 +257,7 @@ class DecoderModel(PagedModel):
         self,
         ops: KernelBackend,
         batch: DeviceBatch,
-        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        kv_caches: KvCaches,
         hidden_rows: torch.Tensor | None = None,
         lora: LoRAStep | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -371,7 +277,7 @@ class DecoderModel(PagedModel):
         self,
         st: StepOps,
         input_ids: torch.Tensor,
-        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        kv_caches: KvCaches,
         lora: LoRAStep | None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Embeddings through every layer: (h, residual), whose sum is the residual stream
@@ -389,7 +295,7 @@ class DecoderModel(PagedModel):
         self,
         st: StepOps,
         i: int,
-        layer: Layer,
+        layer: DecoderLayer,
         cache: tuple[torch.Tensor, torch.Tensor],
         h: torch.Tensor,
         residual: torch.Tensor | None,
@@ -401,52 +307,52 @@ class DecoderModel(PagedModel):
             x = h if residual is None else h + residual
             residual = x
         else:
-            x, residual = st.norm(h, layer["attn_norm"], residual)
-        qkv = _plus(st.linear(x, layer["qkv"]), layer["qkv_bias"])
+            x, residual = st.norm(h, layer.attn_norm, residual)
+        qkv = _plus(st.linear(x, layer.qkv), layer.qkv_bias)
         qkv = _lora(lora, i, "qkv", x, qkv)
         if cfg.qk_norm:
             qkv = self._qk_norm(st, layer, qkv)
         q = st.rope_write(qkv, self.layer_table[i], cache)
         o = st.attend(q, cache, cfg.window(i), cfg.attn_softcap).reshape(-1, self.q_size)
-        h = _reduce(tp, _lora(lora, i, "o", o, st.linear(o, layer["o"])))
-        h = _plus(h, layer["o_bias"])
-        if layer["attn_out_norm"] is not None:
-            h = st.norm(h, layer["attn_out_norm"])[0]
+        h = _reduce(tp, _lora(lora, i, "o", o, st.linear(o, layer.o)))
+        h = _plus(h, layer.o_bias)
+        if layer.attn_out_norm is not None:
+            h = st.norm(h, layer.attn_out_norm)[0]
         if cfg.residual_multiplier != 1.0:
             h = h * cfg.residual_multiplier
         if post:
             x = h + residual
             residual = x
         else:
-            x, residual = st.norm(h, layer["mlp_norm"], residual)
-        if layer["moe"] is not None:
-            h, load = moe_block(x, layer["moe"], st.linear, st.head_linear, st.act)
+            x, residual = st.norm(h, layer.mlp_norm, residual)
+        if layer.moe is not None:
+            h, load = moe_block(x, layer.moe, st.linear, st.head_linear, st.act)
             h = _reduce(tp, h)  # each rank's experts hold a slice of their features
             st.expert_load(i, load)
         else:
             gate_up = _lora(
-                lora, i, "gate_up", x, _plus(st.linear(x, layer["gate_up"]), layer["gate_up_bias"])
+                lora, i, "gate_up", x, _plus(st.linear(x, layer.gate_up), layer.gate_up_bias)
             )
             m = st.act(gate_up)
-            h = _reduce(tp, _lora(lora, i, "down", m, st.linear(m, layer["down"])))
-            h = _plus(h, layer["down_bias"])
-        if layer["mlp_out_norm"] is not None:
-            h = st.norm(h, layer["mlp_out_norm"])[0]
+            h = _reduce(tp, _lora(lora, i, "down", m, st.linear(m, layer.down)))
+            h = _plus(h, layer.down_bias)
+        if layer.mlp_out_norm is not None:
+            h = st.norm(h, layer.mlp_out_norm)[0]
         if cfg.residual_multiplier != 1.0:
             h = h * cfg.residual_multiplier
         return h, residual
 
-    def _qk_norm(self, st: StepOps, layer: Layer, qkv: torch.Tensor) -> torch.Tensor:
+    def _qk_norm(self, st: StepOps, layer: DecoderLayer, qkv: torch.Tensor) -> torch.Tensor:
         """RMSNorm of the queries and keys before RoPE: per head (Qwen3, Gemma 3) or over the
         whole projection (OLMo 2). Returns the new fused q | k | v rows."""
         t, qs, ks, d = qkv.shape[0], self.q_size, self.kv_size, self.cfg.head_dim
         q, k, v = qkv[:, :qs], qkv[:, qs : qs + ks], qkv[:, qs + ks :]
         if self.cfg.qk_norm == "head":
-            q = st.norm(q.reshape(-1, d), layer["q_norm"])[0].view(t, qs)
-            k = st.norm(k.reshape(-1, d), layer["k_norm"])[0].view(t, ks)
+            q = st.norm(q.reshape(-1, d), layer.q_norm)[0].view(t, qs)
+            k = st.norm(k.reshape(-1, d), layer.k_norm)[0].view(t, ks)
         else:
-            q = st.norm(q.contiguous(), layer["q_norm"])[0]
-            k = st.norm(k.contiguous(), layer["k_norm"])[0]
+            q = st.norm(q.contiguous(), layer.q_norm)[0]
+            k = st.norm(k.contiguous(), layer.k_norm)[0]
         return torch.cat([q, k, v], dim=1)
 
     def _head(

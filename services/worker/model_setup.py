@@ -9,36 +9,29 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import torch
 
 from kvflow.kernels import batch_invariance, cpu_gemm, cpu_native, cpu_quant
 from kvflow.kernels.batch_invariance import GemmRows
-from kvflow.kernels.cpu_quant import QuantWeight
-from kvflow.kernels.fp8_linear import Fp8Weight, fp8_supported
+from kvflow.kernels.fp8_linear import fp8_supported
 from kvflow.kernels.ops import KernelBackend, get_backend
 from kvflow.services.worker import machine
 from kvflow.services.worker.cuda_graphs import DecodeGraphs, capture_sizes
 from kvflow.services.worker.device import kernel_backend as default_backend
-from kvflow.services.worker.model import DecoderModel
+from kvflow.services.worker.layer_weights import Weights
+from kvflow.services.worker.model_interface import LoadSpec, Model
+from kvflow.services.worker.model_kinds import model_kind
 from kvflow.services.worker.step_inputs import DeviceBatch, HostStep, Staging, pack
 from kvflow.shared.config import KV_CACHE_DTYPES, CacheSettings, ModelSettings, WorkerSettings
 from kvflow.shared.model_config import load_config
-from kvflow.shared.model_loader import load_weights
 from kvflow.shared.model_source import ModelSource
 from kvflow.shared.models.config import ModelConfig
 from kvflow.shared.quantized_checkpoints import METHODS, checkpoint_method
 
 log = logging.getLogger("kvflow.worker")
-
-if TYPE_CHECKING:
-    from kvflow.services.worker.transformers_model import TransformersModel
-
-    AnyModel = DecoderModel | TransformersModel
-else:
-    AnyModel = DecoderModel
 
 QUANTIZATIONS = ("", "gguf", "gguf-a8", "int8", "w8a8", "gptq", "awq", "fp8")
 
@@ -114,11 +107,11 @@ def check_quantization(
 
     ``gguf`` keeps a GGUF's Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K and Q6_K linear weights
     quantized; ``int8`` quantizes any
-    checkpoint's linear weights to int8 blocks at load (shared/model_loader.quantize_int8);
+    checkpoint's linear weights to int8 blocks at load (services/worker/model_loader.py);
     ``w8a8`` is int8 with the activations rounded to int8 too, and ``gguf-a8`` gguf with them
     so, as llama.cpp computes (the CPU path only);
     ``gptq`` / ``awq`` serve such a 4-bit checkpoint's groups in place
-    (shared/quantized_checkpoints.py). On the CPU path (fp32 activations) they run
+    (services/worker/gptq_awq.py). On the CPU path (fp32 activations) they run
     kernels/cpu_quant.py, on the device path (``backend`` "triton": CUDA, or Triton's
     interpreter in tests) kernels/triton_quant.py. ``fp8`` (e4m3 weights per channel, dynamic
     per-token activations: kernels/fp8_linear.py) is the device path's only, on GPUs with fp8
@@ -176,28 +169,13 @@ def check_quantization(
     return quantization
 
 
-def to_device_weight(
-    w: torch.Tensor | QuantWeight | Fp8Weight, device: torch.device, name: str = ""
-) -> Any:
-    """A loaded weight as the device path computes with it on ``device``: dense tensors moved,
-    integer blocks split into the Triton kernel's planes (an embedding's blocks decoded: the
-    device looks rows up in a dense table), fp8 weights moved."""
-    if isinstance(w, QuantWeight) and name == "model.embed_tokens.weight":
-        return w.dequantize().to(device)
-    if isinstance(w, QuantWeight):
-        from kvflow.kernels.triton_quant import DeviceQuantWeight
-
-        return DeviceQuantWeight.from_blocks(w, device)
-    return w.to(device)
-
-
 @dataclass
 class LoadedModel:
     """The model on its device with the kernels picked for it."""
 
     device: torch.device
     ops: KernelBackend | None  # the device path's kernels; None: the CPU path
-    model: AnyModel
+    model: Model
     gemm_rows: GemmRows | None  # batch-invariant row layout (CPU path)
     decode_fn: Callable[..., Any] | None  # the C decode-attention kernel (CPU path)
     gemm: str  # how linear layers run, for the log
@@ -209,12 +187,12 @@ def load_model(
     cpu: CpuPathSpec,
     config: ModelConfig | None = None,
     weights: dict[str, torch.Tensor] | None = None,
-    model: AnyModel | None = None,
+    model: Model | None = None,
 ) -> LoadedModel:
     """Load ``src`` (or take in-memory ``config`` + ``weights``, or a built ``model``) onto
-    ``spec.device``: kvflow's ``DecoderModel`` for a native family, transformers' own modules
-    (``TransformersModel``) for ``--model-impl transformers`` or an architecture the registry
-    lacks under ``auto``."""
+    ``spec.device`` as the model kind of its family says (services/worker/model_kinds.py:
+    kvflow's decoder or encoder for a native family, transformers' own modules for
+    ``--model-impl transformers`` or an architecture the registry lacks under ``auto``)."""
     device = torch.device(spec.device)
     backend = spec.backend or default_backend(device)
     quantization = check_quantization(spec.quantization, src, device, spec.dtype, backend)
@@ -262,41 +240,22 @@ def _build(
     ops: KernelBackend | None,
     config: ModelConfig | None,
     weights: dict[str, Any] | None,
-) -> AnyModel:
+) -> Model:
     """The model of ``src`` (or of in-memory ``config`` + ``weights``) on ``device``, its
     weights in ``dtype``."""
+    how = LoadSpec(dtype, device, quantization, device_path=ops is not None)
     if config is None or weights is None:
         if src is None:
             raise ValueError("ModelRunner needs a ModelSource, config + weights, or a model")
         log.info("loading model %s from %s", src.name, src.path)
         config = load_config(src, model_impl=spec.model_impl)
-        if config.family == "transformers":
-            from kvflow.services.worker.transformers_model import TransformersModel
-
-            log.info("%s runs through transformers' modules (--model-impl)", src.name)
-            return TransformersModel.from_pretrained(src.path, dtype, device, quantization)
-        weights = load_weights(src, config, dtype, quantization)
-    if config.encoder:
-        from kvflow.services.worker.encoder_model import EncoderModel
-
-        return EncoderModel(config, {n: w.to(device) for n, w in weights.items()})
-    if ops is not None:
-        embed = weights["model.embed_tokens.weight"]
-        if isinstance(embed, QuantWeight) and "lm_head.weight" not in weights:
-            weights = {**weights, "lm_head.weight": embed}  # tied: the head keeps the blocks
-        weights = {n: to_device_weight(w, device, n) for n, w in weights.items()}
-    if ops is None:  # in-memory weights in another dtype: the CPU path's own
-        weights = {
-            n: w.to(dtype) if isinstance(w, torch.Tensor) and w.is_floating_point() else w
-            for n, w in weights.items()
-        }
-    model = DecoderModel(config, weights)
-    if ops is not None:
-        model.stack_experts()  # the grouped Triton kernel reads each layer's experts stacked
-    return model
+        kind = model_kind(config)
+        log.info("%s: %s, run by %s", src.name, config.family, kind.__name__)
+        return kind.load(src, config, how)
+    return model_kind(config).from_weights(config, weights, how)
 
 
-def calibrate_gemm_rows(model: AnyModel) -> GemmRows:
+def calibrate_gemm_rows(model: Model) -> GemmRows:
     """Test this machine's GEMM on the model's own weights, one of each shape (15-20 s on
     2 cores), or reuse this machine's earlier answer for the same shapes."""
     t0 = time.perf_counter()
@@ -332,24 +291,21 @@ def kv_cache_dtype(
     return None if want == model_dtype else want
 
 
-def kv_block_bytes(cfg: ModelConfig, kv_heads: int, block_size: int, dtype: torch.dtype) -> int:
-    """Bytes of one KV block (K and V of every layer) holding ``kv_heads`` heads."""
-    return 2 * cfg.num_layers * block_size * kv_heads * cfg.head_dim * torch.finfo(dtype).bits // 8
-
-
-def kv_cache_blocks(model: AnyModel, kv: KvSpec) -> int:
+def kv_cache_blocks(model: Model, kv: KvSpec) -> int:
     """``kv.num_blocks``, or as many blocks as ``kv.kv_cache_gib`` holds for this model."""
-    cfg = model.cfg
-    dtype = model.dtype if cfg.encoder else model.kv_dtype
-    per_block = kv_block_bytes(cfg, cfg.num_kv_heads, kv.block_size, dtype)
+    cache = model.kv_cache_spec()
+    per_block = cache.block_bytes(kv.block_size)
     num_blocks = kv.num_blocks or max(1, int(kv.kv_cache_gib * 2**30) // per_block)
-    if cfg.encoder:
-        log.info("no KV cache (an encoder): %d blocks count the tokens in flight", num_blocks)
-    else:
+    if cache.kept:
         log.info(
             "allocating KV cache: %.2f GiB (%s)",
             num_blocks * per_block / 2**30,
-            str(dtype).removeprefix("torch."),
+            str(cache.dtype).removeprefix("torch."),
+        )
+    else:
+        log.info(
+            "no KV cache (nothing kept between steps): %d blocks count the tokens in flight",
+            num_blocks,
         )
     return num_blocks
 
@@ -368,7 +324,7 @@ kernel (``block_m`` is the next power of two of the longest query, 16 to 128).""
 @torch.inference_mode()
 def warm_up_prefill(
     ops: KernelBackend,
-    model: AnyModel,
+    model: Model,
     kv_caches: Any,
     staging: Staging,
     max_len: int,
@@ -445,11 +401,11 @@ def make_decode_graphs(
     return graphs
 
 
-def weight_bytes(model: Any) -> int:
+def weight_bytes(model: Model) -> int:
     """Bytes the model's weights hold as loaded: dense tensors by their size, packed and
     quantized weights by their own ``nbytes`` (blocks, panels), each object once (a tied head
-    is its embedding). Walks the model's attributes (layer dicts and lists included) and its
-    parameters."""
+    is its embedding). Walks the model's attributes (its layers' typed weights, lists and
+    dicts included) and its parameters."""
     seen: set[int] = set()
 
     def size(x: Any) -> int:
@@ -458,6 +414,8 @@ def weight_bytes(model: Any) -> int:
         seen.add(id(x))
         if isinstance(x, torch.Tensor):
             return x.numel() * x.element_size()
+        if isinstance(x, Weights):
+            return sum(size(v) for v in x.weights())
         if isinstance(x, dict):
             return sum(size(v) for v in x.values())
         if isinstance(x, list | tuple):

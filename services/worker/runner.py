@@ -29,8 +29,8 @@ from kvflow.services.worker import sampler, speculation, structured
 from kvflow.services.worker.block_tables import BlockTables
 from kvflow.services.worker.cuda_graphs import DecodeGraphs
 from kvflow.services.worker.draft import DraftProposer
-from kvflow.services.worker.encoder_model import encoder_step
 from kvflow.services.worker.lora import LoRACache, LoRASpec, LoRAStep, lora_rows
+from kvflow.services.worker.model_interface import Model
 from kvflow.services.worker.model_setup import (
     CpuPathSpec,
     DeviceSpec,
@@ -121,18 +121,20 @@ class ModelRunner:
         draft: LoadedModel | None = None,
         lora: LoRASpec | None = None,
         tp: TPGroup | None = None,
-        model: Any = None,
+        model: Model | None = None,
     ) -> None:
         """Load ``src`` (or in-memory ``config`` + ``weights``) as ``device`` says and
         allocate the KV cache ``kv`` describes (services/worker/model_setup.py); ``draft``: a
         loaded draft model for speculative decoding (services/worker/draft.py); ``lora``:
         serve LoRA adapters (services/worker/lora.py); ``tp``: this rank's collectives when
         the model is a tensor-parallel shard (services/worker/tp_group.py); ``model``: a
-        model built already (a ``TransformersModel`` in tests) instead of ``src``."""
+        model built already (a ``TransformersModel`` in tests) instead of ``src``. What the
+        model's family refuses (tensor parallelism, LoRA) is refused here (ValueError)."""
         t0 = time.perf_counter()
         device = device or DeviceSpec()
         loaded = load_model(src, device, cpu or CpuPathSpec(), config, weights, model)
-        self.device, self.ops, self.model = loaded.device, loaded.ops, loaded.model
+        self.device, self.ops = loaded.device, loaded.ops
+        self.model: Model = loaded.model
         self.staging = Staging(self.device)  # the device path's step inputs, reused
         self.model.tp = tp  # before graph capture: the captured steps run the collectives
         self.gemm_rows, self.decode_fn = loaded.gemm_rows, loaded.decode_fn
@@ -146,8 +148,9 @@ class ModelRunner:
         self.draft = (
             DraftProposer(draft, self._num_blocks, kv.block_size, self.tables) if draft else None
         )
-        if lora is not None and self.config.num_experts:
-            raise ValueError(f"{self.config.family}: LoRA adapters on experts are not served yet")
+        refused = self.model.family.refusal(lora=lora is not None)
+        if refused:
+            raise ValueError(refused)
         self.loras = (
             LoRACache(
                 self.config,
@@ -167,14 +170,13 @@ class ModelRunner:
         graphs = device.cuda_graphs
         if (
             self.ops is not None
-            and not self.config.encoder
-            and not self.config.num_experts  # experts' token counts are data: eager steps
+            and self.model.decode_graphs
             and (graphs or graphs is None and self.on_cuda)
         ):
             self.graphs = make_decode_graphs(
                 loaded, self.kv_caches, self._max_model_len, kv.block_size, device.max_num_seqs
             )
-        if self.ops is not None and self.on_cuda and not self.config.encoder:
+        if self.ops is not None and self.on_cuda and self.model.generates:  # it samples one row
             warm_up_prefill(
                 self.ops,
                 self.model,
@@ -201,7 +203,7 @@ class ModelRunner:
         worker_id: str = "w0",
         draft: LoadedModel | None = None,
         lora: LoRASpec | None = None,
-        model: Any = None,
+        model: Model | None = None,
         **options: Any,
     ) -> ModelRunner:
         """A runner from flat option names (``dtype=``, ``max_model_len=``, ``gemm_rows=``:
@@ -282,8 +284,7 @@ class ModelRunner:
 
     def take_expert_load(self) -> list[int] | None:
         """The last step's tokens per expert (None: no mixture of experts ran)."""
-        take = getattr(self.model, "take_expert_load", None)
-        return take() if take is not None else None
+        return self.model.take_expert_load()
 
     def keepalive(self) -> None:
         pass  # no other ranks to keep
@@ -329,14 +330,7 @@ class ModelRunner:
         out = StepOut()
         if not plan.seqs:
             return out
-        if self.config.encoder:  # whole inputs, pooled: nothing is sampled or kept
-            pools = [self.requests[s.request_id].pool for s in plan.seqs]
-            if any(p is None for p in pools):
-                raise ValueError("an encoder serves pooling requests only (embed, classify, score)")
-            out.embeddings = encoder_step(self.model, plan.seqs, pools, self.gemm_rows is not None)
-            out.num_computed = sum(len(s.token_ids) for s in plan.seqs)
-            self.total_computed_tokens += out.num_computed
-            return out
+        self._check_served(plan.seqs)
         # a draft model runs the step's tokens and appends its drafts (services/worker/draft.py)
         plan_seqs = self.draft.step(plan.seqs) if self.draft is not None else plan.seqs
         rows_of_plan = speculation.expand(plan_seqs)  # plan_seqs itself when nothing has drafts
@@ -399,6 +393,25 @@ class ModelRunner:
                     break
         return out
 
+    def _check_served(self, seqs: list[ScheduledSeq]) -> None:
+        """ValueError for what the model cannot compute: a request to sample from one that
+        pools only, a chunk that is not a whole input for one that computes inputs whole."""
+        model = self.model
+        if model.generates and not model.whole_inputs:
+            return
+        for s in seqs:
+            st = self.requests[s.request_id]
+            if not model.generates and st.pool is None:
+                raise ValueError(
+                    f"{self.config.family} serves pooling requests only (embed, classify, score)"
+                )
+            n = len(s.token_ids)
+            if model.whole_inputs and (s.start_pos != 0 or n != st.prompt_len or s.num_draft):
+                raise ValueError(
+                    f"{s.request_id}: {self.config.family} computes a whole input in one step "
+                    f"(got tokens {s.start_pos}..{s.start_pos + n} of {st.prompt_len})"
+                )
+
     def _forward_device(
         self, step: StepRows, lora: LoRAStep | None = None
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -427,6 +440,8 @@ class ModelRunner:
         batch = pack(HostStep(ids, pos, slots, tables, ends, qlens, rows), self.staging)
         if self.model.length_dependent_rope:
             batch.prompt_lens = torch.tensor(step.prompt_lens, device=self.device)
+        if step.token_types:
+            batch.token_types = torch.tensor(step.token_types, device=self.device)
         pool = torch.tensor(step.pool_rows, device=self.device) if step.pool_rows else None
         return self.model.forward_device_pooled(self.ops, batch, self.kv_caches, pool, lora)
 
@@ -444,10 +459,11 @@ class ModelRunner:
                 st.add(hidden[at : at + n])
             at += n
         done = []
+        head, activation = self.model.classifier, self.model.score_activation
         for s in plan_seqs:  # the plan's order
             st = self.requests[s.request_id].pool
             if s.sample and st is not None:
-                done.append(pooled_output(s.request_id, st.finish()))
+                done.append(pooled_output(s.request_id, st.finish(head, activation)))
         return done
 
     def _sample(

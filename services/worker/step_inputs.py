@@ -4,7 +4,7 @@ with ``non_blocking``, then read through views. The host buffer is the runner's 
 kept from step to step (pinning memory is a driver call that costs more than the step's copy);
 it grows when a step needs more and is written again only once its last copy has finished.
 
-``DeviceBatch`` is what ``DecoderModel.forward_device`` takes; the CUDA-graph decode path
+``DeviceBatch`` is what a model's ``forward_device`` takes (services/worker/model_interface.py); the CUDA-graph decode path
 (services/worker/cuda_graphs.py) fills the same fields from static buffers instead.
 """
 
@@ -37,6 +37,8 @@ class DeviceBatch:
     # [T] each token's sequence's prompt length, for length-dependent RoPE (longrope; None
     # otherwise: such models run without decode graphs)
     prompt_lens: torch.Tensor | None = None
+    # [T] each token's segment of a text pair (models with token-type embeddings); None: all 0
+    token_types: torch.Tensor | None = None
 
 
 @dataclass

@@ -1,6 +1,7 @@
 """A step's inputs as the runner lays them out: single-token sequences (decode) first, then one
 GEMM segment per longer chunk; the flat token rows with their positions and KV slots, the rows
-to sample, the prompt-logprob rows and the rows embedding requests pool (``lay_out``), and the CPU path's ForwardBatch over them
+to sample, the prompt-logprob rows, the rows embedding requests pool and their text pairs' token
+types (``lay_out``), and the CPU path's ForwardBatch over them
 (``host_batch``; the device path packs the same rows in services/worker/step_inputs.py)."""
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import torch
 from kvflow.kernels import reference as K
 from kvflow.kernels.batch_invariance import GemmRows
 from kvflow.services.worker.block_tables import BlockTables
-from kvflow.services.worker.model import ForwardBatch
+from kvflow.services.worker.model_interface import ForwardBatch
 from kvflow.services.worker.prompt_logprobs import PromptRows
 from kvflow.shared.messages import ScheduledSeq
 
@@ -35,6 +36,9 @@ class StepRows:
     pool_rows: list[int] = field(default_factory=list)
     pool_pieces: list[tuple[str, int]] = field(default_factory=list)
     prompt_lens: list[int] = field(default_factory=list)  # per row: its sequence's prompt length
+    # per row: its segment of a text pair (a pooling request's ``pair_start`` on: 1); empty
+    # when no request of the step has a pair
+    token_types: list[int] = field(default_factory=list)
 
     @property
     def logits_rows(self) -> list[int]:
@@ -88,12 +92,19 @@ def lay_out(
             rows = pool.rows_of(s)
             step.pool_rows += [start_row + r for r in rows]
             step.pool_pieces.append((s.request_id, len(rows)))
+            pair = pool.pooling.pair_start
+            if pair:
+                types = step.token_types
+                types += [0] * (start_row - len(types))  # the rows before: one text each
+                types += [int(p >= pair) for p in range(start, end)]
         elif s.sample:
             step.sample_rows.append(len(ids) - 1)
         if st is not None:
             if st.guide is not None:  # tokens generated before a preemption
                 st.guide.replay(s, st.prompt_len)
             step.prompt_rows.add(s, st, start_row)
+    if step.token_types:
+        step.token_types += [0] * (len(ids) - len(step.token_types))
     return step
 
 
@@ -122,4 +133,6 @@ def host_batch(
         sample_rows=torch.tensor(step.logits_rows, dtype=torch.long),
         hidden_rows=torch.tensor(step.pool_rows, dtype=torch.long) if step.pool_rows else None,
         token_prompt_lens=torch.tensor(step.prompt_lens),
+        query_lens=qlens,
+        token_types=torch.tensor(step.token_types) if step.token_types else None,
     )

@@ -24,7 +24,9 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from kvflow.services.worker.lora_weights import module_shapes
 from kvflow.shared.models.config import ModelConfig
+from kvflow.shared.models.registry import family
 
 if TYPE_CHECKING:
     from kvflow.services.worker.tp_shm import ShmComm
@@ -58,11 +60,9 @@ def tp_layout(cfg: ModelConfig, rank: int, world: int) -> TPLayout:
     would get no query head."""
     if not 0 <= rank < world:
         raise ValueError(f"rank {rank} is not in a group of {world}")
-    if cfg.qk_norm == "full" and world > 1:
-        raise ValueError(
-            f"{cfg.family}: its q/k norms run over all heads together (OLMo 2, OLMoE); tensor "
-            "parallelism would need one more all-reduce per layer and is not supported for it"
-        )
+    refused = family(cfg.family).refusal(tensor_parallel=world > 1)
+    if refused:
+        raise ValueError(refused)
     if cfg.num_experts and world > cfg.moe_intermediate_size:
         raise ValueError(
             f"--tensor-parallel-size {world} is more than the experts' "
@@ -165,8 +165,6 @@ class LoRAShard:
     sum added before the all-reduce. PEFT's scale is already in B."""
 
     def __init__(self, full: ModelConfig, layout: TPLayout) -> None:
-        from kvflow.services.worker.lora_weights import module_shapes
-
         self.full = full
         self.shapes = module_shapes(shard_config(full, layout))  # (in, out) on this rank
         self._q, self._kv, self._inter = _features(full, layout)

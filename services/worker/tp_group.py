@@ -38,7 +38,9 @@ from kvflow.kernels.cpu_native import NativeSetup
 from kvflow.services.worker import machine, tp_shm
 from kvflow.services.worker.draft import load_draft
 from kvflow.services.worker.lora import LoRACache, LoRASpec
-from kvflow.services.worker.model_setup import DeviceSpec, KvSpec, kv_block_bytes
+from kvflow.services.worker.model_interface import KvCacheSpec
+from kvflow.services.worker.model_loader import load_weights, round_weights
+from kvflow.services.worker.model_setup import DeviceSpec, KvSpec
 from kvflow.services.worker.runner import ModelRunner
 from kvflow.services.worker.tensor_parallel import (
     LoRAShard,
@@ -52,7 +54,6 @@ from kvflow.shared.config import Settings
 from kvflow.shared.cpu_budget import usable_cpus
 from kvflow.shared.messages import StepPlan, StepResult
 from kvflow.shared.model_config import load_config
-from kvflow.shared.model_loader import load_weights, round_weights
 from kvflow.shared.model_source import ModelSource
 from kvflow.shared.models.config import ModelConfig
 from kvflow.shared.speculative import SpeculativeConfig
@@ -101,7 +102,7 @@ def group_blocks(cfg: ModelConfig, kv: KvSpec, dtype: torch.dtype, world: int) -
     if kv.num_blocks:
         return kv.num_blocks
     heads = max(len(tp_layout(cfg, r, world).kv_heads) for r in range(world))
-    per_block = kv_block_bytes(cfg, heads, kv.block_size, dtype)
+    per_block = KvCacheSpec.of(cfg, dtype).with_kv_heads(heads).block_bytes(kv.block_size)
     return max(1, int(kv.kv_cache_gib * 2**30) // per_block)
 
 
@@ -160,7 +161,9 @@ def _check_shm_room(cfg: ModelConfig, kv: KvSpec, dtype: torch.dtype, world: int
     /dev/shm cannot hold them."""
     assert kv.num_blocks is not None
     heads = sum(len(tp_layout(cfg, r, world).kv_heads) for r in range(1, world))
-    need = kv.num_blocks * kv_block_bytes(cfg, heads, kv.block_size, dtype)
+    need = kv.num_blocks * KvCacheSpec.of(cfg, dtype).with_kv_heads(heads).block_bytes(
+        kv.block_size
+    )
     st = os.statvfs("/dev/shm")
     free = st.f_bavail * st.f_frsize
     if free < need + (64 << 20):

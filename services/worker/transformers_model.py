@@ -6,7 +6,8 @@ with the layer's queries, keys and values after RoPE. kvflow registers its own f
 ``ATTN_IMPLEMENTATION`` and builds the model with ``attn_implementation`` set to it, so every
 attention layer of the Hugging Face model writes its new K/V into the layer's paged cache at
 the step's slots and attends over the cache: continuous batching, chunked prefill, prefix
-caching and preemption work as with the native ``DecoderModel`` (services/worker/model.py).
+caching and preemption work as with the native ``DecoderModel`` (services/worker/model.py),
+behind the same ``Model`` interface (services/worker/model_interface.py).
 
 - The step's flat varlen batch runs as one row (``input_ids[None]``, ``position_ids`` the
   tokens' own positions) with no transformers cache; sequences are separated by the paged
@@ -49,14 +50,14 @@ from transformers.pytorch_utils import Conv1D
 from kvflow.kernels import reference as K
 from kvflow.kernels.cpu_gemm import head_packing, linear_packing
 from kvflow.kernels.ops import KernelBackend
-from kvflow.services.worker.model import ForwardBatch, PagedModel
+from kvflow.services.worker.model_interface import BaseModel, ForwardBatch, KvCaches, LoadSpec
 from kvflow.services.worker.step_inputs import DeviceBatch
+from kvflow.shared.model_source import ModelSource
 from kvflow.shared.models import generic
 from kvflow.shared.models.config import ModelConfig
 
 if TYPE_CHECKING:
     from kvflow.services.worker.lora import LoRAStep
-    from kvflow.services.worker.tensor_parallel import TPGroup
 
 
 ATTN_IMPLEMENTATION = "kvflow_paged"
@@ -128,7 +129,7 @@ def paged_attention_forward(
 transformers.AttentionInterface.register(ATTN_IMPLEMENTATION, paged_attention_forward)
 
 
-def _host_attend(kv_caches: list[tuple[torch.Tensor, torch.Tensor]], batch: ForwardBatch) -> Attend:
+def _host_attend(kv_caches: KvCaches, batch: ForwardBatch) -> Attend:
     """The CPU path: kernels/reference.py's cache write and paged attention with the step's
     plan (the native C decode kernel where the plan has one)."""
 
@@ -142,9 +143,7 @@ def _host_attend(kv_caches: list[tuple[torch.Tensor, torch.Tensor]], batch: Forw
     return attend
 
 
-def _device_attend(
-    ops: KernelBackend, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], b: DeviceBatch
-) -> Attend:
+def _device_attend(ops: KernelBackend, kv_caches: KvCaches, b: DeviceBatch) -> Attend:
     """The device path: the backend's cache write and decode / extend attention (no host
     synchronisation, as ``DecoderModel``'s ``DeviceOps``)."""
 
@@ -251,10 +250,10 @@ def _ids(v: Any) -> list[int]:
     return [] if v is None else [int(i) for i in (v if isinstance(v, (list, tuple)) else [v])]
 
 
-class TransformersModel(PagedModel):
-    """A Hugging Face causal LM with kvflow's attention and linear layers, behind the interface
-    the runner uses for ``DecoderModel`` (forward / forward_pooled on the CPU path,
-    forward_device / forward_device_pooled on the device path, KV caches, packing)."""
+class TransformersModel(BaseModel):
+    """A Hugging Face causal LM with kvflow's attention and linear layers: the ``transformers``
+    kind of ``Model`` (services/worker/model_interface.py); its family (the fallback,
+    shared/models/generic.py) refuses tensor parallelism and LoRA adapters."""
 
     def __init__(self, hf: torch.nn.Module, cfg: ModelConfig) -> None:
         """``hf`` must already use ``attn_implementation=ATTN_IMPLEMENTATION``; its linear
@@ -265,8 +264,6 @@ class TransformersModel(PagedModel):
             raise ValueError(f"the model must be built with {ATTN_IMPLEMENTATION=}")
         self.hf = hf.eval()
         self.cfg = cfg
-        self.native_layer_ops = False  # the HF modules run their own norms, RoPE, activations
-        self._tp: TPGroup | None = None
         if hf.base_model is hf:
             raise ValueError(
                 f"{type(hf).__name__}: no base model inside the causal LM (base_model_prefix) "
@@ -305,6 +302,19 @@ class TransformersModel(PagedModel):
         return cls(hf.to(device), cfg)
 
     @classmethod
+    def load(cls, src: ModelSource, cfg: ModelConfig, spec: LoadSpec) -> TransformersModel:
+        return cls.from_pretrained(src.path, spec.dtype, spec.device, spec.quantization)
+
+    @classmethod
+    def from_weights(
+        cls, cfg: ModelConfig, weights: dict[str, Any], spec: LoadSpec
+    ) -> TransformersModel:
+        raise ValueError(
+            "--model-impl transformers builds its model from a Hugging Face directory "
+            "(load), or wraps a built one (from_model), not from loose weights"
+        )
+
+    @classmethod
     def from_model(cls, hf: torch.nn.Module) -> TransformersModel:
         """Wrap a copy of an in-memory transformers causal LM (tests): the caller's model keeps
         its own attention and linear layers."""
@@ -313,23 +323,8 @@ class TransformersModel(PagedModel):
         hf.set_attn_implementation(ATTN_IMPLEMENTATION)
         return cls(hf, cfg)
 
-    # -- what the runner reads --------------------------------------------------------------
-
-    @property
-    def tp(self) -> TPGroup | None:
-        """Always None: tensor parallelism is refused (setting a group raises)."""
-        return self._tp
-
-    @tp.setter
-    def tp(self, group: TPGroup | None) -> None:
-        if group is not None:
-            raise ValueError("--model-impl transformers does not support tensor parallelism")
-        self._tp = None
-
-    @property
-    def length_dependent_rope(self) -> bool:
-        """False: positions go to the HF model as they are (it owns its RoPE)."""
-        return False
+    # -- what the runner reads (the rest is BaseModel's: the HF modules compute their own norms,
+    # RoPE and activations, so no native layer ops and no length-dependent RoPE here) --------
 
     @property
     def dtype(self) -> torch.dtype:
@@ -348,10 +343,6 @@ class TransformersModel(PagedModel):
             lin.pack(head_kind if lin.head else kind)
         return name
 
-    def use_native_layer_ops(self) -> bool:
-        """False: the HF modules compute norms, RoPE and activations themselves."""
-        return False
-
     def linear_weights(self) -> list[Any]:
         """One linear weight of each distinct shape (what batch-invariance calibration tests)."""
         seen: dict[tuple[int, ...], Any] = {}
@@ -367,12 +358,12 @@ class TransformersModel(PagedModel):
         input_ids: torch.Tensor,
         positions: torch.Tensor,
         batch: ForwardBatch,
-        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        kv_caches: KvCaches,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The CPU path: ``forward``'s logits, and the final hidden states (the base model's
         output, after its last norm; fp32) [P, hidden] of ``batch.hidden_rows`` (None when
         there are none)."""
-        _refuse_lora(batch.lora)
+        self.refuse_lora(batch.lora)
         rows, s = batch.rows, batch.sample_rows.numel()
         step = StepContext(
             _host_attend(kv_caches, batch),
@@ -388,14 +379,14 @@ class TransformersModel(PagedModel):
         self,
         ops: KernelBackend,
         batch: DeviceBatch,
-        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        kv_caches: KvCaches,
         hidden_rows: torch.Tensor | None = None,
         lora: LoRAStep | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The device path: attention through ``ops`` (no host synchronisation), linear layers
         dense (cuBLAS on CUDA); fp32 logits [S, vocab] of ``batch.sample_rows`` (every row when
         None) and, with ``hidden_rows``, those rows' final hidden states (fp32)."""
-        _refuse_lora(lora)
+        self.refuse_lora(lora)
         attend = _device_attend(ops, kv_caches, batch)
         step = StepContext(attend, batch.input_ids.numel(), hidden_rows=hidden_rows)
         return self._run(step, batch.input_ids, batch.positions, batch.sample_rows)
@@ -478,8 +469,3 @@ def _keep_hidden(module: torch.nn.Module, args: Any, output: Any) -> None:
     step = _STEP.get()
     if step is not None and step.hidden_rows is not None:
         step.hidden = output[0][0].index_select(0, step.hidden_rows).float()
-
-
-def _refuse_lora(lora: Any) -> None:
-    if lora is not None:
-        raise ValueError("--model-impl transformers does not serve LoRA adapters")

@@ -1,4 +1,4 @@
-"""What kvflow knows of a decoder-only model: ``ModelConfig`` (the shape every family has, and
+"""What kvflow knows of a model: ``ModelConfig`` (the shape every family has, and
 the features in which families differ: activation, biases, norm placement, q/k norms, sliding
 windows, soft-caps, multipliers, RoPE per layer), ``RopeSpec`` (one rotary embedding with its
 scaling), and ``ConfigReader``, which reads a config.json while recording every field read, so
@@ -67,8 +67,10 @@ class RopeSpec:
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """A decoder-only transformer as kvflow runs it. The first fields are every family's; the
-    rest say how a family differs from Llama (defaults: Llama's)."""
+    """A transformer as kvflow runs it. The first fields are every family's; the rest say how a
+    family differs from Llama (defaults: Llama's), as the decoder (services/worker/model.py)
+    reads them. What only another kind of model reads is in that kind's subclass, declared by
+    its family (``Family.config``: an encoder's in shared/models/families/bert.py)."""
 
     vocab_size: int
     hidden_size: int
@@ -102,13 +104,9 @@ class ModelConfig:
     logits_divisor: float = 1.0  # logits / this (Granite's logits_scaling)
     rope: RopeSpec = None  # type: ignore[assignment]  # None: default RoPE at rope_theta
     rope_local: RopeSpec | None = None  # sliding-window layers' own RoPE (Gemma 3); None: rope
-    # encoders (BERT, RoBERTa: shared/models/families/bert.py) and classification heads
-    encoder: bool = False  # bidirectional attention, absolute positions, token types, no KV
-    type_vocab_size: int = 0  # token-type embeddings (BERT: 2; RoBERTa: 1)
-    position_offset: int = 0  # absolute positions start here (RoBERTa: padding_idx + 1)
-    num_labels: int = 0  # a sequence-classification head's classes (0: no head)
-    classifier: str = ""  # "bert" (pooler + classifier) | "roberta" (classifier.dense/out_proj)
-    score_activation: str = "sigmoid"  # a one-label head's score: "sigmoid" | "identity"
+    # a sequence-classification head's classes (0: none): the tasks it serves follow
+    # (shared/models/tasks.py); the head itself is its kind's (an encoder's: families/bert.py)
+    num_labels: int = 0
     # mixtures of experts (shared/models/families/moe.py): 0 experts is a dense model
     num_experts: int = 0  # routed experts per MoE layer
     experts_per_token: int = 0  # top-k
@@ -271,6 +269,15 @@ def rope_parameters(r: ConfigReader, layer_type: str = "") -> dict[str, Any]:
     else:
         r.get("rope_theta")
     return out
+
+
+def layer_type_rope_parameters(r: ConfigReader) -> tuple[dict[str, Any], dict[str, Any]] | None:
+    """transformers v5's ``rope_parameters`` keyed by layer type: (those of the full-attention
+    layers, those of the sliding-window layers); None when they are not keyed so."""
+    params = r.get("rope_parameters")
+    if not (isinstance(params, dict) and "full_attention" in params):
+        return None
+    return rope_parameters(r, "full_attention"), rope_parameters(r, "sliding_attention")
 
 
 def rope_spec(

@@ -1,14 +1,16 @@
 """A causal LM kvflow has no family file for, read through transformers (``--model-impl
 transformers``, or ``auto`` for an architecture the registry lacks): only the shape the
 scheduler, tokenizer and KV cache need; the worker runs transformers' own modules around
-kvflow's paged attention (services/worker/transformers_model.py)."""
+kvflow's paged attention (services/worker/transformers_model.py). ``FALLBACK`` is its entry in
+the registry: the model kind that runs it and what that does not serve."""
 
 from __future__ import annotations
 
 import os
 from typing import Any
 
-from kvflow.shared.models.config import ModelConfig, ModelConfigError
+from kvflow.shared.models.config import ConfigReader, ModelConfig, ModelConfigError
+from kvflow.shared.models.family import Family
 
 
 def transformers_config(
@@ -16,9 +18,18 @@ def transformers_config(
 ) -> ModelConfig:
     """``raw`` parsed by transformers' own config class; ModelConfigError when transformers
     cannot build a causal LM from it."""
+    values = read_transformers(ConfigReader(raw, where))
+    eos = (*values.pop("eos_token_ids"), *(eos_extra or []))
+    return ModelConfig(**values, eos_token_ids=tuple(dict.fromkeys(eos)))
+
+
+def read_transformers(r: ConfigReader) -> dict[str, Any]:
+    """Every ``ModelConfig`` field of a config.json, through transformers' config class (whose
+    aliases map GPT-2's ``n_embd`` and the like): the fallback's ``read``."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from transformers import AutoConfig
 
+    raw, where = r.raw, r.where
     check_supported(raw, where)
     model_type = raw["model_type"]
     fields = {k: v for k, v in raw.items() if k not in ("model_type", "transformers_version")}
@@ -40,22 +51,42 @@ def transformers_config(
         ),
         2048,
     )
-    return ModelConfig(
-        vocab_size=int(c.vocab_size),
-        hidden_size=hidden,
-        num_layers=int(c.num_hidden_layers),
-        num_heads=heads,
-        num_kv_heads=int(getattr(c, "num_key_value_heads", None) or heads),
-        head_dim=int(getattr(c, "head_dim", None) or hidden // heads),
-        intermediate_size=int(getattr(c, "intermediate_size", None) or 0),
-        rms_norm_eps=float(getattr(c, "rms_norm_eps", None) or getattr(c, "layer_norm_eps", 0.0)),
-        rope_theta=10000.0,
-        max_position_embeddings=int(maxpos),
-        tie_word_embeddings=bool(getattr(c, "tie_word_embeddings", False)),
-        bos_token_id=None if bos is None else int(bos),
-        eos_token_ids=tuple(dict.fromkeys([int(e) for e in eos_ids] + (eos_extra or []))),
-        family="transformers",
-    )
+    return {
+        "vocab_size": int(c.vocab_size),
+        "hidden_size": hidden,
+        "num_layers": int(c.num_hidden_layers),
+        "num_heads": heads,
+        "num_kv_heads": int(getattr(c, "num_key_value_heads", None) or heads),
+        "head_dim": int(getattr(c, "head_dim", None) or hidden // heads),
+        "intermediate_size": int(getattr(c, "intermediate_size", None) or 0),
+        "rms_norm_eps": float(
+            getattr(c, "rms_norm_eps", None) or getattr(c, "layer_norm_eps", 0.0)
+        ),
+        "rope_theta": 10000.0,
+        "max_position_embeddings": int(maxpos),
+        "tie_word_embeddings": bool(getattr(c, "tie_word_embeddings", False)),
+        "bos_token_id": None if bos is None else int(bos),
+        "eos_token_ids": tuple(dict.fromkeys(int(e) for e in eos_ids)),
+        "family": "transformers",
+    }
+
+
+NEITHER = (
+    "through transformers' own modules (--model-impl transformers, or auto for an architecture "
+    "kvflow has no family for), which serve neither tensor parallelism nor LoRA adapters: it "
+    "needs kvflow's own implementation of the model"
+)
+
+FALLBACK = Family(
+    "transformers",
+    (),
+    (),
+    read_transformers,
+    {},
+    kind="transformers",
+    no_tensor_parallel=NEITHER,
+    no_lora=NEITHER,
+)
 
 
 SHAPE_FIELDS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads")

@@ -1,17 +1,17 @@
-"""The one place that knows which model families kvflow runs natively: every family file's
-``FAMILIES`` (shared/models/families/), looked up by config.json's ``architectures`` (or
+"""The one place that knows which model families kvflow serves: every family file's
+``FAMILIES`` (shared/models/families/) and the transformers fallback
+(shared/models/generic.py), looked up by name, by config.json's ``architectures`` (or
 ``model_type``) and by a GGUF's ``general.architecture``; ``hf_config`` turns a config.json into
-a ``ModelConfig`` through its family, naming any field that nothing read.
+its family's config, naming any field that nothing read.
 
 Adding a family: a module in shared/models/families/ with its ``FAMILIES`` (config fields,
-norm names, GGUF names), its name in ``_MODULES`` below, and its tests; the worker's decoder
-(services/worker/model.py) runs what the ``ModelConfig`` features say."""
+norm names, GGUF names and quirks, refusals), its name in ``_MODULES`` below, and its tests;
+the worker runs what its config's features say with the model kind it names."""
 
 from __future__ import annotations
 
 import importlib
 import logging
-from dataclasses import fields
 from functools import cache
 from typing import Any
 
@@ -23,19 +23,32 @@ from kvflow.shared.models.config import (
     common_fields,
 )
 from kvflow.shared.models.family import Family
+from kvflow.shared.models.generic import FALLBACK
 
 log = logging.getLogger("kvflow.model")
 
-_MODULES = ("llama", "qwen", "gemma", "phi3", "granite", "olmo2", "starcoder2", "moe", "bert")
+_MODULES = (
+    "llama",
+    "qwen",
+    "gemma",
+    "phi3",
+    "granite",
+    "olmo2",
+    "olmo3",
+    "starcoder2",
+    "moe",
+    "bert",
+)
 
 
 @cache
 def families() -> dict[str, Family]:
-    """Every native family by name."""
+    """Every family by name: the native ones, then the transformers fallback."""
     out: dict[str, Family] = {}
     for module in _MODULES:
         for fam in importlib.import_module(f"kvflow.shared.models.families.{module}").FAMILIES:
             out[fam.name] = fam
+    out[FALLBACK.name] = FALLBACK
     return out
 
 
@@ -75,14 +88,13 @@ def family_for_config(raw: dict[str, Any], where: str = "config.json") -> Family
 
 
 def family_for_gguf(arch: str, where: str, experts: int = 0) -> Family:
-    """The family of a GGUF's ``general.architecture``; ``experts``: its expert count (llama.cpp
-    writes Mixtral as a ``llama`` with experts)."""
-    if arch == "llama" and experts:
-        return family("mixtral")
+    """The family of a GGUF's ``general.architecture``; ``experts``: its expert count (the
+    families whose files hold experts are told apart from those with the same architecture
+    whose files do not: llama.cpp writes Mixtral as a ``llama`` with experts)."""
     for f in families().values():
-        if arch in f.gguf_archs:
+        if f.gguf is not None and arch in f.gguf.archs and f.gguf.experts == bool(experts):
             return f
-    archs = sorted(a for f in families().values() for a in f.gguf_archs)
+    archs = sorted({a for f in families().values() if f.gguf is not None for a in f.gguf.archs})
     raise ModelConfigError(
         f"{where}: GGUF architecture {arch!r} is not supported; supported: {', '.join(archs)}"
     )
@@ -100,7 +112,7 @@ def hf_config(
     r = ConfigReader(raw, where)
     values = common_fields(r, eos_extra or []) | fam.read(r)
     values["family"] = fam.name
-    cfg = ModelConfig(**values)
+    cfg = fam.config(**values)
     check(cfg, where)
     left = r.unread(fam.ignored)
     if left:
@@ -124,6 +136,3 @@ def check(cfg: ModelConfig, where: str) -> None:
         raise ModelConfigError(
             f"{where}: {len(cfg.layer_windows)} windows for {cfg.num_layers} layers"
         )
-
-
-MODEL_CONFIG_FIELDS = frozenset(f.name for f in fields(ModelConfig))

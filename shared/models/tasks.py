@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from kvflow.shared.models.config import ModelConfig, ModelConfigError
+from kvflow.shared.models.registry import family
 
 TASKS = ("generate", "embed", "classify", "score")
 
@@ -104,11 +105,12 @@ def served_task(
     raw = _raw_config(path) if path is not None else {}
     st = st_pooling(path) if path is not None else ""
     heads = cfg.num_labels
+    encoder = family(cfg.family).bidirectional
     where = str(path or "the model")
     if asked == "auto":
         if heads:
             asked = "score" if heads == 1 else "classify"
-        elif cfg.encoder or st:
+        elif encoder or st:
             asked = "embed"
         else:
             asked = "generate"
@@ -119,7 +121,7 @@ def served_task(
         )
     if asked not in TASKS:
         raise ModelConfigError(f"--task must be auto or one of {', '.join(TASKS)}")
-    if asked == "generate" and cfg.encoder:
+    if asked == "generate" and encoder:
         raise ModelConfigError(
             f"{where}: {cfg.family} is an encoder: it serves --task embed, classify or score, "
             "not generate"
@@ -134,8 +136,8 @@ def served_task(
             f"{where}: --task score needs a cross-encoder (a classifier with one label); this "
             f"one has {heads}: serve it with --task classify"
         )
-    pooling = pooling_type or st or ("CLS" if cfg.encoder else "LAST")
-    return ServedTask(asked, pooling, labels_of(raw, heads), cfg.encoder)
+    pooling = pooling_type or st or ("CLS" if encoder else "LAST")
+    return ServedTask(asked, pooling, labels_of(raw, heads), encoder)
 
 
 def task_error(served: str, api: str, route: str) -> str | None:

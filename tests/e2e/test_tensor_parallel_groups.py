@@ -152,9 +152,9 @@ def test_int8_weights_over_2_ranks_equal_int8_on_one(model_src, tokenizer) -> No
     """--quantization int8 rounds each rank's cut of the weights, in blocks of 32 that start
     where the whole model's do (head and feature boundaries are multiples of 32 here): the same
     weights as one int8 worker, whose greedy tokens come from the runner in this process."""
+    from kvflow.services.worker.model_loader import load_weights, quantize_int8
     from kvflow.services.worker.runner import ModelRunner
     from kvflow.shared.model_config import load_config
-    from kvflow.shared.model_loader import load_weights, quantize_int8
     from tests.integration.test_model_smollm2 import BLOCK, generate
 
     cfg = load_config(model_src)

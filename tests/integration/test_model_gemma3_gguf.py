@@ -16,10 +16,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from kvflow.services.worker.model_loader import load_weights
 from kvflow.services.worker.runner import ModelRunner
 from kvflow.shared.messages import FinishReason, NewRequest, SamplingParams, ScheduledSeq, StepPlan
 from kvflow.shared.model_config import load_config
-from kvflow.shared.model_loader import load_weights
 from kvflow.shared.model_source import load_tokenizer, resolve_model
 from tests.gguf_without_vocabulary import transformers_model
 
@@ -216,7 +216,7 @@ def test_kept_in_blocks_equals_the_dense_run(gemma3) -> None:
     prompts, want = gemma3["prompts"], gemma3["want"]
     n_blocks = sum(-(-(len(p) + NEW_TOKENS) // BLOCK) for p in prompts)
     runner = ModelRunner.from_weights(cfg, blocks, BLOCK, num_blocks=n_blocks)
-    fused = [layer["qkv"] for layer in runner.model.layers]
+    fused = [layer.qkv for layer in runner.model.layers]
     assert all(isinstance(w, QuantWeight | StackedWeight) for w in fused)
     tokens, _ = generate(runner, prompts, first_blocks(prompts))
     assert tokens == want
@@ -242,7 +242,7 @@ def test_int8_activations_stay_close_and_batch_invariant(gemma3) -> None:
     runner = ModelRunner.from_weights(cfg, weights, BLOCK, num_blocks=n_blocks)
     model = runner.model
     for layer in model.layers:
-        for w in (layer["qkv"], layer["o"], layer["gate_up"], layer["down"]):
+        for w in (layer.qkv, layer.o, layer.gate_up, layer.down):
             parts = w.parts if isinstance(w, StackedWeight) else [w]
             assert all(isinstance(p, TiledQuantWeight) for p in parts)
     assert model.embed is model.lm_head and isinstance(model.embed, TiledQuantWeight)

@@ -11,10 +11,10 @@ import pytest
 import torch
 
 from kvflow.kernels.cpu_quant import QuantWeight
+from kvflow.services.worker.model_loader import load_weights
 from kvflow.services.worker.runner import ModelRunner
 from kvflow.shared.messages import FinishReason, NewRequest, SamplingParams, ScheduledSeq, StepPlan
 from kvflow.shared.model_config import load_config
-from kvflow.shared.model_loader import load_weights
 from kvflow.shared.model_source import load_tokenizer, resolve_model
 from tests.gguf_without_vocabulary import transformers_model
 
@@ -154,7 +154,7 @@ def test_gguf_blocks_read_in_place_give_hf_greedy_output_alone_and_batched(smoll
 @pytest.fixture(scope="module")
 def int8_weights(smollm2):  # noqa: ANN001, ANN201
     """SmolLM2's weights rounded as --quantization int8 rounds them (once for both schemes)."""
-    from kvflow.shared.model_loader import quantize_int8
+    from kvflow.services.worker.model_loader import quantize_int8
 
     return quantize_int8(load_weights(smollm2["src"], smollm2["cfg"]))
 
@@ -164,7 +164,7 @@ def test_int8_weights_stay_close_to_fp32_and_batch_invariant(smollm2, int8_weigh
     fp32's late in a generation; measured here: 28, 32, 32 and 8 (all) tokens agree. Each prompt's
     first 16 must agree, and batching changes no logit bit. (Perplexity: kvflow bench quality.)"""
     runner = ModelRunner.from_weights(smollm2["cfg"], int8_weights, BLOCK, num_blocks=64)
-    assert not runner.model.layers[0]["gate_up"].int8_activations
+    assert not runner.model.layers[0].gate_up.int8_activations
     assert_close_to_fp32_and_batch_invariant(runner, smollm2, first=16)
 
 
@@ -181,7 +181,7 @@ def test_w8a8_stays_close_to_fp32_and_batch_invariant(smollm2, int8_weights) -> 
         for name, w in int8_weights.items()
     }
     runner = ModelRunner.from_weights(smollm2["cfg"], weights, BLOCK, num_blocks=64)
-    assert runner.model.layers[0]["gate_up"].int8_activations
+    assert runner.model.layers[0].gate_up.int8_activations
     assert_close_to_fp32_and_batch_invariant(runner, smollm2, first=8, tie=0.25)
 
 
@@ -223,6 +223,6 @@ def test_bf16_gemms_stay_close_to_fp32_and_batch_invariant(smollm2) -> None:
     runner = ModelRunner.from_weights(
         smollm2["cfg"], weights, BLOCK, num_blocks=64, dtype=torch.bfloat16
     )
-    assert isinstance(runner.model.layers[0]["gate_up"], linear_packing(torch.bfloat16)[0])
+    assert isinstance(runner.model.layers[0].gate_up, linear_packing(torch.bfloat16)[0])
     assert isinstance(runner.model.lm_head, head_packing(torch.bfloat16))
     assert_close_to_fp32_and_batch_invariant(runner, smollm2, first=8)

@@ -16,12 +16,12 @@ import torch
 import torch.multiprocessing as mp
 
 from kvflow.services.worker import machine
+from kvflow.services.worker.model_loader import load_weights
 from kvflow.services.worker.runner import ModelRunner
 from kvflow.services.worker.tensor_parallel import TPGroup, shard_config, shard_weights, tp_layout
 from kvflow.shared.config import Settings
 from kvflow.shared.messages import SamplingParams
 from kvflow.shared.model_config import load_config
-from kvflow.shared.model_loader import load_weights
 from kvflow.shared.model_source import ModelSource
 from tests.models.test_model_families import NEW, PROMPTS
 from tests.unit.engine_support import new_core, run

@@ -44,7 +44,7 @@ def test_device_path_equals_transformers(family: str, tmp_path) -> None:
     # longrope, experts (their token counts are data): no decode graphs
     assert (runner.graphs is None) == (family in ("phi3", "qwen2_moe"))
     if family == "qwen2_moe":  # the experts run as grouped launches (kernels/triton_moe.py)
-        assert runner.model.layers[0]["moe"].gate_up_stacked is not None
+        assert runner.model.layers[0].moe.gate_up_stacked is not None
     greedy = SamplingParams(max_tokens=NEW, temperature=0.0, ignore_eos=True)
     got, _ = run(new_core(max_num_batched_tokens=8), runner, [(p, None) for p in PROMPTS], greedy)
     assert got == want

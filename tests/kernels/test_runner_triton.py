@@ -377,7 +377,7 @@ def test_cuda_graphs_on_the_gpu(model, reference, dtype) -> None:
 
 def _quantized(model, scheme: str) -> tuple[ModelConfig, dict]:
     """The tiny model's weights as ``--quantization int8`` or ``fp8`` loads them."""
-    from kvflow.shared.model_loader import round_weights
+    from kvflow.services.worker.model_loader import round_weights
 
     cfg, weights = model
     return cfg, round_weights({k: v.clone() for k, v in weights.items()}, scheme)
@@ -398,8 +398,8 @@ def test_quantized_weights_on_the_device_path_match_the_cpu_path(model, scheme: 
         cfg, dict(weights), BLOCK, NUM_BLOCKS, backend="triton", cuda_graphs=True, max_num_seqs=4
     )
     kind = DeviceQuantWeight if scheme == "int8" else Fp8Weight
-    assert isinstance(dev.model.layers[0]["qkv"], kind)  # fused, still quantized
-    assert isinstance(dev.model.layers[1]["down"], kind)
+    assert isinstance(dev.model.layers[0].qkv, kind)  # fused, still quantized
+    assert isinstance(dev.model.layers[1].down, kind)
     want_logits, got_logits = spy_logits(cpu), spy_logits(dev)
     want_tokens, _ = drive(cpu)
     tokens, _ = drive(dev)

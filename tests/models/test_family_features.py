@@ -14,10 +14,10 @@ from peft import LoraConfig, get_peft_model
 
 from kvflow.kernels import cpu_quant
 from kvflow.services.worker.lora import LoRASpec
+from kvflow.services.worker.model_loader import load_weights
 from kvflow.services.worker.runner import ModelRunner
 from kvflow.shared.messages import LoRARef, SamplingParams
 from kvflow.shared.model_config import load_config
-from kvflow.shared.model_loader import load_weights
 from kvflow.shared.model_source import ModelSource
 from tests.models.test_model_families import NEW, PROMPTS
 from tests.unit.engine_support import new_core, run
@@ -111,6 +111,6 @@ def test_gguf_blocks_equal_transformers_on_their_values(family: str, qtype: str)
     cfg = hf_config(hf.config.to_dict())
     want = [hf_greedy(hf, p, NEW) for p in PROMPTS]
     runner = ModelRunner.from_weights(cfg, weights, 4, 64, worker_id="w")  # type: ignore[arg-type]
-    assert isinstance(runner.model.layers[0]["gate_up"], cpu_quant.QuantWeight)
+    assert isinstance(runner.model.layers[0].gate_up, cpu_quant.QuantWeight)
     got, _ = run(new_core(max_num_batched_tokens=8), runner, [(p, None) for p in PROMPTS], GREEDY)
     assert got == want

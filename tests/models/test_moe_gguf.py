@@ -154,7 +154,7 @@ def test_experts_keep_their_blocks(tmp_path: Path) -> None:
         worker_id="w",
         quantization="gguf",
     )
-    moe = runner.model.layers[0]["moe"]
+    moe = runner.model.layers[0].moe
     assert all(isinstance(w, cpu_quant.QuantWeight) for w in (*moe.gate_up, *moe.down))
     got, _ = run(new_core(max_num_batched_tokens=8), runner, [(p, None) for p in PROMPTS], GREEDY)
     assert got == want
@@ -166,8 +166,8 @@ def test_int8_experts_equal_transformers_on_the_rounded_weights(tmp_path: Path) 
     is a multiple of 32); transformers then runs the rounded values."""
     from transformers import AutoModelForCausalLM
 
+    from kvflow.services.worker.model_loader import load_weights
     from kvflow.shared.model_config import load_config
-    from kvflow.shared.model_loader import load_weights
 
     _save("qwen2_moe", tmp_path, moe_intermediate_size=64)
     src = ModelSource("hf", tmp_path, "m")

@@ -11,10 +11,10 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from kvflow.kernels.batch_invariance import GemmRows
+from kvflow.services.worker.model_loader import load_weights
 from kvflow.services.worker.runner import ModelRunner
 from kvflow.shared.messages import FinishReason, NewRequest, SamplingParams, ScheduledSeq, StepPlan
 from kvflow.shared.model_config import load_config
-from kvflow.shared.model_loader import load_weights
 from kvflow.shared.model_source import ModelSource
 from kvflow.shared.models.config import ModelConfig
 from kvflow.shared.sampling import needs_token_history

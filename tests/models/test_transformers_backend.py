@@ -17,7 +17,7 @@ import transformers as tf
 
 from kvflow.kernels import reference as K
 from kvflow.kernels.batch_invariance import GemmRows
-from kvflow.services.worker.model import ForwardBatch
+from kvflow.services.worker.model_interface import ForwardBatch
 from kvflow.services.worker.runner import ModelRunner
 from kvflow.services.worker.transformers_model import TransformersModel
 from kvflow.shared.messages import SamplingParams, ScheduledSeq

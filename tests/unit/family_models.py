@@ -104,6 +104,15 @@ CONFIGS: dict[str, Callable[[], tf.PretrainedConfig]] = {
         logits_scaling=4.0,
     ),
     "olmo2": lambda: tf.Olmo2Config(**SHAPE),
+    "olmo3": lambda: tf.Olmo3Config(
+        **SHAPE,
+        sliding_window=WINDOW,
+        layer_types=["sliding_attention", "full_attention"],
+        rope_parameters={
+            "full_attention": _rope("yarn", factor=4.0, original_max_position_embeddings=ORIG),
+            "sliding_attention": {"rope_type": "default", "rope_theta": 100.0},
+        },
+    ),
     "starcoder2": lambda: tf.Starcoder2Config(
         **{k: v for k, v in SHAPE.items() if k != "rms_norm_eps"},
         norm_epsilon=1e-5,

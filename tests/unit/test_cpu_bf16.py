@@ -115,7 +115,7 @@ def test_the_cpu_path_packs_for_its_dtype_and_refuses_float16() -> None:
     model = loaded.model
     assert loaded.gemm == cpu_gemm.linear_packing(torch.bfloat16)[1]
     assert model.dtype == torch.float32
-    assert isinstance(model.layers[0]["qkv"], kind)
+    assert isinstance(model.layers[0].qkv, kind)
     # the logits are fp32 sums: bf16 panels, or fp32 beside oneDNN (which rounds its outputs)
     assert isinstance(model.lm_head, kind if panels else cpu_gemm.linear_packing(torch.float32)[0])
     assert model.kv_dtype == torch.bfloat16  # the KV cache follows --dtype

@@ -4,16 +4,19 @@ family's own reader, so every field given is one the reader takes (strict)."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
-from kvflow.shared.model_config import _gguf_gemma
-from kvflow.shared.models.registry import hf_config
+from kvflow.shared.gguf_header import GGUFHeader
+from kvflow.shared.models.family import GgufFile
+from kvflow.shared.models.registry import family, hf_config
 
 SLIDE, FULL = "sliding_attention", "full_attention"
 
 
 def gguf_raw(arch: str, layers: int, f: dict[str, Any], **extra: Any) -> dict[str, Any]:
-    """A GGUF's config as ``_gguf_config`` maps it, for a small Gemma of ``layers`` layers."""
+    """A GGUF's config as shared/models/gguf_config.py maps it (the family's ``Gguf.config``
+    hook over the shared fields), for a small Gemma of ``layers`` layers."""
     raw: dict[str, Any] = {
         "architectures": ["Gemma2ForCausalLM" if arch == "gemma2" else "Gemma3ForCausalLM"],
         "vocab_size": 64,
@@ -24,12 +27,13 @@ def gguf_raw(arch: str, layers: int, f: dict[str, Any], **extra: Any) -> dict[st
         "head_dim": 8,
         "intermediate_size": 64,
         "rope_theta": 1_000_000.0,
-        "sliding_window": None,  # what the file lacks is None until _gguf_config drops it
+        "sliding_window": None,  # what the file lacks is None until gguf_config drops it
         "attn_logit_softcapping": None,
         "final_logit_softcapping": None,
         **extra,
     }
-    raw |= _gguf_gemma(arch, raw, f, arch)
+    hook = family(arch).gguf.config
+    raw |= hook(GgufFile(GGUFHeader(Path(f"{arch}.gguf"), fields=f), arch), raw)
     return {k: v for k, v in raw.items() if v is not None}
 
 

@@ -1,4 +1,4 @@
-"""``--quantization gguf`` at load (shared/model_loader.py ``_log_kept``): the log names the
+"""``--quantization gguf`` at load (services/worker/gguf_weights.py ``_log_kept``): the log names the
 block types kept in place and, as a warning, those densified; a file with nothing to keep is
 refused."""
 
@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import pytest
 from gguf import GGMLQuantizationType as Q
 
-from kvflow.shared.model_loader import _log_kept
+from kvflow.services.worker.gguf_weights import _log_kept
 
 
 def test_quantization_gguf_names_what_it_keeps_and_refuses_a_file_with_nothing_to_keep(

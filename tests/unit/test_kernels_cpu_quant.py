@@ -141,7 +141,7 @@ def test_the_panel_kernel_is_used_for_long_chunks_and_agrees_with_the_rows_kerne
 
 
 def test_int8_rounds_every_linear_weight_to_q8_blocks_and_keeps_lookups_dense() -> None:
-    from kvflow.shared.model_loader import quantize_int8
+    from kvflow.services.worker.model_loader import quantize_int8
 
     g = torch.Generator().manual_seed(9)
     weights = {

@@ -105,8 +105,8 @@ def test_close_to_fp32_activations_and_carried_by_fusing() -> None:
 
 
 def test_only_w8a8_multiplies_with_int8_activations() -> None:
+    from kvflow.services.worker.model_loader import round_weights
     from kvflow.services.worker.model_setup import check_quantization
-    from kvflow.shared.model_loader import round_weights
 
     w = torch.randn(64, 96)
     weights = {"model.layers.0.mlp.down_proj.weight": w, "model.embed_tokens.weight": w}

@@ -119,8 +119,8 @@ def test_pack_keeps_blocks_it_cannot_tile_and_refuses_bad_x() -> None:
 
 
 def test_gguf_a8_marks_the_files_blocks_and_is_a_cpu_scheme() -> None:
+    from kvflow.services.worker.model_loader import round_weights
     from kvflow.services.worker.model_setup import check_quantization
-    from kvflow.shared.model_loader import round_weights
     from kvflow.shared.model_source import ModelSource
 
     qw = blocks("Q4_K", 16, 256)

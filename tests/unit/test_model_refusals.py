@@ -120,3 +120,38 @@ def test_a_mixture_of_experts_refuses_adapters(tmp_path) -> None:
     assert check_model(str(path), tensor_parallel_size=2).num_experts == 4
     with pytest.raises(ValueError, match="--enable-lora is not served yet for mixtures"):
         check_model(str(path), enable_lora=True)
+
+
+@pytest.mark.parametrize(
+    ("fields", "tp", "lora", "message"),
+    [
+        (
+            {"architectures": ["Olmo2ForCausalLM"], "model_type": "olmo2"},
+            2,
+            False,
+            "--tensor-parallel-size > 1 is not served for models whose q/k norms run over all "
+            "heads together: tensor parallelism would need one more all-reduce per layer (olmo2)",
+        ),
+        (
+            {"architectures": ["Starcoder2ForCausalLM"], "model_type": "starcoder2"},
+            1,
+            True,
+            "--enable-lora is not served for models with an ungated MLP (starcoder2)",
+        ),
+        (
+            {"architectures": ["GPTNeoXForCausalLM"], "model_type": "gpt_neox", "rotary_pct": 0.25},
+            2,
+            False,
+            "--tensor-parallel-size > 1 is not served through transformers' own modules",
+        ),
+    ],
+)
+def test_a_family_s_refusals_come_before_anything_starts(tmp_path, fields, tp, lora, message):
+    """Each family's file says what it cannot be served with (``Family.no_tensor_parallel``,
+    ``no_lora``); ``check_model`` refuses it from config.json alone, naming the family, and the
+    same model is served without the flag."""
+    path = model_dir(tmp_path, **fields)
+    with pytest.raises(ValueError) as e:
+        check_model(str(path), tensor_parallel_size=tp, enable_lora=lora)
+    assert f"{path}: {message}" in str(e.value)
+    assert check_model(str(path)).num_layers == 2

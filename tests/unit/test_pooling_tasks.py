@@ -26,7 +26,7 @@ from kvflow.shared.messages import (
     TokenizedRequest,
 )
 from kvflow.shared.models.config import ModelConfigError
-from kvflow.shared.models.registry import hf_config
+from kvflow.shared.models.registry import family, hf_config
 from kvflow.shared.models.tasks import ServedTask, served_task, st_pooling, task_error
 
 BERT = {
@@ -49,8 +49,10 @@ BERT = {
 
 def test_bert_config_is_an_encoder_with_no_head() -> None:
     cfg = hf_config(BERT, strict=True)
-    assert (cfg.family, cfg.encoder, cfg.norm_kind, cfg.norm_layout) == (
+    fam = family(cfg.family)
+    assert (cfg.family, fam.kind, fam.bidirectional, cfg.norm_kind, cfg.norm_layout) == (
         "bert",
+        "encoder",
         True,
         "layer",
         "post",

@@ -1,4 +1,4 @@
-"""GPTQ and AWQ 4-bit checkpoints (shared/quantized_checkpoints.py): a round-to-nearest quantizer
+"""GPTQ and AWQ 4-bit checkpoints (services/worker/gptq_awq.py): a round-to-nearest quantizer
 here writes each format's layout as its own tools do (the packing written from the formats'
 definitions, not from the loader's code); the loader must give back exactly the weights the
 quantizer meant, as Q4_Z blocks the CPU kernels read in place, and a whole tiny model served from
@@ -15,7 +15,7 @@ from safetensors.torch import save_file
 
 from kvflow.kernels import cpu_native
 from kvflow.kernels.cpu_quant import PANEL_ROWS, Q4_Z, QuantWeight
-from kvflow.shared import quantized_checkpoints as QC
+from kvflow.services.worker import gptq_awq as QC
 
 pytestmark = pytest.mark.skipif(
     cpu_native._compiler() is None, reason="no C compiler: the worker uses the PyTorch path"
@@ -196,7 +196,7 @@ def test_a_quantized_checkpoint_is_served_in_place_and_computes_its_weights(
         check_quantization(method, src, cpu, torch.bfloat16)
     served = ModelRunner.create(src, block_size=16, num_blocks=8)
     layer = served.model.layers[0]
-    assert all(isinstance(layer[n], QuantWeight) for n in ("qkv", "o", "gate_up", "down"))
+    assert all(isinstance(getattr(layer, n), QuantWeight) for n in ("qkv", "o", "gate_up", "down"))
     reference = ModelRunner.from_weights(load_config(src), want, 16, 8)
     prompt = [1, 5, 9, 33, 60, 7, 2, 80] * 3  # 24 tokens: a prefill through the panel kernel
     got, ref = _greedy_logits(served, prompt), _greedy_logits(reference, prompt)

@@ -10,10 +10,34 @@ Their weights keep Hugging Face's BERT names without the ``bert.`` / ``roberta.`
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
-from kvflow.shared.models.config import ConfigReader, activation
+from kvflow.shared.models.config import ConfigReader, ModelConfig, activation
 from kvflow.shared.models.family import Family
+
+HEAD_TENSORS = {
+    "bert": ("pooler.dense", "classifier"),
+    "roberta": ("classifier.dense", "classifier.out_proj"),
+}
+"""A classification head's two layers (dense + tanh, then the classes) by its kind."""
+
+
+@dataclass(frozen=True)
+class EncoderConfig(ModelConfig):
+    """An encoder's config: what every model has (``ModelConfig``) and what only the encoder
+    reads."""
+
+    type_vocab_size: int = 2  # token-type embeddings (BERT: 2; RoBERTa: 1)
+    position_offset: int = 0  # absolute positions start here (RoBERTa: padding_idx + 1)
+    classifier: str = ""  # a classification head's kind: "bert" | "roberta" (HEAD_TENSORS)
+    score_activation: str = "sigmoid"  # a one-label head's score: "sigmoid" | "identity"
+
+    @property
+    def head_tensors(self) -> tuple[str, ...]:
+        """The names of the classification head's layers, () without a head."""
+        return HEAD_TENSORS.get(self.classifier, ())
+
 
 _CLASSIFIERS = {
     "BertForSequenceClassification": "bert",
@@ -54,7 +78,6 @@ def read_encoder(r: ConfigReader, position_offset: int) -> dict[str, Any]:
         raise r.refuse("position_embedding_type", "only absolute positions are supported")
     positions = int(r.get("max_position_embeddings", 512))
     return {
-        "encoder": True,
         "hidden_act": activation(r, "hidden_act"),
         "qkv_bias": True,
         "o_bias": True,
@@ -85,6 +108,9 @@ _IGNORED = frozenset(
      "gradient_checkpointing", "layer_norm_eps", "num_labels"}
 )  # fmt: skip
 
+# why neither tensor parallelism nor LoRA adapters are
+SMALL = "for encoders: they are small: serve one per worker, and scale workers"
+
 FAMILIES = (
     Family(
         "bert",
@@ -92,7 +118,13 @@ FAMILIES = (
         ("bert",),
         read_bert,
         {},
+        checkpoint_prefix="bert.",
         ignored=_IGNORED,
+        config=EncoderConfig,
+        kind="encoder",
+        bidirectional=True,
+        no_tensor_parallel=SMALL,
+        no_lora=SMALL,
     ),
     Family(
         "roberta",
@@ -105,6 +137,12 @@ FAMILIES = (
         ("roberta", "xlm-roberta"),
         read_roberta,
         {},
+        checkpoint_prefix="roberta.",
         ignored=_IGNORED,
+        config=EncoderConfig,
+        kind="encoder",
+        bidirectional=True,
+        no_tensor_parallel=SMALL,
+        no_lora=SMALL,
     ),
 )

@@ -7,8 +7,8 @@ from __future__ import annotations
 from typing import Any
 
 from kvflow.shared.models.config import ConfigReader
-from kvflow.shared.models.families.llama import read_llama
-from kvflow.shared.models.family import LLAMA_NORMS, Family
+from kvflow.shared.models.families.llama import gguf_ffn_bias, read_llama
+from kvflow.shared.models.family import LLAMA_NORMS, Family, Gguf, GgufFile
 
 
 def read_granite(r: ConfigReader) -> dict[str, Any]:
@@ -22,6 +22,24 @@ def read_granite(r: ConfigReader) -> dict[str, Any]:
     return out
 
 
+_GGUF_MULTIPLIERS = {
+    "embedding_scale": "embedding_multiplier",
+    "residual_scale": "residual_multiplier",
+    "logit_scale": "logits_scaling",
+}
+"""llama.cpp's Granite keys -> config.json's (the attention multiplier is the shared
+``attention.scale``)."""
+
+
+def gguf_granite(g: GgufFile, raw: dict[str, Any]) -> dict[str, Any]:
+    """Llama's FFN biases, and the multipliers under llama.cpp's names."""
+    out = gguf_ffn_bias(g, raw)
+    for key, hf in _GGUF_MULTIPLIERS.items():
+        if g.get(key) is not None:
+            out[hf] = float(g.get(key))
+    return out
+
+
 FAMILIES = (
     Family(
         "granite",
@@ -29,7 +47,6 @@ FAMILIES = (
         ("granite",),
         read_granite,
         LLAMA_NORMS,
-        gguf_archs=("granite",),
-        gguf_permute_qk=True,
+        gguf=Gguf(("granite",), permute_qk=True, config=gguf_granite),
     ),
 )

@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from kvflow.shared.models.config import ConfigReader, activation, rope_parameters, rope_spec
-from kvflow.shared.models.family import LLAMA_NORMS, Family
+from kvflow.shared.models.family import LLAMA_NORMS, Family, Gguf, GgufFile
 
 
 def read_llama(r: ConfigReader) -> dict[str, Any]:
@@ -30,6 +30,11 @@ def read_mistral(r: ConfigReader) -> dict[str, Any]:
     return out
 
 
+def gguf_ffn_bias(g: GgufFile, raw: dict[str, Any]) -> dict[str, Any]:
+    """llama.cpp loads a Llama's (or Granite's) FFN biases where the file has them."""
+    return {"mlp_bias": g.has("blk.0.ffn_down.bias")}
+
+
 FAMILIES = (
     Family(
         "llama",
@@ -37,16 +42,14 @@ FAMILIES = (
         ("llama",),
         read_llama,
         LLAMA_NORMS,
-        gguf_archs=("llama",),
-        gguf_permute_qk=True,
+        gguf=Gguf(("llama",), permute_qk=True, config=gguf_ffn_bias),
     ),
-    Family(
+    Family(  # llama.cpp writes Mistral's GGUFs as llama's
         "mistral",
         ("MistralForCausalLM",),
         ("mistral",),
         read_mistral,
         LLAMA_NORMS,
-        gguf_permute_qk=True,
         ignored=frozenset({"layer_types"}),
     ),
 )

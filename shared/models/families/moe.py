@@ -19,8 +19,11 @@ from typing import Any
 
 from kvflow.shared.models.config import ConfigReader
 from kvflow.shared.models.families.llama import read_llama, read_mistral
+from kvflow.shared.models.families.olmo2 import WHOLE_QK_NORMS
 from kvflow.shared.models.families.qwen import read_qwen2, read_qwen3
-from kvflow.shared.models.family import LLAMA_NORMS, QK_NORMS, Family
+from kvflow.shared.models.family import LLAMA_NORMS, QK_NORMS, Family, Gguf, GgufFile
+
+NO_LORA = "yet for mixtures of experts: serve it without adapters"
 
 
 def _experts(r: ConfigReader, size_key: str, renormalize: bool | None) -> dict:
@@ -103,16 +106,61 @@ def _mixtral_names(weights: dict[str, Any], cfg: Any) -> dict[str, Any]:
     return out
 
 
+def _gguf_experts(
+    g: GgufFile, renormalize: bool | None = None, width: bool = False, shared: bool = False
+) -> dict[str, Any]:
+    """A mixture of experts' fields from llama.cpp's keys: the expert count and top-k; with
+    ``width``, each expert's intermediate features (``expert_feed_forward_length``, else
+    ``feed_forward_length``; the families whose config names them apart); with ``shared``, the
+    shared expert's; whether the top-k is renormalised (``renormalize``; None: the family's
+    reader fixes it). llama.cpp hardcodes that per architecture instead of writing it
+    (``build_moe_ffn``'s ``norm_w`` in src/models/llama.cpp, qwen2moe.cpp, qwen3moe.cpp,
+    olmoe.cpp: Mixtral and Qwen3-MoE yes, Qwen2-MoE and OLMoE no). Every layer is MoE
+    (llama.cpp's tensor tables have no dense MLP for these architectures)."""
+    out: dict[str, Any] = {
+        "num_experts": int(g.get("expert_count")),
+        "num_experts_per_tok": int(g.get("expert_used_count")),
+    }
+    if renormalize is not None:
+        out["norm_topk_prob"] = renormalize
+    if width:
+        out["moe_intermediate_size"] = int(
+            g.get("expert_feed_forward_length") or g.first("feed_forward_length")
+        )
+    if shared:
+        out["shared_expert_intermediate_size"] = int(
+            g.get("expert_shared_feed_forward_length", 0) or 0
+        )
+    return out
+
+
+def gguf_mixtral(g: GgufFile, raw: dict[str, Any]) -> dict[str, Any]:
+    return _gguf_experts(g)  # always renormalised (read_mixtral)
+
+
+def gguf_qwen2_moe(g: GgufFile, raw: dict[str, Any]) -> dict[str, Any]:
+    return _gguf_experts(g, renormalize=False, width=True, shared=True)
+
+
+def gguf_qwen3_moe(g: GgufFile, raw: dict[str, Any]) -> dict[str, Any]:
+    return _gguf_experts(g, renormalize=True, width=True)
+
+
+def gguf_olmoe(g: GgufFile, raw: dict[str, Any]) -> dict[str, Any]:
+    return _gguf_experts(g, renormalize=False)
+
+
 FAMILIES = (
-    Family(  # a GGUF of it says "llama" with an expert count (registry.family_for_gguf)
+    Family(  # a GGUF of it says "llama" with an expert count
         "mixtral",
         ("MixtralForCausalLM",),
         ("mixtral",),
         read_mixtral,
         LLAMA_NORMS,
-        gguf_permute_qk=True,
+        gguf=Gguf(("llama",), experts=True, permute_qk=True, config=gguf_mixtral),
         split=_mixtral_names,
         ignored=frozenset({"layer_types"}),
+        no_lora=NO_LORA,
     ),
     Family(
         "qwen2_moe",
@@ -120,7 +168,8 @@ FAMILIES = (
         ("qwen2_moe",),
         read_qwen2_moe,
         LLAMA_NORMS,
-        gguf_archs=("qwen2moe",),
+        gguf=Gguf(("qwen2moe",), experts=True, config=gguf_qwen2_moe),
+        no_lora=NO_LORA,
     ),
     Family(
         "qwen3_moe",
@@ -128,7 +177,8 @@ FAMILIES = (
         ("qwen3_moe",),
         read_qwen3_moe,
         LLAMA_NORMS | QK_NORMS,
-        gguf_archs=("qwen3moe",),
+        gguf=Gguf(("qwen3moe",), experts=True, config=gguf_qwen3_moe),
+        no_lora=NO_LORA,
     ),
     Family(
         "olmoe",
@@ -136,6 +186,8 @@ FAMILIES = (
         ("olmoe",),
         read_olmoe,
         LLAMA_NORMS | QK_NORMS,
-        gguf_archs=("olmoe",),
+        gguf=Gguf(("olmoe",), experts=True, config=gguf_olmoe),
+        no_tensor_parallel=WHOLE_QK_NORMS,
+        no_lora=NO_LORA,
     ),
 )

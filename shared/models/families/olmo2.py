@@ -7,7 +7,19 @@ from typing import Any
 
 from kvflow.shared.models.config import ConfigReader
 from kvflow.shared.models.families.llama import read_llama
-from kvflow.shared.models.family import QK_NORMS, Family
+from kvflow.shared.models.family import QK_NORMS, Family, Gguf
+
+WHOLE_QK_NORMS = (
+    "for models whose q/k norms run over all heads together: tensor parallelism would need "
+    "one more all-reduce per layer"
+)
+"""Why OLMo 2, OLMo 3 and OLMoE are refused tensor parallelism (services/worker/
+tensor_parallel.py cuts per-head q/k norms only)."""
+
+OLMO2_NORMS = {
+    "attn_out_norm": "post_attention_layernorm",
+    "mlp_out_norm": "post_feedforward_layernorm",
+} | QK_NORMS
 
 
 def read_olmo2(r: ConfigReader) -> dict[str, Any]:
@@ -22,11 +34,8 @@ FAMILIES = (
         ("Olmo2ForCausalLM",),
         ("olmo2",),
         read_olmo2,
-        {
-            "attn_out_norm": "post_attention_layernorm",
-            "mlp_out_norm": "post_feedforward_layernorm",
-        }
-        | QK_NORMS,
-        gguf_archs=("olmo2",),
+        OLMO2_NORMS,
+        gguf=Gguf(("olmo2",)),
+        no_tensor_parallel=WHOLE_QK_NORMS,
     ),
 )

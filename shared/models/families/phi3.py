@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 from kvflow.shared.models.config import ConfigReader, activation, rope_parameters, rope_spec
-from kvflow.shared.models.family import LLAMA_NORMS, Family
+from kvflow.shared.models.family import LLAMA_NORMS, Family, Gguf
 
 
 def read_phi3(r: ConfigReader) -> dict[str, Any]:
@@ -37,6 +37,8 @@ def split_fused(weights: dict[str, Any], cfg: Any) -> dict[str, Any]:
                 out[f"{base}{part}_proj.weight"] = _rows(w, a, b)
         elif name.endswith("mlp.gate_up_proj.weight"):
             base, i = name.removesuffix("gate_up_proj.weight"), cfg.intermediate_size
+            if w.shape[0] != 2 * i:
+                raise ValueError(f"{name}: {w.shape[0]} rows, not gate | up ({2 * i})")
             out[f"{base}gate_proj.weight"] = _rows(w, 0, i)
             out[f"{base}up_proj.weight"] = _rows(w, i, 2 * i)
         else:
@@ -59,7 +61,8 @@ FAMILIES = (
         ("phi3",),
         read_phi3,
         LLAMA_NORMS,
-        gguf_archs=("phi3",),
+        gguf=Gguf(("phi3",)),  # its ffn_up holds gate | up, as the HF checkpoint's gate_up_proj
         split=split_fused,
+        checkpoint_names=("self_attn.qkv_proj", "mlp.gate_up_proj"),
     ),
 )

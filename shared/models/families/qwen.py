@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 from kvflow.shared.models.config import ConfigReader, activation, rope_parameters, rope_spec
-from kvflow.shared.models.family import LLAMA_NORMS, QK_NORMS, Family
+from kvflow.shared.models.family import LLAMA_NORMS, QK_NORMS, Family, Gguf, GgufFile
 
 
 def layer_windows(r: ConfigReader, sliding_default: Any) -> tuple[int, ...]:
@@ -49,9 +49,19 @@ def read_qwen3(r: ConfigReader) -> dict[str, Any]:
     return out
 
 
+def gguf_qwen2(g: GgufFile, raw: dict[str, Any]) -> dict[str, Any]:
+    """llama.cpp runs Qwen2 without the window its GGUF may name."""
+    return {"use_sliding_window": False} if raw.get("sliding_window") else {}
+
+
 FAMILIES = (
     Family(
-        "qwen2", ("Qwen2ForCausalLM",), ("qwen2",), read_qwen2, LLAMA_NORMS, gguf_archs=("qwen2",)
+        "qwen2",
+        ("Qwen2ForCausalLM",),
+        ("qwen2",),
+        read_qwen2,
+        LLAMA_NORMS,
+        gguf=Gguf(("qwen2",), config=gguf_qwen2),
     ),
     Family(
         "qwen3",
@@ -59,6 +69,6 @@ FAMILIES = (
         ("qwen3",),
         read_qwen3,
         LLAMA_NORMS | QK_NORMS,
-        gguf_archs=("qwen3",),
+        gguf=Gguf(("qwen3",)),
     ),
 )

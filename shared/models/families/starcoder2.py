@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 from kvflow.shared.models.config import ConfigReader, activation, rope_parameters, rope_spec
-from kvflow.shared.models.family import LLAMA_NORMS, Family
+from kvflow.shared.models.family import LLAMA_NORMS, Family, Gguf, GgufFile
 
 
 def read_starcoder2(r: ConfigReader) -> dict[str, Any]:
@@ -40,6 +40,17 @@ def rename_mlp(weights: dict[str, Any], cfg: Any) -> dict[str, Any]:
     return out
 
 
+def gguf_starcoder2(g: GgufFile, raw: dict[str, Any]) -> dict[str, Any]:
+    """LayerNorm's epsilon and the biases under llama.cpp's names; llama.cpp's graph runs
+    GELU (tanh)."""
+    return {
+        "hidden_act": "gelu_pytorch_tanh",
+        "norm_epsilon": float(g.get("attention.layer_norm_epsilon", 1e-5)),
+        "use_bias": g.has("blk.0.attn_q.bias"),
+        "attention_bias": None,  # use_bias says it
+    }
+
+
 FAMILIES = (
     Family(
         "starcoder2",
@@ -47,8 +58,10 @@ FAMILIES = (
         ("starcoder2",),
         read_starcoder2,
         LLAMA_NORMS,
-        gguf_archs=("starcoder2",),
+        gguf=Gguf(("starcoder2",), config=gguf_starcoder2),
         split=rename_mlp,
+        checkpoint_names=("mlp.c_fc", "mlp.c_proj"),
         ignored=frozenset({"residual_dropout", "embedding_dropout"}),
+        no_lora="for models with an ungated MLP",
     ),
 )
