@@ -33,9 +33,9 @@ from kvflow.cli.main import build_parser
 from kvflow.services.detokenizer.telemetry import DetokenizerMetrics
 from kvflow.services.gateway.metrics import GatewayMetrics
 from kvflow.services.scheduler.core import SchedulerCore
+from kvflow.services.scheduler.limits import SchedulerLimits
 from kvflow.services.scheduler.lora_registry import LoraRegistry
 from kvflow.services.scheduler.telemetry import SchedulerTelemetry
-from kvflow.services.scheduler.worker_state import SchedulerLimits
 from kvflow.services.tokenizer.service import TokenizerMetrics
 from kvflow.services.worker.telemetry import WorkerTelemetry
 from kvflow.shared.bus import Bus

@@ -6,7 +6,7 @@ dict (tests.unit.test_scheduler_policy.FakeWorker), so a wrong copy shows in the
 from __future__ import annotations
 
 from kvflow.services.scheduler.core import SchedulerCore
-from kvflow.services.scheduler.worker_state import SchedulerLimits
+from kvflow.services.scheduler.limits import SchedulerLimits
 from kvflow.shared.messages import KvLoadDone
 from tests.unit.test_scheduler_policy import FakeWorker, req
 

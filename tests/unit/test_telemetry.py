@@ -25,9 +25,9 @@ from kvflow.services.gateway.metrics import (
 )
 from kvflow.services.gateway.tracing import RequestTrace
 from kvflow.services.scheduler.core import SchedulerCore
+from kvflow.services.scheduler.limits import SchedulerLimits
 from kvflow.services.scheduler.lora_registry import LoraRegistry
 from kvflow.services.scheduler.telemetry import SchedulerTelemetry
-from kvflow.services.scheduler.worker_state import SchedulerLimits
 from kvflow.services.worker.telemetry import WorkerTelemetry
 from kvflow.shared.bus import Bus
 from kvflow.shared.logs import ContextFilter, JsonFormatter, request_scope
