@@ -220,7 +220,7 @@ class SchedulerCore:
         if ws is None:
             return CoreOutcome()
         if result.error:
-            self._wait(ws.on_failed_step())
+            self.steps_lost(result.worker_id)
             return CoreOutcome()
         step = ws.on_result(result)
         outcome = CoreOutcome(finished=step.finished, prefilled=step.prefilled)
@@ -230,6 +230,13 @@ class SchedulerCore:
         for seq in step.prefilled:
             outcome.pulls += self._settle(self.router.hand_off(ws, seq)).pulls
         return outcome
+
+    def steps_lost(self, worker_id: str) -> None:
+        """The plans in flight on ``worker_id`` failed or got no result: they are void, and
+        their sequences wait again, to be recomputed (nothing is lost)."""
+        ws = self._workers.get(worker_id)
+        if ws is not None:
+            self._wait(ws.on_failed_step())
 
     def _settle(self, moves: Moves) -> Moves:
         self._wait(moves.requeued)

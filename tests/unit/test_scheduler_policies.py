@@ -117,4 +117,5 @@ def test_the_service_builds_its_core_with_the_configured_policy(name: str) -> No
 
     svc = SchedulerService(Settings.of(scheduling_policy=name), "m", 512)
     assert svc.core.policy.name == name and svc.core.waiting.policy is svc.core.policy
-    assert svc._new_core().policy is svc.policy  # a new leader's core keeps it
+    # the one core, which a leader (a standby that takes over included) plans and queues with
+    assert svc.plan_loop.core is svc.core and svc.intake.core is svc.core
