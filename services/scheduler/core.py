@@ -152,7 +152,7 @@ class SchedulerCore:
         ws = self._workers.get(worker_id)
         if ws is None or not ws.draining or ws.busy():
             return False
-        return not self.router.busy_source(worker_id)
+        return not self.router.busy_source(ws)
 
     def _wait(self, seqs: Iterable[Sequence]) -> None:
         """Sequences a worker let go wait again (those aborted meanwhile are dropped)."""

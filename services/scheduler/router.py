@@ -70,11 +70,12 @@ class Moves:
 
 @dataclass(frozen=True, slots=True)
 class _Load:
-    """A tier load ordered: the sequence, its load (the sequence's ``load`` while it runs) and
-    when it was ordered."""
+    """A tier load ordered: the sequence, its load (the sequence's ``load`` while it runs), the
+    worker filling it and when it was ordered."""
 
     seq: Sequence
     load: TierLoad
+    worker_id: str
     started: float
 
 
@@ -89,6 +90,9 @@ class Router:
         self.kv_layout: dict[str, str] = {}  # worker id -> KV block layout
         self.host_hashes: dict[str, set[bytes]] = {}  # worker -> blocks in its host tier
         self.transfers: dict[str, Sequence] = {}  # transfer id -> sequence (aborted ones too)
+        # transfer id -> the source worker holding its blocks: that very WorkerState (a worker
+        # given up and back under its id is another, whose blocks are not the transfer's)
+        self._sources: dict[str, WorkerState] = {}
         self.loads: dict[str, _Load] = {}  # tier load id -> its load (aborted ones too)
         self.transfer_totals = TransferTotals()
         self.tier_totals = TierTotals()
@@ -103,12 +107,13 @@ class Router:
         self.kv.remove_worker(worker_id)
         self.kv_layout.pop(worker_id, None)
         self.host_hashes.pop(worker_id, None)
+        # its loads will not be reported (their sequences wait again, to be recomputed)
+        for load_id in [i for i, e in self.loads.items() if e.worker_id == worker_id]:
+            del self.loads[load_id]
 
-    def busy_source(self, worker_id: str) -> bool:
-        """Whether a transfer still copies blocks from ``worker_id``."""
-        return any(
-            s.transfer and s.transfer.src_worker == worker_id for s in self.transfers.values()
-        )
+    def busy_source(self, ws: WorkerState) -> bool:
+        """Whether a transfer still copies blocks from ``ws``."""
+        return any(src is ws for src in self._sources.values())
 
     # -- routing --------------------------------------------------------------------------------
 
@@ -176,8 +181,10 @@ class Router:
         self._release_source(t)
 
     def _release_source(self, t: Transfer) -> None:
-        src = self.workers.get(t.src_worker)
-        if src is not None:
+        """The source blocks of ``t`` are free again, if its source worker is still there
+        (the one the transfer started from: not a new process that took its id)."""
+        src = self._sources.pop(t.transfer_id, None)
+        if src is not None and self.workers.get(t.src_worker) is src:
             src.release_held(t.held_blocks)
 
     # -- disaggregation: prefill -> decode -------------------------------------------------------
@@ -212,6 +219,7 @@ class Router:
         )
         dst.receive(seq, t)
         self.transfers[tid] = seq
+        self._sources[tid] = src
         pull = KvPull(
             transfer_id=tid,
             request_id=seq.request_id,
@@ -287,7 +295,7 @@ class Router:
             load = seq.load
             assert load is not None
             load_id = f"load-{next(self._ids)}"
-            self.loads[load_id] = _Load(seq, load, time.monotonic())
+            self.loads[load_id] = _Load(seq, load, ws.worker_id, time.monotonic())
             refs = [BlockRef(b, h) for b, h in load.blocks]
             loads.append(KvLoad(load_id, seq.request_id, refs))
         return loads

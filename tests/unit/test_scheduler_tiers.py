@@ -150,8 +150,7 @@ def test_redis_prefix_known_at_arrival_is_loaded_on_any_worker() -> None:
     for h in bm.block_hashes(PREFIX):
         block = bm.cached[h]
         tw.host[h] = [other.fake.slots.get(block * BS + o) for o in range(BS)]
-    seq = core.add_request(req("b", PREFIX + [7, 8], 2))
-    seq.redis_prefix_blocks = 10
+    core.add_request(req("b", PREFIX + [7, 8], 2), redis_prefix_blocks=10)  # as Redis said
     assert len(core.redis_keys_for(PREFIX + [7, 8])) == 10
     assert tw.run()["b"] == reference(PREFIX + [7, 8], 2)
     assert tw.loaded_blocks == 10
