@@ -154,7 +154,7 @@ def kvflow_greedy(runner, prompts: list[list[int]], n: int, chunk: int) -> list[
     submitted together) and ``runner`` (made with ``worker_id="w"``): the ``n`` greedy tokens
     each got."""
     from kvflow.services.scheduler.core import SchedulerCore
-    from kvflow.services.scheduler.worker_state import SchedulerLimits
+    from kvflow.services.scheduler.limits import SchedulerLimits
     from kvflow.shared.messages import SamplingParams, TokenizedRequest
 
     core = SchedulerCore(SchedulerLimits(max_num_batched_tokens=chunk, max_model_len=2048))

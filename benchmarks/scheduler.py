@@ -16,7 +16,7 @@ import time
 from collections import deque
 
 from kvflow.services.scheduler.core import SchedulerCore
-from kvflow.services.scheduler.worker_state import SchedulerLimits
+from kvflow.services.scheduler.limits import SchedulerLimits
 from kvflow.shared.messages import (
     FinishReason,
     SamplingParams,

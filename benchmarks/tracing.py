@@ -89,8 +89,8 @@ def _hook_pass(batch: int, traced: bool, steps: int) -> dict:
     from kvflow.shared.telemetry import traceparent
 
     rids = [f"r{i}" for i in range(batch)]
-    svc = types.SimpleNamespace(core=types.SimpleNamespace(requests=set(rids)))
-    sched = SchedulerTelemetry(svc, "m")
+    core = types.SimpleNamespace(requests=set(rids))  # what the hooks read of the core
+    sched = SchedulerTelemetry(core, "m", "s0", lambda: True)  # type: ignore[arg-type]
     for rid in rids:
         tp = f"00-{secrets.token_hex(16)}-{secrets.token_hex(8)}-01"
         headers = {"traceparent": tp} if traced else None

@@ -135,8 +135,11 @@ class BlockManager:
                 del self.free[b]
             self.ref_counts[b] += 1
 
-    def allocate(self, n: int) -> list[int]:
-        """``n`` fresh blocks from the head of the free list, forgetting their old hashes."""
+    def allocate(self, n: int, offload: bool = True) -> list[int]:
+        """``n`` fresh blocks from the head of the free list, forgetting their old hashes.
+        The cached ones among them are ``evicted`` (for the host tier) unless ``offload`` is
+        False: blocks a KV-tier load fills are written by that load, which might get there
+        before a step could copy them."""
         if n > len(self.free):
             raise NoFreeBlocksError(f"need {n} blocks, {len(self.free)} free")
         out: list[int] = []
@@ -146,7 +149,8 @@ class BlockManager:
             if old is not None:
                 if self.cached.get(old) == b:
                     del self.cached[old]
-                    self.evicted.append((b, old))
+                    if offload:
+                        self.evicted.append((b, old))
                 self.block_hash[b] = None
             self.ref_counts[b] = 1
             out.append(b)

@@ -2,24 +2,25 @@
 policy's order (policy.py, waiting.py), every live request, one WorkerState per worker
 (worker_state.py, planned by planner.py) and the Router (router.py) for placement, prefill ->
 decode hand-offs and KV tier loads. Plain Python (no NATS), so tests can drive it offline.
+
+Owners: the core makes the sequences and owns ``requests``, the waiting queue and the workers
+(others read ``workers`` as a mapping); a worker's state and the placement of its sequences
+are its WorkerState's; a sequence a worker lets go comes back here to be queued.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 from kvflow.services.scheduler.block_manager import BlockManager
+from kvflow.services.scheduler.limits import SchedulerLimits
 from kvflow.services.scheduler.policy import SchedulingPolicy, make_policy
-from kvflow.services.scheduler.router import Router
+from kvflow.services.scheduler.router import Moves, Router
 from kvflow.services.scheduler.sequence import RequeueReason, SeqStatus, Sequence
 from kvflow.services.scheduler.speculation import Speculator
 from kvflow.services.scheduler.waiting import WaitingQueue
-from kvflow.services.scheduler.worker_state import (
-    SchedulerLimits,
-    StepOutcome,
-    WorkerState,
-)
+from kvflow.services.scheduler.worker_state import StepOutcome, WorkerState
 from kvflow.shared.kv_connectors import KvConnectorScheduler
 from kvflow.shared.lora import adapter_salt
 from kvflow.shared.messages import (
@@ -66,14 +67,19 @@ class SchedulerCore:
         self.model = model
         self.waiting = WaitingQueue(self.policy)
         self.requests: dict[str, Sequence] = {}
-        self.workers: dict[str, WorkerState] = {}
-        self.router = Router(self.workers, kv_connector)
+        self._workers: dict[str, WorkerState] = {}
+        self.router = Router(self._workers, kv_connector)
         self.num_finished = 0
         self.num_computed_tokens = 0  # as reported by the workers' StepResults
         # the last step id of each worker given up: a worker that comes back numbers its steps
         # on from there, so a late result of a step planned before it was given up can never
         # be taken for one planned after (results are matched by worker, term and step id)
         self._last_step_ids: dict[str, int] = {}
+
+    @property
+    def workers(self) -> Mapping[str, WorkerState]:
+        """Every worker's state, by id (read only: workers join and leave through the core)."""
+        return self._workers
 
     # -- workers --------------------------------------------------------------------------------
 
@@ -93,16 +99,15 @@ class SchedulerCore:
             worker_id,
             BlockManager(num_blocks, block_size, salt),
             self.limits,
-            self.waiting,
             self.policy,
             self.router,
             role=role,
             host_tier=host_tier,
             redis_tier=redis_tier,
             speculator=self.speculator,
+            step_id=self._last_step_ids.get(worker_id, 0),
         )
-        ws.step_id = self._last_step_ids.get(worker_id, 0)
-        self.workers[worker_id] = ws
+        self._workers[worker_id] = ws
         self.router.add_worker(worker_id, kv_address, kv_layout)
         return ws
 
@@ -122,43 +127,51 @@ class SchedulerCore:
     def remove_worker(self, worker_id: str) -> list[Sequence]:
         """A worker left: its sequences wait again, to be recomputed elsewhere; sequences
         prefilling elsewhere for a decode here are re-queued too (their reservation is gone)."""
-        ws = self.workers.pop(worker_id, None)
+        ws = self._workers.pop(worker_id, None)
         self.router.remove_worker(worker_id)
         if ws is None:
             return []
         self._last_step_ids[worker_id] = ws.step_id
         moved = ws.on_failed_step(removing=True)
-        for other in self.workers.values():
+        for other in self._workers.values():
             for seq in list(other.running):
                 if seq.reservation is not None and seq.reservation.worker_id == worker_id:
-                    seq.reservation = None  # nothing to free there any more
+                    # (nothing to free there any more: the worker is gone)
                     other.requeue(seq, RequeueReason.WORKER_LEFT)
                     moved.append(seq)
-        for seq in moved:
-            if seq.request_id not in self.requests:  # aborted while its K/V was in flight
-                self.waiting.remove(seq.request_id)
-                seq.status = SeqStatus.FINISHED
+        self._wait(moved)
         return moved
 
     def set_draining(self, worker_id: str) -> None:
-        ws = self.workers.get(worker_id)
+        ws = self._workers.get(worker_id)
         if ws is not None:
-            ws.draining = True
+            ws.drain()
 
     def drained(self, worker_id: str) -> bool:
         """A draining worker with nothing running, reserved or being copied from it."""
-        ws = self.workers.get(worker_id)
-        if ws is None or not ws.draining or ws.running or ws.num_reserved or ws.in_flight:
+        ws = self._workers.get(worker_id)
+        if ws is None or not ws.draining or ws.busy():
             return False
-        return not self.router.busy_source(worker_id)
+        return not self.router.busy_source(ws)
+
+    def _wait(self, seqs: Iterable[Sequence]) -> None:
+        """Sequences a worker let go wait again (those aborted meanwhile are dropped)."""
+        for seq in seqs:
+            if seq.request_id in self.requests:
+                self.waiting.push(seq)
 
     # -- requests -------------------------------------------------------------------------------
 
     def add_request(
-        self, req: TokenizedRequest, priority: int = 0, output_ids: list[int] | None = None
+        self,
+        req: TokenizedRequest,
+        priority: int = 0,
+        output_ids: list[int] | None = None,
+        redis_prefix_blocks: int = 0,
     ) -> Sequence:
         """Queue a request; ``output_ids`` are tokens it generated before (a takeover resumes
-        requests from their prompt plus those, by recompute)."""
+        requests from their prompt plus those, by recompute); ``redis_prefix_blocks``: the
+        prompt's leading full blocks the Redis KV tier held when it arrived."""
         if req.request_id in self.requests:
             return self.requests[req.request_id]  # a resubmission of the same request: run once
         if len(self.waiting) >= self.max_waiting:
@@ -174,6 +187,7 @@ class SchedulerCore:
             cache_salt=adapter_salt(req.cache_salt, req.lora),
             pooling=req.pooling,
             lora=req.lora,
+            redis_prefix_blocks=redis_prefix_blocks,
         )
         self.requests[seq.request_id] = seq
         self.waiting.push(seq)
@@ -184,29 +198,29 @@ class SchedulerCore:
         if seq is None:
             return False
         if seq.status is SeqStatus.WAITING:
-            self.waiting.remove(request_id)
-            seq.status = SeqStatus.FINISHED
-        elif seq.status is SeqStatus.TRANSFERRING:
-            seq.aborted = True  # its blocks are being written: freed when the transfer ends
-        elif seq.worker_id in self.workers:
-            self.workers[seq.worker_id].finish(seq)
+            self.waiting.remove(request_id)  # never placed: nothing else holds it
+        elif seq.worker_id in self._workers:
+            self._workers[seq.worker_id].abort(seq)
         return True
 
     # -- steps ----------------------------------------------------------------------------------
 
     def schedule(self, ws: WorkerState) -> tuple[StepPlan | None, list[KvLoad]]:
         """``ws``'s next plan, and the tier loads it ordered (to send to the same worker)."""
-        plan = ws.schedule()
-        return plan, self.router.planned(ws, plan)
+        step = ws.schedule(self.waiting.in_order())
+        for seq in step.admitted:
+            self.waiting.remove(seq.request_id)
+        self._wait(step.requeued)
+        return step.plan, self.router.planned(ws, step.plan)
 
     def on_result(self, result: StepResult) -> CoreOutcome:
         self.num_computed_tokens += result.num_computed_tokens
         self.router.host_evicted(result.worker_id, result.host_tier_evicted)
-        ws = self.workers.get(result.worker_id)
+        ws = self._workers.get(result.worker_id)
         if ws is None:
             return CoreOutcome()
         if result.error:
-            ws.on_failed_step()
+            self.steps_lost(result.worker_id)
             return CoreOutcome()
         step = ws.on_result(result)
         outcome = CoreOutcome(finished=step.finished, prefilled=step.prefilled)
@@ -214,19 +228,30 @@ class SchedulerCore:
             self.requests.pop(seq.request_id, None)
             self.num_finished += 1
         for seq in step.prefilled:
-            pull = self.router.hand_off(ws, seq)
-            if pull is not None:
-                outcome.pulls.append(pull)
+            outcome.pulls += self._settle(self.router.hand_off(ws, seq)).pulls
         return outcome
 
+    def steps_lost(self, worker_id: str) -> None:
+        """The plans in flight on ``worker_id`` failed or got no result: they are void, and
+        their sequences wait again, to be recomputed (nothing is lost)."""
+        ws = self._workers.get(worker_id)
+        if ws is not None:
+            self._wait(ws.on_failed_step())
+
+    def _settle(self, moves: Moves) -> Moves:
+        self._wait(moves.requeued)
+        return moves
+
     def on_transfer_done(self, msg: KvTransferDone) -> str | None:
-        return self.router.on_transfer_done(msg)
+        """A KV transfer ended; returns the worker that may now have work."""
+        woken = self._settle(self.router.on_transfer_done(msg)).woken
+        return woken[0] if woken else None
 
     def on_load_done(self, msg: KvLoadDone) -> str | None:
         return self.router.on_load_done(msg)
 
     def expire_transfers(self, timeout_s: float, now: float | None = None) -> list[str]:
-        return self.router.expire(timeout_s, now)
+        return self._settle(self.router.expire(timeout_s, now)).woken
 
     def redis_keys_for(self, token_ids: list[int], cache_salt: str | None = None) -> list[str]:
         return self.router.redis_keys_for(token_ids, cache_salt)
@@ -236,11 +261,11 @@ class SchedulerCore:
     def stats(self, heartbeats: Mapping[str, WorkerHeartbeat] | None = None) -> SchedulerStats:
         """Totals and per-worker figures; a worker's tier figures come from its last
         heartbeat in ``heartbeats``, when given."""
-        ws = self.workers.values()
+        ws = self._workers.values()
         hbs = heartbeats or {}
         t, tiers = self.router.transfer_totals, self.router.tier_totals
         return SchedulerStats(
-            num_workers=len(self.workers),
+            num_workers=len(self._workers),
             num_total_blocks=sum(w.bm.num_blocks for w in ws),
             num_free_blocks=sum(w.bm.num_free_blocks for w in ws),
             num_running=sum(len(w.running) for w in ws),

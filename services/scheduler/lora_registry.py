@@ -6,8 +6,6 @@ is the registry's (name, id, path), whatever the asking gateway had cached."""
 
 from __future__ import annotations
 
-from typing import Any
-
 from kvflow.shared.lora import LoRAError
 from kvflow.shared.messages import LoRARef
 
@@ -19,7 +17,6 @@ class LoraRegistry:
         self.enabled = enabled
         self.adapters: dict[str, LoRARef] = {a.name: a for a in static}
         self.next_id = max((a.id for a in static), default=0) + 1
-        self.store: Any = None  # the Redis client the registry is kept in (lora_control.py)
 
     def list(self) -> list[LoRARef]:
         return list(self.adapters.values())

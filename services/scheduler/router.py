@@ -7,17 +7,30 @@ worker is the blocks it would have to compute (prefill) or receive (decode), i.e
 blocks minus those already in its prefix cache, plus the blocks it has in use (its load). The
 cheapest wins, so a shared prefix pulls requests to the worker that holds it, while unrelated
 requests spread by load. A ``both`` worker decodes what it prefills.
+
+The router owns its own books (transfers and tier loads in flight, each worker's KV layout and
+host tier, the totals) and reads the core's workers; every change to a worker or to a sequence
+on it goes through that worker's WorkerState. A sequence a hand-off or a transfer sends back to
+wait is returned (``Moves.requeued``) for the core to queue.
 """
 
 from __future__ import annotations
 
 import itertools
 import time
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 
 from kvflow.services.scheduler.block_manager import BlockHash
-from kvflow.services.scheduler.sequence import RequeueReason, Sequence, Transfer
-from kvflow.services.scheduler.worker_state import Route, WorkerState
+from kvflow.services.scheduler.decision import Route
+from kvflow.services.scheduler.sequence import (
+    RequeueReason,
+    Reservation,
+    Sequence,
+    TierLoad,
+    Transfer,
+)
+from kvflow.services.scheduler.worker_state import WorkerState
 from kvflow.shared.kv_connectors import KvConnectorScheduler
 from kvflow.shared.kv_tier import tier_key
 from kvflow.shared.messages import BlockRef, KvLoad, KvLoadDone, KvPull, KvTransferDone, StepPlan
@@ -44,18 +57,43 @@ class TierTotals:
     offloaded: int = 0
 
 
+@dataclass
+class Moves:
+    """What a hand-off, a transfer's end or their expiry changed that the core acts on: KV
+    pulls to send (decode worker id, order), sequences sent back to wait, and the workers that
+    may have work now."""
+
+    pulls: list[tuple[str, KvPull]] = field(default_factory=list)
+    requeued: list[Sequence] = field(default_factory=list)
+    woken: list[str] = field(default_factory=list)
+
+
+@dataclass(frozen=True, slots=True)
+class _Load:
+    """A tier load ordered: the sequence, its load (the sequence's ``load`` while it runs), the
+    worker filling it and when it was ordered."""
+
+    seq: Sequence
+    load: TierLoad
+    worker_id: str
+    started: float
+
+
 class Router:
-    """Routing, hand-offs and tier loads over the core's ``workers`` (the same dict)."""
+    """Routing, hand-offs and tier loads over the core's ``workers`` (read only)."""
 
     def __init__(
-        self, workers: dict[str, WorkerState], kv: KvConnectorScheduler | None = None
+        self, workers: Mapping[str, WorkerState], kv: KvConnectorScheduler | None = None
     ) -> None:
         self.workers = workers
         self.kv = kv or KvConnectorScheduler()  # the KV connector's half: workers' addresses
         self.kv_layout: dict[str, str] = {}  # worker id -> KV block layout
         self.host_hashes: dict[str, set[bytes]] = {}  # worker -> blocks in its host tier
         self.transfers: dict[str, Sequence] = {}  # transfer id -> sequence (aborted ones too)
-        self.loads: dict[str, Sequence] = {}  # tier load id -> sequence (aborted ones too)
+        # transfer id -> the source worker holding its blocks: that very WorkerState (a worker
+        # given up and back under its id is another, whose blocks are not the transfer's)
+        self._sources: dict[str, WorkerState] = {}
+        self.loads: dict[str, _Load] = {}  # tier load id -> its load (aborted ones too)
         self.transfer_totals = TransferTotals()
         self.tier_totals = TierTotals()
         self._ids = itertools.count(1)
@@ -69,12 +107,13 @@ class Router:
         self.kv.remove_worker(worker_id)
         self.kv_layout.pop(worker_id, None)
         self.host_hashes.pop(worker_id, None)
+        # its loads will not be reported (their sequences wait again, to be recomputed)
+        for load_id in [i for i, e in self.loads.items() if e.worker_id == worker_id]:
+            del self.loads[load_id]
 
-    def busy_source(self, worker_id: str) -> bool:
-        """Whether a transfer still copies blocks from ``worker_id``."""
-        return any(
-            s.transfer and s.transfer.src_worker == worker_id for s in self.transfers.values()
-        )
+    def busy_source(self, ws: WorkerState) -> bool:
+        """Whether a transfer still copies blocks from ``ws``."""
+        return any(src is ws for src in self._sources.values())
 
     # -- routing --------------------------------------------------------------------------------
 
@@ -107,8 +146,9 @@ class Router:
     def route(self, seq: Sequence, here: WorkerState) -> Route | None:
         """Admit ``seq`` on ``here`` now? Only if ``here`` is the cheapest prefill worker that
         can take it (when none can take the whole prompt, any may start it) and, for a
-        prefill-only worker, a decode worker has room: its blocks are reserved now. An
-        embedding request ends with its prefill: it never goes to a decode worker."""
+        prefill-only worker, a decode worker has room (its blocks are reserved when the
+        admission is applied: ``reserve``). An embedding request ends with its prefill: it
+        never goes to a decode worker. Decides only."""
         prefill = self._candidates(seq, prefill=True)
         if prefill and min(prefill, key=lambda c: c[0])[1] is not here:
             return None
@@ -123,23 +163,33 @@ class Router:
         if not decode:
             return None
         _, dst, _ = min(decode, key=lambda c: c[0])
-        return Route(dst.reserve(seq))
+        return Route(dst.worker_id)
 
-    def release_elsewhere(self, seq: Sequence) -> None:
-        """Free what ``seq`` holds on other workers: its decode reservation, or the source
-        blocks of its transfer."""
-        res, seq.reservation = seq.reservation, None
-        if res is not None and res.worker_id in self.workers:
-            self.workers[res.worker_id].unreserve(res)
-        t, seq.transfer = seq.transfer, None
-        if t is not None:
-            self.transfers.pop(t.transfer_id, None)
-            if t.src_worker in self.workers:
-                self.workers[t.src_worker].release_held(t.held_blocks)
+    def reserve(self, seq: Sequence, worker_id: str) -> Reservation:
+        """Blocks on ``worker_id`` (the decode worker routing chose) for ``seq``'s K/V."""
+        return self.workers[worker_id].reserve(seq)
+
+    def unreserve(self, res: Reservation) -> None:
+        """A decode reservation is not needed any more (its worker may be gone already)."""
+        ws = self.workers.get(res.worker_id)
+        if ws is not None:
+            ws.unreserve(res)
+
+    def drop_transfer(self, t: Transfer) -> None:
+        """A transfer is given up (its sequence ended or moved): the source blocks are free."""
+        self.transfers.pop(t.transfer_id, None)
+        self._release_source(t)
+
+    def _release_source(self, t: Transfer) -> None:
+        """The source blocks of ``t`` are free again, if its source worker is still there
+        (the one the transfer started from: not a new process that took its id)."""
+        src = self._sources.pop(t.transfer_id, None)
+        if src is not None and self.workers.get(t.src_worker) is src:
+            src.release_held(t.held_blocks)
 
     # -- disaggregation: prefill -> decode -------------------------------------------------------
 
-    def hand_off(self, src: WorkerState, seq: Sequence) -> tuple[str, KvPull] | None:
+    def hand_off(self, src: WorkerState, seq: Sequence) -> Moves:
         """``seq``'s prefill on ``src`` sampled its first token: move it to its decode worker
         and order the copy of the blocks that worker does not hold yet (the pull returned, with
         the id of the worker to send it to)."""
@@ -147,19 +197,17 @@ class Router:
         assert res is not None
         dst = self.workers.get(res.worker_id)
         if dst is None:  # the decode worker left meanwhile: start over
-            seq.reservation = None
             src.requeue(seq, RequeueReason.WORKER_LEFT)
-            return None
+            return Moves(requeued=[seq])
         nb = src.bm.blocks_needed(seq.num_computed)  # blocks of the K/V the prefill computed
         held = src.hand_off(seq)
-        dst.receive(seq)
         src_blocks, dst_blocks = held[res.num_cached : nb], res.blocks[res.num_cached : nb]
         if not src_blocks:  # every block was cached there already
+            dst.receive(seq, None)
             src.release_held(held)
-            dst.kv_arrived(seq)
-            return None
+            return Moves()
         tid = f"{seq.request_id}#{next(self._ids)}"
-        seq.transfer = Transfer(
+        t = Transfer(
             tid,
             seq.request_id,
             src.worker_id,
@@ -169,7 +217,9 @@ class Router:
             dst_blocks,
             time.monotonic(),
         )
+        dst.receive(seq, t)
         self.transfers[tid] = seq
+        self._sources[tid] = src
         pull = KvPull(
             transfer_id=tid,
             request_id=seq.request_id,
@@ -178,34 +228,28 @@ class Router:
             src_blocks=src_blocks,
             dst_blocks=dst_blocks,
         )
-        return dst.worker_id, pull
+        return Moves(pulls=[(dst.worker_id, pull)])
 
-    def on_transfer_done(self, msg: KvTransferDone) -> str | None:
-        """A decode worker finished (or gave up) copying a sequence's K/V. Returns the id of
-        the worker that may now have work, if any."""
+    def on_transfer_done(self, msg: KvTransferDone) -> Moves:
+        """A decode worker finished (or gave up) copying a sequence's K/V; ``woken`` names the
+        worker that may now have work, if any."""
         seq = self.transfers.pop(msg.transfer_id, None)
         if seq is None or seq.transfer is None or seq.transfer.transfer_id != msg.transfer_id:
-            return None  # late news of a transfer already given up
-        t, seq.transfer = seq.transfer, None
-        if t.src_worker in self.workers:
-            self.workers[t.src_worker].release_held(t.held_blocks)
+            return Moves()  # late news of a transfer already given up
+        t = seq.transfer
+        self._release_source(t)
         totals = self.transfer_totals
-        dst = self.workers.get(t.dst_worker)
         if msg.ok:
             totals.done += 1
             totals.num_bytes += msg.num_bytes
             totals.seconds += msg.seconds
         else:
             totals.failed += 1
+        dst = self.workers.get(t.dst_worker)
         if dst is None or seq not in dst.running:
-            return None
-        if seq.aborted:
-            dst.finish(seq)
-        elif msg.ok:
-            dst.kv_arrived(seq)
-        else:  # recompute from its tokens
-            dst.requeue(seq, RequeueReason.TRANSFER_FAILED)
-        return dst.worker_id
+            return Moves()
+        requeued = [seq] if dst.transfer_ended(seq, msg.ok) else []
+        return Moves(requeued=requeued, woken=[dst.worker_id])
 
     # -- KV tiers -------------------------------------------------------------------------------
 
@@ -247,14 +291,13 @@ class Router:
             host.update(ref.hash for ref in plan.offload)
             self.tier_totals.offloaded += len(plan.offload)
         loads = []
-        for load in ws.loads:
-            load.load_id = f"load-{next(self._ids)}"
-            load.started = time.monotonic()
-            seq = next(s for s in ws.running if s.load is load)
-            self.loads[load.load_id] = seq
+        for seq in ws.take_loads():
+            load = seq.load
+            assert load is not None
+            load_id = f"load-{next(self._ids)}"
+            self.loads[load_id] = _Load(seq, load, ws.worker_id, time.monotonic())
             refs = [BlockRef(b, h) for b, h in load.blocks]
-            loads.append(KvLoad(load.load_id, seq.request_id, refs))
-        ws.loads = []
+            loads.append(KvLoad(load_id, seq.request_id, refs))
         return loads
 
     def host_evicted(self, worker_id: str, hashes: list[bytes]) -> None:
@@ -266,42 +309,40 @@ class Router:
     def on_load_done(self, msg: KvLoadDone) -> str | None:
         """A worker filled (some of) a sequence's blocks from the tiers; returns the worker
         that may now have work."""
-        seq = self.loads.pop(msg.load_id, None)
-        if seq is None or seq.load is None or seq.load.load_id != msg.load_id:
-            return None
+        entry = self.loads.pop(msg.load_id, None)
+        if entry is None or entry.seq.load is not entry.load:
+            return None  # late news of a load given up (or of a sequence since requeued)
+        seq, load = entry.seq, entry.load
         t = self.tier_totals
         t.loads += 1
         t.host_hits += msg.host_hits
         t.redis_hits += msg.redis_hits
-        t.misses += len(seq.load.blocks) - msg.num_loaded
+        t.misses += len(load.blocks) - msg.num_loaded
         t.num_bytes += msg.num_bytes
         t.seconds += msg.seconds
         ws = self.workers.get(msg.worker_id)
         if ws is None or seq not in ws.running:
             return None
-        if seq.aborted:
-            seq.load = None
-            ws.finish(seq)
-        else:
-            ws.loaded(seq, msg.num_loaded)
+        ws.load_ended(seq, msg.num_loaded)
         return ws.worker_id
 
-    def expire(self, timeout_s: float, now: float | None = None) -> list[str]:
+    def expire(self, timeout_s: float, now: float | None = None) -> Moves:
         """Give up on transfers and tier loads older than ``timeout_s`` (their report was
-        lost): the blocks are computed instead. Returns the workers that may have work."""
+        lost): the blocks are computed instead."""
         now = time.monotonic() if now is None else now
-        woken = []
-        for load_id, seq in list(self.loads.items()):
-            if seq.load is not None and now - seq.load.started > timeout_s and seq.worker_id:
+        out = Moves()
+        for load_id, entry in list(self.loads.items()):
+            seq = entry.seq
+            if seq.load is entry.load and now - entry.started > timeout_s and seq.worker_id:
                 wid = self.on_load_done(KvLoadDone(load_id, seq.request_id, seq.worker_id, 0))
                 if wid:
-                    woken.append(wid)
+                    out.woken.append(wid)
         for tid, seq in list(self.transfers.items()):
             t = seq.transfer
             if t is not None and now - t.started > timeout_s:
-                wid = self.on_transfer_done(
+                moves = self.on_transfer_done(
                     KvTransferDone(tid, seq.request_id, t.dst_worker, False, error="timed out")
                 )
-                if wid:
-                    woken.append(wid)
-        return woken
+                out.requeued += moves.requeued
+                out.woken += moves.woken
+        return out

@@ -1,20 +1,23 @@
 """A request as the scheduler tracks it: every token so far (prompt + output), how many have
 their K/V computed on the worker, and the blocks that hold them. In disaggregated serving a
 sequence also holds a reservation of blocks on its decode worker while it is prefilled
-elsewhere, and, while its K/V moves there, the prefill worker's blocks (``Transfer``)."""
+elsewhere, and, while its K/V moves there, the prefill worker's blocks (``Transfer``).
+
+Who writes what: the request's own fields are set once, when the core makes the sequence; from
+then on every field is written by the WorkerState the sequence is placed on
+(worker_state.py: admission, progress, hand-off, requeue, end), the router only asking the
+WorkerStates involved. ``Reservation``, ``TierLoad`` and ``Transfer`` never change once made.
+"""
 
 from __future__ import annotations
 
 import enum
 import itertools
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 from kvflow.services.scheduler.block_manager import BlockHash
+from kvflow.services.scheduler.spec_state import SpecState
 from kvflow.shared.messages import LoRARef, PoolingParams, SamplingParams
-
-if TYPE_CHECKING:
-    from kvflow.services.scheduler.speculation import SpecState
 
 _order = itertools.count()
 
@@ -35,7 +38,7 @@ class RequeueReason(enum.Enum):
     TRANSFER_FAILED = "transfer failed"  # its K/V did not arrive from the prefill worker
 
 
-@dataclass
+@dataclass(frozen=True)
 class Reservation:
     """Blocks taken on the decode worker at admission, for the K/V of the tokens the prefill
     worker computes; the first ``num_cached`` already hold that prefix (prefix-cache hits
@@ -46,18 +49,17 @@ class Reservation:
     num_cached: int
 
 
-@dataclass
+@dataclass(frozen=True)
 class TierLoad:
     """Blocks of a sequence being filled from the KV tiers: ``blocks`` pairs each fresh block
-    with the hash of the content to load, starting at the sequence's block ``first_block``."""
+    with the hash of the content to load, starting at the sequence's block ``first_block``
+    (the router names the load and times it)."""
 
-    load_id: str
     first_block: int
     blocks: list[tuple[int, bytes]]
-    started: float = 0.0
 
 
-@dataclass
+@dataclass(frozen=True)
 class Transfer:
     """A sequence's K/V on its way from the prefill worker's ``src_blocks`` to the decode
     worker's ``dst_blocks`` (pairwise; blocks the decode worker had cached are not sent)."""

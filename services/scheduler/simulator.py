@@ -12,7 +12,7 @@ import random
 from dataclasses import asdict, dataclass, field
 
 from kvflow.services.scheduler.core import SchedulerCore
-from kvflow.services.scheduler.worker_state import SchedulerLimits
+from kvflow.services.scheduler.limits import SchedulerLimits
 from kvflow.shared.messages import FinishReason, SamplingParams, StepResult, TokenizedRequest
 from kvflow.shared.step_cost import StepCostModel
 
@@ -96,7 +96,7 @@ def simulate(workload: Workload, cfg: SimConfig) -> SimResult:
         for wid, ws in core.workers.items():
             if wid in busy:
                 continue
-            plan = ws.schedule()
+            plan = core.schedule(ws)[0]
             if plan is None:
                 continue
             used = 1 - ws.bm.num_free_blocks / ws.bm.num_blocks

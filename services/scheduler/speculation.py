@@ -12,6 +12,10 @@ step that accepted nothing it stops proposing for 1, 2, 4, ... steps (up to 64),
 partial acceptance it proposes one more than were accepted. Free-form text, where lookups
 rarely match or match wrongly, thus pays for a handful of rows; quoting or editing a given
 text runs at full depth.
+
+Proposing changes nothing (the planner is a pure function of the scheduler's state): a
+``Proposal`` says what the step would spend, and WorkerState applies it when it applies the
+plan (``Speculator.proposed``), as it applies a verification's outcome (``verified``).
 """
 
 from __future__ import annotations
@@ -20,10 +24,10 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from kvflow.services.scheduler.sequence import Sequence
+from kvflow.services.scheduler.spec_state import NgramIndex, SpecState
 from kvflow.shared.speculative import SpeculativeConfig, can_speculate
 
 MAX_COOLDOWN = 64  # steps without proposals after repeated misses, at most
-MAX_CANDIDATES = 16  # latest occurrences of a suffix's shortest n-gram a lookup extends
 
 
 class Drafts(NamedTuple):
@@ -38,65 +42,6 @@ class Drafts(NamedTuple):
         return len(self.tokens) + self.num_worker
 
 
-class NgramIndex:
-    """Every position that followed each n-gram of ``lo`` tokens in a sequence, brought up to
-    date on each lookup (tokens are only ever appended); a lookup extends the match of the
-    latest candidates backwards up to ``hi`` tokens. One tuple and one dict operation per token
-    and per lookup: text with no repeats costs next to nothing."""
-
-    def __init__(self, lo: int, hi: int) -> None:
-        self.lo, self.hi = lo, hi
-        self.after: dict[tuple[int, ...], list[int]] = {}
-        self.indexed = 0  # n-grams ending before this position (exclusive) are indexed
-
-    def propose(self, tokens: list[int], k: int) -> list[int]:
-        """``k`` tokens that followed the earlier occurrence of the longest suffix of
-        ``tokens`` (``lo..hi`` tokens; the latest among equally long) seen before; [] when
-        none."""
-        end, lo = len(tokens), self.lo
-        # the n-gram ending at e (exclusive) is followed by tokens[e]: index e < end only (the
-        # suffix itself has no continuation yet)
-        for e in range(max(self.indexed, lo), end):
-            key = tuple(tokens[e - lo : e])
-            seen = self.after.get(key)
-            if seen is None:
-                self.after[key] = [e]
-            else:
-                seen.append(e)
-        self.indexed = max(self.indexed, end)
-        cands = self.after.get(tuple(tokens[end - lo :])) if end >= lo else None
-        if not cands:
-            return []
-        best, best_n = -1, 0
-        for at in reversed(cands[-MAX_CANDIDATES:]):
-            n = lo
-            while n < self.hi and at - n - 1 >= 0 and tokens[at - n - 1] == tokens[end - n - 1]:
-                n += 1
-            if n > best_n:
-                best, best_n = at, n
-                if n == self.hi:
-                    break
-        # a continuation that runs into the suffix repeats it (an LZ77-style copy)
-        out: list[int] = []
-        for j in range(best, best + k):
-            out.append(tokens[j] if j < end else out[j - end])
-        return out
-
-
-@dataclass
-class SpecState:
-    """One sequence's proposer: its n-gram index, the drafts to propose next and the
-    back-off after misses."""
-
-    index: NgramIndex
-    depth: int  # drafts to propose at most next time
-    eligible: bool = True  # the request's parameters allow speculation (can_speculate)
-    cooldown: int = 0  # steps left without proposals
-    misses: int = 0  # verifications in a row that accepted nothing
-    drafted: int = 0  # draft tokens verified, over the request's life (for its trace)
-    accepted: int = 0  # of which accepted
-
-
 @dataclass
 class SpecStats:
     """vLLM's spec-decode counters: drafts (verification steps with at least one draft), draft
@@ -108,43 +53,57 @@ class SpecStats:
     accepted_per_pos: list[int] = field(default_factory=list)
 
 
+class Proposal(NamedTuple):
+    """What the proposer says of one sequence's next step: its drafts (None: it decodes one
+    token), its proposer state (a new one when the sequence had none yet: the sequence keeps
+    it from then on) and whether the step spends one of its cooldown steps."""
+
+    drafts: Drafts | None
+    state: SpecState
+    cooling: bool = False
+
+
 class Speculator:
-    """Proposes drafts for sequences and learns from what their verification accepted."""
+    """Proposes drafts for sequences and learns from what their verification accepted; the one
+    writer of every ``SpecState`` and of the counters."""
 
     def __init__(self, config: SpeculativeConfig) -> None:
         self.config = config
         self.stats = SpecStats(accepted_per_pos=[0] * config.num_speculative_tokens)
 
-    def propose(
-        self, seq: Sequence, budget: int, max_model_len: int, batch_size: int
-    ) -> Drafts | None:
+    def propose(self, seq: Sequence, budget: int, max_model_len: int, batch_size: int) -> Proposal:
         """Drafts for ``seq`` (whose next step computes only its last token) within
-        ``budget`` tokens, its max_tokens and ``max_model_len``; None when it should decode
-        one token. Runs for every decoding sequence every step: cheapest checks first."""
+        ``budget`` tokens, its max_tokens and ``max_model_len``; ``drafts`` None when it should
+        decode one token. Runs for every decoding sequence every step: cheapest checks first.
+        Changes nothing but the index's memo (``proposed`` applies the rest)."""
         st = seq.spec
         cfg = self.config
         if st is None:  # what the parameters allow is decided once (min_tokens aside)
             index = NgramIndex(cfg.prompt_lookup_min, cfg.prompt_lookup_max)
             eligible = seq.pooling is None and can_speculate(seq.params, seq.params.min_tokens)
-            st = seq.spec = SpecState(index, cfg.num_speculative_tokens, eligible=eligible)
+            st = SpecState(index, cfg.num_speculative_tokens, eligible=eligible)
         if not st.eligible or seq.reservation is not None:
-            return None
+            return Proposal(None, st)
         if st.cooldown > 0:
-            st.cooldown -= 1
-            return None
+            return Proposal(None, st, cooling=True)
         if cfg.disable_by_batch_size and batch_size >= cfg.disable_by_batch_size:
-            return None
+            return Proposal(None, st)
         p, tokens = seq.params, seq.token_ids
         num_out = len(tokens) - seq.prompt_len
         if num_out < p.min_tokens:
-            return None
+            return Proposal(None, st)
         n = min(budget, p.max_tokens - num_out - 1, max_model_len - len(tokens) - 1, st.depth)
         if n <= 0:
-            return None
+            return Proposal(None, st)
         if cfg.proposed_by_worker:
-            return Drafts([], n)
+            return Proposal(Drafts([], n), st)
         drafts = st.index.propose(tokens, n)
-        return Drafts(drafts) if drafts else None
+        return Proposal(Drafts(drafts) if drafts else None, st)
+
+    def proposed(self, proposal: Proposal) -> None:
+        """A plan was built with ``proposal``: a step of its cooldown is spent."""
+        if proposal.cooling:
+            proposal.state.cooldown -= 1
 
     def verified(self, seq: Sequence, drafts: Drafts, emitted: list[int]) -> int:
         """Record a verification: ``emitted`` are the tokens the step returned for ``seq``

@@ -1,5 +1,5 @@
 """The scheduler's metrics and spans. The service calls four hooks (a request queued, a plan
-sent, a result applied, an abort); everything else reads the scheduler's state at scrape time.
+sent, a result applied, an abort); everything else reads the core's state at scrape time.
 
 Metrics (vLLM's names where vLLM has one): running and waiting requests, KV cache usage,
 prefix cache queries and hits (in tokens, as vLLM counts them), preemptions, tokens per step,
@@ -18,7 +18,7 @@ nothing per step here (the worker's spans show them)."""
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -28,6 +28,7 @@ from prometheus_client import CollectorRegistry, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from kvflow.services.scheduler.core import SchedulerCore
 from kvflow.services.scheduler.sequence import Sequence
 from kvflow.shared.messages import FinishReason, StepPlan, StepResult, TokenizedRequest
 from kvflow.shared.telemetry import extract, inject, traceparent, tracer
@@ -52,12 +53,23 @@ class _Live:
 
 
 class SchedulerTelemetry:
-    """``service`` is the SchedulerService (read at scrape time: ``core``, ``leading``,
-    ``scheduler_id``)."""
+    """The metrics and spans of a scheduler: ``core`` is read at scrape time, ``leading`` says
+    whether it leads now, and with ``lora_enabled`` the adapters of running and waiting
+    requests are exported too."""
 
-    def __init__(self, service: Any, model_name: str) -> None:
-        self.service = service
+    def __init__(
+        self,
+        core: SchedulerCore,
+        model_name: str,
+        scheduler_id: str,
+        leading: Callable[[], bool],
+        lora_enabled: bool = False,
+    ) -> None:
+        self.core = core
         self.model = model_name
+        self.scheduler_id = scheduler_id
+        self.leading = leading
+        self.lora_enabled = lora_enabled
         self.registry = CollectorRegistry()
         m, r = ["model_name"], self.registry
 
@@ -83,7 +95,7 @@ class SchedulerTelemetry:
     def on_request(self, req: TokenizedRequest, headers: dict[str, str] | None) -> None:
         """A request arrived; followed if the core queued it (not a duplicate or refusal)."""
         rid = req.request_id
-        if rid in self.live or rid not in self.service.core.requests:
+        if rid in self.live or rid not in self.core.requests:
             return
         if len(self.live) >= MAX_TRACKED:
             self._end(next(iter(self.live)), "untracked")
@@ -166,7 +178,7 @@ class SchedulerTelemetry:
     def on_abort(self, request_id: str, reason: FinishReason) -> None:
         """An Abort: a stop string (reason STOP, from the detokenizer) ends a request as
         normally as EOS does; anything else is an abort."""
-        self._spec_attributes(self.service.core.requests.get(request_id))
+        self._spec_attributes(self.core.requests.get(request_id))
         self._finish(request_id, reason, time.monotonic())
 
     def _spec_attributes(self, seq: Sequence | None) -> None:
@@ -211,8 +223,8 @@ class _EngineCollector(Collector):
         self.t = telemetry
 
     def collect(self) -> Iterator[Metric]:
-        svc, model = self.t.service, self.t.model
-        core = svc.core
+        t, model = self.t, self.t.model
+        core = t.core
         workers = list(core.workers.values())
         m = ["model_name"]
 
@@ -261,14 +273,14 @@ class _EngineCollector(Collector):
         leader = GaugeMetricFamily(
             "kvflow:scheduler_leader", "1 while this scheduler leads", labels=["scheduler"]
         )
-        leader.add_metric([svc.scheduler_id], 1.0 if svc.leading else 0.0)
+        leader.add_metric([t.scheduler_id], 1.0 if t.leading() else 0.0)
         yield leader
         yield from self._workers(workers)
         yield from self._kv_moves(core)
         if core.speculator is not None:
             yield from _spec_decode(core.speculator.stats, model)
-        if svc.loras.enabled:
-            yield _lora_info(workers, core.waiting.sequences(), svc.limits.max_loras)
+        if t.lora_enabled:
+            yield _lora_info(workers, core.waiting.sequences(), core.limits.max_loras)
 
     def _workers(self, workers: list[Any]) -> Iterator[Metric]:
         labels = ["worker", "role"]

@@ -1,8 +1,10 @@
 """Per-worker bookkeeping: which sequences run on a worker, the blocks they hold there, the
-sequences reserved to decode there, the plans in flight and the worker's counters. Every
-change of a sequence's place goes through one method here (admit, requeue, finish, hand_off,
-receive), so the blocks and counters stay consistent. Planning a step is planner.py's; where a
-sequence goes among workers is router.py's.
+sequences reserved to decode there, the plans in flight and the worker's counters. This is the
+one writer of that state and of its sequences' placement: the planner (planner.py) only
+decides, and ``schedule`` applies its decision; results, hand-offs and ends come in through
+the methods below. Where a sequence goes among workers is router.py's, which asks the
+WorkerStates involved; the waiting queue is the core's (core.py): a sequence this worker lets
+go to wait again is handed back to it, never queued from here.
 
 Async scheduling (``SchedulerLimits.max_plans_in_flight`` 2, vLLM's async scheduling): the
 next plan is built while the worker computes the one before, so the worker never waits for the
@@ -15,20 +17,23 @@ a sequence short of blocks waits for them (``must_sync``) and the next plan is b
 nothing in flight.
 
 Roles: a ``both`` worker prefills and decodes its own sequences. A ``prefill`` worker admits
-sequences whose decode worker is elsewhere (a ``Route`` with blocks reserved there) and hands
-each one off when its prefill samples the first token (``StepOutcome.prefilled``). A ``decode``
-worker receives handed-off sequences as TRANSFERRING (their K/V on the way) and schedules them
-once the K/V has arrived.
+sequences whose decode worker is elsewhere (a ``Route`` naming it, with blocks reserved there)
+and hands each one off when its prefill samples the first token (``StepOutcome.prefilled``). A
+``decode`` worker receives handed-off sequences as TRANSFERRING (their K/V on the way) and
+schedules them once the K/V has arrived.
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict, deque
+from collections import deque
+from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 from kvflow.services.scheduler.block_manager import BlockHash, BlockManager
-from kvflow.services.scheduler.planner import Admission, InFlightStep, plan_step
+from kvflow.services.scheduler.decision import Admission, Admit, Route, Run, RunningDecision
+from kvflow.services.scheduler.limits import ROLES, SchedulerLimits
+from kvflow.services.scheduler.planner import plan_admissions, plan_running
 from kvflow.services.scheduler.policy import SchedulingPolicy
 from kvflow.services.scheduler.sequence import (
     RequeueReason,
@@ -36,21 +41,19 @@ from kvflow.services.scheduler.sequence import (
     SeqStatus,
     Sequence,
     TierLoad,
+    Transfer,
 )
 from kvflow.services.scheduler.speculation import Drafts, Speculator
-from kvflow.services.scheduler.waiting import WaitingQueue
-from kvflow.shared.messages import FinishReason, StepPlan, StepResult
-
-ROLES = ("both", "prefill", "decode")
-
-
-@dataclass
-class SchedulerLimits:
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048
-    max_model_len: int = 8192
-    max_loras: int = 0  # distinct LoRA adapters running on a worker at most (0: LoRA off)
-    max_plans_in_flight: int = 1  # 2: async scheduling (the service's default)
+from kvflow.services.scheduler.step_message import announce, scheduled_seq
+from kvflow.shared.lora_residency import LoraResidency
+from kvflow.shared.messages import (
+    BlockRef,
+    FinishReason,
+    NewRequest,
+    ScheduledSeq,
+    StepPlan,
+    StepResult,
+)
 
 
 @dataclass
@@ -62,12 +65,25 @@ class StepOutcome:
     prefilled: list[Sequence] = field(default_factory=list)
 
 
-@dataclass
-class Route:
-    """Where an admitted sequence decodes: here (``reservation`` None) or on the worker that
-    holds ``reservation``."""
+@dataclass(slots=True)
+class InFlightStep:
+    """A plan sent to the worker whose result has not come back."""
 
-    reservation: Reservation | None = None
+    step_id: int
+    scheduled: dict[str, int]  # request_id -> tokens it computes (known ones and placeholders)
+    samples: set[str]  # requests it samples a token for: tokens not known until its result
+    drafts: dict[str, Drafts]  # request_id -> the drafts it verifies
+    cached: list[int]  # blocks whose hashes it registered
+
+
+class Scheduled(NamedTuple):
+    """A planned step: the plan to send (None: nothing to run), the waiting sequences it
+    admitted (the core takes them out of its queue) and those it preempted (the core queues
+    them again)."""
+
+    plan: StepPlan | None
+    admitted: list[Sequence]
+    requeued: list[Sequence]
 
 
 class WorkerRouter(Protocol):
@@ -75,58 +91,63 @@ class WorkerRouter(Protocol):
 
     def route(self, seq: Sequence, here: WorkerState) -> Route | None: ...
 
-    def release_elsewhere(self, seq: Sequence) -> None: ...
-
     def tier_lookup(self, seq: Sequence, ws: WorkerState, first: int) -> list[BlockHash]: ...
+
+    def reserve(self, seq: Sequence, worker_id: str) -> Reservation: ...
+
+    def unreserve(self, res: Reservation) -> None: ...
+
+    def drop_transfer(self, transfer: Transfer) -> None: ...
 
 
 class WorkerState:
-    """One worker as the scheduler sees it: its blocks, running sequences and the plan in
-    flight. Requeued sequences go back to the shared ``waiting`` queue."""
+    """One worker as the scheduler sees it: its blocks, running sequences and the plans in
+    flight."""
 
     def __init__(
         self,
         worker_id: str,
         blocks: BlockManager,
         limits: SchedulerLimits,
-        waiting: WaitingQueue,
         policy: SchedulingPolicy,
         router: WorkerRouter,
         role: str = "both",
         host_tier: bool = False,
         redis_tier: bool = False,
         speculator: Speculator | None = None,
+        step_id: int = 0,
     ) -> None:
         if role not in ROLES:
             raise ValueError(f"unknown worker role {role!r} (one of {', '.join(ROLES)})")
         self.worker_id = worker_id
         self.bm = blocks
         self.limits = limits
-        self.waiting = waiting
         self.policy = policy
         self.router = router
         self.role = role
         self.offload_enabled = host_tier  # a host tier: send evicted blocks there
         self.store_enabled = redis_tier  # a Redis tier: store completed blocks
         self.draining = False  # take nothing new; finish what runs
-        self.loads: list[TierLoad] = []  # tier loads ordered by the last schedule()
         self.running: list[Sequence] = []  # admission order: the last is the newest
         self.to_forget: list[str] = []  # request ids the worker should drop at the next step
         self.in_flight: deque[InFlightStep] = deque()  # plans sent, oldest first
-        self.plan_cached: list[int] = []  # blocks whose hashes the plan being built registered
         # blocks of sequences that left while a plan in flight computes them: freed with the
         # result of that plan (step id), not before (the worker writes them until then)
         self.deferred_free: list[tuple[int, list[int]]] = []
         self.must_sync = False  # a sequence waits for blocks: no plan ahead of results
         self.speculator = speculator  # speculative decoding (None: off)
         self.num_reserved = 0  # sequences prefilled elsewhere that will decode here
-        self.step_id = 0
+        self.step_id = step_id  # of the last plan (a worker given up and back numbers on)
         self.num_preemptions = 0
         self.num_prefills = 0  # sequences admitted here for their prefill
         self.num_decodes = 0  # sequences that decode here
-        # LoRA adapters the worker holds, least recently used first: the worker's own LRU
-        # (services/worker/lora.py) sees the same plans, so this mirrors it (for routing)
-        self.loras: OrderedDict[str, None] = OrderedDict()
+        # LoRA adapters the worker holds, by the rule its own cache follows
+        # (services/worker/lora.py), fed with the plans it is sent (for routing)
+        self.loras = LoraResidency(limits.max_loras)
+        self._plan_cached: list[int] = []  # blocks whose hashes the plan being built registered
+        self._loads: list[Sequence] = []  # sequences whose tier load the last plan ordered
+
+    # -- queries --------------------------------------------------------------------------------
 
     def lora_fits(self, seq: Sequence) -> bool:
         """Whether ``seq``'s adapter may run here now: it has none, an adapter already running
@@ -141,15 +162,6 @@ class WorkerState:
         """Whether this worker has ``seq``'s adapter in memory (as far as plans tell)."""
         return seq.lora is None or seq.lora.name in self.loras
 
-    def used_loras(self, names: list[str]) -> None:
-        """A plan ran these adapters: most recently used now, the oldest beyond
-        ``max_loras`` evicted (as the worker's own cache does)."""
-        for name in names:
-            self.loras[name] = None
-            self.loras.move_to_end(name)
-        while len(self.loras) > max(self.limits.max_loras, 1):
-            self.loras.popitem(last=False)
-
     @property
     def can_prefill(self) -> bool:
         return self.role in ("both", "prefill")
@@ -160,17 +172,6 @@ class WorkerState:
 
     def has_room_for_one_more(self) -> bool:
         return len(self.running) + self.num_reserved < self.limits.max_num_seqs
-
-    def propose(self, seq: Sequence, budget: int) -> Drafts | None:
-        """Drafts for a decoding ``seq`` (speculative decoding), within ``budget``, its
-        max_tokens and the model length; None when off or nothing to propose."""
-        if self.speculator is None:
-            return None
-        return self.speculator.propose(seq, budget, self.limits.max_model_len, len(self.running))
-
-    def schedule(self) -> StepPlan | None:
-        """This worker's next plan (planner.py), or None when there is nothing to run."""
-        return plan_step(self)
 
     def can_plan(self) -> bool:
         """Whether another plan may go to the worker now: fewer than ``max_plans_in_flight``
@@ -202,43 +203,170 @@ class WorkerState:
         after = len(seq.token_ids) + pending  # the sequence's length once they are known
         return after - seq.prompt_len < seq.params.max_tokens and after < self.limits.max_model_len
 
-    def sent(self, step: InFlightStep) -> None:
-        """The plan built last is on its way to the worker."""
-        self.in_flight.append(step)
-        self.plan_cached = []
+    def route(self, seq: Sequence) -> Route | None:
+        """Whether ``seq`` is admitted here now, and where it decodes (router.py)."""
+        return self.router.route(seq, self)
+
+    def tier_lookup(self, seq: Sequence, first: int) -> list[BlockHash]:
+        """The hashes of ``seq``'s blocks from ``first`` on that a KV tier holds for here."""
+        return self.router.tier_lookup(seq, self, first)
+
+    def busy(self) -> bool:
+        """Something runs, is reserved or is in flight here."""
+        return bool(self.running or self.num_reserved or self.in_flight)
+
+    # -- planning -------------------------------------------------------------------------------
+
+    def schedule(self, waiting: Iterable[Sequence]) -> Scheduled:
+        """Plan the next step (planner.py) over the waiting sequences in queue order, apply the
+        decision, and build the plan (None when there is nothing to run)."""
+        assert self.can_plan(), "plans in flight are at their limit"
+        self._plan_cached = []
+        decision = plan_running(self)
+        self.must_sync = decision.must_sync
+        requeued = self._apply_running(decision)
+        runs, admitted = decision.runs, []
+        if decision.admit:
+            for admit in plan_admissions(self, waiting, decision.budget):
+                run = self._apply_admit(admit)
+                admitted.append(admit.seq)
+                if run is not None:  # (none while its tier load fills its blocks)
+                    runs[admit.seq] = run
+        plan = self._send(runs) if runs or self.to_forget else None
+        return Scheduled(plan, admitted, requeued)
+
+    def _apply_running(self, decision: RunningDecision) -> list[Sequence]:
+        """The running sequences' share of a decision: proposals spent, blocks taken and
+        registered, victims preempted, in the decided order. Returns the victims."""
+        if decision.proposals:
+            assert self.speculator is not None  # the proposals are its
+            for seq, proposal in decision.proposals:
+                if seq.spec is None:
+                    seq.spec = proposal.state
+                self.speculator.proposed(proposal)
+        victims: list[Sequence] = []
+        registered: dict[Sequence, list[int]] = {}
+        for action in decision.actions:
+            seq = action.seq
+            if isinstance(action, Run):
+                if action.need:
+                    seq.blocks += self.bm.allocate(action.need)
+                if action.fills:
+                    added = self.register(seq, action.start + action.num_new)
+                    if added:
+                        registered[seq] = added
+                continue
+            # a victim's blocks are not written by this step: its registrations are void
+            self.unregister(registered.pop(seq, []))
+            self.requeue(seq, RequeueReason.PREEMPTED)
+            victims.append(seq)
+        return victims
+
+    def _apply_admit(self, admit: Admit) -> Run | None:
+        """Admit a waiting sequence as decided: its decode blocks reserved where it decodes,
+        its blocks here taken; returns its share of the step (None while a tier load fills
+        its blocks)."""
+        seq, adm = admit.seq, admit.admission
+        decode = admit.route.decode
+        self._admit(seq, adm, self.router.reserve(seq, decode) if decode is not None else None)
+        if adm.tier:
+            return None
+        start = seq.num_computed
+        end = start + adm.num_new
+        self.register(seq, end)
+        return Run(seq, start, adm.num_new, end == seq.num_tokens)
+
+    def _send(self, runs: dict[Sequence, Run]) -> StepPlan:
+        """The StepPlan of ``runs``; from here on that plan is in flight and the worker holds
+        what it says (announced requests, block tables)."""
+        self.step_id += 1
+        bm = self.bm
+        # Evicted blocks go to the host tier only when this plan's step is what overwrites them:
+        # the worker copies them first. Blocks taken for a tier load or a reservation are written
+        # by other paths, which might get there before the copy: not offloaded.
+        evicted = bm.take_evicted()
+        offload: list[BlockRef] = []
+        if evicted and self.offload_enabled:  # the set of every block of the batch only then
+            written = {b for s in runs for b in s.blocks}
+            offload = [BlockRef(b, h) for b, h in evicted if b in written]
+        store: list[BlockRef] = []
+        if self.store_enabled:
+            store = [BlockRef(b, h) for b in self._plan_cached if (h := bm.block_hash[b])]
+        seqs: list[ScheduledSeq] = []
+        new_requests: list[NewRequest] = []
+        scheduled: dict[str, int] = {}
+        samples: set[str] = set()
+        drafts: dict[str, Drafts] = {}
+        loras: list[str] = []
+        for s, run in runs.items():  # one pass: the plan's entries and what the flight keeps
+            held = len(s.blocks)
+            seqs.append(scheduled_seq(run, min(s.sent_blocks, held) if s.announced else -1))
+            s.sent_blocks = held
+            rid = s.request_id
+            scheduled[rid] = run.num_new
+            if run.sample:
+                samples.add(rid)
+            if run.drafts:
+                drafts[rid] = run.drafts
+            if not s.announced:
+                new_requests.append(announce(s))
+                s.announced = True
+            if s.lora is not None:
+                loras.append(s.lora.name)
+        plan = StepPlan(
+            step_id=self.step_id,
+            seqs=seqs,
+            new_requests=new_requests,
+            finished_request_ids=self.to_forget,
+            offload=offload,
+            store=store,
+        )
+        if loras:
+            self.loras.step(loras)
+        self.to_forget = []
+        self.in_flight.append(
+            InFlightStep(self.step_id, scheduled, samples, drafts, self._plan_cached)
+        )
+        self._plan_cached = []
+        return plan
+
+    def take_loads(self) -> list[Sequence]:
+        """The sequences whose tier loads the last plan ordered (for the router to send)."""
+        out, self._loads = self._loads, []
+        return out
 
     # -- admission and requeue ------------------------------------------------------------------
 
-    def admit(self, seq: Sequence, adm: Admission, route: Route) -> None:
-        """Take ``seq`` (popped from the queue) with its cached prefix and fresh blocks. With
-        tier blocks to load it waits (TRANSFERRING) for that load, then computes only the rest."""
+    def _admit(self, seq: Sequence, adm: Admission, reservation: Reservation | None) -> None:
+        """Take ``seq`` (out of the queue) with its cached prefix and fresh blocks. With tier
+        blocks to load it waits (TRANSFERRING) for that load, then computes only the rest."""
+        bm = self.bm
         if adm.count_prefix:
-            self.bm.count_prefix((seq.num_tokens - 1) // self.bm.block_size, len(adm.cached))
-        self.bm.take_cached(adm.cached)
-        mark = len(self.bm.evicted)
-        fresh = self.bm.allocate(adm.need)
-        if adm.tier:
-            del self.bm.evicted[mark:]  # written by the load, not by a step: nothing to offload
-            seq.load = TierLoad("", len(adm.cached), list(zip(fresh, adm.tier, strict=True)))
-            self.loads.append(seq.load)
+            bm.count_prefix((seq.num_tokens - 1) // bm.block_size, len(adm.cached))
+        bm.take_cached(adm.cached)
+        fresh = bm.allocate(adm.need, offload=not adm.tier)
+        if adm.tier:  # written by the load, not by a step: nothing to offload
+            seq.load = TierLoad(len(adm.cached), list(zip(fresh, adm.tier, strict=True)))
+            self._loads.append(seq)
         seq.blocks = list(adm.cached) + fresh
-        seq.num_computed = len(adm.cached) * self.bm.block_size
-        seq.hashes = self.bm.block_hashes(seq.token_ids[: seq.num_computed], seq.cache_salt)
+        seq.num_computed = len(adm.cached) * bm.block_size
+        seq.hashes = bm.block_hashes(seq.token_ids[: seq.num_computed], seq.cache_salt)
         seq.status = SeqStatus.TRANSFERRING if adm.tier else SeqStatus.RUNNING
         seq.worker_id = self.worker_id
-        seq.reservation = route.reservation
+        seq.reservation = reservation
         seq.announced = False
         self.running.append(seq)
         self.num_prefills += 1
-        if route.reservation is None and seq.pooling is None:
+        if reservation is None and seq.pooling is None:
             self.num_decodes += 1
 
     def requeue(self, seq: Sequence, reason: RequeueReason) -> None:
-        """``seq`` stops running here and waits again with every token it has, to be recomputed
-        (so its output does not change); its blocks here and elsewhere are freed."""
+        """``seq`` stops running here to wait again with every token it has, to be recomputed
+        (so its output does not change); its blocks here and elsewhere are freed. The caller
+        hands it back to the core's queue."""
         self.running.remove(seq)
         self._free(seq, seq.blocks)
-        self.router.release_elsewhere(seq)
+        self._release_elsewhere(seq)
         seq.blocks, seq.hashes, seq.num_computed = [], [], 0
         seq.load = None
         seq.status = SeqStatus.WAITING
@@ -248,7 +376,6 @@ class WorkerState:
             seq.num_preemptions += 1
             self.num_preemptions += 1
         self.to_forget.append(seq.request_id)
-        self.waiting.push(seq)
 
     def register(self, seq: Sequence, end: int) -> list[int]:
         """Register the full blocks this step fills (up to position ``end``) as cached now, not
@@ -263,20 +390,26 @@ class WorkerState:
             return []
         self.bm.extend_hashes(seq.hashes, seq.token_ids, upto, seq.cache_salt)
         added = self.bm.cache_blocks(seq.blocks[start:], seq.hashes[start:])
-        self.plan_cached += added
+        self._plan_cached += added
         return added
 
     def unregister(self, blocks: list[int]) -> None:
         """Forget blocks registered for a sequence taken out of the plan being built."""
+        if not blocks:
+            return
         self.bm.uncache(blocks)
         gone = set(blocks)
-        self.plan_cached = [b for b in self.plan_cached if b not in gone]
+        self._plan_cached = [b for b in self._plan_cached if b not in gone]
 
-    def loaded(self, seq: Sequence, num_loaded: int) -> None:
+    def load_ended(self, seq: Sequence, num_loaded: int) -> None:
         """The tier load of ``seq`` ended with its first ``num_loaded`` blocks filled: register
-        them and compute from there (the other blocks are filled by computing)."""
+        them and compute from there (the other blocks are filled by computing); an aborted
+        sequence ends now."""
         load, seq.load = seq.load, None
         assert load is not None
+        if seq.aborted:
+            self.finish(seq)
+            return
         start = load.first_block
         seq.hashes = seq.hashes[:start] + [h for _, h in load.blocks[:num_loaded]]
         self.bm.cache_blocks(seq.blocks[start : start + num_loaded], seq.hashes[start:])
@@ -315,23 +448,52 @@ class WorkerState:
         held, seq.blocks = seq.blocks, []
         return held
 
-    def receive(self, seq: Sequence) -> None:
-        """A sequence prefilled elsewhere arrives with its reserved blocks, K/V on the way."""
+    def receive(self, seq: Sequence, transfer: Transfer | None) -> None:
+        """A sequence prefilled elsewhere arrives with its reserved blocks, its K/V on the way
+        (``transfer``; None when this worker had every block cached: it runs at once)."""
         assert seq.reservation is not None and seq.reservation.worker_id == self.worker_id
         self.num_reserved -= 1
         self.num_decodes += 1
         seq.blocks = list(seq.reservation.blocks)
         seq.reservation = None
         seq.worker_id = self.worker_id
+        seq.transfer = transfer
         seq.status = SeqStatus.TRANSFERRING
         seq.announced = False
         self.running.append(seq)
+        if transfer is None:
+            self.kv_arrived(seq)
 
     def kv_arrived(self, seq: Sequence) -> None:
         """The transfer into ``seq``'s blocks is complete: register its full blocks in this
         worker's prefix cache and let it run."""
         self.bm.cache_blocks(seq.blocks, seq.hashes)
         seq.status = SeqStatus.RUNNING
+
+    def transfer_ended(self, seq: Sequence, ok: bool) -> bool:
+        """The K/V transfer into ``seq``'s blocks ended: it runs (``ok``), ends (aborted
+        meanwhile) or waits again to be recomputed. Returns whether it is to wait again (the
+        caller hands it back to the core's queue)."""
+        seq.transfer = None
+        if seq.aborted:
+            self.finish(seq)
+        elif ok:
+            self.kv_arrived(seq)
+        else:  # recompute from its tokens
+            self.requeue(seq, RequeueReason.TRANSFER_FAILED)
+            return True
+        return False
+
+    def _release_elsewhere(self, seq: Sequence) -> None:
+        """Free what ``seq`` holds on other workers: its decode reservation, or the source
+        blocks of its transfer."""
+        res, t = seq.reservation, seq.transfer
+        if res is not None:
+            seq.reservation = None
+            self.router.unreserve(res)
+        if t is not None:
+            seq.transfer = None
+            self.router.drop_transfer(t)
 
     # -- results -------------------------------------------------------------------------------
 
@@ -433,7 +595,7 @@ class WorkerState:
         """A step failed (worker error or lost): the plans in flight are void and every
         sequence of them is re-queued from its tokens so far (recompute), nothing is lost. When
         the worker is being removed, the ones waiting for their K/V go too. Returns the
-        re-queued sequences."""
+        re-queued sequences (the caller hands them back to the core's queue)."""
         for step in self.in_flight:
             self.bm.uncache(step.cached)
         self.in_flight.clear()
@@ -450,7 +612,19 @@ class WorkerState:
         if seq in self.running:
             self.running.remove(seq)
         self._free(seq, seq.blocks)
-        self.router.release_elsewhere(seq)
+        self._release_elsewhere(seq)
         seq.blocks = []
         seq.status = SeqStatus.FINISHED
         self.to_forget.append(seq.request_id)
+
+    def abort(self, seq: Sequence) -> None:
+        """``seq`` (placed here) is aborted: it ends now, or, while a transfer or a tier load
+        writes its blocks, when that ends (its blocks are freed then)."""
+        if seq.status is SeqStatus.TRANSFERRING:
+            seq.aborted = True
+        else:
+            self.finish(seq)
+
+    def drain(self) -> None:
+        """The worker is draining: it takes nothing new and finishes what runs."""
+        self.draining = True

@@ -1,5 +1,6 @@
 """LoRA adapters in the worker: at most ``--max-loras`` held in memory, least recently used
-evicted (``LoRACache``; their weights read and checked by services/worker/lora_weights.py), and
+evicted (``LoRACache``, by shared/lora_residency.py's rule, which the scheduler's view of this
+worker follows too; their weights read and checked by services/worker/lora_weights.py), and
 each step's rows given their adapter's delta ``s * B (A x)`` on top of the base projections
 (``LoRAStep.apply``, called by ``DecoderModel`` after each linear layer).
 
@@ -31,6 +32,7 @@ from kvflow.kernels.cpu_gemm import PanelWeight, panel_available
 from kvflow.kernels.ops import KernelBackend
 from kvflow.services.worker.lora_weights import GROUPS, LoRAWeights, load_adapter, module_shapes
 from kvflow.shared.lora import LoRAError
+from kvflow.shared.lora_residency import LoraResidency
 from kvflow.shared.messages import LoRARef, ScheduledSeq
 from kvflow.shared.models.config import ModelConfig
 
@@ -212,7 +214,8 @@ class LoRAStacks:
 
 class LoRACache:
     """The adapters a worker holds: at most ``max_loras``, least recently used evicted (a step
-    that needs more keeps them all until it ends: the scheduler does not plan such steps)."""
+    that needs more keeps them all until it ends: the scheduler does not plan such steps). Which
+    are held, in which order, is ``residency``'s; ``loaded`` has their weights."""
 
     def __init__(
         self,
@@ -230,7 +233,8 @@ class LoRACache:
         self.shard = shard
         self.check_cfg = shard.full if shard is not None else cfg
         self.dtype, self.device, self.ops = dtype, torch.device(device), ops
-        self.loaded: OrderedDict[str, LoRAWeights] = OrderedDict()
+        self.residency = LoraResidency(self.max_loras)
+        self.loaded: dict[str, LoRAWeights] = {}  # the weights of the adapters ``residency`` holds
         self.slot_of: dict[str, int] = {}  # device path: the stack slot of each loaded adapter
         self.stacks: LoRAStacks | None = None
         # CPU path: the sets of adapters recent steps ran, fused (most recent last)
@@ -242,6 +246,11 @@ class LoRACache:
         load_adapter(ref, self.check_cfg, self.max_rank, self.dtype, "cpu", self.shard)
 
     def forget(self, name: str) -> None:
+        self.residency.forget(name)
+        self._drop(name)
+
+    def _drop(self, name: str) -> None:
+        """Let go of ``name``'s weights (its slot, the fused sets that have it)."""
         self.loaded.pop(name, None)
         self.slot_of.pop(name, None)
         for names in [k for k in self.fused if name in k]:
@@ -251,16 +260,13 @@ class LoRACache:
         """``ref``'s weights, loaded (and another evicted, never one in ``keep``) if needed."""
         have = self.loaded.get(ref.name)
         if have is not None and have.ref == ref:
-            self.loaded.move_to_end(ref.name)
+            self.residency.use(ref.name, keep)
             return have
         w = load_adapter(ref, self.check_cfg, self.max_rank, self.dtype, self.device, self.shard)
         self.loads += 1
         self.forget(ref.name)
-        while len(self.loaded) >= self.max_loras:
-            old = next((n for n in self.loaded if n not in keep), None)
-            if old is None:
-                break
-            self.forget(old)
+        for old in self.residency.use(ref.name, keep):
+            self._drop(old)
         self.loaded[ref.name] = w
         if self.ops is not None:
             self._place(w)

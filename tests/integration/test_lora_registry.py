@@ -74,7 +74,7 @@ async def test_load_check_unload_and_takeover(nats_url: str) -> None:
         first = SchedulerService(settings, "m", 2048, Lease(rds.url, "m"), "s1")
         services.append(first)
         await first.start()
-        await _until(lambda: first.leading)
+        await _until(lambda: first.leadership.leading)
         for w in workers:
             await w.start()
         await _until(lambda: len(first.core.workers) == 2)
@@ -101,8 +101,8 @@ async def test_load_check_unload_and_takeover(nats_url: str) -> None:
         second = SchedulerService(settings, "m", 2048, Lease(rds.url, "m"), "s2")
         services.append(second)
         await second.start()
-        await _until(lambda: second.leading)
-        assert second.loras.adapters["chat"] == LoRARef("chat", 2, "/adapters/chat")
+        await _until(lambda: second.leadership.leading)
+        assert second.lora_control.registry.adapters["chat"] == LoRARef("chat", 2, "/adapters/chat")
         for w in workers:
             await w.beat()
         await _until(lambda: len(second.core.workers) == 2)
@@ -117,7 +117,8 @@ async def test_load_check_unload_and_takeover(nats_url: str) -> None:
         lone = SchedulerService(settings.replace(redis_url=rds.url), "m", 2048, None, "s3")
         services.append(lone)
         await lone.start()
-        assert lone.leading and set(lone.loras.adapters) == {"sql", "chat", "new"}
+        assert lone.leadership.leading
+        assert set(lone.lora_control.registry.adapters) == {"sql", "chat", "new"}
     finally:
         for s in services:
             s.stopped.set()

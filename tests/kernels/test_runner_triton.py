@@ -500,7 +500,7 @@ def test_speculative_decoding_on_the_device_path(model, graphs: bool, method: st
     verified on the device path (each draft a decode row; decode-only steps through the padded
     graph buffers) give the CPU path's plain greedy tokens."""
     from kvflow.services.scheduler.core import SchedulerCore
-    from kvflow.services.scheduler.worker_state import SchedulerLimits
+    from kvflow.services.scheduler.limits import SchedulerLimits
     from kvflow.shared.speculative import SpeculativeConfig
     from tests.models.test_speculative_engine import run_core
 

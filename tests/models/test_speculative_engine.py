@@ -12,7 +12,7 @@ import torch
 from transformers import LlamaForCausalLM
 
 from kvflow.services.scheduler.core import SchedulerCore
-from kvflow.services.scheduler.worker_state import SchedulerLimits
+from kvflow.services.scheduler.limits import SchedulerLimits
 from kvflow.services.worker.runner import ModelRunner
 from kvflow.services.worker.sim_runner import SimRunner
 from kvflow.shared.messages import (

@@ -33,9 +33,8 @@ from kvflow.cli.main import build_parser
 from kvflow.services.detokenizer.telemetry import DetokenizerMetrics
 from kvflow.services.gateway.metrics import GatewayMetrics
 from kvflow.services.scheduler.core import SchedulerCore
-from kvflow.services.scheduler.lora_registry import LoraRegistry
+from kvflow.services.scheduler.limits import SchedulerLimits
 from kvflow.services.scheduler.telemetry import SchedulerTelemetry
-from kvflow.services.scheduler.worker_state import SchedulerLimits
 from kvflow.services.tokenizer.service import TokenizerMetrics
 from kvflow.services.worker.telemetry import WorkerTelemetry
 from kvflow.shared.bus import Bus
@@ -174,17 +173,13 @@ _PROMQL_WORDS = {
 }  # fmt: skip
 
 
-class _Scheduler:
-    """What the scheduler's telemetry reads: a core with one worker."""
-
-    def __init__(self) -> None:
-        spec = SpeculativeConfig("ngram", 2, 1, 2)  # the spec_decode series are exported too
-        self.core = SchedulerCore(SchedulerLimits(), model="m", speculative=spec)
-        self.core.add_worker("w0", 8, 16)
-        self.leading = True
-        self.scheduler_id = "s0"
-        self.loras = LoraRegistry([], enabled=True)  # vllm:lora_requests_info is exported too
-        self.limits = SchedulerLimits(max_loras=2)
+def _scheduler_telemetry() -> SchedulerTelemetry:
+    """The telemetry of a leading scheduler on a core with one worker."""
+    spec = SpeculativeConfig("ngram", 2, 1, 2)  # the spec_decode series are exported too
+    core = SchedulerCore(SchedulerLimits(max_loras=2), model="m", speculative=spec)
+    core.add_worker("w0", 8, 16)
+    # vllm:lora_requests_info is exported too
+    return SchedulerTelemetry(core, "m", "s0", lambda: True, lora_enabled=True)
 
 
 def exported_metric_names() -> set[str]:
@@ -199,7 +194,7 @@ def exported_metric_names() -> set[str]:
     timer.delta(1)
     timer.finished("stop", 3, 2)
     gm.aborts.labels("m").inc()
-    sched = SchedulerTelemetry(_Scheduler(), "m")
+    sched = _scheduler_telemetry()
     for hist in (sched.queue_time, sched.prefill_time, sched.decode_time, sched.inference_time):
         hist.labels("m").observe(1)
     sched.iteration_tokens.labels("m").observe(8)

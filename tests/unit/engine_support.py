@@ -6,7 +6,7 @@ from __future__ import annotations
 import itertools
 
 from kvflow.services.scheduler.core import SchedulerCore
-from kvflow.services.scheduler.worker_state import SchedulerLimits
+from kvflow.services.scheduler.limits import SchedulerLimits
 from kvflow.services.worker.runner import ModelRunner
 from kvflow.shared.messages import LoRARef, SamplingParams, StepPlan, TokenizedRequest
 

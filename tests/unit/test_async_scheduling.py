@@ -16,7 +16,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvflow.services.scheduler.core import SchedulerCore
-from kvflow.services.scheduler.worker_state import SchedulerLimits, WorkerState
+from kvflow.services.scheduler.limits import SchedulerLimits
+from kvflow.services.scheduler.worker_state import WorkerState
 from kvflow.services.worker.block_tables import BlockTables
 from kvflow.services.worker.placeholders import PlaceholderError, StepTokens
 from kvflow.shared.messages import (

@@ -9,7 +9,7 @@ import msgspec
 
 from kvflow.services.scheduler.block_manager import BlockManager
 from kvflow.services.scheduler.core import SchedulerCore
-from kvflow.services.scheduler.worker_state import SchedulerLimits
+from kvflow.services.scheduler.limits import SchedulerLimits
 from kvflow.shared.kv_tier import tier_key
 from kvflow.shared.messages import GenerateRequest, SamplingParams, TokenizedRequest, decode, encode
 from tests.unit.test_scheduler_disagg import Cluster
@@ -115,7 +115,7 @@ def test_redis_keys_follow_the_salt_and_match_what_the_worker_stores() -> None:
     # the blocks a salted request writes through to Redis are the ones its salt looks up
     core.add_request(salted("r", PROMPT, "a"))
     worker, stored = FakeWorker(BS), []
-    while (plan := ws.schedule()) is not None:
+    while (plan := core.schedule(ws)[0]) is not None:
         stored += [tier_key("L", ref.hash) for ref in plan.store]
         core.on_result(worker.execute(plan))
     assert set(keys["a"]) <= set(stored)  # (and a block its output tokens filled)

@@ -7,8 +7,8 @@ standby's shadow by its vector."""
 from __future__ import annotations
 
 from kvflow.services.scheduler.core import SchedulerCore
+from kvflow.services.scheduler.limits import SchedulerLimits
 from kvflow.services.scheduler.shadow import ShadowState
-from kvflow.services.scheduler.worker_state import SchedulerLimits
 from kvflow.shared.messages import (
     FinishReason,
     PooledOutput,
@@ -85,7 +85,7 @@ def run(core: SchedulerCore, workers: dict[str, StandIn]) -> list[StepPlan]:
     for _ in range(100):
         progressed = False
         for wid, w in workers.items():
-            plan = core.workers[wid].schedule()
+            plan = core.schedule(core.workers[wid])[0]
             if plan is None:
                 continue
             progressed = True
@@ -103,7 +103,7 @@ def all_free(core: SchedulerCore) -> bool:
 def test_an_embedding_is_prefill_only_and_frees_its_blocks() -> None:
     core, workers = core_with({"w": "both"})
     core.add_request(embed_req("e", PROMPT))
-    plan = core.workers["w"].schedule()
+    plan = core.schedule(core.workers["w"])[0]
     assert plan is not None
     assert [(s.request_id, len(s.token_ids), s.sample) for s in plan.seqs] == [("e", 30, True)]
     assert plan.new_requests[0].pooling == PoolingParams("LAST")
@@ -113,7 +113,7 @@ def test_an_embedding_is_prefill_only_and_frees_its_blocks() -> None:
     assert all_free(core) and core.requests == {} and core.num_finished == 1
     stats = core.stats()
     assert stats.num_running == 0 and stats.num_waiting == 0
-    nxt = core.workers["w"].schedule()  # the worker is told to drop the request's state
+    nxt = core.schedule(core.workers["w"])[0]  # the worker is told to drop the request's state
     assert nxt is not None and nxt.seqs == [] and nxt.finished_request_ids == ["e"]
 
 
@@ -149,7 +149,7 @@ def test_mean_computes_its_whole_prompt_and_last_may_hit_the_prefix_cache() -> N
 def test_never_handed_to_a_decode_worker() -> None:
     core, workers = core_with({"p": "prefill", "d": "decode"})
     core.add_request(embed_req("e", PROMPT))
-    first = core.workers["p"].schedule()
+    first = core.schedule(core.workers["p"])[0]
     assert first is not None and [s.request_id for s in first.seqs] == ["e"]
     d = core.workers["d"]  # nothing reserved on the decode worker for it
     assert d.num_reserved == 0 and d.bm.num_free_blocks == 64
@@ -171,7 +171,7 @@ def test_a_failed_step_recomputes_and_the_vector_comes_once() -> None:
     core, workers = core_with({"w": "both"}, max_num_batched_tokens=16)
     core.add_request(embed_req("e", PROMPT, "MEAN"))
     ws = core.workers["w"]
-    plan = ws.schedule()
+    plan = core.schedule(ws)[0]
     assert plan is not None and plan.seqs[0].start_pos == 0
     core.on_result(StepResult("w", plan.step_id, [], [], [], error="boom"))
     assert ws.bm.num_free_blocks == 64 and len(core.waiting) == 1

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from kvflow.services.scheduler.core import SchedulerCore
-from kvflow.services.scheduler.worker_state import SchedulerLimits
+from kvflow.services.scheduler.limits import SchedulerLimits
 from kvflow.services.worker.kv_blocks import KvBlockIO
 from kvflow.services.worker.kv_connectors import factory
 from kvflow.services.worker.kv_connectors.base import KvConnectorWorker
@@ -132,7 +132,7 @@ def test_the_scheduler_takes_pull_addresses_from_its_connector_half() -> None:
     core.add_worker("p", 64, 4, role="prefill", kv_address="kv.p")
     core.add_worker("d", 64, 4, role="decode", kv_address="kv.d")
     core.add_request(req("r", PROMPTS["r1"], 3))
-    plan = core.workers["p"].schedule()
+    plan = core.schedule(core.workers["p"])[0]
     assert plan is not None
     result = FakeWorker(4).execute(plan)
     result.worker_id = "p"

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from kvflow.services.scheduler.core import SchedulerCore
-from kvflow.services.scheduler.worker_state import SchedulerLimits
+from kvflow.services.scheduler.limits import SchedulerLimits
 from kvflow.services.tokenizer.pooling_inputs import check_task, pooling_input
 from kvflow.services.tokenizer.prompts import PromptError
 from kvflow.services.worker.pooling import PoolState

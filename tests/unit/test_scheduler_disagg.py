@@ -8,7 +8,7 @@ from __future__ import annotations
 import random
 
 from kvflow.services.scheduler.core import SchedulerCore
-from kvflow.services.scheduler.worker_state import SchedulerLimits
+from kvflow.services.scheduler.limits import SchedulerLimits
 from kvflow.shared.messages import KvPull, KvTransferDone, SamplingParams, TokenizedRequest
 from tests.unit.test_scheduler_policy import PROMPTS, FakeWorker, reference_outputs, req
 
@@ -38,7 +38,7 @@ class Cluster:
             ws = self.core.workers.get(wid)
             if ws is None:
                 continue
-            plan = ws.schedule()
+            plan = self.core.schedule(ws)[0]
             if plan is None:
                 continue
             progressed = True

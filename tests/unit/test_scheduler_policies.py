@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 
 from kvflow.services.scheduler.core import SchedulerCore
+from kvflow.services.scheduler.limits import SchedulerLimits
 from kvflow.services.scheduler.policy import FcfsPolicy, PriorityPolicy, make_policy
-from kvflow.services.scheduler.worker_state import SchedulerLimits
 from kvflow.shared.messages import FinishReason, StepPlan, StepResult
 from tests.unit.test_scheduler_policy import PROMPTS, FakeWorker, reference_outputs, req, run_all
 
@@ -42,7 +42,7 @@ def test_queue_order(policy: str, order: list[str]) -> None:
     for rid, prio in (("a", 2), ("b", 0), ("c", 1), ("d", 0)):
         core.add_request(req(rid, [1, 2, 3], 1), priority=prio)
     admitted = []
-    while (plan := core.workers["w"].schedule()) is not None:
+    while (plan := core.schedule(core.workers["w"])[0]) is not None:
         admitted += [s.request_id for s in plan.seqs]
         rids = [s.request_id for s in plan.seqs]
         done = [FinishReason.LENGTH] * len(rids)
@@ -57,12 +57,12 @@ def _two_low_then_one_high(policy: str) -> tuple[SchedulerCore, StepPlan]:
     ws = core.workers["w"]
     core.add_request(req("b", list(range(7)), 20), priority=5)
     core.add_request(req("c", list(range(10, 17)), 20), priority=5)
-    decode_one(core, ws.schedule())
+    decode_one(core, core.schedule(ws)[0])
     core.add_request(req("d", list(range(20, 27)), 20), priority=0)
-    decode_one(core, ws.schedule())
+    decode_one(core, core.schedule(ws)[0])
     assert [s.request_id for s in ws.running] == ["b", "c", "d"]
     assert ws.bm.num_free_blocks == 0
-    return core, ws.schedule()
+    return core, core.schedule(ws)[0]
 
 
 def test_fcfs_preempts_the_newest() -> None:
@@ -85,13 +85,13 @@ def test_a_victim_already_planned_in_the_step_is_taken_out_of_it() -> None:
     core = make_core("priority", num_blocks=4)
     ws = core.workers["w"]
     core.add_request(req("c", list(range(6)), 20), priority=5)
-    decode_one(core, ws.schedule())  # c: 7 tokens, 6 computed, 2 blocks
+    decode_one(core, core.schedule(ws)[0])  # c: 7 tokens, 6 computed, 2 blocks
     core.add_request(req("d", list(range(20, 28)), 20), priority=0)
-    decode_one(core, ws.schedule())  # c: 8 tokens, 7 computed; d: 9 tokens, 8 computed
+    decode_one(core, core.schedule(ws)[0])  # c: 8 tokens, 7 computed; d: 9 tokens, 8 computed
     assert [s.request_id for s in ws.running] == ["c", "d"] and ws.bm.num_free_blocks == 0
     c = core.requests["c"]
     second = ws.bm.block_hashes(c.token_ids[:8])[1]  # what c's next token completes
-    plan = ws.schedule()  # c is planned first (no new block); then d needs a third block
+    plan = core.schedule(ws)[0]  # c is planned first (no new block); then d needs a third block
     assert [s.request_id for s in plan.seqs] == ["d"]
     assert c.status.value == "waiting" and c.num_preemptions == 1
     assert second not in ws.bm.cached and not ws.in_flight[-1].cached
@@ -117,4 +117,5 @@ def test_the_service_builds_its_core_with_the_configured_policy(name: str) -> No
 
     svc = SchedulerService(Settings.of(scheduling_policy=name), "m", 512)
     assert svc.core.policy.name == name and svc.core.waiting.policy is svc.core.policy
-    assert svc._new_core().policy is svc.policy  # a new leader's core keeps it
+    # the one core, which a leader (a standby that takes over included) plans and queues with
+    assert svc.plan_loop.core is svc.core and svc.intake.core is svc.core

@@ -5,7 +5,7 @@ change any sequence's output, and every block must come back."""
 from __future__ import annotations
 
 from kvflow.services.scheduler.core import SchedulerCore
-from kvflow.services.scheduler.worker_state import SchedulerLimits
+from kvflow.services.scheduler.limits import SchedulerLimits
 from kvflow.services.worker.block_tables import BlockTables
 from kvflow.shared.messages import (
     FinishReason,
@@ -72,7 +72,7 @@ def run_all(
     ws = core.workers["w"]
     outputs: dict[str, list[int]] = {rid: [] for rid in core.requests}
     for _ in range(max_steps):
-        plan = ws.schedule()
+        plan = core.schedule(ws)[0]
         if plan is None:
             break
         res = worker.execute(plan)
@@ -143,9 +143,9 @@ def test_chunked_prefill_runs_alongside_decodes() -> None:
     core, w = make_core(max_num_batched_tokens=8)
     core.add_request(req("short", [1, 2, 3], 6))
     ws = core.workers["w"]
-    core.on_result(w.execute(ws.schedule()))  # prefill of the short one
+    core.on_result(w.execute(core.schedule(ws)[0]))  # prefill of the short one
     core.add_request(req("long", list(range(40)), 2))
-    plan = ws.schedule()
+    plan = core.schedule(ws)[0]
     assert [(s.request_id, len(s.token_ids), s.sample) for s in plan.seqs] == [
         ("short", 1, True),
         ("long", 7, False),
@@ -160,7 +160,7 @@ def test_prefix_hit_computes_only_new_tokens() -> None:
     computed_before = w.computed
     core.add_request(req("b", prefix + [5, 6, 7], 1))
     ws = core.workers["w"]
-    plan = ws.schedule()
+    plan = core.schedule(ws)[0]
     assert plan.seqs[0].start_pos == 20 and plan.seqs[0].token_ids == [5, 6, 7]
     core.on_result(w.execute(plan))
     assert w.computed - computed_before == 3
@@ -175,7 +175,7 @@ def test_prompt_logprobs_requests_compute_their_whole_prompt() -> None:
     run_all(core, w)
     params = SamplingParams(max_tokens=1, prompt_logprobs=2)
     core.add_request(TokenizedRequest("b", "inbox", prefix + [5, 6, 7], params))
-    plan = core.workers["w"].schedule()
+    plan = core.schedule(core.workers["w"])[0]
     assert plan.seqs[0].start_pos == 0 and len(plan.seqs[0].token_ids) == 23
 
 
@@ -184,10 +184,10 @@ def test_abort_frees_blocks_of_waiting_and_running() -> None:
     core.add_request(req("a", list(range(10)), 50))
     core.add_request(req("b", list(range(10)), 50))
     ws = core.workers["w"]
-    core.on_result(w.execute(ws.schedule()))
+    core.on_result(w.execute(core.schedule(ws)[0]))
     assert core.abort("b") and core.abort("a")
     assert not core.abort("a")
-    plan = ws.schedule()
+    plan = core.schedule(ws)[0]
     assert plan is not None and plan.seqs == [] and plan.finished_request_ids == ["a"]
     core.on_result(w.execute(plan))
     assert core.stats().num_free_blocks == 16
@@ -199,7 +199,7 @@ def test_identical_prompts_admitted_together_share_blocks_in_the_same_step() -> 
     for rid in ("a", "b", "c"):
         core.add_request(req(rid, prompt, 5))
     ws = core.workers["w"]
-    plan = ws.schedule()
+    plan = core.schedule(ws)[0]
     assert [(s.request_id, s.start_pos, len(s.token_ids)) for s in plan.seqs] == [
         ("a", 0, 22),
         ("b", 20, 2),
@@ -216,7 +216,7 @@ def test_failed_step_forgets_blocks_it_registered() -> None:
     core, w = make_core(block_size=4)
     core.add_request(req("a", list(range(1, 23)), 5))
     ws = core.workers["w"]
-    plan = ws.schedule()
+    plan = core.schedule(ws)[0]
     assert len(ws.bm.cached) == 5
     core.on_result(StepResult("w", plan.step_id, [], [], [], error="boom"))
     assert ws.bm.cached == {}
@@ -232,7 +232,7 @@ def test_priority_orders_admission_then_fcfs() -> None:
         core.add_request(r, priority=prio)
     ws = core.workers["w"]
     order = []
-    while (plan := ws.schedule()) is not None:
+    while (plan := core.schedule(ws)[0]) is not None:
         order += [nr.request_id for nr in plan.new_requests]
         core.on_result(w.execute(plan))
     assert order == ["urgent", "first", "second", "late-low"]

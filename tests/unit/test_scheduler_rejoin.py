@@ -6,7 +6,7 @@ be taken for a step planned after."""
 from __future__ import annotations
 
 from kvflow.services.scheduler.core import SchedulerCore
-from kvflow.services.scheduler.worker_state import SchedulerLimits
+from kvflow.services.scheduler.limits import SchedulerLimits
 from kvflow.shared.messages import SamplingParams, StepResult, TokenizedRequest
 
 

@@ -6,7 +6,7 @@ dict (tests.unit.test_scheduler_policy.FakeWorker), so a wrong copy shows in the
 from __future__ import annotations
 
 from kvflow.services.scheduler.core import SchedulerCore
-from kvflow.services.scheduler.worker_state import SchedulerLimits
+from kvflow.services.scheduler.limits import SchedulerLimits
 from kvflow.shared.messages import KvLoadDone
 from tests.unit.test_scheduler_policy import FakeWorker, req
 
@@ -150,8 +150,7 @@ def test_redis_prefix_known_at_arrival_is_loaded_on_any_worker() -> None:
     for h in bm.block_hashes(PREFIX):
         block = bm.cached[h]
         tw.host[h] = [other.fake.slots.get(block * BS + o) for o in range(BS)]
-    seq = core.add_request(req("b", PREFIX + [7, 8], 2))
-    seq.redis_prefix_blocks = 10
+    core.add_request(req("b", PREFIX + [7, 8], 2), redis_prefix_blocks=10)  # as Redis said
     assert len(core.redis_keys_for(PREFIX + [7, 8])) == 10
     assert tw.run()["b"] == reference(PREFIX + [7, 8], 2)
     assert tw.loaded_blocks == 10

@@ -7,7 +7,7 @@ from __future__ import annotations
 import time
 
 from kvflow.services.scheduler.core import SchedulerCore
-from kvflow.services.scheduler.worker_state import SchedulerLimits
+from kvflow.services.scheduler.limits import SchedulerLimits
 from kvflow.services.worker.kv_blocks import KvBlockIO
 from kvflow.services.worker.sim_runner import SimRunner, step_time_fn
 from kvflow.shared.messages import (

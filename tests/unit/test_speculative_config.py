@@ -8,13 +8,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvflow.services.scheduler.sequence import Sequence
-from kvflow.services.scheduler.speculation import (
-    MAX_CANDIDATES,
-    MAX_COOLDOWN,
-    Drafts,
-    NgramIndex,
-    Speculator,
-)
+from kvflow.services.scheduler.spec_state import MAX_CANDIDATES, NgramIndex
+from kvflow.services.scheduler.speculation import MAX_COOLDOWN, Drafts, Speculator
 from kvflow.services.worker.speculation import accept, expand
 from kvflow.shared.messages import SamplingParams, ScheduledSeq, StructuredOutput
 from kvflow.shared.speculative import (
@@ -134,10 +129,20 @@ def _seq(tokens: list[int], **params) -> Sequence:
     return Sequence("r", list(tokens), 2, SamplingParams(temperature=0, **params))
 
 
+def _propose(sp: Speculator, seq: Sequence, budget: int, batch_size: int = 1) -> Drafts | None:
+    """A proposal for ``seq``'s next step, applied as the worker state applies a plan's: the
+    sequence keeps its proposer state and the step spends what the proposal says."""
+    proposal = sp.propose(seq, budget, 10_000, batch_size)
+    if seq.spec is None:
+        seq.spec = proposal.state
+    sp.proposed(proposal)
+    return proposal.drafts
+
+
 def test_speculator_backs_off_after_misses_and_counts() -> None:
     sp = Speculator(SpeculativeConfig("ngram", 3, 1, 2, 0))
     seq = _seq([1, 2, 1, 2, 1])  # suffix [2, 1] -> followed by 2, 1, ...
-    assert sp.propose(seq, 8, 10_000, 1) == Drafts([2, 1, 2])
+    assert _propose(sp, seq, 8) == Drafts([2, 1, 2])
     assert sp.verified(seq, Drafts([2, 1, 2]), [2, 1, 2, 1]) == 3
     assert seq.spec is not None and seq.spec.depth == 3
     assert sp.verified(seq, Drafts([2, 1, 2]), [2, 7]) == 1
@@ -148,8 +153,8 @@ def test_speculator_backs_off_after_misses_and_counts() -> None:
         cooldowns.append(seq.spec.cooldown)
     assert cooldowns == [1, 2, 4, 8, 16, 32, 64, MAX_COOLDOWN]
     assert seq.spec.depth == 1
-    skipped = sum(sp.propose(seq, 8, 10_000, 1) is None for _ in range(MAX_COOLDOWN))
-    assert skipped == MAX_COOLDOWN and sp.propose(seq, 8, 10_000, 1) == Drafts([2])
+    skipped = sum(_propose(sp, seq, 8) is None for _ in range(MAX_COOLDOWN))
+    assert skipped == MAX_COOLDOWN and _propose(sp, seq, 8) == Drafts([2])
     st = sp.stats
     assert (st.num_drafts, st.num_draft_tokens, st.num_accepted_tokens) == (10, 14, 4)
     assert st.accepted_per_pos == [2, 1, 1]
@@ -158,11 +163,11 @@ def test_speculator_backs_off_after_misses_and_counts() -> None:
 
 def test_speculator_limits() -> None:
     sp = Speculator(SpeculativeConfig("ngram", 4, 1, 2, disable_by_batch_size=4))
-    assert sp.propose(_seq([1, 2, 1, 2, 1]), 2, 10_000, 1) == Drafts([2, 1])  # the limit
-    assert sp.propose(_seq([1, 2, 1, 2, 1]), 0, 10_000, 1) is None
-    assert sp.propose(_seq([1, 2, 1, 2, 1]), 8, 10_000, 4) is None  # the batch is large: off
-    assert sp.propose(_seq([1, 2, 1, 2, 1], repetition_penalty=1.1), 8, 10_000, 1) is None
-    assert sp.propose(_seq([1, 2, 3]), 8, 10_000, 1) is None  # nothing to look up
+    assert _propose(sp, _seq([1, 2, 1, 2, 1]), 2) == Drafts([2, 1])  # the limit
+    assert _propose(sp, _seq([1, 2, 1, 2, 1]), 0) is None
+    assert _propose(sp, _seq([1, 2, 1, 2, 1]), 8, 4) is None  # the batch is large: off
+    assert _propose(sp, _seq([1, 2, 1, 2, 1], repetition_penalty=1.1), 8) is None
+    assert _propose(sp, _seq([1, 2, 3]), 8) is None  # nothing to look up
 
 
 def test_draft_model_proposals_are_counts_for_the_worker() -> None:
@@ -175,8 +180,8 @@ def test_draft_model_proposals_are_counts_for_the_worker() -> None:
     assert parse_speculative_config(cfg.to_json()) == cfg
     sp = Speculator(cfg)
     seq = _seq([1, 2, 3])
-    assert sp.propose(seq, 8, 10_000, 1) == Drafts([], 3)
-    assert sp.propose(seq, 2, 10_000, 1) == Drafts([], 2)
+    assert _propose(sp, seq, 8) == Drafts([], 3)
+    assert _propose(sp, seq, 2) == Drafts([], 2)
     assert sp.verified(seq, Drafts([], 3), [9, 9, 9, 9]) == 3  # all three and the bonus
     assert sp.verified(seq, Drafts([], 3), [9, 9]) == 1
     assert sp.verified(seq, Drafts([], 3), [9]) == 0

@@ -12,7 +12,7 @@ import pytest
 
 import kvflow.shared.request_streams as request_streams
 from kvflow.services.detokenizer.service import DetokenizerService
-from kvflow.services.scheduler.service import SchedulerService
+from kvflow.services.scheduler.plan_loop import lost_in_transit
 from kvflow.services.scheduler.shadow import ShadowState
 from kvflow.shared import subjects as S
 from kvflow.shared.config import Settings
@@ -194,13 +194,9 @@ def test_shadow_counts_a_replayed_step_once_and_waits_for_a_lost_one() -> None:
     ],
 )
 def test_a_lost_plan_is_told_from_a_slow_one(heard_after_s, step_id, queued, missed) -> None:
-    svc = SchedulerService(Settings(), "m", 512)
     sent = time.monotonic()
-    svc.heartbeats["w"] = WorkerHeartbeat(
-        "w", "both", 64, 16, "m", "s", step_id=step_id, queued_plans=queued
-    )
-    svc.last_seen["w"] = sent + heard_after_s
-    assert svc._missed("w", sent) is missed
+    hb = WorkerHeartbeat("w", "both", 64, 16, "m", "s", step_id=step_id, queued_plans=queued)
+    assert lost_in_transit(hb, sent + heard_after_s, sent) is missed
 
 
 def test_detokenizer_ends_a_request_whose_gap_never_fills(tokenizer, monkeypatch) -> None:

@@ -25,9 +25,8 @@ from kvflow.services.gateway.metrics import (
 )
 from kvflow.services.gateway.tracing import RequestTrace
 from kvflow.services.scheduler.core import SchedulerCore
-from kvflow.services.scheduler.lora_registry import LoraRegistry
+from kvflow.services.scheduler.limits import SchedulerLimits
 from kvflow.services.scheduler.telemetry import SchedulerTelemetry
-from kvflow.services.scheduler.worker_state import SchedulerLimits
 from kvflow.services.worker.telemetry import WorkerTelemetry
 from kvflow.shared.bus import Bus
 from kvflow.shared.logs import ContextFilter, JsonFormatter, request_scope
@@ -209,19 +208,21 @@ def test_worker_without_traced_requests_makes_no_spans(spans) -> None:
 # -- scheduler ----------------------------------------------------------------------------------
 
 
-class _Service:
-    def __init__(self) -> None:
-        self.core = SchedulerCore(SchedulerLimits(max_num_batched_tokens=32), model="m")
-        self.core.add_worker("w0", 16, 16)
-        self.leading = True
-        self.scheduler_id = "s0"
-        self.loras = LoraRegistry([], enabled=False)
+class _Scheduler:
+    """A core (by default with one worker) and the telemetry of a leading scheduler s0 on it."""
+
+    def __init__(self, core: SchedulerCore | None = None, lora_enabled: bool = False) -> None:
+        if core is None:
+            core = SchedulerCore(SchedulerLimits(max_num_batched_tokens=32), model="m")
+            core.add_worker("w0", 16, 16)
+        self.core = core
+        self.tel = SchedulerTelemetry(core, "m", "s0", lambda: True, lora_enabled)
 
 
 def test_scheduler_times_each_phase_and_hands_its_context_to_the_worker(spans) -> None:
     tokenize = trace.get_tracer("t").start_span("tokenize")
-    svc = _Service()
-    tel = SchedulerTelemetry(svc, "m")
+    svc = _Scheduler()
+    tel = svc.tel
     req = TokenizedRequest("r1", "inbox", list(range(40)), SamplingParams(max_tokens=2))
     svc.core.add_request(req)
     tel.on_request(req, inject(tokenize))
@@ -269,8 +270,8 @@ def test_scheduler_times_each_phase_and_hands_its_context_to_the_worker(spans) -
 
 
 def test_scheduler_counts_a_stop_string_as_a_finish_and_an_abort_as_none(spans) -> None:
-    svc = _Service()
-    tel = SchedulerTelemetry(svc, "m")
+    svc = _Scheduler()
+    tel = svc.tel
     for rid in ("a", "b"):
         req = TokenizedRequest(rid, "inbox", [1, 2, 3], SamplingParams(max_tokens=5))
         svc.core.add_request(req)
@@ -296,12 +297,12 @@ def test_scheduler_spans_carry_speculative_decodings_share(spans) -> None:
     at a stop string's abort; the spec_decode series count the same."""
     from kvflow.shared.speculative import SpeculativeConfig
 
-    svc = _Service()
-    svc.core = SchedulerCore(
+    core = SchedulerCore(
         SchedulerLimits(), model="m", speculative=SpeculativeConfig("ngram", 3, 1, 2)
     )
-    ws = svc.core.add_worker("w0", 16, 4)
-    tel = SchedulerTelemetry(svc, "m")
+    ws = core.add_worker("w0", 16, 4)
+    svc = _Scheduler(core)
+    tel = svc.tel
     for rid in ("a", "b"):
         req = TokenizedRequest(rid, "inbox", [7, 8, 7, 8, 7], SamplingParams(max_tokens=6))
         svc.core.add_request(req)
@@ -485,12 +486,10 @@ def test_lora_requests_info_names_running_and_waiting_adapters(spans) -> None:
     labels (a worker of max_loras 1 runs one adapter; the other waits)."""
     from kvflow.shared.messages import LoRARef
 
-    svc = _Service()
-    svc.core = SchedulerCore(SchedulerLimits(max_loras=1), model="m")
-    svc.core.add_worker("w0", 16, 4)
-    svc.loras = LoraRegistry([], enabled=True)
-    svc.limits = SchedulerLimits(max_loras=1)
-    tel = SchedulerTelemetry(svc, "m")
+    core = SchedulerCore(SchedulerLimits(max_loras=1), model="m")
+    core.add_worker("w0", 16, 4)
+    svc = _Scheduler(core, lora_enabled=True)
+    tel = svc.tel
     for rid, name in (("a", "sql"), ("b", "chat"), ("c", None)):
         req = TokenizedRequest(rid, "inbox", [1, 2, 3], SamplingParams(max_tokens=5))
         req.lora = LoRARef(name, 1, f"/{name}") if name else None
