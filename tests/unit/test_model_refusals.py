@@ -45,6 +45,10 @@ CASES = [
         "rope type 'mrope3d' is not supported",
     ),
     ({"partial_rotary_factor": 0.5}, "partial rotary factor is not supported natively"),
+    (  # llama.cpp's GGUFs of OLMo 3 say olmo2 with a window: never served without it
+        {"architectures": ["Olmo2ForCausalLM"], "model_type": "olmo2", "sliding_window": 8},
+        "sliding_window = 8: OLMo 2 has no sliding window: this is OLMo 3",
+    ),
     (
         {"architectures": ["MambaForCausalLM"], "model_type": "mamba"},
         "architecture 'MambaForCausalLM' is not supported natively",

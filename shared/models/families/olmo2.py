@@ -23,6 +23,12 @@ OLMO2_NORMS = {
 
 
 def read_olmo2(r: ConfigReader) -> dict[str, Any]:
+    if r.get("sliding_window"):  # llama.cpp writes OLMo 3 GGUFs as olmo2 with a window
+        raise r.refuse(
+            "sliding_window",
+            "OLMo 2 has no sliding window: this is OLMo 3 (llama.cpp names it olmo2); serve its "
+            "Hugging Face directory (Olmo3ForCausalLM), which kvflow runs natively",
+        )
     out = read_llama(r)
     out |= {"qk_norm": "full", "norm_layout": "post"}
     return out
