@@ -15,6 +15,7 @@ import httpx
 import pytest
 
 from kvflow.shared.infra import free_port
+from tests.worker_schedule import OWN_STACKS
 
 ROOT = Path(__file__).resolve().parents[2]
 # stacks told to stop (SIGTERM) and not yet waited for: each drains while the tests go on, and
@@ -29,6 +30,23 @@ def _reap(proc: subprocess.Popen, log: object) -> None:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
     log.close()
+
+
+SESSION_STACKS = frozenset({"stack", "small_stack", "guarded_stack"})
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """A module in tests/worker_schedule.py's OWN_STACKS may run in the other worker, beside the
+    session's stacks: one of them used there would start a second copy under the same name (the
+    log that stack_urls reads). Refused before anything starts."""
+    for item in items:
+        module = item.nodeid.split("::", 1)[0]
+        used = SESSION_STACKS.intersection(getattr(item, "fixturenames", ()))
+        if module in OWN_STACKS and used:
+            raise pytest.UsageError(
+                f"{item.nodeid} uses the session's {', '.join(sorted(used))}: take {module} out "
+                "of OWN_STACKS in tests/worker_schedule.py (it then runs with the session's stacks)"
+            )
 
 
 @pytest.fixture(scope="session", autouse=True)
