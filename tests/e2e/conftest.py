@@ -15,6 +15,7 @@ import httpx
 import pytest
 
 from kvflow.shared.infra import free_port
+from tests import hf_reference
 from tests.worker_schedule import OWN_STACKS
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -165,25 +166,12 @@ def hf_model(model_src):
     return transformers_model(model_src.path, torch.float32)
 
 
-# (prompt, new tokens) -> Hugging Face's greedy (text, token count), for the session's hf_model
-# (modules that check the same prompts generate them once)
-_HF_GREEDY: dict[tuple[str, int], tuple[str, int]] = {}
-
-
 def hf_greedy_texts(hf_model, tokenizer, prompts: list[str], new_tokens: int) -> dict:
-    """Hugging Face's greedy continuation of each prompt: {prompt: (text, token count)}."""
-    import torch
-
+    """Hugging Face's greedy continuation of each prompt: {prompt: (text, token count)}
+    (tests/hf_reference.py: computed once on a machine)."""
     out = {}
     for p in prompts:
-        if (p, new_tokens) not in _HF_GREEDY:
-            ids = tokenizer(p, return_tensors="pt")["input_ids"]
-            with torch.no_grad():
-                gen = hf_model.generate(ids, max_new_tokens=new_tokens, do_sample=False)
-            new = gen[0, ids.shape[1] :].tolist()
-            _HF_GREEDY[(p, new_tokens)] = (
-                tokenizer.decode(new, skip_special_tokens=True),
-                len(new),
-            )
-        out[p] = _HF_GREEDY[(p, new_tokens)]
+        ids = tokenizer(p)["input_ids"]
+        (new,) = hf_reference.generate(hf_model, ids, max_new_tokens=new_tokens, do_sample=False)
+        out[p] = (tokenizer.decode(new, skip_special_tokens=True), len(new))
     return out
