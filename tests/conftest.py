@@ -17,6 +17,15 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# Under `make test` the xdist workers are the parallelism: each worker's torch gets its share of
+# the cores. Two workers with a torch team of 2 threads each on 2 cores wait for each other in
+# libgomp's barriers, which spin by default: tests/models/test_beam_search.py took 49 s of 2
+# cores beside other work, 10 s of one core with one thread. (The stacks' services set their
+# own threads; tests that want a thread count set it and put it back.)
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+if _WORKERS > 1:
+    torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // _WORKERS))
+
 import pytest  # noqa: E402
 
 from kvflow.shared.model_source import load_tokenizer, resolve_model  # noqa: E402
