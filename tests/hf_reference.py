@@ -48,6 +48,16 @@ def _machine() -> dict[str, object]:
     }
 
 
+def _json(value: object) -> str:
+    """Canonical JSON: sorted keys, sets sorted (a LoRA config's target modules are a set,
+    whose order changes from process to process), anything else by its str."""
+
+    def other(o: object) -> object:
+        return sorted(o, key=str) if isinstance(o, (set, frozenset)) else str(o)
+
+    return json.dumps(value, sort_keys=True, default=other)
+
+
 def model_digest(model: torch.nn.Module) -> str:
     """sha256 of the model's configuration (its path left out), its generation configuration,
     a PEFT model's adapter configurations, and every tensor of its state dict: name, dtype,
@@ -65,7 +75,7 @@ def model_digest(model: torch.nn.Module) -> str:
         "generation": generation.to_dict() if generation is not None else None,
         "peft": {name: c.to_dict() for name, c in peft.items()},
     }
-    h.update(json.dumps(described, sort_keys=True, default=str).encode())
+    h.update(_json(described).encode())
     for name, t in model.state_dict().items():
         h.update(f"{name} {t.dtype} {tuple(t.shape)}".encode())
         h.update(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy())
@@ -77,14 +87,14 @@ def cached(model: torch.nn.Module, kind: str, asked: dict[str, Any], compute: Ca
     """``compute()`` (a JSON value) for ``model``, ``kind`` and ``asked``, from the disk when
     this machine computed it before."""
     key = {"kind": kind, "model": model_digest(model), "asked": asked, "machine": _machine()}
-    digest = hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()
+    digest = hashlib.sha256(_json(key).encode()).hexdigest()
     path = CACHE / f"{digest}.json"
     if path.exists():
         return json.loads(path.read_text())["result"]
     result = compute()
     CACHE.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(f".{os.getpid()}.partial")  # test processes may write together
-    tmp.write_text(json.dumps({"key": key, "result": result}, default=str))
+    tmp.write_text(_json({"key": key, "result": result}))
     tmp.replace(path)
     return result
 
