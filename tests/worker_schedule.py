@@ -7,7 +7,7 @@ Units of work, each run by one worker from start to end (its module fixtures bui
   once per run;
 - every other module, one unit each, tests/e2e modules with stacks of their own (OWN_STACKS)
   among them: those run beside the chain's stacks. Two stacks at once are two sets of
-  processes on their own free ports, with their own logs (named per stack and worker),
+  processes on their own free ports, with their own logs (named by the stack, one per module),
   credentials and NATS URL, which is how the tests find their processes;
 - tests/e2e/test_compose.py (LAST), held back until every other test has run and handed to a
   worker then: its image build and 17 containers get the machine to themselves (beside the other
