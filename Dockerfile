@@ -58,6 +58,9 @@ COPY kernels ./kernels
 COPY kvflow ./kvflow
 COPY benchmarks ./benchmarks
 RUN pip install --no-deps . \
+    # the installed kvflow only: these folders in the working directory would shadow it for
+    # every `python` run here (the health checks' `python -m kvflow...` put /app on sys.path)
+    && rm -rf services shared kernels kvflow benchmarks build \
     # convert the model's tokenizer once now, so containers start without writing anything
     && python -c "from kvflow.shared.config import Settings; from kvflow.shared.model_source import load_tokenizer, resolve_model; load_tokenizer(resolve_model(), Settings.from_env().ops.cache_root())" \
     && chown -R kvflow /opt/kvflow

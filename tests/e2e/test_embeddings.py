@@ -22,6 +22,7 @@ import pytest
 import torch
 
 from kvflow import LLM
+from tests import hf_reference
 from tests.e2e.conftest import wait_all_blocks_free
 from tests.e2e.faults import stack_credentials, stack_urls
 
@@ -36,10 +37,7 @@ TEXTS = [
 
 def hf_vector(hf_model, ids: list[int], pooling: str = "LAST") -> torch.Tensor:
     """HF's LlamaModel last_hidden_state (after the final norm), pooled, L2-normalized."""
-    with torch.no_grad():
-        h = hf_model.model(torch.tensor([ids])).last_hidden_state[0]
-    v = h[-1] if pooling == "LAST" else h.mean(0)
-    return torch.nn.functional.normalize(v, dim=0)
+    return hf_reference.pooled_hidden_state(hf_model, ids, pooling)
 
 
 def cosine(a, b) -> float:  # noqa: ANN001 - lists or tensors

@@ -7,8 +7,8 @@ from __future__ import annotations
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-import torch
 
+from tests import hf_reference
 from tests.e2e.conftest import hf_greedy_texts, wait_all_blocks_free
 
 pytestmark = pytest.mark.e2e
@@ -57,12 +57,11 @@ def test_repetition_penalty_equals_hf_also_after_a_prefix_hit(client, hf_model, 
         "Once upon a time, in a small village by the sea, there lived an old fisherman who "
         "told the same story every night to anyone who would listen. The story was"
     )
-    ids = tokenizer(prompt, return_tensors="pt")["input_ids"]
-    with torch.no_grad():
-        gen = hf_model.generate(
-            ids, max_new_tokens=24, do_sample=False, repetition_penalty=1.3, min_new_tokens=24
-        )
-    want = tokenizer.decode(gen[0, ids.shape[1] :].tolist(), skip_special_tokens=True)
+    ids = tokenizer(prompt)["input_ids"]
+    (new,) = hf_reference.generate(
+        hf_model, ids, max_new_tokens=24, do_sample=False, repetition_penalty=1.3, min_new_tokens=24
+    )
+    want = tokenizer.decode(new, skip_special_tokens=True)
     kw = {"model": MODEL, "prompt": prompt, "max_tokens": 24, "temperature": 0}
     kw["extra_body"] = {"repetition_penalty": 1.3, "ignore_eos": True}
     for _ in range(2):  # cold, then with the prefix cached

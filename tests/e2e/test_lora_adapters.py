@@ -17,6 +17,7 @@ import httpx
 import openai
 import pytest
 
+from tests import hf_reference
 from tests.e2e.conftest import openai_client, running_stack, wait_all_blocks_free
 
 pytestmark = pytest.mark.e2e
@@ -42,12 +43,11 @@ def _make_adapter(hf_model, path: Path, seed: int, r: int, targets: list[str]):
 
 
 def _greedy(model, tokenizer, prompt: str) -> str:
-    import torch
-
-    ids = tokenizer(prompt, return_tensors="pt")["input_ids"]
-    with torch.no_grad():
-        out = model.generate(ids, max_new_tokens=NEW_TOKENS, do_sample=False, min_new_tokens=1)
-    return tokenizer.decode(out[0, ids.shape[1] :].tolist(), skip_special_tokens=True)
+    ids = tokenizer(prompt)["input_ids"]
+    (new,) = hf_reference.generate(
+        model, ids, max_new_tokens=NEW_TOKENS, do_sample=False, min_new_tokens=1
+    )
+    return tokenizer.decode(new, skip_special_tokens=True)
 
 
 @pytest.fixture(scope="module")

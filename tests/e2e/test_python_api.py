@@ -12,9 +12,9 @@ import time
 
 import httpx
 import pytest
-import torch
 
 from kvflow import LLM, BeamSearchParams, SamplingParams
+from tests import hf_reference
 from tests.e2e.conftest import openai_client, wait_all_blocks_free
 from tests.e2e.faults import service_pids, stack_credentials, stack_urls
 
@@ -158,15 +158,9 @@ def test_beam_search_equals_hugging_face_and_shares_prefix_blocks(
         "learn a language is"
     )
     ids = tokenizer(prompt)["input_ids"]
-    with torch.no_grad():
-        hf = hf_model.generate(
-            torch.tensor([ids]),
-            num_beams=4,
-            num_return_sequences=4,
-            do_sample=False,
-            max_new_tokens=6,
-        )
-    hf_best = hf[0, len(ids) :].tolist()
+    hf_best = hf_reference.generate(
+        hf_model, ids, num_beams=4, num_return_sequences=4, do_sample=False, max_new_tokens=6
+    )[0]
     before = httpx.get(f"{stack}/stats", timeout=5).json()
     out = llm.beam_search([prompt], BeamSearchParams(beam_width=4, max_tokens=6))[0]
     after = httpx.get(f"{stack}/stats", timeout=5).json()

@@ -12,8 +12,8 @@ from __future__ import annotations
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-import torch
 
+from tests import hf_reference
 from tests.e2e.conftest import openai_client, running_stack
 
 pytestmark = pytest.mark.e2e
@@ -24,13 +24,12 @@ NEW_TOKENS = 24
 
 @pytest.fixture(scope="module")
 def hf_texts(hf_model, tokenizer) -> dict[str, list[int]]:
-    out = {}
-    for p in PROMPTS:
-        ids = tokenizer(p, return_tensors="pt")["input_ids"]
-        with torch.no_grad():
-            gen = hf_model.generate(ids, max_new_tokens=NEW_TOKENS, do_sample=False)
-        out[p] = gen[0, ids.shape[1] :].tolist()
-    return out
+    return {
+        p: hf_reference.generate(
+            hf_model, tokenizer(p)["input_ids"], max_new_tokens=NEW_TOKENS, do_sample=False
+        )[0]
+        for p in PROMPTS
+    }
 
 
 @pytest.mark.parametrize("scheme", ["gguf", "int8"])

@@ -21,6 +21,7 @@ from kvflow.services.worker.runner import ModelRunner
 from kvflow.shared.messages import FinishReason, NewRequest, SamplingParams, ScheduledSeq, StepPlan
 from kvflow.shared.model_config import load_config
 from kvflow.shared.model_source import load_tokenizer, resolve_model
+from tests import hf_reference
 from tests.gguf_without_vocabulary import transformers_model
 
 pytestmark = pytest.mark.integration
@@ -52,17 +53,17 @@ def gemma3(gemma3_gguf: Path, kvflow_cache: Path) -> dict:
     hf = transformers_model(src.path, torch.float32)
     tok = load_tokenizer(src, kvflow_cache)
     prompts = [list(tok(p)["input_ids"]) for p in PROMPTS]
-    with torch.no_grad():
-        want = [
-            hf.generate(
-                torch.tensor([p]),
-                do_sample=False,
-                max_new_tokens=NEW_TOKENS,
-                eos_token_id=[EOS, END_OF_TURN],  # Gemma's generation_config.json: both stop
-                pad_token_id=0,
-            )[0, len(p) :].tolist()
-            for p in prompts
-        ]
+    want = [
+        hf_reference.generate(
+            hf,
+            p,
+            do_sample=False,
+            max_new_tokens=NEW_TOKENS,
+            eos_token_id=[EOS, END_OF_TURN],  # Gemma's generation_config.json: both stop
+            pad_token_id=0,
+        )[0]
+        for p in prompts
+    ]
     blocks = sum(-(-(len(p) + NEW_TOKENS) // BLOCK) for p in prompts)
     runner = ModelRunner.from_weights(cfg, weights, BLOCK, num_blocks=blocks)
     return {

@@ -16,6 +16,7 @@ from kvflow.services.worker.runner import ModelRunner
 from kvflow.shared.messages import FinishReason, NewRequest, SamplingParams, ScheduledSeq, StepPlan
 from kvflow.shared.model_config import load_config
 from kvflow.shared.model_source import load_tokenizer, resolve_model
+from tests import hf_reference
 from tests.gguf_without_vocabulary import transformers_model
 
 NEW_TOKENS = 32
@@ -43,13 +44,10 @@ def smollm2(kvflow_cache):  # noqa: ANN001
             [{"role": "user", "content": q}], add_generation_prompt=True, return_dict=True
         )
         prompts.append(list(enc["input_ids"]))
-    with torch.no_grad():
-        want = [
-            hf.generate(
-                torch.tensor([p]), do_sample=False, max_new_tokens=NEW_TOKENS, pad_token_id=2
-            )[0, len(p) :].tolist()
-            for p in prompts
-        ]
+    want = [
+        hf_reference.generate(hf, p, do_sample=False, max_new_tokens=NEW_TOKENS, pad_token_id=2)[0]
+        for p in prompts
+    ]
     runner = ModelRunner.from_weights(cfg, weights, BLOCK, num_blocks=64)
     return {
         "src": src,
