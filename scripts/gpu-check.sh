@@ -87,7 +87,7 @@ step() {
 }
 
 if [[ $CPU == 1 ]]; then
-  TESTS=(tests/unit/test_cuda_graphs.py tests/kernels/test_kernels_triton.py -k "rms_norm or cuda_graph or capture or padded or pack or backend")
+  TESTS=(tests/unit/worker/test_cuda_graphs.py tests/kernels/test_kernels_triton.py -k "rms_norm or cuda_graph or capture or padded or pack or backend")
   XDIST=()
   STREAMS=(--streams 1 4 --waves 1 --input-len 16 --output-len 8)
   DECODE=(--device cpu --random-llama --hidden 128 --layers 2 --intermediate 256 --batch 1 8 --context 32 --steps 3 --warmup 1)
@@ -95,7 +95,7 @@ if [[ $CPU == 1 ]]; then
 elif [[ -n ${GPU_CHECK_TESTS:-} ]]; then
   read -r -a TESTS <<<"$GPU_CHECK_TESTS"  # a rerun of some tests: their ids, space-separated
 else
-  TESTS=(tests/kernels tests/unit/test_cuda_graphs.py tests/unit/test_fp8_linear.py)
+  TESTS=(tests/kernels tests/unit/worker/test_cuda_graphs.py tests/unit/kernels/test_fp8_linear.py)
 fi
 if [[ $CPU == 0 ]]; then
   XDIST=()

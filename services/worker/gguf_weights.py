@@ -56,7 +56,7 @@ projection stacked in one 3-D tensor (``ffn_*_exps``), a shared expert and its g
 def _gguf_dense(t: Any, shape: tuple[int, ...]) -> torch.Tensor:
     """A GGUF tensor as fp32 of ``shape``: F32/F16 copied (the file is mapped read-only), a
     block type kvflow's kernels read decoded by them (kernels/cpu_quant.py: bit for bit gguf-py's
-    values, tests/unit/test_kernels_cpu_quant.py and test_kernels_kquants.py, on every core:
+    values, tests/unit/kernels/test_kernels_cpu_quant.py and test_kernels_kquants.py, on every core:
     SmolLM2's 211 Q4_1/Q8_0 tensors in 0.36 s instead of 2.4 s), any other by gguf-py."""
     from gguf.quants import dequantize
 

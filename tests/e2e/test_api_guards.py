@@ -11,8 +11,8 @@ import httpx
 import openai
 import pytest
 
-from tests.e2e.conftest import GUARDED_KEY, wait_all_blocks_free
-from tests.e2e.faults import kvflow_keys
+from tests.helpers.faults import kvflow_keys
+from tests.helpers.stack import GUARDED_KEY, wait_all_blocks_free
 
 pytestmark = pytest.mark.e2e
 MODEL = "SmolLM2-135M-Instruct"

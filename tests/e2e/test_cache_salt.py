@@ -8,8 +8,7 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from tests.e2e.conftest import openai_client, wait_all_blocks_free
-from tests.e2e.test_engine import text_prompt_ids
+from tests.helpers.stack import openai_client, text_prompt_ids, wait_all_blocks_free
 
 pytestmark = pytest.mark.e2e
 MODEL = "SmolLM2-135M-Instruct"

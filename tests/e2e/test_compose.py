@@ -34,9 +34,9 @@ import pytest
 import yaml
 
 from kvflow.shared.infra import free_port
-from tests.e2e.conftest import ROOT, openai_client
-from tests.e2e.faults import MODEL, Stream
-from tests.hf_reference import generate as hf_generate
+from tests.helpers.faults import MODEL, Stream
+from tests.helpers.hf_reference import generate as hf_generate
+from tests.helpers.stack import ROOT, openai_client
 
 # The stack's setup (on a fresh machine: Docker's install, the stand-in images, the image build,
 # 17 containers to healthy) is bounded by each step's own deadline below; the suite's 600 s

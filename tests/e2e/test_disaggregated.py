@@ -17,8 +17,8 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
-from tests.e2e.conftest import ROOT, openai_client, running_stack, wait_all_blocks_free
-from tests.e2e.faults import stack_credentials
+from tests.helpers.faults import stack_credentials
+from tests.helpers.stack import ROOT, openai_client, running_stack, wait_all_blocks_free
 
 pytestmark = pytest.mark.e2e
 MODEL = "SmolLM2-135M-Instruct"

@@ -22,9 +22,9 @@ import pytest
 import torch
 
 from kvflow import LLM
-from tests import hf_reference
-from tests.e2e.conftest import wait_all_blocks_free
-from tests.e2e.faults import stack_credentials, stack_urls
+from tests.helpers import hf_reference
+from tests.helpers.faults import stack_credentials, stack_urls
+from tests.helpers.stack import wait_all_blocks_free
 
 pytestmark = pytest.mark.e2e
 MODEL = "SmolLM2-135M-Instruct"
@@ -210,7 +210,7 @@ def test_llm_embed_equals_http_and_hugging_face(client, stack, hf_model, tokeniz
 def test_mean_pooling_over_chunked_prefill(small_stack, hf_model, tokenizer) -> None:
     """Inputs of ~560 tokens on a 256-token step budget (3 chunks each, MEAN summed across
     them), six at once: every vector is Hugging Face's mean over the whole prompt. (A
-    recomputed embedding after a preemption or failed step: tests/unit/test_embeddings_*.)"""
+    recomputed embedding after a preemption or failed step: tests/unit/{gateway,scheduler}/test_embeddings_*.)"""
     texts = [" ".join(f"{w}{k}" for k in range(170)) for w in ("ab", "cd", "ef")] * 2
     texts = [f"{i} " + t for i, t in enumerate(texts)]
     with connect("small", pooling_type="MEAN") as llm:

@@ -8,40 +8,18 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-import httpx
 import pytest
 
-from tests.e2e.conftest import openai_client, wait_all_blocks_free
+from tests.helpers.stack import (
+    MODEL,
+    complete,
+    openai_client,
+    stats,
+    text_prompt_ids,
+    wait_all_blocks_free,
+)
 
 pytestmark = pytest.mark.e2e
-MODEL = "SmolLM2-135M-Instruct"
-
-
-def stats(base: str) -> dict:
-    return httpx.get(f"{base}/stats", timeout=5).json()
-
-
-def complete(base: str, prompt, max_tokens: int, **kw) -> tuple[str, int]:
-    r = openai_client(base).completions.create(
-        model=MODEL,
-        prompt=prompt,
-        max_tokens=max_tokens,
-        temperature=kw.pop("temperature", 0),
-        **kw,
-    )
-    return r.choices[0].text, r.usage.completion_tokens
-
-
-def text_prompt_ids(tokenizer, n: int, seed: int = 0) -> list[int]:
-    """``n`` token ids of ordinary English text (numbered sentences), deterministic."""
-    words = ["river", "stone", "garden", "lamp", "winter", "market", "letter", "cloud", "bridge"]
-    parts, i = [], seed
-    while True:
-        parts.append(f"Note {i}: the {words[i % 9]} near the {words[(i * 4 + 1) % 9]} was quiet.")
-        ids = tokenizer(" ".join(parts))["input_ids"]
-        if len(ids) >= n:
-            return ids[:n]
-        i += 1
 
 
 def test_shared_prefix_computes_only_new_tokens(stack, small_stack, tokenizer) -> None:

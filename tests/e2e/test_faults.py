@@ -20,8 +20,7 @@ import pytest
 
 from kvflow.shared.access.grants import NATS_ROLES
 from kvflow.shared.infra import start_nats
-from tests.e2e.conftest import ROOT, wait_all_blocks_free
-from tests.e2e.faults import (
+from tests.helpers.faults import (
     MODEL,
     Stream,
     rss_mib,
@@ -29,6 +28,7 @@ from tests.e2e.faults import (
     stack_credentials,
     stack_urls,
 )
+from tests.helpers.stack import ROOT, wait_all_blocks_free
 
 pytestmark = pytest.mark.e2e
 NAME = "faults"

@@ -8,20 +8,11 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from tests import hf_reference
-from tests.e2e.conftest import hf_greedy_texts, wait_all_blocks_free
+from tests.helpers import hf_reference
+from tests.helpers.stack import NEW_TOKENS, PROMPTS, hf_greedy_texts, wait_all_blocks_free
 
 pytestmark = pytest.mark.e2e
 MODEL = "SmolLM2-135M-Instruct"
-NEW_TOKENS = 32
-
-PROMPTS = [
-    "The capital of France is",
-    "def fibonacci(n):\n    ",
-    "Once upon a time, in a small village by the sea,",
-    "List three uses of copper:\n1.",
-    "Translate to French: 'Good morning, my friend.' ->",
-]
 
 
 @pytest.fixture(scope="module")

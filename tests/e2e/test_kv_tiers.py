@@ -5,7 +5,6 @@ with Redis stopped every request still completes correctly, and the tier comes b
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import time
@@ -15,8 +14,8 @@ import httpx
 import pytest
 
 from kvflow.shared.infra import start_redis
-from tests.e2e.conftest import running_stack
-from tests.e2e.faults import MODEL, service_pids, stack_credentials, stack_urls
+from tests.helpers.faults import service_pids, stack_credentials, stack_urls
+from tests.helpers.stack import long_prompt, running_stack, timed, wait_for
 
 pytestmark = pytest.mark.e2e
 NAME = "tiers"
@@ -34,38 +33,6 @@ def tier_stack():
 
 def stats(base: str) -> dict:
     return httpx.get(f"{base}/stats", timeout=5).json()
-
-
-def timed(base: str, prompt, max_tokens: int = 16) -> tuple[str, float]:
-    """Text and time to first token of a streamed greedy completion."""
-    body = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0}
-    body |= {"stream": True, "ignore_eos": True}
-    t0, ttft, text = time.perf_counter(), None, []
-    with httpx.stream("POST", f"{base}/v1/completions", json=body, timeout=300) as r:
-        r.raise_for_status()
-        for line in r.iter_lines():
-            if line.startswith("data: ") and line != "data: [DONE]":
-                for c in json.loads(line[6:]).get("choices", []):
-                    if c.get("text") and ttft is None:
-                        ttft = time.perf_counter() - t0
-                    text.append(c.get("text", ""))
-    return "".join(text), ttft or time.perf_counter() - t0
-
-
-def long_prompt(tokenizer, n: int, seed: int) -> list[int]:
-    words = ["harbor", "signal", "copper", "meadow", "lantern", "orchard", "valley", "ember"]
-    return tokenizer(" ".join(f"{words[(i * 3 + seed) % 8]} {i}," for i in range(n)))["input_ids"][
-        :n
-    ]
-
-
-def wait_for(cond, timeout: float = 120, what="condition") -> None:
-    """``what``: a text, or a function giving one (the state when the wait ran out)."""
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() >= deadline:
-            raise AssertionError(f"timed out waiting for {what() if callable(what) else what}")
-        time.sleep(0.3)
 
 
 def test_a_restarted_worker_loads_the_prefix_from_redis(tier_stack, tokenizer) -> None:

@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from tests.e2e.conftest import ROOT
+from tests.helpers.stack import ROOT
 
 pytestmark = pytest.mark.e2e
 

@@ -7,47 +7,19 @@ never shared across adapters."""
 
 from __future__ import annotations
 
-import copy
 import json
 import time
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import httpx
 import openai
 import pytest
 
-from tests import hf_reference
-from tests.e2e.conftest import openai_client, running_stack, wait_all_blocks_free
+from tests.helpers.lora_stack import NEW_TOKENS, PROMPTS, greedy_text, make_adapter
+from tests.helpers.stack import openai_client, running_stack, wait_all_blocks_free
 
 pytestmark = pytest.mark.e2e
 MODEL = "SmolLM2-135M-Instruct"
-NEW_TOKENS = 24
-PROMPTS = ["The capital of France is", "Once upon a time, in a small village by the sea,"]
-
-
-def _make_adapter(hf_model, path: Path, seed: int, r: int, targets: list[str]):
-    """A PEFT adapter with random non-zero A and B saved to ``path``, and its peft model."""
-    import torch
-    from peft import LoraConfig, get_peft_model
-
-    torch.manual_seed(seed)
-    conf = LoraConfig(r=r, lora_alpha=2 * r, target_modules=targets, init_lora_weights=False)
-    model = get_peft_model(copy.deepcopy(hf_model), conf)
-    with torch.no_grad():  # a change that keeps the text readable
-        for name, p in model.named_parameters():
-            if "lora_B" in name:
-                p.mul_(0.4)
-    model.save_pretrained(str(path))
-    return model.eval()
-
-
-def _greedy(model, tokenizer, prompt: str) -> str:
-    ids = tokenizer(prompt)["input_ids"]
-    (new,) = hf_reference.generate(
-        model, ids, max_new_tokens=NEW_TOKENS, do_sample=False, min_new_tokens=1
-    )
-    return tokenizer.decode(new, skip_special_tokens=True)
 
 
 @pytest.fixture(scope="module")
@@ -62,14 +34,14 @@ def adapters(hf_model, tokenizer, tmp_path_factory) -> dict:
         ),
         "chat": (2, 16, ["q_proj", "v_proj", "down_proj"]),
     }
-    out: dict = {None: (None, {p: _greedy(hf_model, tokenizer, p) for p in PROMPTS})}
+    out: dict = {None: (None, {p: greedy_text(hf_model, tokenizer, p) for p in PROMPTS})}
     for name, (seed, r, targets) in specs.items():
-        model = _make_adapter(hf_model, root / name, seed, r, targets)
-        out[name] = (str(root / name), {p: _greedy(model, tokenizer, p) for p in PROMPTS})
+        model = make_adapter(hf_model, root / name, seed, r, targets)
+        out[name] = (str(root / name), {p: greedy_text(model, tokenizer, p) for p in PROMPTS})
         del model
     # over --max-lora-rank (16) and corrupt copies of "sql", for the refusals
     big = root / "big"
-    _make_adapter(hf_model, big, 3, 32, ["q_proj"])
+    make_adapter(hf_model, big, 3, 32, ["q_proj"])
     bad = root / "bad"
     bad.mkdir()
     (bad / "adapter_config.json").write_text((root / "sql" / "adapter_config.json").read_text())
@@ -197,7 +169,7 @@ def test_llm_generate_with_lora_request(lora_stack, adapters) -> None:
     """vLLM's ``LLM.generate(..., lora_request=LoRARequest(name, id, path))`` on the running
     stack: the adapter is loaded by name, the text equals peft's, a list gives one per prompt."""
     from kvflow import LLM, LoRARequest, SamplingParams
-    from tests.e2e.faults import stack_credentials, stack_urls
+    from tests.helpers.faults import stack_credentials, stack_urls
 
     nats_url, _ = stack_urls("lora")
     login = str(stack_credentials("lora").nats_password_file("gateway"))

@@ -12,8 +12,8 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
-from tests.e2e.conftest import openai_client, running_stack
-from tests.unit.family_models import hf_generate, make_model
+from tests.helpers.families import hf_generate, make_model
+from tests.helpers.stack import openai_client, running_stack
 
 pytestmark = pytest.mark.e2e
 NEW = 16

@@ -15,8 +15,8 @@ import httpx
 import psutil
 import pytest
 
-from tests.e2e.conftest import running_stack, wait_all_blocks_free
-from tests.e2e.faults import Stream, service_pids, stack_urls
+from tests.helpers.faults import Stream, service_pids, stack_urls
+from tests.helpers.stack import running_stack, wait_all_blocks_free
 
 pytestmark = pytest.mark.e2e
 NAME = "nats-cluster"

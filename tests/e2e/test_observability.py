@@ -19,7 +19,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kvflow.cli.traces import OtlpReceiver, SpanRecord, timeline
 from kvflow.shared.infra import free_port, port_is_free
-from tests.e2e.conftest import ROOT, openai_client, running_stack
+from tests.helpers.stack import ROOT, openai_client, running_stack
 
 pytestmark = pytest.mark.e2e
 

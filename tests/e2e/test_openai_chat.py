@@ -230,7 +230,7 @@ def test_guided_output_survives_preemption(stack, small_stack, tokenizer) -> Non
     """On the small stack (160 KV blocks) seven guided requests do not fit at once: some are
     preempted and recomputed, and their grammar state is rebuilt by replaying the tokens they
     had generated. Outputs equal the unpreempted run's and stay in the language."""
-    from tests.e2e.test_engine import complete, stats, text_prompt_ids
+    from tests.helpers.stack import complete, stats, text_prompt_ids
 
     pattern = r"(\d\d, ){15}\d\d"  # about 50 tokens
     # 7 x 330 prompt tokens take 147 of the 160 blocks; their outputs need about 25 more

@@ -9,7 +9,7 @@ import httpx
 import openai
 import pytest
 
-from tests.e2e.conftest import openai_client
+from tests.helpers.stack import openai_client
 
 pytestmark = pytest.mark.e2e
 MODEL = "SmolLM2-135M-Instruct"

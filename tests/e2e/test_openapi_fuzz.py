@@ -24,7 +24,7 @@ from schemathesis.checks import (
     status_code_conformance,
 )
 
-from tests.e2e.conftest import openai_client
+from tests.helpers.stack import openai_client
 
 pytestmark = pytest.mark.e2e
 MODEL = "SmolLM2-135M-Instruct"

@@ -14,8 +14,8 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from tests.e2e.conftest import openai_client, running_stack, wait_all_blocks_free
-from tests.models.test_pooling_models import QUERY, TEXTS, minilm_dir, tiny
+from tests.helpers.pooling import QUERY, TEXTS, minilm_dir, tiny
+from tests.helpers.stack import openai_client, running_stack, wait_all_blocks_free
 
 pytestmark = pytest.mark.e2e
 

@@ -14,9 +14,9 @@ import httpx
 import pytest
 
 from kvflow import LLM, BeamSearchParams, SamplingParams
-from tests import hf_reference
-from tests.e2e.conftest import openai_client, wait_all_blocks_free
-from tests.e2e.faults import service_pids, stack_credentials, stack_urls
+from tests.helpers import hf_reference
+from tests.helpers.faults import service_pids, stack_credentials, stack_urls
+from tests.helpers.stack import openai_client, wait_all_blocks_free
 
 pytestmark = pytest.mark.e2e
 MODEL = "SmolLM2-135M-Instruct"
@@ -221,7 +221,7 @@ def test_an_llm_starts_its_own_pipeline_and_stops_it() -> None:
 def test_chat_with_tools_renders_them_and_equals_the_http_api(llm, stack) -> None:
     """LLM.chat(tools=...) (vLLM's): the hermes template shows the tools and an earlier call;
     the greedy text (calls are not parsed by LLM.chat) is the call the HTTP API parses."""
-    from tests.e2e.test_tool_calling import TOOLS, one_shot
+    from tests.helpers.tools import TOOLS, one_shot
 
     sp = SamplingParams(temperature=0, max_tokens=40)
     out = llm.chat(one_shot("Tokyo"), sp, use_tqdm=False, tools=TOOLS)[0]

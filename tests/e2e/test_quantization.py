@@ -13,8 +13,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from tests import hf_reference
-from tests.e2e.conftest import openai_client, running_stack
+from tests.helpers import hf_reference
+from tests.helpers.stack import openai_client, running_stack
 
 pytestmark = pytest.mark.e2e
 MODEL = "SmolLM2-135M-Instruct"

@@ -16,8 +16,7 @@ import pytest
 import redis
 
 from kvflow.shared.access.grants import SENTINEL_MASTER
-from tests.e2e.conftest import running_stack, wait_all_blocks_free
-from tests.e2e.faults import (
+from tests.helpers.faults import (
     MODEL,
     Stream,
     kvflow_keys,
@@ -25,7 +24,8 @@ from tests.e2e.faults import (
     stack_credentials,
     stack_urls,
 )
-from tests.e2e.test_lora_adapters import _make_adapter
+from tests.helpers.lora_stack import make_adapter
+from tests.helpers.stack import running_stack, wait_all_blocks_free
 
 pytestmark = pytest.mark.e2e
 NAME = "sentinel"
@@ -37,7 +37,7 @@ PROMPTS = [f"Write a short note about {t}." for t in ("rivers", "lamps", "clouds
 @pytest.fixture(scope="module")
 def adapter(hf_model, tmp_path_factory) -> str:
     path = tmp_path_factory.mktemp("sentinel-lora") / "notes"
-    _make_adapter(hf_model, path, seed=7, r=8, targets=["q_proj", "v_proj", "down_proj"])
+    make_adapter(hf_model, path, seed=7, r=8, targets=["q_proj", "v_proj", "down_proj"])
     return str(path)
 
 

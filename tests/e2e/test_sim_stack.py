@@ -9,7 +9,7 @@ import httpx
 import pytest
 from openai import OpenAI
 
-from tests.e2e.conftest import ROOT, running_stack
+from tests.helpers.stack import ROOT, running_stack
 
 MODEL = "SmolLM2-135M-Instruct"
 PROMPTS = [

@@ -12,7 +12,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.e2e.conftest import (
+from tests.helpers.stack import (
     hf_greedy_texts,
     openai_client,
     running_stack,

@@ -19,14 +19,22 @@ import httpx
 import pytest
 
 from kvflow import LLM, LoRARequest, SamplingParams
-from tests.e2e.conftest import ROOT, hf_greedy_texts, openai_client, running_stack
-from tests.e2e.faults import MODEL, service_pids, stack_urls
-from tests.e2e.test_greedy_equivalence import NEW_TOKENS
-from tests.e2e.test_greedy_equivalence import PROMPTS as ENGINE_PROMPTS
-from tests.e2e.test_kv_tiers import long_prompt, stats, timed, wait_for
-from tests.e2e.test_lora_adapters import NEW_TOKENS as LORA_TOKENS
-from tests.e2e.test_lora_adapters import PROMPTS as LORA_PROMPTS
-from tests.e2e.test_lora_adapters import _greedy, _make_adapter
+from tests.helpers.faults import MODEL, service_pids, stack_urls
+from tests.helpers.lora_stack import NEW_TOKENS as LORA_TOKENS
+from tests.helpers.lora_stack import PROMPTS as LORA_PROMPTS
+from tests.helpers.lora_stack import greedy_text, make_adapter
+from tests.helpers.stack import (
+    NEW_TOKENS,
+    ROOT,
+    hf_greedy_texts,
+    long_prompt,
+    openai_client,
+    running_stack,
+    stats,
+    timed,
+    wait_for,
+)
+from tests.helpers.stack import PROMPTS as ENGINE_PROMPTS
 
 pytestmark = pytest.mark.e2e
 
@@ -50,8 +58,8 @@ def adapter(hf_model, tokenizer, tmp_path_factory) -> tuple[str, dict[str, str]]
     """A rank-8 PEFT adapter on every projection, and transformers + peft's greedy texts."""
     path = tmp_path_factory.mktemp("tp-lora") / "sql"
     targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-    model = _make_adapter(hf_model, path, 1, 8, targets)
-    return str(path), {p: _greedy(model, tokenizer, p) for p in LORA_PROMPTS}
+    model = make_adapter(hf_model, path, 1, 8, targets)
+    return str(path), {p: greedy_text(model, tokenizer, p) for p in LORA_PROMPTS}
 
 
 @pytest.mark.parametrize("ranks", [3])
@@ -59,7 +67,7 @@ def test_greedy_output_over_ranks_equals_transformers(ranks: int, hf_greedy, ada
     """Base requests alone and batched, and requests with a LoRA adapter (cut per rank as the
     weights are) in the same batches as base ones. Three ranks: uneven cuts of the heads and of
     the MLP (two ranks' greedy text is checked by the int8 and disaggregated tests below, and
-    per layer by tests/integration/test_tensor_parallel_families.py)."""
+    per layer by tests/integration/worker/test_tensor_parallel_families.py)."""
     greedy = SamplingParams(temperature=0, max_tokens=NEW_TOKENS)
     path, peft_texts = adapter
     sql = LoRARequest("sql", 1, path)
@@ -155,7 +163,7 @@ def test_int8_weights_over_2_ranks_equal_int8_on_one(model_src, tokenizer) -> No
     from kvflow.services.worker.model_loader import load_weights, quantize_int8
     from kvflow.services.worker.runner import ModelRunner
     from kvflow.shared.model_config import load_config
-    from tests.integration.test_model_smollm2 import BLOCK, generate
+    from tests.helpers.smollm2 import BLOCK, generate
 
     cfg = load_config(model_src)
     runner = ModelRunner.from_weights(

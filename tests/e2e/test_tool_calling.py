@@ -15,50 +15,14 @@ import jsonschema
 import openai
 import pytest
 
-from tests.e2e.conftest import wait_all_blocks_free
+from tests.helpers.stack import wait_all_blocks_free
+from tests.helpers.tools import TIME, TOOLS, WEATHER, one_shot
 
 pytestmark = pytest.mark.e2e
 MODEL = "SmolLM2-135M-Instruct"
 
-WEATHER = {
-    "type": "object",
-    "properties": {
-        "city": {"type": "string", "description": "The city name"},
-        "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]},
-    },
-    "required": ["city", "unit"],
-}
-TIME = {"type": "object", "properties": {"timezone": {"type": "string"}}, "required": ["timezone"]}
-TOOLS = [
-    {
-        "type": "function",
-        "function": {
-            "name": "get_weather",
-            "description": "Get the current weather in a city",
-            "parameters": WEATHER,
-        },
-    },
-    {
-        "type": "function",
-        "function": {"name": "get_time", "description": "The time now", "parameters": TIME},
-    },
-]
 SCHEMAS = {"get_weather": WEATHER, "get_time": TIME}
 ASK = [{"role": "user", "content": "What is the weather like in Paris today?"}]
-
-
-def one_shot(city: str) -> list[dict]:
-    """An earlier question answered with a call, then the new question."""
-    call = {
-        "id": "call-0",
-        "type": "function",
-        "function": {"name": "get_weather", "arguments": '{"city": "Paris", "unit": "celsius"}'},
-    }
-    return [
-        {"role": "user", "content": "What is the weather in Paris?"},
-        {"role": "assistant", "content": None, "tool_calls": [call]},
-        {"role": "user", "content": f"What is the weather in {city}?"},
-    ]
 
 
 def streamed_calls(stream) -> tuple[list[dict], str, list[str]]:

@@ -19,8 +19,8 @@ if not torch.cuda.is_available():
 from kvflow.services.worker.runner import ModelRunner  # noqa: E402
 from kvflow.shared.messages import SamplingParams  # noqa: E402
 from kvflow.shared.model_source import ModelSource  # noqa: E402
-from tests.unit.engine_support import new_core, run  # noqa: E402
-from tests.unit.family_models import hf_greedy, save_model  # noqa: E402
+from tests.helpers.engine import new_core, run  # noqa: E402
+from tests.helpers.families import hf_greedy, save_model  # noqa: E402
 
 PROMPTS = [[5, 17, 99, 3, 42, 8, 64, 21, 77, 1, 33], [120, 6, 6, 90, 12, 7, 7, 31]]
 NEW = 10  # positions past the windows (6) and phi3's original length (16)

@@ -8,7 +8,7 @@ import torch
 
 from kvflow.kernels import cpu_native
 from kvflow.kernels import reference as K
-from tests.kernels.test_kernels_reference import CASES, WINDOW_SOFTCAP, D, run_paged
+from tests.helpers.kernels import CASES, WINDOW_SOFTCAP, D, run_paged
 
 # Only a missing compiler skips; a kernel that fails to build fails these tests.
 pytestmark = pytest.mark.skipif(

@@ -4,7 +4,6 @@ causal attention; plus the bitwise batch invariance the worker relies on."""
 from __future__ import annotations
 
 import dataclasses
-import random
 
 import pytest
 import torch
@@ -18,81 +17,7 @@ from transformers.models.llama.modeling_llama import (
 
 from kvflow.kernels import cpu_native
 from kvflow.kernels import reference as K
-
-D = 16
-BS = 5  # block size deliberately not a power of two
-
-
-def naive_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int = 0, softcap: float = 0.0
-) -> torch.Tensor:
-    """q [nq, H, D] are the last nq of the nk positions in k/v [nk, Hkv, D]; fp64, dense. With
-    ``window``, query position i sees keys ``i - window < j <= i`` only (HF's semantics); with
-    ``softcap``, scores become ``softcap * tanh(score / softcap)`` before the mask."""
-    nq, h, _ = q.shape
-    nk, hkv, _ = k.shape
-    rep = h // hkv
-    k, v = k.double().repeat_interleave(rep, 1), v.double().repeat_interleave(rep, 1)
-    s = torch.einsum("qhd,khd->hqk", q.double(), k) * D**-0.5
-    if softcap:
-        s = softcap * torch.tanh(s / softcap)
-    kpos, qpos = torch.arange(nk)[None, :], torch.arange(nk - nq, nk)[:, None]
-    allowed = kpos <= qpos
-    if window:
-        allowed &= kpos > qpos - window
-    s = s.masked_fill(~allowed, float("-inf"))
-    return torch.einsum("hqk,khd->qhd", s.softmax(-1), v).float()
-
-
-def run_paged(
-    seqs: list[tuple[int, int]],
-    h: int,
-    hkv: int,
-    seed: int = 0,
-    kv_chunk: int = 128,
-    decode_fn: K.DecodeFn | None = None,
-    window: int = 0,
-    softcap: float = 0.0,
-    q_gain: float = 1.0,
-) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    """Write K/V of sequences (seq_len, query_len) into a paged cache through shuffled block
-    tables, run paged_attention (decode rows through ``decode_fn`` when given) with ``window``
-    and ``softcap``, and return it with the naive answers. ``q_gain`` scales the queries (large
-    scores, for soft-capping to bite)."""
-    g = torch.Generator().manual_seed(seed)
-    num_blocks = sum(-(-n // BS) for n, _ in seqs) + 3
-    kc, vc = torch.zeros(num_blocks, BS, hkv, D), torch.zeros(num_blocks, BS, hkv, D)
-    free = list(range(num_blocks))
-    random.Random(seed).shuffle(free)
-    tables, qs, refs = [], [], []
-    for n, nq in seqs:
-        table = [free.pop() for _ in range(-(-n // BS))]
-        k, v = torch.randn(n, hkv, D, generator=g), torch.randn(n, hkv, D, generator=g)
-        slots = K.context_slots(torch.tensor(table), n, BS)
-        K.write_kv_cache(k, v, kc, vc, slots)
-        q = torch.randn(nq, h, D, generator=g) * q_gain
-        tables.append(table)
-        qs.append(q)
-        refs.append(naive_attention(q, k, v, window, softcap))
-    width = max(len(t) for t in tables)
-    bt = torch.tensor([t + [-1] * (width - len(t)) for t in tables])
-    seq_lens = torch.tensor([n for n, _ in seqs])
-    query_lens = torch.tensor([nq for _, nq in seqs])
-    plan = K.plan_attention(bt, seq_lens, query_lens, BS, kv_chunk, decode_fn=decode_fn)
-    out = K.paged_attention(
-        torch.cat(qs), kc, vc, None, None, None, D**-0.5, plan=plan, window=window, softcap=softcap
-    )
-    return out, refs
-
-
-CASES = {
-    "context_of_one": [(1, 1)],
-    "prefill_odd_lengths": [(7, 7), (13, 13), (1, 1)],
-    "chunked_prefill_on_cached_prefix": [(23, 9), (11, 4)],
-    "decode_mixed_lengths": [(1, 1), (4, 1), (5, 1), (17, 1), (301, 1), (42, 1)],
-    "mixed_batch": [(30, 1), (12, 12), (9, 1), (40, 15), (2, 1)],
-    "decodes_then_prefills": [(30, 1), (9, 1), (2, 1), (12, 12), (40, 15)],  # the scheduler's order
-}
+from tests.helpers.kernels import BS, CASES, WINDOW_SOFTCAP, D, naive_attention, run_paged
 
 
 @pytest.mark.parametrize("ratio", [1, 3, 8])
@@ -101,11 +26,6 @@ def test_paged_attention_matches_dense(case: str, ratio: int) -> None:
     hkv = 2
     out, refs = run_paged(CASES[case], hkv * ratio, hkv)
     torch.testing.assert_close(out, torch.cat(refs), rtol=1e-5, atol=1e-5)
-
-
-# (window, softcap): windows of one key, shorter than every context, longer than some (42 of
-# 301 keys spans chunk boundaries), longer than all; soft-capping alone and with a window
-WINDOW_SOFTCAP = [(1, 0.0), (3, 0.0), (8, 0.0), (42, 0.0), (1000, 0.0), (0, 2.0), (5, 1.5)]
 
 
 @pytest.mark.parametrize("window,softcap", WINDOW_SOFTCAP)

@@ -15,18 +15,18 @@ import random
 import subprocess
 import sys
 from dataclasses import astuple
-from pathlib import Path
 
 import pytest
 import torch
 
-from tests.kernels.common import HAS_CUDA, TOL, close, f32, randn  # first: TRITON_INTERPRET
+from tests.helpers.kernels import HAS_CUDA, TOL, close, f32, randn  # first: TRITON_INTERPRET
 
 # isort: split
 from kvflow.benchmarks.random_model import LlamaShape, random_llama
 from kvflow.kernels.ops import get_backend, select_backend
 from kvflow.services.worker.model import DecoderModel
 from kvflow.services.worker.step_inputs import DeviceBatch
+from tests.helpers.paths import ROOT
 
 REF = get_backend("reference")
 TRI = get_backend("triton")
@@ -500,7 +500,7 @@ def test_kernels_compile_for_h100_without_spills():
         capture_output=True,
         text=True,
         timeout=300,
-        cwd=Path(__file__).resolve().parents[2],
+        cwd=ROOT,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     # 26 attention/layer configurations (8 with a sliding window and soft-capping on) + the

@@ -15,16 +15,16 @@ import os
 import subprocess
 import sys
 import textwrap
-from pathlib import Path
 
 import pytest
 import torch
 
-from tests.kernels.common import HAS_CUDA, TOL, close, f32, randn  # first: TRITON_INTERPRET
+from tests.helpers.kernels import HAS_CUDA, TOL, close, f32, randn  # first: TRITON_INTERPRET
 
 # isort: split
 from kvflow.kernels import reference
 from kvflow.kernels.ops import get_backend
+from tests.helpers.paths import ROOT
 
 REF = get_backend("reference")
 TRI = get_backend("triton")
@@ -177,7 +177,7 @@ def test_lora_kernels_compile_for_h100_without_spills():
         capture_output=True,
         text=True,
         timeout=300,
-        cwd=Path(__file__).resolve().parents[2],
+        cwd=ROOT,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "8 compiled" in proc.stdout, proc.stdout

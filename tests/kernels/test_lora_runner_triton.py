@@ -17,15 +17,9 @@ if not HAS_CUDA:
 from kvflow.services.worker.lora import LoRASpec  # noqa: E402
 from kvflow.services.worker.runner import ModelRunner  # noqa: E402
 from kvflow.shared.messages import LoRARef  # noqa: E402
-from tests.models.test_lora_engine import (  # noqa: E402
-    GREEDY,
-    PROMPTS,
-    argmax_tokens,
-    make_adapter,
-    new_core,
-    run,
-)
-from tests.models.test_runner_tiny import hf_model, make_runner  # noqa: E402, F401
+from tests.helpers.engine import new_core  # noqa: E402
+from tests.helpers.lora import GREEDY, PROMPTS, argmax_tokens, make_adapter, run  # noqa: E402
+from tests.helpers.tiny_llama import make_runner  # noqa: E402
 
 
 def device_runner(hf, **kw) -> ModelRunner:
@@ -34,19 +28,19 @@ def device_runner(hf, **kw) -> ModelRunner:
 
 
 def test_device_path_mixed_batch_equals_peft_and_cpu_path(
-    hf_model,  # noqa: F811
+    tiny_llama,
     tmp_path,
 ) -> None:
-    p1 = make_adapter(hf_model, tmp_path / "a1", seed=1)
-    p2 = make_adapter(hf_model, tmp_path / "a2", seed=2, r=4, targets=["q_proj", "v_proj"])
+    p1 = make_adapter(tiny_llama, tmp_path / "a1", seed=1)
+    p2 = make_adapter(tiny_llama, tmp_path / "a2", seed=2, r=4, targets=["q_proj", "v_proj"])
     a1, a2 = LoRARef("a1", 1, str(tmp_path / "a1")), LoRARef("a2", 2, str(tmp_path / "a2"))
     jobs = [(PROMPTS[0], a1), (PROMPTS[1], None), (PROMPTS[2], a2), (PROMPTS[1], a1)]
-    cpu, _ = run(new_core(), make_runner(hf_model, worker_id="w", lora=LoRASpec(2, 16)), jobs)
-    dev = device_runner(hf_model, cuda_graphs=True, max_num_seqs=4)
+    cpu, _ = run(new_core(), make_runner(tiny_llama, worker_id="w", lora=LoRASpec(2, 16)), jobs)
+    dev = device_runner(tiny_llama, cuda_graphs=True, max_num_seqs=4)
     got, plans = run(new_core(max_num_batched_tokens=16), dev, jobs)
     assert got == cpu
     for (prompt, ref), tokens in zip(jobs, got, strict=True):
-        model = hf_model if ref is None else (p1 if ref is a1 else p2)
+        model = tiny_llama if ref is None else (p1 if ref is a1 else p2)
         assert tokens == argmax_tokens(model, prompt, GREEDY.max_tokens)
     assert dev.loras is not None and dev.loras.stacks is not None
     assert sorted(dev.loras.slot_of) == ["a1", "a2"]

@@ -502,7 +502,7 @@ def test_speculative_decoding_on_the_device_path(model, graphs: bool, method: st
     from kvflow.services.scheduler.core import SchedulerCore
     from kvflow.services.scheduler.limits import SchedulerLimits
     from kvflow.shared.speculative import SpeculativeConfig
-    from tests.models.test_speculative_engine import run_core
+    from tests.helpers.engine import run_core
 
     prompts = [[5, 17, 99, 5, 17, 99, 5, 17], [7, 7, 7, 7, 7]]
     params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)

@@ -25,7 +25,7 @@ from gguf.quants import quantize  # noqa: E402
 from kvflow.kernels.cpu_quant import Q4_Z, QuantWeight  # noqa: E402
 from kvflow.kernels.triton_quant import DeviceQuantWeight  # noqa: E402
 from kvflow.services.worker.gptq_awq import to_blocks  # noqa: E402
-from tests.unit.kquant_blocks import UNIT_TYPES, random_blocks  # noqa: E402
+from tests.helpers.kquants import UNIT_TYPES, random_blocks  # noqa: E402
 
 DEVICE = "cuda" if HAS_CUDA else "cpu"
 DTYPE = torch.bfloat16 if HAS_CUDA else torch.float32

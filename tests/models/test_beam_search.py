@@ -12,7 +12,7 @@ import torch
 from transformers import LlamaForCausalLM
 
 from kvflow.shared.beam_search import beam_search, score
-from tests.models.test_runner_tiny import PROMPTS, hf_model  # noqa: F401 - fixture
+from tests.helpers.tiny_llama import PROMPTS
 
 EOS = 127
 
@@ -51,10 +51,10 @@ def hf_beams(
 
 @pytest.mark.parametrize("width", [2, 4])
 @pytest.mark.parametrize("prompt_index", [0, 1, 3])
-def test_same_beams_as_hugging_face(hf_model, width: int, prompt_index: int) -> None:  # noqa: F811
+def test_same_beams_as_hugging_face(tiny_llama, width: int, prompt_index: int) -> None:
     prompt = PROMPTS[prompt_index]
-    ours = asyncio.run(beam_search(prompt, hf_expand(hf_model), width, 6, [EOS]))
-    assert [b.tokens for b in ours] == hf_beams(hf_model, prompt, width, 6)
+    ours = asyncio.run(beam_search(prompt, hf_expand(tiny_llama), width, 6, [EOS]))
+    assert [b.tokens for b in ours] == hf_beams(tiny_llama, prompt, width, 6)
     assert [b.score for b in ours] == sorted((b.score for b in ours), reverse=True)
     for b in ours:
         assert b.cum_logprob == pytest.approx(sum(b.logprobs))
@@ -65,7 +65,7 @@ def test_same_beams_as_hugging_face(hf_model, width: int, prompt_index: int) -> 
 @pytest.mark.parametrize("length_penalty", [0.5, 2.0])
 @pytest.mark.parametrize("width", [2, 3])
 def test_eos_hypotheses_length_penalty_and_early_stop_like_hugging_face(
-    hf_model,  # noqa: F811
+    tiny_llama,
     eos_rank: int,
     length_penalty: float,
     width: int,
@@ -75,12 +75,12 @@ def test_eos_hypotheses_length_penalty_and_early_stop_like_hugging_face(
     length-normalised score, and the search may stop early -- all as HF does."""
     for prompt in PROMPTS:
         with torch.no_grad():
-            logits = hf_model(torch.tensor([prompt])).logits[0, -1]
+            logits = tiny_llama(torch.tensor([prompt])).logits[0, -1]
             eos = int(logits.topk(eos_rank + 1).indices[eos_rank])
         ours = asyncio.run(
-            beam_search(prompt, hf_expand(hf_model), width, 10, [eos], length_penalty)
+            beam_search(prompt, hf_expand(tiny_llama), width, 10, [eos], length_penalty)
         )
-        theirs = hf_beams(hf_model, prompt, width, 10, eos=eos, length_penalty=length_penalty)
+        theirs = hf_beams(tiny_llama, prompt, width, 10, eos=eos, length_penalty=length_penalty)
         theirs = [r[: r.index(eos) + 1] if eos in r else r for r in theirs]
         assert [b.tokens for b in ours] == theirs, (prompt, eos)
 

@@ -22,7 +22,7 @@ from kvflow.shared.messages import (
     decode,
     encode,
 )
-from tests.models.test_runner_tiny import hf_model, make_runner  # noqa: F401 - a fixture
+from tests.helpers.tiny_llama import make_runner
 
 PROMPT = [5, 17, 99, 3, 42, 8, 64, 21, 77, 1, 33]  # 11 tokens, not a multiple of the block
 
@@ -122,25 +122,25 @@ def run_embedding(runner, kind: str, chunks: list[int], with_generation: bool = 
 
 @pytest.mark.parametrize("kind", ["LAST", "MEAN", "CLS"])
 @pytest.mark.parametrize("chunks", [[11], [4, 5, 11]])
-def test_runner_pools_hf_last_hidden_state(hf_model, kind: str, chunks: list[int]) -> None:  # noqa: F811
-    got, _ = run_embedding(make_runner(hf_model), kind, chunks)
-    want = hf_pooled(hf_model, PROMPT, kind)
+def test_runner_pools_hf_last_hidden_state(tiny_llama, kind: str, chunks: list[int]) -> None:
+    got, _ = run_embedding(make_runner(tiny_llama), kind, chunks)
+    want = hf_pooled(tiny_llama, PROMPT, kind)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     assert abs(float(got.norm()) - 1.0) < 1e-5
 
 
 @pytest.mark.parametrize("kind", ["LAST", "MEAN"])
-def test_runner_pools_the_same_beside_a_generating_sequence(hf_model, kind: str) -> None:  # noqa: F811
-    alone, _ = run_embedding(make_runner(hf_model), kind, [4, 11])
-    mixed, _ = run_embedding(make_runner(hf_model), kind, [4, 11], with_generation=True)
+def test_runner_pools_the_same_beside_a_generating_sequence(tiny_llama, kind: str) -> None:
+    alone, _ = run_embedding(make_runner(tiny_llama), kind, [4, 11])
+    mixed, _ = run_embedding(make_runner(tiny_llama), kind, [4, 11], with_generation=True)
     torch.testing.assert_close(mixed, alone, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(mixed, hf_pooled(hf_model, PROMPT, kind), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(mixed, hf_pooled(tiny_llama, PROMPT, kind), rtol=1e-5, atol=1e-5)
 
 
-def test_a_request_sent_again_starts_its_mean_over(hf_model) -> None:  # noqa: F811
+def test_a_request_sent_again_starts_its_mean_over(tiny_llama) -> None:
     """After a preemption the scheduler forgets the request on the worker and sends its
     NewRequest again: the recomputed prompt gives the vector once, unchanged."""
-    runner = make_runner(hf_model)
+    runner = make_runner(tiny_llama)
     new = NewRequest("e", SamplingParams(max_tokens=1), len(PROMPT), pooling=PoolingParams("MEAN"))
     res = runner.execute(StepPlan(0, [seq("e", PROMPT, 0, 6, False)], [new]))
     assert res.embeddings == []
@@ -148,14 +148,14 @@ def test_a_request_sent_again_starts_its_mean_over(hf_model) -> None:  # noqa: F
     res = runner.execute(plan)
     assert len(res.embeddings) == 1
     got = vector(res.embeddings[0].data)
-    torch.testing.assert_close(got, hf_pooled(hf_model, PROMPT, "MEAN"), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got, hf_pooled(tiny_llama, PROMPT, "MEAN"), rtol=1e-5, atol=1e-5)
 
 
-def test_unnormalized_when_asked(hf_model) -> None:  # noqa: F811
-    runner = make_runner(hf_model)
+def test_unnormalized_when_asked(tiny_llama) -> None:
+    runner = make_runner(tiny_llama)
     pooling = PoolingParams("LAST", normalize=False)
     new = NewRequest("e", SamplingParams(max_tokens=1), len(PROMPT), pooling=pooling)
     res = runner.execute(StepPlan(0, [seq("e", PROMPT, 0, 11, True)], [new]))
     with torch.no_grad():
-        want = hf_model.model(torch.tensor([PROMPT])).last_hidden_state[0, -1]
+        want = tiny_llama.model(torch.tensor([PROMPT])).last_hidden_state[0, -1]
     torch.testing.assert_close(vector(res.embeddings[0].data), want, rtol=1e-5, atol=1e-5)

@@ -19,9 +19,8 @@ from kvflow.services.worker.runner import ModelRunner
 from kvflow.shared.messages import LoRARef, SamplingParams
 from kvflow.shared.model_config import load_config
 from kvflow.shared.model_source import ModelSource
-from tests.models.test_model_families import NEW, PROMPTS
-from tests.unit.engine_support import new_core, run
-from tests.unit.family_models import hf_greedy, save_model
+from tests.helpers.engine import new_core, run
+from tests.helpers.families import NEW, PROMPTS, hf_greedy, save_model
 
 FAMILIES = ["qwen2", "gemma2"]
 GREEDY = SamplingParams(max_tokens=NEW, temperature=0.0, ignore_eos=True)
@@ -94,8 +93,8 @@ def test_gguf_blocks_equal_transformers_on_their_values(family: str, qtype: str)
     K-quants), multiplied in place, beside transformers running the blocks' dequantized
     values: the same greedy tokens, batched under chunked prefill."""
     from kvflow.shared.models.registry import hf_config
-    from tests.unit.family_models import make_model
-    from tests.unit.kquant_blocks import UNIT_TYPES, random_blocks
+    from tests.helpers.families import make_model
+    from tests.helpers.kquants import UNIT_TYPES, random_blocks
 
     hf = make_model(family, **KQ_SHAPE)
     state = hf.state_dict()

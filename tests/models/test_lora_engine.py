@@ -6,13 +6,11 @@ a clear error."""
 
 from __future__ import annotations
 
-import copy
 import json
 from pathlib import Path
 
 import pytest
 import torch
-from peft import LoraConfig, get_peft_model
 from safetensors.torch import load_file, save_file
 from transformers import LlamaForCausalLM
 
@@ -20,126 +18,80 @@ from kvflow.services.worker.lora import LoRASpec
 from kvflow.services.worker.lora_weights import load_adapter
 from kvflow.services.worker.runner import ModelRunner
 from kvflow.shared.lora import LoRAError, adapter_salt, check_lora_settings, parse_lora_modules
-from kvflow.shared.messages import FinishReason, LoRARef, SamplingParams
-from tests.models.test_runner_tiny import hf_model, make_runner  # noqa: F401
-from tests.unit.engine_support import new_core
-from tests.unit.engine_support import run as engine_run
-
-ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-PROMPTS = [
-    [5, 17, 99, 3, 42, 8, 64, 21, 77, 1, 33],
-    [120, 6, 6, 90, 12],
-    [11, 22, 33, 44, 55, 66, 77, 88, 99, 100, 101, 102, 103],
-]
-GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
-
-
-def run(core, runner, jobs, params=GREEDY):
-    return engine_run(core, runner, jobs, params)
-
-
-def make_adapter(
-    hf: LlamaForCausalLM,
-    path: Path,
-    seed: int,
-    r: int = 8,
-    targets: list[str] | None = None,
-    rslora: bool = False,
-) -> torch.nn.Module:
-    """A PEFT LoRA adapter with random non-zero A and B (PEFT's ``init_lora_weights=False``),
-    saved to ``path``; returns the peft model (a copy of ``hf`` with the adapter)."""
-    torch.manual_seed(seed)
-    conf = LoraConfig(
-        r=r,
-        lora_alpha=2 * r,
-        target_modules=targets or ALL,
-        init_lora_weights=False,
-        use_rslora=rslora,
-        lora_dropout=0.0,
-    )
-    model = get_peft_model(copy.deepcopy(hf), conf)
-    with torch.no_grad():  # B as large as the tiny model's own weights (x10): outputs change
-        for name, p in model.named_parameters():
-            if "lora_B" in name:
-                p.mul_(4.0)
-    model.save_pretrained(str(path))
-    return model.eval()
+from kvflow.shared.messages import FinishReason, LoRARef
+from tests.helpers.engine import new_core
+from tests.helpers.lora import GREEDY, PROMPTS, argmax_tokens, make_adapter, run
+from tests.helpers.tiny_llama import make_runner
 
 
 @pytest.fixture(scope="module")
-def adapters(hf_model: LlamaForCausalLM, tmp_path_factory: pytest.TempPathFactory):  # noqa: F811
+def adapters(tiny_llama: LlamaForCausalLM, tmp_path_factory: pytest.TempPathFactory):
     """Two adapters: every projection at rank 8, and q/v only at rank 4 with rsLoRA."""
     root = tmp_path_factory.mktemp("lora")
-    a1 = make_adapter(hf_model, root / "a1", seed=1)
-    a2 = make_adapter(hf_model, root / "a2", seed=2, r=4, targets=["q_proj", "v_proj"], rslora=True)
+    a1 = make_adapter(tiny_llama, root / "a1", seed=1)
+    a2 = make_adapter(
+        tiny_llama, root / "a2", seed=2, r=4, targets=["q_proj", "v_proj"], rslora=True
+    )
     return {
         "a1": (LoRARef("a1", 1, str(root / "a1")), a1),
         "a2": (LoRARef("a2", 2, str(root / "a2")), a2),
     }
 
 
-def argmax_tokens(model: torch.nn.Module, prompt: list[int], n: int) -> list[int]:
-    toks = list(prompt)
-    with torch.no_grad():
-        for _ in range(n):
-            toks.append(int(model(input_ids=torch.tensor([toks])).logits[0, -1].argmax()))
-    return toks[len(prompt) :]
-
-
 def lora_runner(hf: LlamaForCausalLM, max_loras: int = 2, max_rank: int = 16) -> ModelRunner:
     return make_runner(hf, worker_id="w", lora=LoRASpec(max_loras, max_rank))
 
 
-def test_greedy_equals_hf_peft(hf_model: LlamaForCausalLM, adapters) -> None:  # noqa: F811
-    runner = lora_runner(hf_model)
+def test_greedy_equals_hf_peft(tiny_llama: LlamaForCausalLM, adapters) -> None:
+    runner = lora_runner(tiny_llama)
     for ref, peft_model in adapters.values():
         for prompt in PROMPTS:
             got, _ = run(new_core(), runner, [(prompt, ref)])
             want = argmax_tokens(peft_model, prompt, GREEDY.max_tokens)
             assert got[0] == want, ref.name
-            assert want != argmax_tokens(hf_model, prompt, GREEDY.max_tokens)  # it changes output
+            assert want != argmax_tokens(tiny_llama, prompt, GREEDY.max_tokens)  # it changes output
 
 
-def test_mixed_batch_equals_each_alone(hf_model: LlamaForCausalLM, adapters) -> None:  # noqa: F811
+def test_mixed_batch_equals_each_alone(tiny_llama: LlamaForCausalLM, adapters) -> None:
     """Base, adapter 1 and adapter 2 (each on every prompt) in one batch, under chunked
     prefill: each request gets the tokens it gets alone."""
     refs = [None, adapters["a1"][0], adapters["a2"][0]]
     jobs = [(p, ref) for p in PROMPTS for ref in refs]
-    alone = [run(new_core(), lora_runner(hf_model), [job])[0][0] for job in jobs]
+    alone = [run(new_core(), lora_runner(tiny_llama), [job])[0][0] for job in jobs]
     core = new_core(max_loras=2, max_num_batched_tokens=16)
-    together, plans = run(core, lora_runner(hf_model), jobs)
+    together, plans = run(core, lora_runner(tiny_llama), jobs)
     assert together == alone
     assert max(len({s.request_id for s in p.seqs}) for p in plans) >= 6  # really batched
     assert len({tuple(t) for t in alone[:3]}) == 3  # the three differ on the first prompt
 
 
-def test_max_loras_bounds_every_step(hf_model: LlamaForCausalLM, adapters) -> None:  # noqa: F811
+def test_max_loras_bounds_every_step(tiny_llama: LlamaForCausalLM, adapters) -> None:
     """With max_loras=1 a step runs one adapter at most (the base model beside it), a request
     of another adapter waits its turn, and the worker's cache evicts the least recent."""
     a1, a2 = adapters["a1"][0], adapters["a2"][0]
     jobs = [(PROMPTS[0], a1), (PROMPTS[1], a2), (PROMPTS[2], None), (PROMPTS[1], a1)]
     core = new_core(max_loras=1)
-    runner = lora_runner(hf_model, max_loras=1)
+    runner = lora_runner(tiny_llama, max_loras=1)
     got, plans = run(core, runner, jobs)
     by_id = {}
     for p in plans:
         by_id.update({r.request_id: r.lora for r in p.new_requests})
         names = {by_id[s.request_id].name for s in p.seqs if by_id[s.request_id] is not None}
         assert len(names) <= 1
-    alone = [run(new_core(), lora_runner(hf_model), [job])[0][0] for job in jobs]
+    alone = [run(new_core(), lora_runner(tiny_llama), [job])[0][0] for job in jobs]
     assert got == alone
     assert runner.loras is not None and len(runner.loras.loaded) == 1
     assert runner.loras.loads == 2  # a1 (both a1 requests ran together), then a2
 
 
 def test_prefix_cache_is_never_shared_across_adapters(
-    hf_model: LlamaForCausalLM,  # noqa: F811
+    tiny_llama: LlamaForCausalLM,
     adapters,
 ) -> None:
     a1, a2 = adapters["a1"][0], adapters["a2"][0]
     prompt = PROMPTS[2]  # 13 tokens: 3 full blocks of 4
     core = new_core()
-    runner = lora_runner(hf_model)
+    runner = lora_runner(tiny_llama)
     bm = core.workers["w"].bm
     first = {}
     for ref in (None, a1, a2):
@@ -156,11 +108,11 @@ def test_prefix_cache_is_never_shared_across_adapters(
 
 
 def test_bad_adapters_are_refused(
-    hf_model: LlamaForCausalLM,  # noqa: F811
+    tiny_llama: LlamaForCausalLM,
     adapters,
     tmp_path: Path,
 ) -> None:
-    runner = lora_runner(hf_model)
+    runner = lora_runner(tiny_llama)
     cfg = runner.config
     a1 = adapters["a1"][0]
     with pytest.raises(LoRAError, match="rank 8, over --max-lora-rank 4"):
@@ -208,7 +160,7 @@ def test_bad_adapters_are_refused(
 
 
 def test_an_adapter_gone_at_run_time_ends_its_requests_not_the_step(
-    hf_model: LlamaForCausalLM,  # noqa: F811
+    tiny_llama: LlamaForCausalLM,
     adapters,
     tmp_path: Path,
 ) -> None:
@@ -220,7 +172,7 @@ def test_an_adapter_gone_at_run_time_ends_its_requests_not_the_step(
     jobs = [(PROMPTS[0], None), (PROMPTS[1], gone), (PROMPTS[2], a1)]
     core = new_core()
     reasons: dict[str, int] = {}
-    runner = lora_runner(hf_model)
+    runner = lora_runner(tiny_llama)
     execute = runner.execute
 
     def spy(plan):  # noqa: ANN001, ANN202
@@ -232,7 +184,7 @@ def test_an_adapter_gone_at_run_time_ends_its_requests_not_the_step(
     got, _ = run(core, runner, jobs)
     assert len(got[1]) == 1  # its first token ended it
     assert [FinishReason(r) for r in reasons.values()].count(FinishReason.ERROR) == 1
-    alone = [run(new_core(), lora_runner(hf_model), [job])[0][0] for job in (jobs[0], jobs[2])]
+    alone = [run(new_core(), lora_runner(tiny_llama), [job])[0][0] for job in (jobs[0], jobs[2])]
     assert [got[0], got[2]] == alone
 
 

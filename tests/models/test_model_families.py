@@ -1,5 +1,5 @@
 """Every native family (shared/models/families/) against transformers on a tiny random
-checkpoint with its features on (tests/unit/family_models.py): the config read from disk with
+checkpoint with its features on (tests/helpers/families.py): the config read from disk with
 no field left unread, first-step logits, and greedy output equal to transformers' ``generate``
 token for token through the real scheduler core and runner: each prompt alone, all batched
 under chunked prefill, with preemptions (a KV cache too small for all at once) and after a
@@ -16,22 +16,15 @@ from kvflow.services.worker.runner import ModelRunner
 from kvflow.shared.messages import SamplingParams
 from kvflow.shared.model_config import load_config
 from kvflow.shared.model_source import ModelSource
-from tests.unit.engine_support import (
+from tests.helpers.engine import (
     check_alone,
     check_batched_chunked,
     check_preempted_and_prefix_hit,
     new_core,
     run,
 )
-from tests.unit.family_models import CONFIGS, family_of, hf_greedy, save_model
+from tests.helpers.families import CONFIGS, NEW, PROMPTS, family_of, hf_greedy, save_model
 
-PROMPTS = [
-    [5, 17, 99, 3, 42, 8, 64, 21, 77, 1, 33],
-    [120, 6, 6, 90, 12, 7, 7, 31],
-    [11, 22, 33, 44, 55, 66, 77, 88, 99, 100, 101, 102, 103, 104, 105, 106, 107, 108, 109],
-    [9, 8],
-]
-NEW = 14  # prompts + outputs pass the windows (6) and the scaled RoPEs' original length (16)
 GREEDY = SamplingParams(max_tokens=NEW, temperature=0.0, ignore_eos=True)
 BLOCK = 4
 

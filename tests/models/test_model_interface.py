@@ -12,7 +12,7 @@ from kvflow.services.worker.model_interface import Model
 from kvflow.services.worker.model_kinds import KINDS, model_kind
 from kvflow.shared.models.generic import transformers_config
 from kvflow.shared.models.registry import families, hf_config
-from tests.unit.family_models import CONFIGS, TRANSFORMERS_ONLY
+from tests.helpers.families import CONFIGS, TRANSFORMERS_ONLY
 
 MEMBERS = sorted(
     {n for n in vars(Model) if not n.startswith("_")} | set(typing.get_type_hints(Model))

@@ -21,9 +21,8 @@ from kvflow.kernels import cpu_quant
 from kvflow.services.worker.runner import ModelRunner
 from kvflow.shared.messages import SamplingParams
 from kvflow.shared.model_source import ModelSource
-from tests.models.test_model_families import NEW, PROMPTS
-from tests.unit.engine_support import new_core, run
-from tests.unit.family_models import hf_greedy, make_model
+from tests.helpers.engine import new_core, run
+from tests.helpers.families import NEW, PROMPTS, hf_greedy, make_model
 
 GREEDY = SamplingParams(max_tokens=NEW, temperature=0.0, ignore_eos=True)
 ARCH = {"mixtral": "llama", "qwen2_moe": "qwen2moe", "qwen3_moe": "qwen3moe", "olmoe": "olmoe"}

@@ -8,7 +8,7 @@ import random
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import LlamaForCausalLM
 
 from kvflow.kernels.batch_invariance import GemmRows
 from kvflow.services.worker.model_loader import load_weights
@@ -16,64 +16,9 @@ from kvflow.services.worker.runner import ModelRunner
 from kvflow.shared.messages import FinishReason, NewRequest, SamplingParams, ScheduledSeq, StepPlan
 from kvflow.shared.model_config import load_config
 from kvflow.shared.model_source import ModelSource
-from kvflow.shared.models.config import ModelConfig
 from kvflow.shared.sampling import needs_token_history
-from tests.logits_spy import capture_logits
-
-BLOCK = 4
-NUM_BLOCKS = 64
-PROMPTS = [
-    [5, 17, 99, 3, 42, 8, 64, 21, 77, 1, 33],  # 11 tokens: not a multiple of the block size
-    [120, 6, 6, 90, 12],
-    [7],  # a one-token prompt: context of 1
-    [11, 22, 33, 44, 55, 66, 77, 88, 99, 100, 101, 102, 103, 104, 105, 106, 107, 108, 109],
-]
-
-
-@pytest.fixture(scope="module")
-def hf_model() -> LlamaForCausalLM:
-    torch.manual_seed(0)
-    cfg = LlamaConfig(
-        vocab_size=128,
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-        rms_norm_eps=1e-5,
-        rope_theta=10000.0,
-        tie_word_embeddings=False,
-        bos_token_id=1,
-        eos_token_id=127,
-        pad_token_id=0,
-    )
-    model = LlamaForCausalLM(cfg).eval()
-    with torch.no_grad():  # larger weights than the init's 0.02 so logits are not near-ties
-        for p in model.parameters():
-            p.mul_(10.0) if p.dim() == 2 else p.add_(torch.randn_like(p) * 0.1)
-    return model
-
-
-def make_runner(hf: LlamaForCausalLM, **kw) -> ModelRunner:
-    c = hf.config
-    cfg = ModelConfig(
-        vocab_size=c.vocab_size,
-        hidden_size=c.hidden_size,
-        num_layers=c.num_hidden_layers,
-        num_heads=c.num_attention_heads,
-        num_kv_heads=c.num_key_value_heads,
-        head_dim=c.hidden_size // c.num_attention_heads,
-        intermediate_size=c.intermediate_size,
-        rms_norm_eps=c.rms_norm_eps,
-        rope_theta=c.rope_parameters["rope_theta"],
-        max_position_embeddings=c.max_position_embeddings,
-        tie_word_embeddings=False,
-        bos_token_id=1,
-        eos_token_ids=(127,),
-    )
-    weights = {k: v.detach().clone() for k, v in hf.state_dict().items()}
-    return ModelRunner.from_weights(cfg, weights, BLOCK, NUM_BLOCKS, **kw)
+from tests.helpers.logits_spy import capture_logits
+from tests.helpers.tiny_llama import BLOCK, NUM_BLOCKS, PROMPTS, make_runner
 
 
 def hf_greedy(hf: LlamaForCausalLM, prompt: list[int], n: int) -> list[int]:
@@ -130,15 +75,15 @@ class Driver:
 
 
 @pytest.mark.parametrize("split", [False, True])
-def test_logits_match_hf_forward(hf_model: LlamaForCausalLM, split: bool) -> None:
+def test_logits_match_hf_forward(tiny_llama: LlamaForCausalLM, split: bool) -> None:
     """Prefill (whole or in 2 chunks) and decode logits, batched with other sequences, equal
     HF's full-sequence forward at every sampled position."""
-    runner = make_runner(hf_model)
+    runner = make_runner(tiny_llama)
     rows = capture_logits(runner, "r0")
     out = Driver(runner, PROMPTS, seed=5).run(6, split=split)["r0"]
     full = torch.tensor([PROMPTS[0] + out[:-1]])
     with torch.no_grad():
-        ref = hf_model(full).logits[0, len(PROMPTS[0]) - 1 :]
+        ref = tiny_llama(full).logits[0, len(PROMPTS[0]) - 1 :]
     torch.testing.assert_close(torch.stack(rows), ref, rtol=1e-4, atol=1e-4)
     assert out == ref.argmax(-1).tolist()
     want = sum(len(p) + 5 for p in PROMPTS)  # prompts, then 5 decode inputs each
@@ -147,23 +92,23 @@ def test_logits_match_hf_forward(hf_model: LlamaForCausalLM, split: bool) -> Non
 
 @pytest.mark.parametrize("split", [False, True])
 def test_greedy_matches_hf_one_at_a_time_and_batched(
-    hf_model: LlamaForCausalLM, split: bool
+    tiny_llama: LlamaForCausalLM, split: bool
 ) -> None:
     n = 12
-    want = {f"r{i}": hf_greedy(hf_model, p, n) for i, p in enumerate(PROMPTS)}
-    batched = Driver(make_runner(hf_model), PROMPTS, seed=1).run(n, split=split)
+    want = {f"r{i}": hf_greedy(tiny_llama, p, n) for i, p in enumerate(PROMPTS)}
+    batched = Driver(make_runner(tiny_llama), PROMPTS, seed=1).run(n, split=split)
     assert batched == want
     for i, p in enumerate(PROMPTS):
-        alone = Driver(make_runner(hf_model), [p], seed=i + 2).run(n, split=split)
+        alone = Driver(make_runner(tiny_llama), [p], seed=i + 2).run(n, split=split)
         assert alone["r0"] == want[f"r{i}"]
 
 
-def test_logits_bitwise_batch_invariant(hf_model: LlamaForCausalLM) -> None:
+def test_logits_bitwise_batch_invariant(tiny_llama: LlamaForCausalLM) -> None:
     """A sequence's logits do not change by one bit when other sequences share its steps."""
     captured: dict[int, list[torch.Tensor]] = {}
 
     def run(prompts: list[list[int]], key: int) -> None:
-        runner = make_runner(hf_model, gemm_rows=GemmRows(4, 4, True))
+        runner = make_runner(tiny_llama, gemm_rows=GemmRows(4, 4, True))
         captured[key] = capture_logits(runner, "r0")
         Driver(runner, prompts, seed=key).run(8)
 
@@ -175,7 +120,7 @@ def test_logits_bitwise_batch_invariant(hf_model: LlamaForCausalLM) -> None:
 
 
 def test_seeded_sampling_and_penalties_are_batch_independent(
-    hf_model: LlamaForCausalLM,
+    tiny_llama: LlamaForCausalLM,
 ) -> None:
     hot = SamplingParams(max_tokens=10, temperature=1.5, top_p=0.95, seed=7, ignore_eos=True)
     pen = SamplingParams(
@@ -187,21 +132,21 @@ def test_seeded_sampling_and_penalties_are_batch_independent(
         presence_penalty=0.5,
         frequency_penalty=0.5,
     )
-    alone = Driver(make_runner(hf_model), PROMPTS[:2], seed=0).run(10, params=[hot, pen])
+    alone = Driver(make_runner(tiny_llama), PROMPTS[:2], seed=0).run(10, params=[hot, pen])
     others = [SamplingParams(max_tokens=10, temperature=1.0, ignore_eos=True)] * 2
-    mixed = Driver(make_runner(hf_model), PROMPTS, seed=9).run(10, params=[hot, pen, *others])
+    mixed = Driver(make_runner(tiny_llama), PROMPTS, seed=9).run(10, params=[hot, pen, *others])
     assert mixed["r0"] == alone["r0"] and mixed["r1"] == alone["r1"]
-    greedy = Driver(make_runner(hf_model), PROMPTS[:1], seed=0).run(10)["r0"]
+    greedy = Driver(make_runner(tiny_llama), PROMPTS[:1], seed=0).run(10)["r0"]
     assert alone["r0"] != greedy  # really sampled
     # the penalised request never repeats a token when penalties are this strong
     strong = SamplingParams(max_tokens=10, temperature=0, presence_penalty=100.0, ignore_eos=True)
-    once = Driver(make_runner(hf_model), PROMPTS[1:2], seed=0).run(10, params=[strong])["r0"]
+    once = Driver(make_runner(tiny_llama), PROMPTS[1:2], seed=0).run(10, params=[strong])["r0"]
     assert len(set(once)) == len(once) == 10
 
 
-def test_finish_reasons_and_errors(hf_model: LlamaForCausalLM) -> None:
-    runner = make_runner(hf_model)
-    greedy_first = hf_greedy(hf_model, PROMPTS[1], 1)[0]
+def test_finish_reasons_and_errors(tiny_llama: LlamaForCausalLM) -> None:
+    runner = make_runner(tiny_llama)
+    greedy_first = hf_greedy(tiny_llama, PROMPTS[1], 1)[0]
     stop = SamplingParams(max_tokens=5, temperature=0.0, stop_token_ids=[greedy_first])
     held = SamplingParams(
         max_tokens=5, temperature=0.0, stop_token_ids=[greedy_first], min_tokens=2
@@ -226,21 +171,21 @@ def test_finish_reasons_and_errors(hf_model: LlamaForCausalLM) -> None:
     assert ok.error is None and set(runner.requests) == {"s"}
 
 
-def test_hf_directory_source_sharded(hf_model: LlamaForCausalLM, tmp_path) -> None:
+def test_hf_directory_source_sharded(tiny_llama: LlamaForCausalLM, tmp_path) -> None:
     """A local HF directory (sharded safetensors + index) loads to the same config and weights,
     and a runner built from it generates like HF."""
-    hf_model.save_pretrained(tmp_path, max_shard_size="100KB")
+    tiny_llama.save_pretrained(tmp_path, max_shard_size="100KB")
     assert (tmp_path / "model.safetensors.index.json").is_file()
     src = ModelSource("hf", tmp_path, "tiny")
     cfg = load_config(src)
-    assert cfg == make_runner(hf_model).config
+    assert cfg == make_runner(tiny_llama).config
     weights = load_weights(src, cfg)
-    state = hf_model.state_dict()
+    state = tiny_llama.state_dict()
     assert set(weights) == set(state)
     assert all(torch.equal(weights[k], state[k]) for k in state)
     runner = ModelRunner.create(src, block_size=BLOCK, num_blocks=NUM_BLOCKS)
     out = Driver(runner, PROMPTS[:1]).run(4)["r0"]
-    assert out == hf_greedy(hf_model, PROMPTS[0], 4)
+    assert out == hf_greedy(tiny_llama, PROMPTS[0], 4)
 
 
 def _prefill(runner: ModelRunner, rid: str, prompt: list[int], params: SamplingParams):
@@ -252,11 +197,11 @@ def _prefill(runner: ModelRunner, rid: str, prompt: list[int], params: SamplingP
     return runner.execute(plan)
 
 
-def test_logprobs_are_the_raw_distribution_and_logit_bias_applies(hf_model) -> None:
+def test_logprobs_are_the_raw_distribution_and_logit_bias_applies(tiny_llama) -> None:
     prompt = PROMPTS[0]
     with torch.no_grad():
-        ref = torch.log_softmax(hf_model(torch.tensor([prompt])).logits[0, -1].float(), -1)
-    runner = make_runner(hf_model)
+        ref = torch.log_softmax(tiny_llama(torch.tensor([prompt])).logits[0, -1].float(), -1)
+    runner = make_runner(tiny_llama)
     res = _prefill(runner, "a", prompt, SamplingParams(max_tokens=4, temperature=0, logprobs=3))
     lp = res.logprobs[0]
     tok = res.token_ids[0]
@@ -266,23 +211,23 @@ def test_logprobs_are_the_raw_distribution_and_logit_bias_applies(hf_model) -> N
     assert lp.top_logprobs == pytest.approx(ref.topk(3).values.tolist(), abs=1e-4)
     # a strong bias on the least likely token makes greedy pick it; logprobs stay raw
     worst = int(ref.argmin())
-    runner = make_runner(hf_model)
+    runner = make_runner(tiny_llama)
     params = SamplingParams(max_tokens=4, temperature=0, logprobs=0, logit_bias={worst: 1000.0})
     res = _prefill(runner, "b", prompt, params)
     assert res.token_ids == [worst]
     assert res.logprobs[0].logprob == pytest.approx(float(ref[worst]), abs=1e-4)
     assert res.logprobs[0].top_ids == []
     # nobody asked: no logprobs column at all
-    runner = make_runner(hf_model)
+    runner = make_runner(tiny_llama)
     assert _prefill(runner, "c", prompt, SamplingParams(max_tokens=4, temperature=0)).logprobs == []
 
 
-def test_penalties_see_the_whole_prompt_when_a_prefix_was_computed_elsewhere(hf_model) -> None:
+def test_penalties_see_the_whole_prompt_when_a_prefix_was_computed_elsewhere(tiny_llama) -> None:
     """A prefix-cache hit (or KV from a prefill worker) means this worker computes only the end
     of the prompt; repetition_penalty still covers every prompt token (NewRequest's
     token_history), so greedy output equals HF's generate with the same penalty."""
     prompt = PROMPTS[3]
-    ref = hf_model.generate(
+    ref = tiny_llama.generate(
         torch.tensor([prompt]),
         max_new_tokens=6,
         min_new_tokens=6,
@@ -290,7 +235,7 @@ def test_penalties_see_the_whole_prompt_when_a_prefix_was_computed_elsewhere(hf_
         repetition_penalty=1.5,
         pad_token_id=0,
     )[0, len(prompt) :].tolist()
-    runner = make_runner(hf_model)
+    runner = make_runner(tiny_llama)
     tables = list(range(8))
     first = SamplingParams(max_tokens=1, temperature=0)  # another request fills blocks 0-3
     runner.execute(
@@ -303,24 +248,24 @@ def test_penalties_see_the_whole_prompt_when_a_prefix_was_computed_elsewhere(hf_
         seq = ScheduledSeq("b", [out[-1]], len(prompt) + len(out) - 1, tables)
         out += runner.execute(StepPlan(len(out) + 1, [seq])).token_ids
     assert out == ref
-    plain = Driver(make_runner(hf_model), [prompt]).run(6)["r0"]
+    plain = Driver(make_runner(tiny_llama), [prompt]).run(6)["r0"]
     assert plain != ref  # the penalty changed the output: the comparison above has teeth
 
 
-def test_a_bf16_kv_cache_holds_bf16_and_stays_close_to_hf(hf_model: LlamaForCausalLM) -> None:
+def test_a_bf16_kv_cache_holds_bf16_and_stays_close_to_hf(tiny_llama: LlamaForCausalLM) -> None:
     """``--kv-cache-dtype bfloat16`` on the CPU path with fp32 weights: K and V are stored as
     bf16 (read back into fp32 arithmetic), so the logits move by about bf16's rounding and no
     more; the default cache stays exact."""
     errs = {}
     for kv_dtype in ("bfloat16", "auto"):
-        runner = make_runner(hf_model, kv_cache_dtype=kv_dtype)
+        runner = make_runner(tiny_llama, kv_cache_dtype=kv_dtype)
         want = torch.bfloat16 if kv_dtype == "bfloat16" else torch.float32
         assert all(k.dtype == v.dtype == want for k, v in runner.kv_caches)
         rows = capture_logits(runner, "r0")
         out = Driver(runner, PROMPTS, seed=5).run(6)["r0"]
         full = torch.tensor([PROMPTS[0] + out[:-1]])
         with torch.no_grad():
-            ref = hf_model(full).logits[0, len(PROMPTS[0]) - 1 :]
+            ref = tiny_llama(full).logits[0, len(PROMPTS[0]) - 1 :]
         errs[kv_dtype] = ((torch.stack(rows) - ref).norm() / ref.norm()).item()
         assert out == ref.argmax(-1).tolist()
     assert errs["auto"] < 1e-5

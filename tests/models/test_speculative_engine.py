@@ -13,51 +13,20 @@ from transformers import LlamaForCausalLM
 
 from kvflow.services.scheduler.core import SchedulerCore
 from kvflow.services.scheduler.limits import SchedulerLimits
-from kvflow.services.worker.runner import ModelRunner
 from kvflow.services.worker.sim_runner import SimRunner
 from kvflow.shared.messages import (
     NewRequest,
     SamplingParams,
     ScheduledSeq,
     StepPlan,
-    StepResult,
     TokenizedRequest,
 )
 from kvflow.shared.speculative import SpeculativeConfig
-from tests.models.test_runner_tiny import hf_model, make_runner  # noqa: F401
+from tests.helpers.engine import run_core
+from tests.helpers.tiny_llama import make_runner
 
 NGRAM = SpeculativeConfig("ngram", num_speculative_tokens=4, prompt_lookup_min=1,
                           prompt_lookup_max=3)  # fmt: skip
-
-
-def run_core(
-    core: SchedulerCore,
-    runner: ModelRunner | SimRunner,
-    prompts: list[list[int]],
-    params: SamplingParams,
-    max_steps: int = 2000,
-) -> tuple[dict[str, list[int]], list[StepPlan]]:
-    """Every prompt through ``core`` and ``runner`` to its end: the tokens each got, and the
-    plans sent."""
-    ws = next(iter(core.workers.values()))
-    for i, p in enumerate(prompts):
-        core.add_request(TokenizedRequest(f"r{i}", "", p, params))
-    out: dict[str, list[int]] = {f"r{i}": [] for i in range(len(prompts))}
-    plans = []
-    for _ in range(max_steps):
-        plan, loads = core.schedule(ws)
-        assert not loads
-        if plan is None:
-            break
-        plans.append(plan)
-        res: StepResult = runner.execute(plan)
-        assert res.error is None, res.error
-        for rid, tok in zip(res.request_ids, res.token_ids, strict=True):
-            out[rid].append(tok)
-        core.on_result(res)
-    assert not core.requests, "requests left unfinished"
-    assert ws.bm.num_free_blocks == ws.bm.num_blocks
-    return out, plans
 
 
 def _steps_of(plans: list[StepPlan], rid: str) -> int:
@@ -90,17 +59,17 @@ PROMPTS = [
 
 
 @pytest.mark.parametrize("batched", [False, True])
-def test_greedy_equals_hf_and_plain_decoding(hf_model: LlamaForCausalLM, batched: bool) -> None:  # noqa: F811
+def test_greedy_equals_hf_and_plain_decoding(tiny_llama: LlamaForCausalLM, batched: bool) -> None:
     greedy = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
     groups = [PROMPTS] if batched else [[p] for p in PROMPTS]
     for group in groups:
-        runner = make_runner(hf_model, worker_id="w")
+        runner = make_runner(tiny_llama, worker_id="w")
         plain, plain_plans = run_core(_core(None, 64, 4), runner, group, greedy)
         core = _core(NGRAM, 64, 4)
-        spec, plans = run_core(core, make_runner(hf_model, worker_id="w"), group, greedy)
+        spec, plans = run_core(core, make_runner(tiny_llama, worker_id="w"), group, greedy)
         assert spec == plain
         for i, p in enumerate(group):
-            assert spec[f"r{i}"] == hf_argmax(hf_model, p, 24)
+            assert spec[f"r{i}"] == hf_argmax(tiny_llama, p, 24)
         assert core.speculator is not None
         stats = core.speculator.stats
         assert stats.num_draft_tokens == sum(s.num_draft for plan in plans for s in plan.seqs)
@@ -111,31 +80,31 @@ def test_greedy_equals_hf_and_plain_decoding(hf_model: LlamaForCausalLM, batched
             )
 
 
-def test_preemption_and_chunked_prefill_keep_greedy_output(hf_model: LlamaForCausalLM) -> None:  # noqa: F811
+def test_preemption_and_chunked_prefill_keep_greedy_output(tiny_llama: LlamaForCausalLM) -> None:
     """16 KV blocks of 4 tokens for 4 sequences of up to 54 tokens: preemptions happen, drafts
     are dropped before anything is preempted for them, and blocks all come back."""
     greedy = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
     lim = {"max_num_batched_tokens": 8, "max_model_len": 128}
     plain, _ = run_core(
-        _core(None, 16, 4, **lim), make_runner(hf_model, worker_id="w"), PROMPTS, greedy
+        _core(None, 16, 4, **lim), make_runner(tiny_llama, worker_id="w"), PROMPTS, greedy
     )
     core = _core(NGRAM, 16, 4, **lim)
-    spec, plans = run_core(core, make_runner(hf_model, worker_id="w"), PROMPTS, greedy)
+    spec, plans = run_core(core, make_runner(tiny_llama, worker_id="w"), PROMPTS, greedy)
     assert spec == plain
     assert core.workers["w"].num_preemptions > 0
     assert any(s.num_draft for plan in plans for s in plan.seqs)
     assert all(sum(len(s.token_ids) for s in plan.seqs) <= 8 for plan in plans)
 
 
-def test_max_tokens_and_model_length_bound_the_drafts(hf_model: LlamaForCausalLM) -> None:  # noqa: F811
+def test_max_tokens_and_model_length_bound_the_drafts(tiny_llama: LlamaForCausalLM) -> None:
     for max_tokens in (1, 2, 5, 9):
         params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
         out, plans = run_core(
-            _core(NGRAM, 64, 4), make_runner(hf_model, worker_id="w"), PROMPTS, params
+            _core(NGRAM, 64, 4), make_runner(tiny_llama, worker_id="w"), PROMPTS, params
         )
         assert all(len(v) == max_tokens for v in out.values())
     params = SamplingParams(max_tokens=100, temperature=0.0, ignore_eos=True)
-    runner = make_runner(hf_model, worker_id="w", max_model_len=20)
+    runner = make_runner(tiny_llama, worker_id="w", max_model_len=20)
     out, plans = run_core(_core(NGRAM, 64, 4, max_model_len=20), runner, [PROMPTS[0]], params)
     assert len(PROMPTS[0]) + len(out["r0"]) == 20  # the model length, exactly
     assert max(s.start_pos + len(s.token_ids) for p in plans for s in p.seqs) <= 20
@@ -156,17 +125,19 @@ def test_simulated_worker_speculates_the_same_way() -> None:
     assert any(s.num_draft for plan in plans for s in plan.seqs)
 
 
-def test_sampled_tokens_keep_the_target_distribution(hf_model: LlamaForCausalLM) -> None:  # noqa: F811
+def test_sampled_tokens_keep_the_target_distribution(tiny_llama: LlamaForCausalLM) -> None:
     """One verification step with draft d, repeated: the first token follows p(. | prompt)
     and, when it equals d, the second follows p(. | prompt, d); chi-square at 0.1 %."""
     torch.manual_seed(1234)
     temp = 1.5
     prompt = [5, 17, 99, 3, 42, 8]
     with torch.no_grad():
-        p0 = torch.softmax(hf_model(torch.tensor([prompt])).logits[0, -1].double() / temp, -1)
+        p0 = torch.softmax(tiny_llama(torch.tensor([prompt])).logits[0, -1].double() / temp, -1)
         d = int(p0.argmax())
-        p1 = torch.softmax(hf_model(torch.tensor([[*prompt, d]])).logits[0, -1].double() / temp, -1)
-    runner = make_runner(hf_model, worker_id="w")
+        p1 = torch.softmax(
+            tiny_llama(torch.tensor([[*prompt, d]])).logits[0, -1].double() / temp, -1
+        )
+    runner = make_runner(tiny_llama, worker_id="w")
     params = SamplingParams(max_tokens=10_000, temperature=temp)
     n_req, table = 500, [0, 1, 2]  # every request writes the same K/V into the same slots
     rids = [f"s{i}" for i in range(n_req)]
@@ -220,7 +191,7 @@ def _draft_of(hf: LlamaForCausalLM, layers: int):  # noqa: ANN202
 
 
 @pytest.mark.parametrize("layers", [2, 1])
-def test_draft_model_keeps_greedy_output(hf_model: LlamaForCausalLM, layers: int) -> None:  # noqa: F811
+def test_draft_model_keeps_greedy_output(tiny_llama: LlamaForCausalLM, layers: int) -> None:
     """A draft model in the worker (the target itself, or its first layer): greedy output
     equals plain decoding's, alone and batched, under chunked prefill and preemption; the
     whole-model draft is accepted (nearly) always."""
@@ -228,10 +199,10 @@ def test_draft_model_keeps_greedy_output(hf_model: LlamaForCausalLM, layers: int
     draft = SpeculativeConfig("draft_model", 3, model="tiny")
     lim = {"max_num_batched_tokens": 12, "max_model_len": 128}
     plain, _ = run_core(
-        _core(None, 20, 4, **lim), make_runner(hf_model, worker_id="w"), PROMPTS, greedy
+        _core(None, 20, 4, **lim), make_runner(tiny_llama, worker_id="w"), PROMPTS, greedy
     )
     core = _core(draft, 20, 4, **lim)
-    runner = make_runner(hf_model, worker_id="w", draft=_draft_of(hf_model, layers))
+    runner = make_runner(tiny_llama, worker_id="w", draft=_draft_of(tiny_llama, layers))
     spec, plans = run_core(core, runner, PROMPTS, greedy)
     assert spec == plain
     assert core.workers["w"].num_preemptions > 0
@@ -244,25 +215,29 @@ def test_draft_model_keeps_greedy_output(hf_model: LlamaForCausalLM, layers: int
     for i, p in enumerate(PROMPTS):
         alone, _ = run_core(
             _core(draft, 64, 4),
-            make_runner(hf_model, worker_id="w", draft=_draft_of(hf_model, layers)),
+            make_runner(tiny_llama, worker_id="w", draft=_draft_of(tiny_llama, layers)),
             [p],
             greedy,
         )
         assert alone["r0"] == plain[f"r{i}"]
 
 
-def test_prefix_cache_hits_on_blocks_filled_by_accepted_drafts(hf_model: LlamaForCausalLM) -> None:  # noqa: F811
+def test_prefix_cache_hits_on_blocks_filled_by_accepted_drafts(
+    tiny_llama: LlamaForCausalLM,
+) -> None:
     """A follow-up whose prompt is the first request's prompt and output hits the blocks the
     first filled (many through accepted drafts) and generates what plain decoding does."""
     greedy = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
     core = _core(NGRAM, 64, 4)
-    runner = make_runner(hf_model, worker_id="w")
+    runner = make_runner(tiny_llama, worker_id="w")
     first, _ = run_core(core, runner, [PROMPTS[2]], greedy)
     assert core.speculator is not None and core.speculator.stats.num_accepted_tokens > 0
     follow = PROMPTS[2] + first["r0"]
     second, _ = run_core(core, runner, [follow], greedy)
     assert core.workers["w"].bm.prefix_hits >= (len(follow) - 1) // 4
-    plain, _ = run_core(_core(None, 64, 4), make_runner(hf_model, worker_id="w"), [follow], greedy)
+    plain, _ = run_core(
+        _core(None, 64, 4), make_runner(tiny_llama, worker_id="w"), [follow], greedy
+    )
     assert second == plain
 
 

@@ -15,8 +15,8 @@ from transformers import AutoTokenizer
 
 from kvflow.shared import model_source
 from kvflow.shared.model_source import load_tokenizer, resolve_model
-from tests.models.test_pooling_models import minilm_dir
-from tests.unit.family_models import CONFIGS, TRANSFORMERS_ONLY
+from tests.helpers.families import CONFIGS, TRANSFORMERS_ONLY
+from tests.helpers.pooling import minilm_dir
 
 TEXTS = [
     "Hello, world! <|im_start|>user\nünïcödé   spaces\n\ttabs 12345",

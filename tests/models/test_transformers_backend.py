@@ -23,15 +23,15 @@ from kvflow.services.worker.transformers_model import TransformersModel
 from kvflow.shared.messages import SamplingParams, ScheduledSeq
 from kvflow.shared.model_source import ModelSource
 from kvflow.shared.models.generic import transformers_config
-from tests.unit import engine_support
-from tests.unit.engine_support import (
+from tests.helpers import engine as engine_support
+from tests.helpers.engine import (
     check_alone,
     check_batched_chunked,
     check_preempted_and_prefix_hit,
     new_core,
     run,
 )
-from tests.unit.family_models import CONFIGS, hf_generate, make_model
+from tests.helpers.families import CONFIGS, hf_generate, make_model
 
 PROMPTS = [
     [5, 17, 99, 3, 42, 8, 64, 21, 77, 1, 33],
