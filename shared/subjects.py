@@ -32,8 +32,8 @@ def replayed(subject: str) -> bool:
 
 
 def ping(service: str) -> str:
-    """Where one ready instance of ``service`` answers Ping with Pong (queue group: the
-    service's name)."""
+    """Where every ready instance of ``service`` answers Ping with Pong (no queue group: the
+    asker takes the first Pong; shared/ops_http.py)."""
     return f"{PREFIX}.ping.{service}"
 
 

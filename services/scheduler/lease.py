@@ -2,9 +2,9 @@
 takes over when it dies.
 
 redis-py's ``Lock`` does the hard parts (a random token, atomic check-and-extend in Lua). The
-leader extends the lease every ``ttl/3`` and treats it as valid only until its last successful
-extension plus ``ttl`` minus a margin (``valid()``): a leader that stalls past that stops planning
-before a standby can have taken over. Each new leader increments an epoch counter; plans carry
+leader extends the lease every ``ttl/6`` (leadership.py) and treats it as valid only until its
+last successful extension plus 0.8 ``ttl`` (``valid()``): a leader that stalls past that stops
+planning before a standby can have taken over. Each new leader increments an epoch counter; plans carry
 the epoch and workers ignore plans of older epochs (fencing a deposed leader that does not know
 it yet).
 

@@ -6,7 +6,8 @@
 - ``--dtype auto`` (the default) is bfloat16 on CUDA and float32 on the CPU (the CPU path's
   exactness, batch invariance and fast kernels are fp32). ``--dtype bfloat16`` on the CPU runs
   the dense linear layers through oneDNN's bf16 GEMM (kernels/cpu_gemm.py ``Bf16Weight``) and
-  keeps the rest, the lm_head included, in fp32; float16 is refused there.
+  keeps the rest in fp32 (the lm_head in bf16 panels with fp32 sums where the linear layers
+  use them, else fp32: kernels/cpu_gemm.py ``head_packing``); float16 is refused there.
 - The kernel backend follows the device: the Triton kernels (kernels/ops.py ``"triton"``) on
   CUDA, in any dtype (bf16/fp16 for serving; fp32 works, with full-precision dots), and the CPU
   path (kernels/reference.py with the native C decode attention, oneDNN-packed GEMMs and
