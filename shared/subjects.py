@@ -9,6 +9,8 @@ REQUESTS = f"{PREFIX}.requests"  # TokenizedRequest -> scheduler(s), and one det
 DETOKENIZER_QUEUE = "detokenizer"  # the queue group that shares requests among detokenizers
 ABORT = f"{PREFIX}.abort"  # Abort -> scheduler and detokenizer
 RESULTS = f"{PREFIX}.results"  # StepResult -> scheduler and detokenizer
+# DetokenizerClaims: every detokenizer -> every detokenizer (services/detokenizer/takeover.py)
+DETOKENIZER_CLAIMS = f"{PREFIX}.detokenizer.claims"
 HEARTBEAT = f"{PREFIX}.workers.heartbeat"  # WorkerHeartbeat -> scheduler
 SCHEDULER_STATS = f"{PREFIX}.scheduler.stats"  # request/reply StatsRequest -> SchedulerStats
 # request/reply LoraList | LoraLoad | LoraUnload -> LoraAdapters (the leader answers)

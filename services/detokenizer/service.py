@@ -4,8 +4,9 @@ When a stop string ends a sequence it tells the scheduler (Abort with reason STO
 
 Any number of detokenizers share the work: each new request goes to one of them (a NATS queue
 group on the requests subject), which then handles that request's tokens; step results go to
-all, and each keeps only its own. On SIGTERM a detokenizer leaves the queue group (no new
-requests) and finishes the ones it has, then exits. Should a request ever reach two (a
+all, and each keeps only its own. Each also keeps, untouched, the requests and tokens the others
+hold, and takes over a dead one's requests within seconds (takeover.py). On SIGTERM a
+detokenizer leaves the queue group (no new requests) and finishes the ones it has, then exits. Should a request ever reach two (a
 resubmission, or a replay after a lost NATS node, landing elsewhere), both send the same deltas
 and the gateway keeps one: a detokenizer takes a request only when it has every token of it,
 i.e. when the tokens it kept for it while it was unknown here start at the first; one that
@@ -30,6 +31,7 @@ from nats.aio.msg import Msg
 from opentelemetry.trace import Span, SpanKind
 
 from kvflow.services.detokenizer.state import DetokState
+from kvflow.services.detokenizer.takeover import CLAIM_INTERVAL_S, Token, Watch, Watched
 from kvflow.services.detokenizer.telemetry import DetokenizerMetrics
 from kvflow.services.detokenizer.tool_parsers import ToolParserErrors
 from kvflow.shared import subjects
@@ -42,6 +44,7 @@ from kvflow.shared.messages import (
     Abort,
     Delta,
     DeltaBatch,
+    DetokenizerClaims,
     FinishReason,
     Message,
     PooledOutput,
@@ -51,6 +54,7 @@ from kvflow.shared.messages import (
     StepVoid,
     TokenizedRequest,
 )
+from kvflow.shared.metrics import instance_id
 from kvflow.shared.telemetry import extract, tracer
 from kvflow.shared.voided_steps import VoidedSteps
 
@@ -71,7 +75,8 @@ class DetokenizerService:
         self.bus = Bus("detokenizer")
         self.states: dict[str, DetokState] = {}
         self.spans: dict[str, Span] = {}  # request id -> its detokenize span, while here
-        self.metrics = DetokenizerMetrics(lambda: len(self.states))
+        self.watch = Watch(instance_id(self.bus.name))  # the requests other detokenizers hold
+        self.metrics = DetokenizerMetrics(lambda: len(self.states), lambda: self.watch.taken_over)
         self.metrics.registry.register(ToolParserErrors())
         self.done: OrderedDict[str, None] = OrderedDict()  # recently ended, to ignore late results
         # each request's tokens in position order (shared/in_order.py): repeats of a re-run
@@ -80,11 +85,12 @@ class DetokenizerService:
         self.voided = VoidedSteps()  # steps the scheduler gave up (shared/voided_steps.py)
         # tokens of requests not known here yet: (position, or 0 where the sender numbers none;
         # token, finish reason, logprobs), from when the first came
-        self.early: dict[str, tuple[float, list[tuple[int, int, int, SampleLogprobs | None]]]] = {}
+        self.early: dict[str, tuple[float, list[Token]]] = {}
         self.early_prompt: dict[str, tuple[float, list[PromptLogprobs]]] = {}
         self.embeds: dict[str, tuple[str, int]] = {}  # embedding: id -> (reply_to, prompt len)
         self.early_embeds: dict[str, tuple[float, PooledOutput]] = {}
         self._requests_sub: Any = None
+        self._watch_sub: Any = None
         self.draining = False
         self.stopped = asyncio.Event()
         self._emptied = asyncio.Event()  # set when the last request here ends
@@ -96,9 +102,60 @@ class DetokenizerService:
         self._requests_sub = await self.bus.subscribe(
             subjects.REQUESTS, self._on_message, queue=subjects.DETOKENIZER_QUEUE
         )
+        self._watch_sub = await self.bus.subscribe(subjects.REQUESTS, self._on_watched)
         await self.bus.subscribe(subjects.RESULTS, self._on_message)
         await self.bus.subscribe(subjects.ABORT, self._on_message)
+        await self.bus.subscribe(subjects.DETOKENIZER_CLAIMS, self._on_message)
+        self.bus.spawn(self._claim_loop())
         log.info("detokenizer ready")
+
+    async def _on_watched(self, msg: Message, raw: Msg) -> None:
+        """Every request, held here or by another detokenizer: one held elsewhere is watched
+        (its tokens kept, takeover.py), with the tokens of it that came before it."""
+        rid = getattr(msg, "request_id", None)
+        if not isinstance(msg, TokenizedRequest) or rid in self.states or rid in self.done:
+            return
+        if rid in self.embeds or self.draining:
+            return
+        self.watch.add(msg, raw.headers, self.early.pop(rid, (0.0, []))[1])
+        w = self.watch.requests.get(rid)
+        if w is not None:
+            w.prompt_logprobs += self.early_prompt.pop(rid, (0.0, []))[1]
+            w.embedding = w.embedding or self.early_embeds.pop(rid, (0.0, None))[1]
+
+    async def _claim_loop(self) -> None:
+        """Twice a second: say what this detokenizer holds, and take over the requests of the
+        detokenizers that stopped saying it."""
+        while not self.stopped.is_set():
+            held = [*self.states, *self.embeds]
+            claims = DetokenizerClaims(self.watch.instance, held, self.draining)
+            try:
+                await self.bus.publish(subjects.DETOKENIZER_CLAIMS, claims)
+            except Exception as e:  # noqa: BLE001 - disconnected: the claims go out next time
+                log.debug("detokenizer: claims not sent: %r", e)
+            for w in self.watch.orphans(self.draining):
+                with request_scope(w.request.request_id):
+                    await self._take_over(w)
+            await asyncio.sleep(CLAIM_INTERVAL_S)
+
+    async def _take_over(self, w: Watched) -> None:
+        """A dead detokenizer's request: registered here with every token so far, every delta
+        sent again (the gateway keeps the ones it lacks). One whose first tokens this one never
+        saw ends with an error: its text could not be told from the start."""
+        rid = w.request.request_id
+        positions = sorted(t[0] for t in w.tokens if t[0] > 0)
+        if positions and positions[0] != 1:
+            log.error("detokenizer: %s lost its detokenizer and its first tokens; ending it", rid)
+            self._mark_done(rid)
+            await self.bus.publish(w.request.reply_to, lost_in_transit(rid))
+            await self.bus.publish(subjects.ABORT, Abort(rid, FinishReason.ABORT))
+            return
+        log.warning(
+            "detokenizer: taking over %s (%d tokens so far) from a detokenizer that is gone",
+            rid,
+            len(w.tokens),
+        )
+        await self._register(w.request, w.headers, kept=w)
 
     async def _on_message(self, msg: Message, raw: Msg) -> None:
         match msg:
@@ -118,7 +175,10 @@ class DetokenizerService:
                 self.metrics.steps.observe(time.perf_counter() - t0)
             case StepVoid():
                 self.voided.add(msg)
+            case DetokenizerClaims():
+                self.watch.on_claims(msg)
             case Abort():
+                self.watch.pop(msg.request_id)
                 if self.embeds.pop(msg.request_id, None) is not None:
                     self._mark_done(msg.request_id)
                 self.order.forget(msg.request_id)
@@ -128,11 +188,23 @@ class DetokenizerService:
             case _:
                 log.warning("detokenizer: unexpected %s on %s", type(msg).__name__, raw.subject)
 
-    async def _register(self, req: TokenizedRequest, headers: dict[str, str] | None = None) -> None:
+    async def _register(
+        self,
+        req: TokenizedRequest,
+        headers: dict[str, str] | None = None,
+        kept: Watched | None = None,
+    ) -> None:
+        """Hold ``req`` here, with what came of it before (``kept``: what the watch kept of a
+        request held elsewhere until now)."""
         if req.request_id in self.states or req.request_id in self.done:
             return  # a resubmission (the gateway retries until acknowledged): already known
-        early = self.early.pop(req.request_id, None)
-        numbered = sorted({e[0]: e for e in (early[1] if early else []) if e[0] > 0}.values())
+        kept = kept or self.watch.pop(req.request_id)
+        tokens = [*(kept.tokens if kept else ()), *self.early.pop(req.request_id, (0.0, []))[1]]
+        prompt_pieces = [
+            *(kept.prompt_logprobs if kept else ()),
+            *self.early_prompt.pop(req.request_id, (0.0, []))[1],
+        ]
+        numbered = sorted({e[0]: e for e in tokens if e[0] > 0}.values())
         if numbered and numbered[0][0] != 1:
             # its first tokens went by before it was known here: another detokenizer has it (a
             # replay landed here); taking it would send text from a wrong position
@@ -144,9 +216,9 @@ class DetokenizerService:
             return
         if req.pooling is not None:  # an embedding: its vector passes through (_send_vectors)
             self.embeds[req.request_id] = (req.reply_to, len(req.prompt_token_ids))
-            early = self.early_embeds.pop(req.request_id, None)
-            if early is not None:
-                await self._send_vectors([early[1]])
+            vector = self.early_embeds.pop(req.request_id, (0.0, kept and kept.embedding))[1]
+            if vector is not None:
+                await self._send_vectors([vector])
             return
         self.spans[req.request_id] = _tracer.start_span(
             "detokenize",
@@ -166,13 +238,13 @@ class DetokenizerService:
         if req.params.prompt_logprobs is not None and req.prompt_token_ids:
             st.first_prompt_token = req.prompt_token_ids[0]
         self.states[req.request_id] = st
-        for piece in self.early_prompt.pop(req.request_id, (0.0, []))[1]:
+        for piece in prompt_pieces:
             st.add_prompt_logprobs(self.backend, piece)
         if numbered:  # in position order, each position once
             entries = [(req.request_id, t, r, lp) for _, t, r, lp in numbered]
             await self._apply(self._in_order(entries, [e[0] for e in numbered]))
-        if early:  # from senders that number no positions, as they came
-            await self._apply([(req.request_id, t, r, lp) for c, t, r, lp in early[1] if c == 0])
+        # from senders that number no positions, as they came
+        await self._apply([(req.request_id, t, r, lp) for c, t, r, lp in tokens if c == 0])
 
     async def _on_result(self, res: StepResult) -> None:
         if res.embeddings:
@@ -181,6 +253,8 @@ class DetokenizerService:
             st = self.states.get(piece.request_id)
             if st is not None:
                 st.add_prompt_logprobs(self.backend, piece)
+            elif self.watch.add_prompt_logprobs(piece):
+                pass
             elif piece.request_id not in self.done:
                 self.early_prompt.setdefault(piece.request_id, (time.monotonic(), []))[1].append(
                     piece
@@ -266,7 +340,10 @@ class DetokenizerService:
     def _keep_early(
         self, position: int, rid: str, tok: int, reason: int, lp: SampleLogprobs | None
     ) -> None:
-        """A token of a request not known here (yet), unless it ended here already."""
+        """A token of a request not held here (yet): watched, kept early unless it ended here
+        already."""
+        if self.watch.add_token(rid, (position, tok, reason, lp)):
+            return
         if rid not in self.done:
             self.early.setdefault(rid, (time.monotonic(), []))[1].append(
                 (position, tok, reason, lp)
@@ -279,6 +356,8 @@ class DetokenizerService:
         for pooled in outs:
             dest = self.embeds.pop(pooled.request_id, None)
             if dest is None:
+                if self.watch.add_embedding(pooled):
+                    continue
                 if pooled.request_id not in self.done:
                     self.early_embeds[pooled.request_id] = (time.monotonic(), pooled)
                 continue
@@ -310,8 +389,10 @@ class DetokenizerService:
             return
         self.draining = True
         log.info("detokenizer draining: %d requests to finish", len(self.states))
-        if self._requests_sub is not None:
-            await self._requests_sub.unsubscribe()
+        self.watch.requests.clear()  # a draining detokenizer takes over nothing
+        for sub in (self._requests_sub, self._watch_sub):
+            if sub is not None:
+                await sub.unsubscribe()
         if self.states or self.embeds:
             self._emptied.clear()
             try:

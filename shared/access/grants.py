@@ -81,10 +81,11 @@ NATS_GRANTS: dict[str, NatsGrant] = {
         publish=_out("tokenizer", S.REQUESTS, ANY_GATEWAY),
         subscribe=_own("tokenizer", S.TOKENIZE, S.TOKENIZER_RPC),
     ),
-    # token ids -> text deltas to the gateway; stop strings end a request (abort)
+    # token ids -> text deltas to the gateway; stop strings end a request (abort); the
+    # detokenizers tell each other what they hold (a dead one's requests are taken over)
     "detokenizer": NatsGrant(
-        publish=_out("detokenizer", ANY_GATEWAY, S.ABORT),
-        subscribe=_own("detokenizer", S.REQUESTS, S.RESULTS, S.ABORT),
+        publish=_out("detokenizer", ANY_GATEWAY, S.ABORT, S.DETOKENIZER_CLAIMS),
+        subscribe=_own("detokenizer", S.REQUESTS, S.RESULTS, S.ABORT, S.DETOKENIZER_CLAIMS),
     ),
     # plans steps for workers; accepts or refuses requests to their gateway
     "scheduler": NatsGrant(

@@ -31,7 +31,13 @@ from kvflow.shared.messages.kv import (
     KvTransferDone,
 )
 from kvflow.shared.messages.lora import LoraAdapters, LoraList, LoraLoad, LoraUnload
-from kvflow.shared.messages.ops import MetricsReport, MetricsRequest, Ping, Pong
+from kvflow.shared.messages.ops import (
+    DetokenizerClaims,
+    MetricsReport,
+    MetricsRequest,
+    Ping,
+    Pong,
+)
 from kvflow.shared.messages.outputs import (
     Delta,
     DeltaBatch,
@@ -108,6 +114,7 @@ __all__ = [
     "LoraList",
     "LoraLoad",
     "LoraUnload",
+    "DetokenizerClaims",
     "Message",
     "MetricsReport",
     "MetricsRequest",
@@ -180,6 +187,7 @@ Message = (
     | LoraList
     | LoraAdapters
     | StepVoid
+    | DetokenizerClaims
 )
 
 _encoder = msgspec.msgpack.Encoder()

@@ -1,4 +1,4 @@
-"""Operations: metrics scatter-gather and readiness pings."""
+"""Operations: metrics scatter-gather, readiness pings and the detokenizers' claims."""
 
 from __future__ import annotations
 
@@ -29,3 +29,13 @@ class Ping(_Msg, tag=32):
 class Pong(_Msg, tag=33):
     service: str
     instance: str
+
+
+class DetokenizerClaims(_Msg, tag=34):
+    """Sent on ``kvflow.detokenizer.claims`` by every detokenizer twice a second: the requests
+    it holds (services/detokenizer/takeover.py). A request that nobody has claimed for a while
+    is taken over by a surviving detokenizer; ``draining``: this one takes over nothing."""
+
+    instance: str
+    request_ids: list[str]
+    draining: bool = False

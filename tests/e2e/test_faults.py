@@ -1,19 +1,23 @@
 """Fault injection on one real stack: `kvflow serve --schedulers 2 --prefill-workers 1
 --decode-workers 2` (real processes, real NATS and Redis). Garbage on every subject, a decode
 worker killed with SIGKILL mid-stream, the leading scheduler killed, NATS stopped and started
-again, a flood above capacity, and SIGTERM with a request open. Users see none of it: streams go
-on with the same text, requests complete or fail clearly, and the stack keeps serving. The tests
-run in this order on the same stack; the last one shuts it down."""
+again, a second detokenizer drained and one killed, a flood above capacity, and SIGTERM with a
+request open. Users see none of it: streams go on with the same text (a killed detokenizer's
+requests taken over by the other), requests complete or fail clearly, and the stack keeps
+serving. The tests run in this order on the same stack; the last one shuts it down."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import httpx
 import pytest
@@ -239,16 +243,16 @@ def test_killed_leader_scheduler_another_takes_over(faults_stack) -> None:
     wait_all_blocks_free(base, timeout=30)
 
 
-def test_a_second_detokenizer_shares_requests_and_drains_cleanly(faults_stack) -> None:
-    base, _, _ = faults_stack
+@contextlib.contextmanager
+def extra_detokenizer(log_name: str) -> Iterator[tuple[subprocess.Popen, Path]]:
+    """A second detokenizer process on the stack's NATS (logged in as the role), ready."""
     nats_url, _ = stack_urls(NAME)
-    ps = prompts(12)  # spread at random by the queue group: both get some (1 - 2^-11)
-    reference = [s.join().text for s in run_streams(base, ps, 24)]
     login = str(stack_credentials(NAME).nats_password_file("detokenizer"))
     env = {**os.environ, "KVFLOW_NATS_URL": nats_url, "KVFLOW_MAX_MODEL_LEN": "1024"}
     env["KVFLOW_NATS_PASSWORD_FILE"] = login  # the stack is closed: log in as the role
-    log = open(ROOT / ".pytest_cache" / "kvflow-faults-detok2.log", "wb")  # noqa: SIM115
-    extra = subprocess.Popen(
+    log_path = ROOT / ".pytest_cache" / log_name
+    log = open(log_path, "wb")  # noqa: SIM115 - closed below
+    proc = subprocess.Popen(
         [sys.executable, "-m", "kvflow.cli.main", "run", "detokenizer"],
         cwd=ROOT,
         env=env,
@@ -257,12 +261,22 @@ def test_a_second_detokenizer_shares_requests_and_drains_cleanly(faults_stack) -
     )
     try:
         deadline = time.monotonic() + 60
-        while (
-            "detokenizer ready"
-            not in (ROOT / ".pytest_cache" / "kvflow-faults-detok2.log").read_text()
-        ):
-            assert extra.poll() is None and time.monotonic() < deadline
+        while "detokenizer ready" not in log_path.read_text():
+            assert proc.poll() is None and time.monotonic() < deadline
             time.sleep(0.2)
+        yield proc, log_path
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        log.close()
+
+
+def test_a_second_detokenizer_shares_requests_and_drains_cleanly(faults_stack) -> None:
+    base, _, _ = faults_stack
+    ps = prompts(12)  # spread at random by the queue group: both get some (1 - 2^-11)
+    reference = [s.join().text for s in run_streams(base, ps, 24)]
+    with extra_detokenizer("kvflow-faults-detok2.log") as (extra, log_path):
         streams = run_streams(base, ps, 24)
         while min(len(s.pieces) for s in streams) < 2:
             time.sleep(0.05)
@@ -272,15 +286,38 @@ def test_a_second_detokenizer_shares_requests_and_drains_cleanly(faults_stack) -
         assert [s.error for s in streams] == [None] * 12
         assert [s.text for s in streams] == reference  # no delta lost or repeated
         assert extra.wait(60) == 0
-        text = (ROOT / ".pytest_cache" / "kvflow-faults-detok2.log").read_text()
-        share = int(re.search(r"detokenizer draining: (\d+) requests", text).group(1))
+        share = int(re.search(r"detokenizer draining: (\d+) requests", log_path.read_text())[1])
         assert share >= 1  # it had requests of its own when it was asked to stop
-        assert complete(base, "The capital of France is")  # the first one carries on alone
-    finally:
-        if extra.poll() is None:
-            extra.kill()
-            extra.wait()
-        log.close()
+    assert complete(base, "The capital of France is")  # the first one carries on alone
+
+
+def test_a_killed_detokenizers_requests_are_taken_over_with_the_same_text(faults_stack) -> None:
+    """SIGKILL of a detokenizer mid-stream: the other takes its requests over within seconds
+    (services/detokenizer/takeover.py) and every stream ends with the text it has alone, long
+    before the requests' deadline (600 s)."""
+    base, _, _ = faults_stack
+    ps = prompts(12)[::-1]
+    reference = [s.join().text for s in run_streams(base, ps, 32)]
+
+    def takeovers() -> float:
+        text = httpx.get(f"{base}/metrics", timeout=30).text
+        return sum(
+            float(v)
+            for v in re.findall(r"^kvflow:detokenizer_takeovers_total\S* (\S+)$", text, re.M)
+        )
+
+    before = takeovers()
+    with extra_detokenizer("kvflow-faults-detok3.log") as (extra, _):
+        streams = run_streams(base, ps, 32)
+        while min(len(s.pieces) for s in streams) < 2:
+            time.sleep(0.05)
+        extra.kill()
+        for s in streams:
+            s.join(120)
+        assert [s.thread.is_alive() for s in streams] == [False] * 12, "a stream hung"
+        assert [s.error for s in streams] == [None] * 12
+        assert [s.text for s in streams] == reference
+    assert takeovers() > before  # it held some (1 - 2^-12), and they were taken over
 
 
 def test_nats_outage_requests_complete_or_fail_clearly_then_serving_resumes(faults_stack) -> None:

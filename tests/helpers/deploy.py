@@ -206,7 +206,7 @@ def exported_metric_names() -> set[str]:
     )
     tok = TokenizerMetrics()
     tok.requests.labels("ok").inc()
-    detok = DetokenizerMetrics(lambda: 0)
+    detok = DetokenizerMetrics(lambda: 0, lambda: 0)
     bus = Bus("x")
     bus.count("kvflow.results", "in", 10)
     bus.subscriptions.append(("kvflow.results", types.SimpleNamespace(pending_msgs=0)))  # type: ignore[arg-type]

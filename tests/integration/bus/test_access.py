@@ -50,6 +50,7 @@ EVERY_SUBJECT = [
     S.RESULTS,
     S.HEARTBEAT,
     S.KV_DONE,
+    S.DETOKENIZER_CLAIMS,
     S.SCHEDULER_STATS,
     S.METRICS,
     S.ping("tokenizer"),
@@ -80,7 +81,7 @@ PUBLISHES = {
         "_INBOX.gateway.x1",
     },
     "tokenizer": {S.REQUESTS, GW},  # errors go to the asking gateway
-    "detokenizer": {GW, S.ABORT},  # deltas; a stop string ends a request
+    "detokenizer": {GW, S.ABORT, S.DETOKENIZER_CLAIMS},  # deltas; stop strings; what it holds
     "scheduler": {STEP, GW, S.RESULTS},  # plans; Accepted / RequestError; StepVoid
     "worker": {S.RESULTS, S.KV_DONE, S.HEARTBEAT, KV, "_INBOX.worker.x1"},  # KV pulls
 }
@@ -88,7 +89,7 @@ PUBLISHES = {role: subjects | BLOBS for role, subjects in PUBLISHES.items()}
 SUBSCRIBES = {
     "gateway": {GW, S.METRICS, "_INBOX.gateway.x1", S.blob("gateway", "x1")},
     "tokenizer": {S.TOKENIZE, S.TOKENIZER_RPC, S.METRICS, S.ping("tokenizer")},
-    "detokenizer": {S.REQUESTS, S.RESULTS, S.ABORT, S.METRICS},
+    "detokenizer": {S.REQUESTS, S.RESULTS, S.ABORT, S.DETOKENIZER_CLAIMS, S.METRICS},
     "scheduler": {
         S.REQUESTS,
         S.ABORT,
