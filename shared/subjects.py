@@ -15,6 +15,8 @@ HEARTBEAT = f"{PREFIX}.workers.heartbeat"  # WorkerHeartbeat -> scheduler
 SCHEDULER_STATS = f"{PREFIX}.scheduler.stats"  # request/reply StatsRequest -> SchedulerStats
 # request/reply LoraList | LoraLoad | LoraUnload -> LoraAdapters (the leader answers)
 SCHEDULER_LORA = f"{PREFIX}.scheduler.lora"
+# request/reply LiveRequestsQuery -> LiveRequests (the leader answers; a detokenizer starting)
+SCHEDULER_LIVE = f"{PREFIX}.scheduler.live"
 # request/reply TokenizeRequest | DetokenizeRequest -> TokenizeResult | DetokenizeResult
 TOKENIZER_RPC = f"{PREFIX}.tokenizer.rpc"  # queue group TOKENIZER_QUEUE
 KV_DONE = f"{PREFIX}.kv.done"  # KvTransferDone: decode worker -> scheduler

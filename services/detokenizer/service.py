@@ -46,6 +46,8 @@ from kvflow.shared.messages import (
     DeltaBatch,
     DetokenizerClaims,
     FinishReason,
+    LiveRequests,
+    LiveRequestsQuery,
     Message,
     PooledOutput,
     PromptLogprobs,
@@ -106,8 +108,44 @@ class DetokenizerService:
         await self.bus.subscribe(subjects.RESULTS, self._on_message)
         await self.bus.subscribe(subjects.ABORT, self._on_message)
         await self.bus.subscribe(subjects.DETOKENIZER_CLAIMS, self._on_message)
+        self.bus.spawn(self._watch_live())
         self.bus.spawn(self._claim_loop())
         log.info("detokenizer ready")
+
+    async def _watch_live(self, attempts: int = 5) -> None:
+        """Watch the requests running as this detokenizer starts (the scheduler's leader says
+        which, with their tokens): a dead detokenizer's among them are taken over here. Alone
+        (no other detokenizer's claims heard), also the requests that ended lately: ended while
+        no detokenizer was there, their streams still wait. None answers while the stack starts
+        (nothing runs yet) or has no leader: carried on without."""
+        await asyncio.sleep(CLAIM_INTERVAL_S * 2.5)  # the other detokenizers' claims come
+        alone = not set(self.watch.members) - {self.watch.instance}
+        for _ in range(attempts):
+            query = LiveRequestsQuery(ended_lately=alone)
+            try:
+                live = await self.bus.request(subjects.SCHEDULER_LIVE, query, 2.0)
+            except Exception as e:  # noqa: BLE001 - no scheduler (yet): nothing to watch
+                log.debug("detokenizer: no answer about live requests: %r", e)
+                await asyncio.sleep(1.0)
+                continue
+            if isinstance(live, LiveRequests):
+                self.watch_live(live)
+                return
+
+    def watch_live(self, live: LiveRequests) -> None:
+        """Watch each request of ``live`` not held here, with its tokens so far."""
+        reasons = live.finish_reasons or [0] * len(live.requests)
+        for req, outputs, reason in zip(live.requests, live.output_ids, reasons, strict=True):
+            rid = req.request_id
+            if rid in self.states or rid in self.done or rid in self.embeds:
+                continue
+            tokens = [(i + 1, t, int(FinishReason.NONE), None) for i, t in enumerate(outputs)]
+            if tokens and reason:
+                tokens[-1] = (*tokens[-1][:2], reason, None)
+            lossy = req.params.logprobs is not None or req.params.prompt_logprobs is not None
+            self.watch.add(req, None, tokens, lossy)
+        if live.requests:
+            log.info("detokenizer: watching %d live requests", len(live.requests))
 
     async def _on_watched(self, msg: Message, raw: Msg) -> None:
         """Every request, held here or by another detokenizer: one held elsewhere is watched
@@ -144,8 +182,9 @@ class DetokenizerService:
         saw ends with an error: its text could not be told from the start."""
         rid = w.request.request_id
         positions = sorted(t[0] for t in w.tokens if t[0] > 0)
-        if positions and positions[0] != 1:
-            log.error("detokenizer: %s lost its detokenizer and its first tokens; ending it", rid)
+        if (positions and positions[0] != 1) or w.lossy:
+            what = "the logprobs it asked for" if w.lossy else "its first tokens"
+            log.error("detokenizer: %s lost its detokenizer and %s; ending it", rid, what)
             self._mark_done(rid)
             await self.bus.publish(w.request.reply_to, lost_in_transit(rid))
             await self.bus.publish(subjects.ABORT, Abort(rid, FinishReason.ABORT))

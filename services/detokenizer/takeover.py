@@ -9,6 +9,10 @@ work it costs). Twice a second every detokenizer says which requests it holds
 an orphan: its detokenizer died (or never registered it). One surviving detokenizer, the same
 for each request on every survivor (rendezvous hashing over the live, non-draining members),
 takes it over: it registers the request with every token so far and sends every delta again.
+A detokenizer that starts asks the scheduler for the requests running then, with their tokens
+(``LiveRequests``), and watches them too: the requests of the only detokenizer, restarted after
+it died, are taken over by its new process (those that asked for logprobs end with an error: the
+scheduler does not keep them).
 Delta boundaries are a function of the tokens alone (DetokState), so the gateway, which drops
 deltas whose tokens it has (shared/request_streams.py), keeps exactly the ones it lacks and the
 stream goes on with the same text. Two survivors that disagree about who takes a request over
@@ -46,6 +50,7 @@ class Watched:
     tokens: list[Token] = field(default_factory=list)
     prompt_logprobs: list[PromptLogprobs] = field(default_factory=list)
     embedding: PooledOutput | None = None
+    lossy: bool = False  # its tokens came without the logprobs it asked for (LiveRequests)
 
 
 def _rank(request_id: str, instance: str) -> bytes:
@@ -69,11 +74,21 @@ class Watch:
         self.taken_over = 0
 
     def add(
-        self, req: TokenizedRequest, headers: dict[str, str] | None, early: list[Token]
-    ) -> None:
-        """A request seen on the plain subscription, with its tokens that came before it."""
-        if req.request_id not in self.requests:
-            self.requests[req.request_id] = Watched(req, headers, time.monotonic(), tokens=early)
+        self,
+        req: TokenizedRequest,
+        headers: dict[str, str] | None,
+        early: list[Token],
+        lossy: bool = False,
+    ) -> Watched:
+        """A request seen on the plain subscription (or in LiveRequests), with its tokens that
+        came before it; a second sight adds its tokens (positions are read once when it is
+        taken over)."""
+        w = self.requests.get(req.request_id)
+        if w is None:
+            w = self.requests[req.request_id] = Watched(req, headers, time.monotonic())
+        w.tokens += early
+        w.lossy = w.lossy or lossy
+        return w
 
     def pop(self, request_id: str) -> Watched | None:
         """Stop watching ``request_id`` (it is held here now, or it was aborted)."""

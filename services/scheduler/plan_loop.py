@@ -221,8 +221,8 @@ class PlanLoop:
             self._void_flight(wid, flight)  # planned on top of this step: void with it
         outcome = core.on_result(result)
         self.telemetry.on_result(plan, result, outcome.finished)
-        for seq, _reason in outcome.finished:
-            self.shadow.end(seq.request_id)
+        for seq, reason in outcome.finished:
+            self.shadow.end(seq.request_id, seq.token_ids[seq.prompt_len :], reason)
         for dst, pull in outcome.pulls:
             subject = links.subject(dst)
             if subject is not None:

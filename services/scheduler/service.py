@@ -44,6 +44,8 @@ from kvflow.shared.messages import (
     Abort,
     KvLoadDone,
     KvTransferDone,
+    LiveRequests,
+    LiveRequestsQuery,
     LoraList,
     LoraLoad,
     LoraUnload,
@@ -59,7 +61,8 @@ from kvflow.shared.speculative import parse_speculative_config
 log = logging.getLogger("kvflow.scheduler")
 
 INBOX = (subjects.REQUESTS, subjects.ABORT, subjects.RESULTS, subjects.HEARTBEAT, subjects.KV_DONE)
-LEADER_INBOX = (subjects.SCHEDULER_STATS, subjects.SCHEDULER_LORA)  # answered by the leader
+# answered by the leader
+LEADER_INBOX = (subjects.SCHEDULER_STATS, subjects.SCHEDULER_LORA, subjects.SCHEDULER_LIVE)
 
 
 class SchedulerService:
@@ -198,11 +201,31 @@ class SchedulerService:
                     stats = self.core.stats(self.membership.heartbeats)
                     stats.scheduler_id, stats.epoch = self.scheduler_id, self.leadership.epoch
                     await self.bus.reply(raw, stats)
+            case LiveRequestsQuery():
+                if leading:
+                    await self.bus.reply(raw, self.live_requests(msg.ended_lately))
             case LoraList() | LoraLoad() | LoraUnload():
                 if leading:
                     self.bus.spawn(self.lora_control.serve(msg, raw))
             case _:
                 log.warning("scheduler: unexpected %s on %s", type(msg).__name__, raw.subject)
+
+    def live_requests(self, ended_lately: bool = False) -> LiveRequests:
+        """Every request the core runs or queues, with the tokens it has generated, and with
+        ``ended_lately`` those that ended at their worker in the last seconds (what a
+        detokenizer that starts watches: services/detokenizer/takeover.py)."""
+        out = LiveRequests()
+        for rid, live in self.shadow.live.items():
+            seq = self.core.requests.get(rid)
+            if seq is not None:
+                out.requests.append(live.request)
+                out.output_ids.append(seq.token_ids[seq.prompt_len :])
+                out.finish_reasons.append(0)
+        for live in self.shadow.ended_lately() if ended_lately else ():
+            out.requests.append(live.request)
+            out.output_ids.append(live.output_ids)
+            out.finish_reasons.append(live.finish_reason)
+        return out
 
     # -- shutdown -------------------------------------------------------------------------------
 

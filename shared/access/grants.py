@@ -84,7 +84,7 @@ NATS_GRANTS: dict[str, NatsGrant] = {
     # token ids -> text deltas to the gateway; stop strings end a request (abort); the
     # detokenizers tell each other what they hold (a dead one's requests are taken over)
     "detokenizer": NatsGrant(
-        publish=_out("detokenizer", ANY_GATEWAY, S.ABORT, S.DETOKENIZER_CLAIMS),
+        publish=_out("detokenizer", ANY_GATEWAY, S.ABORT, S.DETOKENIZER_CLAIMS, S.SCHEDULER_LIVE),
         subscribe=_own("detokenizer", S.REQUESTS, S.RESULTS, S.ABORT, S.DETOKENIZER_CLAIMS),
     ),
     # plans steps for workers; accepts or refuses requests to their gateway
@@ -99,6 +99,7 @@ NATS_GRANTS: dict[str, NatsGrant] = {
             S.KV_DONE,
             S.SCHEDULER_STATS,
             S.SCHEDULER_LORA,
+            S.SCHEDULER_LIVE,
         ),
     ),
     # runs steps; serves and pulls KV blocks (worker to worker)

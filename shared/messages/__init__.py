@@ -33,6 +33,8 @@ from kvflow.shared.messages.kv import (
 from kvflow.shared.messages.lora import LoraAdapters, LoraList, LoraLoad, LoraUnload
 from kvflow.shared.messages.ops import (
     DetokenizerClaims,
+    LiveRequests,
+    LiveRequestsQuery,
     MetricsReport,
     MetricsRequest,
     Ping,
@@ -115,6 +117,8 @@ __all__ = [
     "LoraLoad",
     "LoraUnload",
     "DetokenizerClaims",
+    "LiveRequests",
+    "LiveRequestsQuery",
     "Message",
     "MetricsReport",
     "MetricsRequest",
@@ -188,6 +192,8 @@ Message = (
     | LoraAdapters
     | StepVoid
     | DetokenizerClaims
+    | LiveRequestsQuery
+    | LiveRequests
 )
 
 _encoder = msgspec.msgpack.Encoder()

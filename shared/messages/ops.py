@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from kvflow.shared.messages.base import _Msg
+from kvflow.shared.messages.requests import TokenizedRequest
 
 # metrics, scatter-gather (the gateway's /metrics serves the whole stack). Tags from 30 on.
 
@@ -39,3 +40,21 @@ class DetokenizerClaims(_Msg, tag=34):
     instance: str
     request_ids: list[str]
     draining: bool = False
+
+
+class LiveRequestsQuery(_Msg, tag=35):
+    """Sent on ``kvflow.scheduler.live`` (request/reply, the leader answers) by a detokenizer as
+    it starts: the requests running now, which it watches (a dead detokenizer's among them);
+    ``ended_lately``: also those that ended at their worker in the last seconds (asked by one
+    that hears no other detokenizer: their streams may still wait for their text)."""
+
+    ended_lately: bool = False
+
+
+class LiveRequests(_Msg, tag=36):
+    """Every live request and the tokens it has generated so far, in position order; the
+    finish reason of its last token (0 while it runs)."""
+
+    requests: list[TokenizedRequest] = []
+    output_ids: list[list[int]] = []
+    finish_reasons: list[int] = []

@@ -320,6 +320,29 @@ def test_a_killed_detokenizers_requests_are_taken_over_with_the_same_text(faults
     assert takeovers() > before  # it held some (1 - 2^-12), and they were taken over
 
 
+def test_the_only_detokenizer_killed_its_restarted_process_takes_every_stream_over(
+    faults_stack,
+) -> None:
+    """SIGKILL of the stack's one detokenizer mid-stream: `kvflow serve` starts it again, the
+    new process asks the scheduler which requests run (and which ended while it was away), takes
+    them over, and every stream ends with the text it has without the fault."""
+    base, _, _ = faults_stack
+    nats_url, _ = stack_urls(NAME)
+    ps = prompts(8)
+    reference = [s.join().text for s in run_streams(base, ps, 40)]
+    (pid,) = [p for n, p in service_pids(nats_url).items() if n == "detokenizer"]
+    streams = run_streams(base, ps, 40)
+    while min(len(s.pieces) for s in streams) < 2:
+        time.sleep(0.05)
+    os.kill(pid, signal.SIGKILL)
+    for s in streams:
+        s.join(120)
+    assert [s.thread.is_alive() for s in streams] == [False] * 8, "a stream hung"
+    assert [s.error for s in streams] == [None] * 8
+    assert [s.text for s in streams] == reference
+    assert service_pids(nats_url)["detokenizer"] != pid  # the restarted one
+
+
 def test_nats_outage_requests_complete_or_fail_clearly_then_serving_resumes(faults_stack) -> None:
     base, _, extra = faults_stack
     nats_url, _ = stack_urls(NAME)

@@ -51,6 +51,7 @@ EVERY_SUBJECT = [
     S.HEARTBEAT,
     S.KV_DONE,
     S.DETOKENIZER_CLAIMS,
+    S.SCHEDULER_LIVE,
     S.SCHEDULER_STATS,
     S.METRICS,
     S.ping("tokenizer"),
@@ -81,7 +82,8 @@ PUBLISHES = {
         "_INBOX.gateway.x1",
     },
     "tokenizer": {S.REQUESTS, GW},  # errors go to the asking gateway
-    "detokenizer": {GW, S.ABORT, S.DETOKENIZER_CLAIMS},  # deltas; stop strings; what it holds
+    # deltas; stop strings; what it holds; which requests run (as it starts)
+    "detokenizer": {GW, S.ABORT, S.DETOKENIZER_CLAIMS, S.SCHEDULER_LIVE},
     "scheduler": {STEP, GW, S.RESULTS},  # plans; Accepted / RequestError; StepVoid
     "worker": {S.RESULTS, S.KV_DONE, S.HEARTBEAT, KV, "_INBOX.worker.x1"},  # KV pulls
 }
@@ -97,6 +99,7 @@ SUBSCRIBES = {
         S.HEARTBEAT,
         S.KV_DONE,
         S.SCHEDULER_STATS,
+        S.SCHEDULER_LIVE,
         S.METRICS,
     },
     "worker": {STEP, KV, S.METRICS, S.ping("worker"), "_INBOX.worker.x1", S.blob("worker", "x1")},

@@ -7,6 +7,7 @@ request over, when, and never while a holder lives or while draining)."""
 from __future__ import annotations
 
 import asyncio
+import time
 import types
 
 import pytest
@@ -20,6 +21,7 @@ from kvflow.shared.messages import (
     DeltaBatch,
     DetokenizerClaims,
     FinishReason,
+    LiveRequests,
     RequestError,
     SamplingParams,
     StepResult,
@@ -141,6 +143,86 @@ def test_a_survivor_that_never_saw_the_first_tokens_ends_the_request_with_an_err
     published = asyncio.run(go())
     assert [type(m).__name__ for _, m in published] == ["RequestError", "Abort"]
     assert published[0][0] == "inbox.g" and published[0][1].code == 503
+
+
+@pytest.mark.parametrize(("logprobs", "ended"), [(None, False), (0, False), (None, True)])
+def test_the_only_detokenizer_restarted_takes_its_requests_over_from_the_live_ones(
+    tokenizer, logprobs: int | None, ended: bool
+) -> None:  # noqa: ANN001
+    """The restarted process watches what the scheduler says runs (its tokens included; with
+    ``ended``, the request ended at its worker while no detokenizer was there): the request is
+    taken over with the same text, or, when it asked for logprobs (which the scheduler does not
+    keep), ends with an error."""
+    ids = tokenizer(" Paged attention keeps the cache in blocks, like pages of memory.")[
+        "input_ids"
+    ]
+    params = SamplingParams(max_tokens=len(ids), logprobs=logprobs)
+    req = TokenizedRequest("r1", "inbox.g", [1, 2, 3], params)
+
+    def result(pos: int) -> StepResult:
+        last = int(FinishReason.LENGTH if pos == len(ids) else FinishReason.NONE)
+        return StepResult("w", pos, ["r1"], [ids[pos - 1]], [last], num_output_tokens=[pos])
+
+    async def go() -> tuple[tuple, RequestStreams, list]:
+        alone = _service(tokenizer, "c", 1)
+        await alone._register(req)
+        for pos in range(1, len(ids) + 1):
+            await alone._on_result(result(pos))
+        reference = RequestStreams()
+        reference.open("r1")
+        for batch in _deltas(alone):
+            reference.dispatch(batch)
+        a = _service(tokenizer, "a", 1)
+        streams = RequestStreams()
+        streams.open("r1")
+        await a._register(req)
+        for pos in range(1, 6):
+            await a._on_result(result(pos))
+        for batch in _deltas(a)[:-1]:  # it died with its last delta unsent
+            streams.dispatch(batch)
+        b = _service(tokenizer, "a2", 1)  # its restarted process
+        if ended:  # every token went by before it started
+            b.watch_live(LiveRequests([req], [ids], [int(FinishReason.LENGTH)]))
+        else:
+            for pos in (6, 7):  # results that came while it asked the scheduler
+                await b._on_result(result(pos))
+            b.watch_live(LiveRequests([req], [ids[:6]], [0]))
+            for pos in range(8, len(ids) + 1):
+                await b._on_result(result(pos))
+        (orphan,) = b.watch.orphans(False, now=time.monotonic() + ORPHAN_S * 1.1)
+        await b._take_over(orphan)
+        published = list(b.bus.published)  # type: ignore[attr-defined]
+        for batch in _deltas(b):
+            streams.dispatch(batch)
+        return _read(reference, "r1"), streams, published
+
+    want, streams, published = asyncio.run(go())
+    if logprobs is None:
+        assert _read(streams, "r1") == want and want[1] == "length"
+    else:
+        assert [type(m).__name__ for _, m in published] == ["RequestError", "Abort"]
+
+
+def test_the_scheduler_says_which_requests_run_with_their_tokens() -> None:
+    from kvflow.services.scheduler.service import SchedulerService
+
+    svc = SchedulerService(Settings.of(), "m", 512)
+    reqs = [TokenizedRequest(f"r{i}", "inbox", [1, 2, 3], SamplingParams()) for i in range(3)]
+    for req in reqs:
+        svc.core.add_request(req)
+        svc.shadow.add(req)
+    svc.core.requests["r1"].token_ids += [7, 8]
+    svc.core.abort("r2")
+    svc.shadow.end("r2")  # aborted: not kept
+    live = svc.live_requests()
+    assert [r.request_id for r in live.requests] == ["r0", "r1"] and live.output_ids == [[], [7, 8]]
+    assert live.finish_reasons == [0, 0]
+    svc.core.abort("r0")
+    svc.shadow.end("r0", [4, 5, 6], int(FinishReason.LENGTH))  # ended at its worker
+    assert [r.request_id for r in svc.live_requests().requests] == ["r1"]
+    lately = svc.live_requests(ended_lately=True)
+    assert [r.request_id for r in lately.requests] == ["r1", "r0"]
+    assert lately.output_ids[1] == [4, 5, 6] and lately.finish_reasons == [0, 2]
 
 
 def _watched(watch: Watch, rid: str, t: float = 0.0) -> None:
