@@ -135,6 +135,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
             "speculative",
             "lora",
             "tp",
+            "chaos",
         ],
         default="compare",
         help="compare (default): kvflow vs Hugging Face; pipeline: the stack with a simulated "
@@ -146,7 +147,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "speculative: n-gram speculative decoding against plain decoding (TPOT, tok/s, "
         "acceptance) on quoting and free-form prose workloads; lora: a batch with 0, 1 and "
         "--lora-count distinct LoRA adapters (tok/s, TPOT); tp: one worker at each "
-        "--tp-sizes tensor-parallel size (tok/s, TPOT at batch 1 and --tp-batch)",
+        "--tp-sizes tensor-parallel size (tok/s, TPOT at batch 1 and --tp-batch); chaos: a seeded "
+        "stream of faults of every role against a loaded stack, and the invariants that must "
+        "hold through it",
     )
     p.add_argument("--url", default=None, help="a running kvflow (default: start one)")
     p.add_argument("--model", default="", help="model path (default: SmolLM2 from the wheel)")
@@ -183,9 +186,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     from kvflow.benchmarks import tensor_parallel as bench_tp
 
     bench_tp.add_arguments(p.add_argument_group("tp"))
+    from kvflow.benchmarks import chaos as bench_chaos
+
+    bench_chaos.add_arguments(p.add_argument_group("chaos"))
 
 
 def main(args: argparse.Namespace) -> int:
+    if args.what == "chaos":
+        from kvflow.benchmarks import chaos as bench_chaos
+
+        return bench_chaos.main(args)
     if args.what == "pipeline":
         from kvflow.benchmarks import pipeline as bench_pipeline
 

@@ -17,7 +17,8 @@ end it reports:
 - lost: neither (no final chunk and no error by the deadline) -- must be 0.
 
 With ``--chaos N`` (only when it starts the stack) it SIGKILLs a random worker every N seconds
-(`kvflow serve` starts it again). Memory: every ``--sample`` seconds the RSS of each process of
+(`kvflow serve` starts it again); `kvflow bench chaos` runs faults of every role, with the
+texts checked. Memory: every ``--sample`` seconds the RSS of each process of
 the stack it started (or of ``--pids``) is recorded; the report gives start / peak / end.
 Not part of CI (it runs for minutes); its figures go into the notes and docs/benchmarks.md.
 """
@@ -42,6 +43,7 @@ import httpx
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from kvflow.benchmarks.chaos import rss_mib, service_pids  # noqa: E402
 from kvflow.shared.infra import free_port, wait_for_http  # noqa: E402
 
 MODEL = "SmolLM2-135M-Instruct"
@@ -94,37 +96,6 @@ async def one(
     return "failed"
 
 
-def stack_pids(nats_url: str) -> dict[str, int]:
-    out = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            env = Path(f"/proc/{entry}/environ").read_bytes().split(b"\0")
-            cmd = Path(f"/proc/{entry}/cmdline").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if f"KVFLOW_NATS_URL={nats_url}".encode() not in env or b"run" not in cmd:
-            continue
-        name = cmd[cmd.index(b"run") + 1].decode()
-        for var in (b"KVFLOW_WORKER_ID=", b"KVFLOW_SCHEDULER_ID="):
-            ident = next((e[len(var) :].decode() for e in env if e.startswith(var)), "")
-            if ident:
-                name = f"{name}:{ident}"
-        out[name] = int(entry)
-    return out
-
-
-def rss_mib(pid: int) -> float | None:
-    try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    except OSError:
-        return None
-    return None
-
-
 async def soak(args: argparse.Namespace, base: str, nats_url: str | None) -> int:
     rng = random.Random(args.seed)
     fates: Counter[str] = Counter()
@@ -136,7 +107,7 @@ async def soak(args: argparse.Namespace, base: str, nats_url: str | None) -> int
 
     async def sampler() -> None:
         while time.monotonic() < stop_at + 30:
-            pids = stack_pids(nats_url) if nats_url else dict(p.split("=") for p in args.pids)
+            pids = service_pids(nats_url) if nats_url else dict(p.split("=") for p in args.pids)
             for name, pid in pids.items():
                 mib = rss_mib(int(pid))
                 if mib is not None:
@@ -146,7 +117,7 @@ async def soak(args: argparse.Namespace, base: str, nats_url: str | None) -> int
     async def chaos() -> None:
         while nats_url and args.chaos and time.monotonic() < stop_at:
             await asyncio.sleep(args.chaos)
-            workers = [p for n, p in stack_pids(nats_url).items() if n.startswith("worker")]
+            workers = [p for n, p in service_pids(nats_url).items() if n.startswith("worker")]
             if workers:
                 victim = rng.choice(workers)
                 print(f"\nchaos: SIGKILL worker pid {victim}", flush=True)

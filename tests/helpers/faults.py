@@ -14,6 +14,7 @@ from pathlib import Path
 
 import httpx
 
+from kvflow.benchmarks.chaos import rss_mib, service_pids  # noqa: F401 - the tests' too
 from kvflow.shared.access.credentials import Credentials
 from tests.helpers.stack import ROOT
 
@@ -50,44 +51,6 @@ def kvflow_keys(name: str, redis_url: str, *args: str) -> str:
         cwd=ROOT,
     )
     return out.stdout.strip()
-
-
-def _environ(pid: int) -> dict[str, str]:
-    try:
-        raw = Path(f"/proc/{pid}/environ").read_bytes()
-    except OSError:
-        return {}
-    pairs = (item.split(b"=", 1) for item in raw.split(b"\0") if b"=" in item)
-    return {k.decode(errors="replace"): v.decode(errors="replace") for k, v in pairs}
-
-
-def service_pids(nats_url: str) -> dict[str, int]:
-    """Live services of one stack: {"worker:decode-0": pid, "scheduler:scheduler-1": pid, ...}."""
-    out: dict[str, int] = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        pid = int(entry)
-        env = _environ(pid)
-        if env.get("KVFLOW_NATS_URL") != nats_url:
-            continue
-        try:
-            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if b"run" not in cmd:
-            continue
-        service = cmd[cmd.index(b"run") + 1].decode()
-        ident = env.get("KVFLOW_WORKER_ID") or env.get("KVFLOW_SCHEDULER_ID") or service
-        out[f"{service}:{ident}" if ident != service else service] = pid
-    return out
-
-
-def rss_mib(pid: int) -> float:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    return 0.0
 
 
 @dataclass
