@@ -40,6 +40,7 @@ from pathlib import Path
 
 import httpx
 
+from kvflow.shared.config import variable
 from kvflow.shared.infra import free_port, wait_for_http
 
 ROLES = (
@@ -132,13 +133,13 @@ def service_pids(nats_url: str) -> dict[str, int]:
     out: dict[str, int] = {}
     for pid in _pids():
         env = _environ(pid)
-        if env.get("KVFLOW_NATS_URL") != nats_url:
+        if env.get(variable("nats_url")) != nats_url:
             continue
         cmd = _cmdline(pid)
         if "run" not in cmd[:-1]:
             continue
         service = cmd[cmd.index("run") + 1]
-        ident = env.get("KVFLOW_WORKER_ID") or env.get("KVFLOW_SCHEDULER_ID") or service
+        ident = env.get(variable("worker_id")) or env.get(variable("scheduler_id")) or service
         name = f"{service}:{ident}" if ident != service else service
         out[name if name not in out else f"{name}:{pid}"] = pid
     return out

@@ -407,6 +407,12 @@ class Settings:
         return {opt.env: str(self.get(opt.name)) for opt in _OPTIONS.values()}
 
 
+def variable(name: str) -> str:
+    """The KVFLOW_* variable of the setting ``name`` (``nats_url``: KVFLOW_NATS_URL), for tools
+    that read another process's environment to tell which stack and service it is."""
+    return _OPTIONS[name].env
+
+
 def check_stream_interval(settings: Settings) -> None:
     """ValueError (saying what to do) for a ``--stream-interval`` below 1."""
     n = settings.gateway.stream_interval
