@@ -11,6 +11,7 @@ import time
 
 from kvflow.benchmarks.chaos import (
     INFRA,
+    KILLS_PER_MINUTE,
     ROLES,
     Outcome,
     Tally,
@@ -39,6 +40,9 @@ def test_the_plan_spreads_faults_of_every_role_within_the_run() -> None:
     assert all(f.pause == 0 for f in faults if f.action == "kill")
     for role in INFRA:  # nobody restarts them: a second kill would leave no replica
         assert sum(f.role == role and f.action == "kill" for f in faults) == 1
+    for role in ROLES:  # `kvflow serve` gives up on a service that exits 4 times a minute
+        kills = [f.at for f in faults if f.role == role and f.action == "kill"]
+        assert all(len([k for k in kills if 0 <= t - k < 60]) <= KILLS_PER_MINUTE for t in kills)
     assert plan(3, 60, 4, ("detokenizer",))
     assert {f.role for f in plan(3, 600, 4, ("detokenizer", "worker"))} == {"detokenizer", "worker"}
 
