@@ -324,13 +324,14 @@ class Chaos:
     async def run(self, faults: list[Fault]) -> int:
         async with httpx.AsyncClient(timeout=httpx.Timeout(DEADLINE_S)) as client:
             print(f"reference texts of {len(self.pool)} requests (no faults) ...", flush=True)
-            for spec, out in zip(
-                self.pool,
-                await asyncio.gather(
-                    *(stream(client, self.base, self.model, s) for s in self.pool)
-                ),
-                strict=True,
-            ):
+            at_once = asyncio.Semaphore(self.args.chaos_users)  # as many as the load keeps
+
+            async def first(spec: Spec) -> Outcome:
+                async with at_once:
+                    return await stream(client, self.base, self.model, spec)
+
+            outs = await asyncio.gather(*(first(s) for s in self.pool))
+            for spec, out in zip(self.pool, outs, strict=True):
                 if out.error:
                     print(f"the stack failed before any fault: {out.error}")
                     return 1
