@@ -34,8 +34,6 @@ import os
 import random
 import re
 import signal
-import subprocess
-import sys
 import time
 from collections import Counter
 from dataclasses import asdict, dataclass, field
@@ -43,8 +41,8 @@ from pathlib import Path
 
 import httpx
 
+from kvflow.benchmarks.stack import logged_stack
 from kvflow.shared.config import variable
-from kvflow.shared.infra import free_port, wait_for_http
 
 ROLES = (
     "tokenizer",
@@ -449,36 +447,9 @@ def main(args: argparse.Namespace) -> int:
     out.mkdir(exist_ok=True)
     (out / "chaos-plan.json").write_text(dump(faults))
     print(f"plan: {len(faults)} faults ({out / 'chaos-plan.json'})")
-    port = free_port()
-    log_path = out / "chaos-serve.log"
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "kvflow.cli.main",
-                "serve",
-                "--port",
-                str(port),
-                *args.serve_args.split(),
-            ],
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
-        try:
-            base = f"http://127.0.0.1:{port}"
-            print(f"starting kvflow serve {args.serve_args} (log: {log_path}) ...", flush=True)
-            wait_for_http(f"{base}/health", proc, "kvflow serve", timeout=600)
-            args.serve_log = log_path
-            nats_url = re.search(r"kvflow: nats (nats://\S+),", log_path.read_text())[1]
-            return asyncio.run(Chaos(args, base, nats_url).run(faults))
-        finally:
-            os.killpg(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(90)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
+    args.serve_log = out / "chaos-serve.log"
+    with logged_stack(args.serve_args.split(), args.serve_log) as (base, nats_url):
+        return asyncio.run(Chaos(args, base, nats_url).run(faults))
 
 
 def _admin_login(log_path: Path) -> dict[str, str]:

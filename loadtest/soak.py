@@ -30,9 +30,7 @@ import asyncio
 import json
 import os
 import random
-import re
 import signal
-import subprocess
 import sys
 import time
 from collections import Counter
@@ -44,7 +42,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from kvflow.benchmarks.chaos import rss_mib, service_pids  # noqa: E402
-from kvflow.shared.infra import free_port, wait_for_http  # noqa: E402
+from kvflow.benchmarks.stack import logged_stack  # noqa: E402
 
 MODEL = "SmolLM2-135M-Instruct"
 
@@ -178,34 +176,9 @@ def main() -> int:
     args = p.parse_args()
     if args.url:
         return asyncio.run(soak(args, args.url, None))
-    port = free_port()
     log_path = ROOT / "bench-results" / "soak-serve.log"
-    log_path.parent.mkdir(exist_ok=True)
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "kvflow.cli.main",
-                "serve",
-                "--port",
-                str(port),
-                *args.serve_args.split(),
-            ],
-            cwd=ROOT,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
-        try:
-            base = f"http://127.0.0.1:{port}"
-            print("starting kvflow serve ...", flush=True)
-            wait_for_http(f"{base}/health", proc, "kvflow serve")
-            nats_url = re.search(r"kvflow: nats (nats://\S+),", log_path.read_text()).group(1)
-            return asyncio.run(soak(args, base, nats_url))
-        finally:
-            os.killpg(proc.pid, signal.SIGTERM)
-            proc.wait(90)
+    with logged_stack(args.serve_args.split(), log_path, timeout=300) as (base, nats_url):
+        return asyncio.run(soak(args, base, nats_url))
 
 
 if __name__ == "__main__":
