@@ -6,8 +6,9 @@ Any number of detokenizers share the work: each new request goes to one of them 
 group on the requests subject), which then handles that request's tokens; step results go to
 all, and each keeps only its own. Each also keeps, untouched, the requests and tokens the others
 hold, and takes over a dead one's requests within seconds (takeover.py). On SIGTERM a
-detokenizer leaves the queue group (no new requests) and finishes the ones it has, then exits. Should a request ever reach two (a
-resubmission, or a replay after a lost NATS node, landing elsewhere), both send the same deltas
+detokenizer leaves the queue group (no new requests) and finishes the ones it has, then exits.
+Should a request ever reach two (a resubmission, or a replay after a lost NATS node, landing
+elsewhere), both send the same deltas
 and the gateway keeps one: a detokenizer takes a request only when it has every token of it,
 i.e. when the tokens it kept for it while it was unknown here start at the first; one that
 reaches it after its first tokens went by is another's, and is left to it.
