@@ -8,10 +8,10 @@ all, and each keeps only its own. Each also keeps, untouched, the requests and t
 hold, and takes over a dead one's requests within seconds (takeover.py). On SIGTERM a
 detokenizer leaves the queue group (no new requests) and finishes the ones it has, then exits.
 Should a request ever reach two (a resubmission, or a replay after a lost NATS node, landing
-elsewhere), both send the same deltas
-and the gateway keeps one: a detokenizer takes a request only when it has every token of it,
-i.e. when the tokens it kept for it while it was unknown here start at the first; one that
-reaches it after its first tokens went by is another's, and is left to it.
+elsewhere), both send the same deltas and the gateway keeps one: a detokenizer takes a request
+only when it has every token of it, i.e. when the tokens it kept for it while it was unknown
+here start at the first; one that reaches it after its first tokens went by is another's, and
+is left to it.
 
 Embedding requests (``TokenizedRequest.pooling``) have no text: the one StepResult entry of
 their vector (``StepResult.embeddings``) passes through as the request's only, final Delta.
