@@ -6,52 +6,20 @@ from __future__ import annotations
 import torch
 
 from kvflow.services.worker.runner import ModelRunner
-from kvflow.shared.messages import FinishReason, NewRequest, SamplingParams, ScheduledSeq, StepPlan
+from kvflow.shared.messages import SamplingParams
+from tests.helpers.runner_steps import generate_in_steps
 
 NEW_TOKENS = 32
-
-
 BLOCK = 16
+EOS = 2
 
 
 def generate(
     runner: ModelRunner, prompts: list[list[int]]
 ) -> tuple[list[list[int]], list[list[torch.Tensor]]]:
-    """Greedy generation of all ``prompts`` in the same steps until each stops; returns the
-    tokens and the logits each token was picked from."""
-    step = runner.total_computed_tokens  # any increasing id will do
-    rids = [f"s{step}-{i}" for i in range(len(prompts))]
-    tables, live = {}, {}
-    outs: dict[str, list[int]] = {r: [] for r in rids}
-    logits: dict[str, list[torch.Tensor]] = {r: [] for r in rids}
-    new = []
-    for i, (rid, p) in enumerate(zip(rids, prompts, strict=True)):
-        n_blocks = -(-(len(p) + NEW_TOKENS) // BLOCK)
-        tables[rid] = list(range(16 * i, 16 * i + n_blocks))[::-1]  # descending block ids
-        live[rid] = list(p)
-        new.append(NewRequest(rid, SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0), len(p)))
-    sample = runner._sample
-
-    def spy(step_logits: torch.Tensor, sampled: list[ScheduledSeq]) -> torch.Tensor:
-        for row, s in enumerate(sampled):
-            logits[s.request_id].append(step_logits[row].clone())
-        return sample(step_logits, sampled)
-
-    runner._sample = spy
-    pos = dict.fromkeys(live, 0)
-    try:
-        while live:
-            seqs = [ScheduledSeq(r, t[pos[r] :], pos[r], tables[r]) for r, t in live.items()]
-            res = runner.execute(StepPlan(step, seqs, new))
-            assert res.error is None, res.error
-            step, new = step + 1, []
-            for r, tok, fr in zip(res.request_ids, res.token_ids, res.finish_reasons, strict=True):
-                pos[r] = len(live[r])
-                live[r].append(tok)
-                outs[r].append(tok)
-                if fr != FinishReason.NONE:
-                    assert fr == (FinishReason.STOP if tok == 2 else FinishReason.LENGTH)
-                    del live[r]
-    finally:
-        del runner._sample
-    return [outs[r] for r in rids], [logits[r] for r in rids]
+    """Greedy generation of all ``prompts`` in the same steps until each stops (prompt ``i``'s
+    blocks from 16 i, descending); returns the tokens and the logits each token was picked
+    from."""
+    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0)
+    first = [16 * i for i in range(len(prompts))]
+    return generate_in_steps(runner, prompts, first, params, BLOCK, NEW_TOKENS, (EOS,))

@@ -18,11 +18,12 @@ import torch
 
 from kvflow.services.worker.model_loader import load_weights
 from kvflow.services.worker.runner import ModelRunner
-from kvflow.shared.messages import FinishReason, NewRequest, SamplingParams, ScheduledSeq, StepPlan
+from kvflow.shared.messages import SamplingParams
 from kvflow.shared.model_config import load_config
 from kvflow.shared.model_source import load_tokenizer, resolve_model
 from tests.helpers import hf_reference
 from tests.helpers.gguf_without_vocabulary import transformers_model
+from tests.helpers.runner_steps import generate_in_steps
 
 pytestmark = pytest.mark.integration
 
@@ -87,43 +88,7 @@ def generate(
     """Greedy generation of all ``prompts`` in the same steps until each stops (prompt ``i``'s
     blocks start at ``first[i]``, in descending order); returns the tokens and the logits each
     token was picked from."""
-    step = runner.total_computed_tokens  # any increasing id will do
-    rids = [f"s{step}-{i}" for i in range(len(prompts))]
-    tables, live = {}, {}
-    outs: dict[str, list[int]] = {r: [] for r in rids}
-    logits: dict[str, list[torch.Tensor]] = {r: [] for r in rids}
-    new = []
-    for rid, p, b in zip(rids, prompts, first, strict=True):
-        n_blocks = -(-(len(p) + NEW_TOKENS) // BLOCK)
-        tables[rid] = list(range(b, b + n_blocks))[::-1]
-        live[rid] = list(p)
-        new.append(NewRequest(rid, params, len(p)))
-    sample = runner._sample
-
-    def spy(step_logits: torch.Tensor, sampled: list[ScheduledSeq]) -> torch.Tensor:
-        for row, s in enumerate(sampled):
-            logits[s.request_id].append(step_logits[row].clone())
-        return sample(step_logits, sampled)
-
-    runner._sample = spy
-    pos = dict.fromkeys(live, 0)
-    try:
-        while live:
-            seqs = [ScheduledSeq(r, t[pos[r] :], pos[r], tables[r]) for r, t in live.items()]
-            res = runner.execute(StepPlan(step, seqs, new))
-            assert res.error is None, res.error
-            step, new = step + 1, []
-            for r, tok, fr in zip(res.request_ids, res.token_ids, res.finish_reasons, strict=True):
-                pos[r] = len(live[r])
-                live[r].append(tok)
-                outs[r].append(tok)
-                if fr != FinishReason.NONE:
-                    stop = tok in (EOS, END_OF_TURN)
-                    assert fr == (FinishReason.STOP if stop else FinishReason.LENGTH)
-                    del live[r]
-    finally:
-        del runner._sample
-    return [outs[r] for r in rids], [logits[r] for r in rids]
+    return generate_in_steps(runner, prompts, first, params, BLOCK, NEW_TOKENS, (EOS, END_OF_TURN))
 
 
 def first_blocks(prompts: list[list[int]]) -> list[int]:
